@@ -1,0 +1,1 @@
+"""Benchmarks: each prints one table with its baseline measured in the same run."""

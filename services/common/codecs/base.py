@@ -1,0 +1,113 @@
+"""The codec interface: array → (buffer, meta) → array, with byte accounting.
+
+A codec instance belongs to one stream (rows down, gradients up, activations, dense
+all-reduce). Encoding may keep state between calls (error-feedback residuals, a cached
+threshold); decoding is a pure function of ``(data, meta, dtype, shape)`` so a receiver
+never needs the sender's state. Every encode updates :class:`CodecStats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from services.common.errors import MalformedMessage
+
+__all__ = ["Codec", "CodecStats", "ErrorFeedback"]
+
+
+@dataclass(slots=True)
+class CodecStats:
+    """Bytes a codec was given (raw) and bytes it put on the wire, and how many arrays."""
+
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    arrays: int = 0
+
+    def add(self, raw: int, wire: int) -> None:
+        self.raw_bytes += raw
+        self.wire_bytes += wire
+        self.arrays += 1
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio raw / wire (1.0 before anything was sent)."""
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"raw_bytes": self.raw_bytes, "wire_bytes": self.wire_bytes,
+                "arrays": self.arrays, "ratio": self.ratio}
+
+
+class Codec:
+    """Base class of every codec; subclasses implement :meth:`encode` and :meth:`decode`.
+
+    ``name`` is the registry key and travels on the wire; ``lossless`` says whether a
+    round trip is exact; ``stateful`` says whether :meth:`encode` keeps state (the
+    error-feedback codecs), which makes an instance unsafe to share across streams.
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.stats = CodecStats()
+
+    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
+        """Return ``(buffer, meta)``; ``key`` selects per-key state of stateful codecs."""
+        raise NotImplementedError
+
+    def decode(self, data: Any, meta: dict[str, Any], dtype: np.dtype,
+               shape: tuple[int, ...]) -> np.ndarray:
+        """Rebuild an array of ``dtype`` and ``shape`` from ``encode``'s output."""
+        raise NotImplementedError
+
+    def to_wire(self, x: np.ndarray, *, key: Any = None) -> dict[str, Any]:
+        """The wire dict of :mod:`services.common.wire`, counted in :attr:`stats`."""
+        x = np.ascontiguousarray(x)
+        data, meta = self.encode(x, key=key)
+        self.stats.add(x.nbytes, memoryview(data).nbytes)
+        return {"dtype": x.dtype.name, "shape": list(x.shape), "codec": self.name,
+                "meta": meta, "data": data}
+
+    def from_wire(self, body: dict[str, Any]) -> np.ndarray:
+        meta = body.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise MalformedMessage(f"codec meta must be a map, got {type(meta).__name__}")
+        try:
+            return self.decode(body["data"], meta, np.dtype(body["dtype"]), tuple(body["shape"]))
+        except MalformedMessage:
+            raise
+        except Exception as exc:
+            raise MalformedMessage(f"cannot decode {self.name} array: {exc}") from exc
+
+
+class ErrorFeedback:
+    """Per-key residuals for error-feedback codecs: ``x + e`` goes in, ``e`` keeps what was not sent.
+
+    Invariant (tested): Σ sent = Σ input − residual.
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[Any, np.ndarray] = {}
+
+    def add(self, key: Any, x: np.ndarray) -> np.ndarray:
+        """Return ``x`` plus the residual kept for ``key`` (float32)."""
+        e = self._residuals.get(key)
+        x = x.astype(np.float32, copy=True)
+        if e is not None and e.shape == x.shape:
+            x += e
+        return x
+
+    def keep(self, key: Any, corrected: np.ndarray, sent: np.ndarray) -> None:
+        """Remember ``corrected − sent`` for the next call with ``key``."""
+        self._residuals[key] = corrected - sent
+
+    def residual(self, key: Any) -> np.ndarray | None:
+        return self._residuals.get(key)
+
+    def reset(self) -> None:
+        self._residuals.clear()

@@ -1,0 +1,152 @@
+"""Persimmon's one error hierarchy, mapped once to gRPC and HTTP status.
+
+    PersimmonError
+    ├── InvalidArgument          INVALID_ARGUMENT     400
+    │   ├── MalformedMessage     INVALID_ARGUMENT     400
+    │   ├── WrongShard           INVALID_ARGUMENT     400
+    │   └── ConfigError          INVALID_ARGUMENT     400
+    ├── NotFound                 NOT_FOUND            404
+    ├── AlreadyExists            ALREADY_EXISTS       409
+    ├── FailedPrecondition       FAILED_PRECONDITION  412
+    │   └── ProtocolMismatch     FAILED_PRECONDITION  412
+    ├── ResourceExhausted        RESOURCE_EXHAUSTED   413
+    ├── Unauthenticated          UNAUTHENTICATED      401
+    ├── PermissionDenied         PERMISSION_DENIED    403
+    ├── Unavailable              UNAVAILABLE          503
+    └── Internal                 INTERNAL             500
+
+Raise the most specific class with a message a user can act on; wrap foreign
+exceptions with ``raise X(...) from exc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+__all__ = [
+    "AlreadyExists",
+    "ConfigError",
+    "FailedPrecondition",
+    "Internal",
+    "InvalidArgument",
+    "MalformedMessage",
+    "NotFound",
+    "PermissionDenied",
+    "PersimmonError",
+    "ProtocolMismatch",
+    "ResourceExhausted",
+    "Unauthenticated",
+    "Unavailable",
+    "WrongShard",
+    "error_from_grpc",
+    "error_from_wire",
+    "error_to_wire",
+]
+
+
+class PersimmonError(Exception):
+    """Base of every error Persimmon raises on purpose."""
+
+    grpc_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    http_status: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(PersimmonError):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+
+class MalformedMessage(InvalidArgument):
+    """A message that cannot be decoded: bad msgpack, bad array header, truncated buffer."""
+
+
+class WrongShard(InvalidArgument):
+    """Ids sent to a shard that does not own them."""
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value or key that is not accepted."""
+
+
+class NotFound(PersimmonError):
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
+class AlreadyExists(PersimmonError):
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+    http_status = 409
+
+
+class FailedPrecondition(PersimmonError):
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 412
+
+
+class ProtocolMismatch(FailedPrecondition):
+    """The peer speaks another protocol version."""
+
+
+class ResourceExhausted(PersimmonError):
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 413
+
+
+class Unauthenticated(PersimmonError):
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+
+
+class PermissionDenied(PersimmonError):
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
+
+
+class Unavailable(PersimmonError):
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
+
+class Internal(PersimmonError):
+    grpc_code = grpc.StatusCode.INTERNAL
+    http_status = 500
+
+
+_BY_CODE: dict[grpc.StatusCode, type[PersimmonError]] = {
+    cls.grpc_code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        ResourceExhausted,
+        Unauthenticated,
+        PermissionDenied,
+        Unavailable,
+        Internal,
+    )
+}
+
+
+def error_from_grpc(code: grpc.StatusCode, message: str) -> PersimmonError:
+    """The Persimmon error for a gRPC status (RESOURCE_EXHAUSTED stays itself, unknown → Internal)."""
+    return _BY_CODE.get(code, Internal)(message)
+
+
+def error_to_wire(exc: PersimmonError) -> dict[str, Any]:
+    """An in-band error of a stream response: the status name and the message."""
+    return {"code": exc.grpc_code.name, "message": exc.message}
+
+
+def error_from_wire(body: Any) -> PersimmonError:
+    """Inverse of :func:`error_to_wire`; anything unreadable becomes :class:`Internal`."""
+    if not isinstance(body, dict):
+        return Internal(f"unreadable error body: {body!r}")
+    code = getattr(grpc.StatusCode, str(body.get("code")), grpc.StatusCode.UNKNOWN)
+    return error_from_grpc(code, str(body.get("message", "")))

@@ -1,0 +1,93 @@
+"""Async service lifecycle: explicit start/close, owned background tasks, signal handling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Coroutine
+from typing import Any
+
+__all__ = ["AsyncService", "run_service"]
+
+log = logging.getLogger(__name__)
+
+
+class AsyncService:
+    """Base for every long-running service.
+
+    Subclasses override :meth:`on_start` and :meth:`on_close`; background work is started
+    with :meth:`spawn`, which owns the task: :meth:`close` cancels and awaits every one.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._started = False
+        self._closed = asyncio.Event()
+
+    async def on_start(self) -> None:  # pragma: no cover - overridden
+        """Bind servers and open resources."""
+
+    async def on_close(self) -> None:  # pragma: no cover - overridden
+        """Stop servers and release resources (tasks are already cancelled)."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task owned by this service; a crash is logged, not swallowed."""
+        if name in self._tasks and not self._tasks[name].done():
+            raise RuntimeError(f"task {name!r} is already running")
+        task = asyncio.create_task(coro, name=name)
+        self._tasks[name] = task
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        await self.on_start()
+        self._started = True
+
+    async def close(self) -> None:
+        """Cancel and await owned tasks, then :meth:`on_close`. Safe to call twice."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._started:
+            await self.on_close()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    async def __aenter__(self) -> AsyncService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def run_service(service: AsyncService) -> None:
+    """Start ``service``, run until SIGTERM/SIGINT (or until it closes itself), then close it."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.start()
+        waiter = asyncio.create_task(service.wait_closed())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (waiter, stopper):
+            t.cancel()
+        log.info("shutting down")
+    finally:
+        await service.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
