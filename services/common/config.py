@@ -21,7 +21,7 @@ import yaml
 
 from services.common.errors import ConfigError
 
-__all__ = ["add_flags", "config_to_dict", "from_dict", "load_config", "print_config"]
+__all__ = ["add_flags", "config_to_dict", "flag_values", "from_dict", "load_config", "print_config"]
 
 T = TypeVar("T")
 _SCALARS = (int, float, str, bool)
@@ -123,6 +123,12 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             continue  # nested structures come from YAML
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                             help=f.metadata.get("help", ""))
+
+
+def flag_values(cls: type, args: Any) -> dict[str, Any]:
+    """The flags of an argparse namespace that belong to ``cls`` and were given."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
 def load_config(cls: type[T], *, yaml_path: str | Path | None = None,

@@ -41,6 +41,7 @@ __all__ = [
     "Unavailable",
     "WrongShard",
     "error_from_grpc",
+    "error_from_http",
     "error_from_wire",
     "error_to_wire",
 ]
@@ -150,3 +151,16 @@ def error_from_wire(body: Any) -> PersimmonError:
         return Internal(f"unreadable error body: {body!r}")
     code = getattr(grpc.StatusCode, str(body.get("code")), grpc.StatusCode.UNKNOWN)
     return error_from_grpc(code, str(body.get("message", "")))
+
+
+_BY_HTTP: dict[int, type[PersimmonError]] = {
+    cls.http_status: cls for cls in reversed(list(_BY_CODE.values()))
+}
+
+
+def error_from_http(status: int, body: Any) -> PersimmonError:
+    """The Persimmon error for an HTTP error response with a JSON body ``{error, message}``."""
+    message = body.get("message", str(body)) if isinstance(body, dict) else str(body)
+    if status == 422:
+        return InvalidArgument(f"{message}: {body.get('detail') if isinstance(body, dict) else ''}")
+    return _BY_HTTP.get(status, Internal)(message)

@@ -1,0 +1,86 @@
+"""``AdminClient``: the admin REST API of a PS shard over httpx (errors → Persimmon errors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from services.common.errors import error_from_http
+
+__all__ = ["AdminClient"]
+
+
+class AdminClient:
+    """Async client of one service's admin API, e.g. ``AdminClient("http://127.0.0.1:8081")``."""
+
+    def __init__(self, base_url: str, *, timeout: float = 30.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AdminClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: str, path: str, json: Any = None) -> Any:
+        response = await self._http.request(method, path, json=json)
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+            except ValueError:
+                body = {"message": response.text}
+            raise error_from_http(response.status_code, body)
+        return response.json() if response.content else None
+
+    async def healthy(self) -> bool:
+        return (await self._http.get("/healthz")).status_code == 200
+
+    async def ready(self) -> bool:
+        return (await self._http.get("/readyz")).status_code == 200
+
+    async def config(self) -> dict[str, Any]:
+        return await self._call("GET", "/v1/config")
+
+    async def tables(self) -> list[dict[str, Any]]:
+        return await self._call("GET", "/v1/tables")
+
+    async def create_table(self, config: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", "/v1/tables", config)
+
+    async def table(self, name: str) -> dict[str, Any]:
+        return await self._call("GET", f"/v1/tables/{name}")
+
+    async def delete_table(self, name: str) -> None:
+        await self._call("DELETE", f"/v1/tables/{name}")
+
+    async def table_stats(self, name: str) -> dict[str, Any]:
+        return await self._call("GET", f"/v1/tables/{name}/stats")
+
+    async def row(self, name: str, row_id: int) -> dict[str, Any]:
+        return await self._call("GET", f"/v1/tables/{name}/rows/{row_id}")
+
+    async def set_optimizer(self, name: str, **changes: Any) -> dict[str, Any]:
+        return await self._call("PATCH", f"/v1/tables/{name}/optimizer", changes)
+
+    async def checkpoint(self, checkpoint_id: str | None = None, *,
+                         incremental: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"incremental": incremental}
+        if checkpoint_id is not None:
+            body["id"] = checkpoint_id
+        return await self._call("POST", "/v1/checkpoints", body)
+
+    async def checkpoints(self) -> list[dict[str, Any]]:
+        return await self._call("GET", "/v1/checkpoints")
+
+    async def restore(self, checkpoint_id: str) -> dict[str, Any]:
+        return await self._call("POST", f"/v1/checkpoints/{checkpoint_id}/restore")
+
+    async def metrics(self) -> str:
+        response = await self._http.get("/metrics")
+        response.raise_for_status()
+        return response.text

@@ -1,0 +1,255 @@
+"""Wire-level clients of the embedding PS: async ``PSClient`` and its blocking ``SyncPSClient``.
+
+``PSClient`` deduplicates ids, routes each unique id to ``shard_of(id)``, talks to every
+shard concurrently over long-lived Lookup/Push streams and returns rows in request order.
+Address ``i`` must be shard ``i``: :meth:`PSClient.connect` checks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from clients._stream import MultiplexedStream
+from services.common.codecs import Codec, get_codec
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, error_from_grpc
+from services.common.rpc import channel_options
+from services.common.sharding import split_by_shard
+from services.common.wire import (
+    MAX_MESSAGE_BYTES,
+    array_from_wire,
+    decode_message,
+    encode_message,
+    raw_array,
+)
+
+__all__ = ["PSClient", "PushAck", "SyncPSClient"]
+
+T = TypeVar("T")
+_SERVICE = "/persimmon.PS/"
+
+
+@dataclass(slots=True)
+class PushAck:
+    """Counts summed over shards: unique ids applied, dropped for NaN/Inf, not admitted."""
+
+    applied: int = 0
+    dropped_nonfinite: int = 0
+    not_admitted: int = 0
+
+
+def unique_ids(ids: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique uint64 ids and the inverse index that rebuilds the request order."""
+    ids = np.asarray(ids)
+    if ids.dtype != np.uint64:
+        if ids.dtype.kind not in "iu" or (ids.size and ids.min() < 0):
+            raise InvalidArgument(f"ids must be non-negative integers, got dtype {ids.dtype}")
+        ids = ids.astype(np.uint64)
+    uniq, inverse = np.unique(ids.ravel(), return_inverse=True)
+    return uniq, inverse
+
+
+def sum_duplicates(inverse: np.ndarray, num_unique: int, grads: np.ndarray) -> np.ndarray:
+    """Per-unique-id sums of ``grads`` rows (sort-based, no Python loop)."""
+    if num_unique == len(inverse):
+        out = np.empty_like(grads)
+        out[inverse] = grads
+        return out
+    order = np.argsort(inverse, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
+    return np.add.reduceat(grads[order], starts, axis=0)
+
+
+class _ShardConnection:
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.lookup = MultiplexedStream(self.channel, _SERVICE + "Lookup")
+        self.push = MultiplexedStream(self.channel, _SERVICE + "Push")
+        self.grads_codecs: dict[str, Codec] = {}
+
+    async def unary(self, method: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        call = self.channel.unary_unary(_SERVICE + method)
+        try:
+            return decode_message(await call(encode_message(body), timeout=timeout))
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_grpc(exc.code(), f"{self.address}: {exc.details()}") from exc
+
+    async def close(self) -> None:
+        await self.lookup.close()
+        await self.push.close()
+        await self.channel.close()
+
+
+class PSClient:
+    """Async client of a sharded PS; use ``async with PSClient([...]) as ps``."""
+
+    def __init__(self, addresses: Sequence[str], *, rows_codec: str = "none",
+                 grads_codec: str = "none", max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 timeout: float = 30.0) -> None:
+        if not addresses:
+            raise InvalidArgument("PSClient needs at least one PS address")
+        get_codec(rows_codec)  # fail early on a bad name
+        get_codec(grads_codec)
+        self.addresses = list(addresses)
+        self.rows_codec = rows_codec
+        self.grads_codec = grads_codec
+        self.timeout = timeout
+        self._max_message_bytes = max_message_bytes
+        self._shards: list[_ShardConnection] = []
+        self.dims: dict[str, int] = {}
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    async def connect(self) -> PSClient:
+        """Open channels and check that address ``i`` serves shard ``i`` of ``len(addresses)``."""
+        self._shards = [_ShardConnection(a, self._max_message_bytes) for a in self.addresses]
+        infos = await asyncio.gather(*(s.unary("Tables", {}, self.timeout) for s in self._shards))
+        for i, info in enumerate(infos):
+            if info.get("shard_id") != i or info.get("num_shards") != self.num_shards:
+                raise FailedPrecondition(
+                    f"{self.addresses[i]} is shard {info.get('shard_id')} of "
+                    f"{info.get('num_shards')}, but the client lists it as shard {i} of "
+                    f"{self.num_shards}: give the addresses in shard order")
+            for table in info.get("tables", []):
+                self.dims[table["name"]] = int(table["dim"])
+        return self
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self._shards))
+        self._shards = []
+
+    async def __aenter__(self) -> PSClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def lookup(self, table: str, ids: Any) -> np.ndarray:
+        """Rows (float32, ``len(ids) × dim``) in request order; duplicates fetched once."""
+        uniq, inverse = unique_ids(ids)
+        return (await self.lookup_unique(table, uniq))[inverse].reshape(*np.shape(ids), -1)
+
+    async def lookup_unique(self, table: str, uniq: np.ndarray) -> np.ndarray:
+        """Rows of already-unique uint64 ids, in the order given."""
+        parts = split_by_shard(uniq, self.num_shards)
+        bodies = [self._shards[k].lookup.request(
+            {"table": table, "ids": raw_array(uniq[pos]), "codec": self.rows_codec})
+            for k, pos in enumerate(parts) if pos.size]
+        replies = await asyncio.wait_for(asyncio.gather(*bodies), self.timeout)
+        dim = self.dims.get(table)
+        rows_by_shard = [array_from_wire(r["rows"]) for r in replies]
+        if rows_by_shard:
+            dim = rows_by_shard[0].shape[1]
+            self.dims[table] = dim
+        if dim is None:
+            dim = await self._dim(table)
+        out = np.empty((uniq.size, dim), dtype=np.float32)
+        shards_with_ids = (pos for pos in parts if pos.size)
+        for pos, rows in zip(shards_with_ids, rows_by_shard, strict=True):
+            out[pos] = rows
+        return out
+
+    async def push(self, table: str, ids: Any, grads: Any) -> PushAck:
+        """Send gradients; duplicate ids are summed here first. Returns the shards' counts."""
+        grads = np.asarray(grads, dtype=np.float32)
+        uniq, inverse = unique_ids(ids)
+        if grads.ndim != 2 or grads.shape[0] != inverse.size:
+            raise InvalidArgument(f"grads must be (len(ids), dim) = ({inverse.size}, dim), "
+                                  f"got {grads.shape}")
+        return await self.push_unique(table, uniq, sum_duplicates(inverse, uniq.size, grads))
+
+    async def push_unique(self, table: str, uniq: np.ndarray, grads: np.ndarray) -> PushAck:
+        """Gradients of already-unique uint64 ids."""
+        requests = []
+        for k, pos in enumerate(split_by_shard(uniq, self.num_shards)):
+            if not pos.size:
+                continue
+            shard = self._shards[k]
+            codec = shard.grads_codecs.get(table)
+            if codec is None:
+                codec = shard.grads_codecs[table] = get_codec(self.grads_codec)
+            requests.append(shard.push.request({
+                "table": table, "ids": raw_array(uniq[pos]),
+                "grads": codec.to_wire(grads[pos], key=table)}))
+        ack = PushAck()
+        for reply in await asyncio.wait_for(asyncio.gather(*requests), self.timeout):
+            ack.applied += int(reply["applied"])
+            ack.dropped_nonfinite += int(reply["dropped_nonfinite"])
+            ack.not_admitted += int(reply["not_admitted"])
+        return ack
+
+    async def _dim(self, table: str) -> int:
+        await self.tables()
+        if table not in self.dims:
+            raise NotFound(f"table {table!r} does not exist")
+        return self.dims[table]
+
+    async def tables(self) -> list[dict[str, Any]]:
+        """Table configs as the first shard reports them (tables exist on every shard)."""
+        info = await self._shards[0].unary("Tables", {}, self.timeout)
+        for table in info["tables"]:
+            self.dims[table["name"]] = int(table["dim"])
+        return info["tables"]
+
+    async def stats(self, table: str | None = None) -> list[dict[str, Any]]:
+        """Per-shard statistics."""
+        body = {} if table is None else {"table": table}
+        return list(await asyncio.gather(
+            *(s.unary("Stats", body, self.timeout) for s in self._shards)))
+
+    def wire_bytes(self) -> dict[str, int]:
+        """Bytes this client sent and received per stream."""
+        return {
+            "lookup_out": sum(s.lookup.bytes_out for s in self._shards),
+            "lookup_in": sum(s.lookup.bytes_in for s in self._shards),
+            "push_out": sum(s.push.bytes_out for s in self._shards),
+            "push_in": sum(s.push.bytes_in for s in self._shards),
+        }
+
+
+class SyncPSClient:
+    """Blocking wrapper: a private event loop in a daemon thread runs a :class:`PSClient`."""
+
+    def __init__(self, addresses: Sequence[str], **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="persimmon-ps-client")
+        self._thread.start()
+        self._client = PSClient(addresses, **kwargs)
+        self._run(self._client.connect())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def lookup(self, table: str, ids: Any) -> np.ndarray:
+        return self._run(self._client.lookup(table, ids))
+
+    def push(self, table: str, ids: Any, grads: Any) -> PushAck:
+        return self._run(self._client.push(table, ids, grads))
+
+    def tables(self) -> list[dict[str, Any]]:
+        return self._run(self._client.tables())
+
+    def stats(self, table: str | None = None) -> list[dict[str, Any]]:
+        return self._run(self._client.stats(table))
+
+    def close(self) -> None:
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> SyncPSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,48 @@
+"""``persimmon ps``: run one PS shard."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from services.common.config import add_flags, flag_values, load_config, print_config
+from services.common.lifecycle import run_service
+from services.ps.config import PSConfig
+
+__all__ = ["load_ps_config", "register_cli"]
+
+
+def load_ps_config(args: argparse.Namespace) -> PSConfig:
+    return load_config(PSConfig, yaml_path=args.config, env_prefix="PERSIMMON_PS_",
+                       flags=flag_values(PSConfig, args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from services.ps.service import PSService
+
+    config = load_ps_config(args)
+    print_config("ps", config)
+    if args.check_config:
+        return 0
+    asyncio.run(run_service(PSService(config)))
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "ps", help="run one embedding parameter server shard",
+        description="Run one PS shard. Settings come from --config YAML, PERSIMMON_PS_* "
+                    "environment variables and flags (flags win).")
+    parser.add_argument("--config", help="YAML file with PS settings and tables")
+    parser.add_argument("--check-config", action="store_true",
+                        help="print the effective config and exit")
+    add_flags(parser, PSConfig)
+    parser.set_defaults(func=_run)
+
+
+if __name__ == "__main__":
+    from services.cli import main
+
+    logging.basicConfig(level=logging.INFO)
+    raise SystemExit(main(["ps", *__import__("sys").argv[1:]]))

@@ -1,0 +1,104 @@
+"""Admin REST API of a PS shard (FastAPI): tables, rows, optimizer settings, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Path, Response
+
+from services.common.admin import ErrorBody, make_admin_app
+from services.common.config import config_to_dict
+from services.common.errors import InvalidArgument
+from services.ps.metrics import PSMetrics
+from services.ps.shard import Shard
+
+__all__ = ["make_ps_admin"]
+
+TableName = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+RowId = Annotated[int, Path(ge=0, le=2**64 - 1, description="uint64 embedding id")]
+CheckpointId = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*$")]
+
+_TABLE_EXAMPLE = {"name": "user", "dim": 16, "dtype": "float32", "initializer": "uniform",
+                  "init_low": -0.01, "init_high": 0.01, "seed": 0,
+                  "optimizer": {"kind": "adagrad", "lr": 0.05}, "max_rows": 1000000}
+_ERRORS: dict[int | str, dict[str, Any]] = {400: ErrorBody, 404: ErrorBody, 409: ErrorBody,
+                                            412: ErrorBody, 413: ErrorBody}
+
+
+def _summary(shard: Shard, name: str) -> dict[str, Any]:
+    table = shard.table(name)
+    return {"name": name, "dim": table.config.dim, "dtype": table.config.dtype,
+            "rows": table.num_rows, "optimizer": config_to_dict(table.config.optimizer)}
+
+
+def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any = None) -> FastAPI:
+    app = make_admin_app(title=f"Persimmon PS shard {shard.config.shard_id}",
+                         registry=metrics.registry, config=lambda: config_to_dict(shard.config),
+                         ready=ready, lifespan=lifespan)
+
+    @app.get("/v1/tables", tags=["tables"])
+    async def list_tables() -> list[dict[str, Any]]:
+        """Every table of this shard with its row count."""
+        return [_summary(shard, name) for name in sorted(shard.tables)]
+
+    @app.post("/v1/tables", tags=["tables"], status_code=201, responses=_ERRORS)
+    async def create_table(body: Annotated[dict[str, Any], Body(examples=[_TABLE_EXAMPLE])]
+                           ) -> dict[str, Any]:
+        """Create a table; unknown keys and bad values are a 400, an existing name a 409."""
+        table = shard.create_table(body)
+        return _summary(shard, table.config.name)
+
+    @app.get("/v1/tables/{name}", tags=["tables"], responses=_ERRORS)
+    async def get_table(name: TableName) -> dict[str, Any]:
+        """The table's full configuration and statistics."""
+        return shard.describe(name)
+
+    @app.delete("/v1/tables/{name}", tags=["tables"], status_code=204, responses=_ERRORS)
+    async def delete_table(name: TableName) -> Response:
+        """Drop the table and all its rows."""
+        shard.drop_table(name)
+        return Response(status_code=204)
+
+    @app.get("/v1/tables/{name}/stats", tags=["tables"], responses=_ERRORS)
+    async def table_stats(name: TableName) -> dict[str, Any]:
+        """Rows, bytes, lookups, pushes, misses, evictions, dropped gradients."""
+        return shard.table(name).stats()
+
+    @app.get("/v1/tables/{name}/rows/{row_id}", tags=["tables"], responses=_ERRORS)
+    async def get_row(name: TableName, row_id: RowId) -> dict[str, Any]:
+        """One row without creating or touching it (absent rows show their initial value)."""
+        return shard.peek(name, row_id)
+
+    @app.patch("/v1/tables/{name}/optimizer", tags=["tables"], responses=_ERRORS)
+    async def patch_optimizer(name: TableName, body: Annotated[
+            dict[str, Any], Body(examples=[{"lr": 0.05}])]) -> dict[str, Any]:
+        """Change optimizer hyper-parameters (e.g. the learning rate); state is kept."""
+        return config_to_dict(shard.set_optimizer(name, body))
+
+    @app.post("/v1/checkpoints", tags=["checkpoints"], status_code=201, responses=_ERRORS)
+    async def create_checkpoint(body: Annotated[dict[str, Any] | None, Body(
+            examples=[{"id": "step-1000", "incremental": False}])] = None) -> dict[str, Any]:
+        """Write an atomic checkpoint of every table (``incremental`` chains to the last one)."""
+        body = body or {}
+        unknown = set(body) - {"id", "incremental"}
+        if unknown:
+            raise InvalidArgument(f"unknown keys {sorted(unknown)}; known: ['id', 'incremental']")
+        checkpoint_id = body.get("id")
+        incremental = body.get("incremental", False)
+        if checkpoint_id is not None and not isinstance(checkpoint_id, str):
+            raise InvalidArgument("id must be a string")
+        if not isinstance(incremental, bool):
+            raise InvalidArgument("incremental must be true or false")
+        return await shard.checkpoint(checkpoint_id, incremental=incremental)
+
+    @app.get("/v1/checkpoints", tags=["checkpoints"])
+    async def list_checkpoints() -> list[dict[str, Any]]:
+        """Manifests of the checkpoints of this shard, oldest first."""
+        return shard.checkpoints()
+
+    @app.post("/v1/checkpoints/{checkpoint_id}/restore", tags=["checkpoints"], responses=_ERRORS)
+    async def restore_checkpoint(checkpoint_id: CheckpointId) -> dict[str, Any]:
+        """Replace every table with the checkpoint's rows (resharded if the shard count changed)."""
+        return {"checkpoint_id": checkpoint_id, "rows": await shard.restore(checkpoint_id)}
+
+    return app

@@ -1,0 +1,50 @@
+"""Configuration of one PS shard process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.ps.tables import TableConfig
+
+__all__ = ["PSConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class PSConfig:
+    """One process is one shard: ``shard_id`` of ``num_shards``."""
+
+    shard_id: int = field(default=0, metadata={"help": "this shard's index, 0..num_shards-1"})
+    num_shards: int = field(default=1, metadata={"help": "number of PS shards in the job"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    grpc_port: int = field(default=50051, metadata={"help": "gRPC port (0: any free port)"})
+    admin_port: int = field(default=8081, metadata={"help": "admin REST port (0: any free port)"})
+    checkpoint_dir: str | None = field(default=None, metadata={"help": "where checkpoints go"})
+    restore: str | None = field(default=None, metadata={
+        "help": "checkpoint id to restore at start ('latest' for the newest)"})
+    tables: list[TableConfig] = field(default_factory=list)
+    max_message_bytes: int = field(default=128 * 1024 * 1024, metadata={
+        "help": "largest request accepted, in bytes"})
+    max_ids_per_request: int = field(default=4_000_000, metadata={
+        "help": "most ids one lookup or push may carry"})
+    max_tables: int = field(default=1024, metadata={"help": "most tables one shard holds"})
+    ttl_sweep_s: float = field(default=10.0, metadata={
+        "help": "seconds between sweeps that drop rows past their table's TTL"})
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        if not 0 <= self.shard_id < self.num_shards:
+            raise ValueError(f"shard_id must be in [0, {self.num_shards}), got {self.shard_id}")
+        for name in ("grpc_port", "admin_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.max_message_bytes < 1024:
+            raise ValueError("max_message_bytes must be at least 1024")
+        if self.max_ids_per_request < 1 or self.max_tables < 1:
+            raise ValueError("max_ids_per_request and max_tables must be >= 1")
+        if self.ttl_sweep_s <= 0:
+            raise ValueError("ttl_sweep_s must be > 0")
+        names = [t.name for t in self.tables]
+        if len(names) != len(set(names)):
+            raise ValueError(f"table names must be unique, got {names}")

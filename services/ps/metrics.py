@@ -1,0 +1,62 @@
+"""Prometheus metrics of a PS shard: table gauges read at scrape time, request histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from services.ps.shard import Shard
+
+__all__ = ["PSMetrics"]
+
+_GAUGES = {"rows": "Rows stored", "capacity": "Row slots allocated",
+           "bytes": "Bytes held by rows, optimizer state and the hash table",
+           "miss_ratio": "Share of looked-up ids that had no row yet"}
+_COUNTERS = {"lookups": "Lookup requests", "pushes": "Push requests",
+             "ids_looked_up": "Ids looked up", "misses": "Rows created on first sight",
+             "evictions": "Rows evicted by capacity", "expired": "Rows dropped by TTL",
+             "dropped_nonfinite": "Gradients dropped for NaN/Inf",
+             "not_admitted": "Ids not (yet) admitted"}
+
+
+class _TableCollector(Collector):
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = {name: table.stats() for name, table in list(self.shard.tables.items())}
+        for key, doc in _GAUGES.items():
+            fam = GaugeMetricFamily(f"persimmon_ps_table_{key}", doc, labels=["table"])
+            for name, s in stats.items():
+                if key == "miss_ratio":
+                    value = s["misses"] / s["ids_looked_up"] if s["ids_looked_up"] else 0.0
+                else:
+                    value = s[key]
+                fam.add_metric([name], float(value))
+            yield fam
+        for key, doc in _COUNTERS.items():
+            fam = CounterMetricFamily(f"persimmon_ps_table_{key}", doc, labels=["table"])
+            for name, s in stats.items():
+                fam.add_metric([name], float(s[key]))
+            yield fam
+
+
+class PSMetrics:
+    """A registry of its own per shard, so several shards can live in one test process."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_TableCollector(shard))
+        self.latency = Histogram(
+            "persimmon_ps_request_seconds", "Time to serve one request", ["method"],
+            registry=self.registry,
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+        self.errors = Counter("persimmon_ps_request_errors", "Requests rejected",
+                              ["method", "code"], registry=self.registry)
+        self.wire_bytes = Counter("persimmon_ps_wire_bytes", "Bytes received and sent",
+                                  ["method", "direction"], registry=self.registry)

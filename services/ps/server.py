@@ -1,0 +1,137 @@
+"""gRPC service ``persimmon.PS``: bidirectional Lookup and Push streams, unary Tables and Stats.
+
+Stream requests carry a request id ``rid``; responses echo it, so a client may keep many
+requests in flight on one stream. A request that cannot be decoded at all ends the stream
+with INVALID_ARGUMENT (or FAILED_PRECONDITION for a protocol mismatch); a decodable but
+invalid request gets an in-band ``error`` for its ``rid`` and the stream goes on.
+
+Messages:
+    Lookup  → {rid, table, ids: array(uint64), codec: str}   ← {rid, rows: array} | {rid, error}
+    Push    → {rid, table, ids: array(uint64), grads: array} ← {rid, applied, dropped_nonfinite,
+                                                               not_admitted} | {rid, error}
+    Tables  → {}                                             ← {shard_id, num_shards, tables}
+    Stats   → {table?}                                       ← {shard_id, tables: {name: stats}}
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from services.common.codecs import Codec, get_codec
+from services.common.config import config_to_dict
+from services.common.errors import InvalidArgument, PersimmonError, error_to_wire
+from services.common.rpc import abort_with, generic_service, unary_handler
+from services.common.wire import array_from_wire, array_to_wire, decode_message, encode_message
+from services.ps.metrics import PSMetrics
+from services.ps.shard import Shard
+
+__all__ = ["SERVICE_NAME", "PSServicer"]
+
+SERVICE_NAME = "persimmon.PS"
+
+Handler = Callable[[dict[str, Any], dict[str, Codec]], Awaitable[dict[str, Any]]]
+
+
+class PSServicer:
+    """Translates wire messages to :class:`Shard` calls and back."""
+
+    def __init__(self, shard: Shard, metrics: PSMetrics) -> None:
+        self.shard = shard
+        self.metrics = metrics
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        return generic_service(SERVICE_NAME, {
+            "Lookup": grpc.stream_stream_rpc_method_handler(self._lookup_stream),
+            "Push": grpc.stream_stream_rpc_method_handler(self._push_stream),
+            "Tables": unary_handler(self._tables),
+            "Stats": unary_handler(self._stats),
+        })
+
+    # ---- streams ----------------------------------------------------------------------------
+
+    def _lookup_stream(self, requests: AsyncIterator[bytes],
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        return self._serve_stream("Lookup", self._lookup, requests, context)
+
+    def _push_stream(self, requests: AsyncIterator[bytes],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        return self._serve_stream("Push", self._push, requests, context)
+
+    async def _serve_stream(self, method: str, handle: Handler, requests: AsyncIterator[bytes],
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        codecs: dict[str, Codec] = {}  # this stream's encoders, one per codec name
+        limit = self.shard.config.max_message_bytes
+        wire = self.metrics.wire_bytes
+        async for raw in requests:
+            started = time.perf_counter()
+            wire.labels(method, "in").inc(len(raw))
+            try:
+                if len(raw) > limit:
+                    raise InvalidArgument(f"message of {len(raw)} bytes exceeds the limit of "
+                                          f"{limit} bytes (max_message_bytes)")
+                body = decode_message(raw)
+            except PersimmonError as exc:
+                self.metrics.errors.labels(method, exc.grpc_code.name).inc()
+                await abort_with(context, exc)
+                return
+            rid = body.get("rid")
+            try:
+                response = await handle(body, codecs)
+            except PersimmonError as exc:
+                self.metrics.errors.labels(method, exc.grpc_code.name).inc()
+                response = {"error": error_to_wire(exc)}
+            out = encode_message({"rid": rid, **response})
+            wire.labels(method, "out").inc(len(out))
+            self.metrics.latency.labels(method).observe(time.perf_counter() - started)
+            yield out
+
+    async def _lookup(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
+        table = _table_name(body)
+        ids = array_from_wire(body.get("ids"))
+        codec_name = body.get("codec", "none")
+        if not isinstance(codec_name, str):
+            raise InvalidArgument("codec must be a string such as 'fp16'")
+        codec = codecs.get(codec_name)
+        if codec is None:
+            codec = codecs[codec_name] = get_codec(codec_name)
+        rows = await self.shard.lookup(table, ids)
+        return {"rows": array_to_wire(rows, codec)}
+
+    async def _push(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
+        table = _table_name(body)
+        ids = array_from_wire(body.get("ids"))
+        grads = array_from_wire(body.get("grads"))
+        if grads.dtype != np.float32:
+            grads = grads.astype(np.float32)
+        result = await self.shard.push(table, ids, grads)
+        return {"applied": result.applied, "dropped_nonfinite": result.dropped_nonfinite,
+                "not_admitted": result.not_admitted}
+
+    # ---- unary ------------------------------------------------------------------------------
+
+    async def _tables(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        decode_message(raw)
+        cfg = self.shard.config
+        return encode_message({
+            "shard_id": cfg.shard_id, "num_shards": cfg.num_shards,
+            "tables": [config_to_dict(t.config) for t in self.shard.tables.values()]})
+
+    async def _stats(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        body = decode_message(raw)
+        name = body.get("table")
+        names = [_table_name(body)] if name is not None else list(self.shard.tables)
+        return encode_message({
+            "shard_id": self.shard.config.shard_id,
+            "tables": {n: self.shard.table(n).stats() for n in names}})
+
+
+def _table_name(body: dict[str, Any]) -> str:
+    name = body.get("table")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("request needs a 'table' name (a non-empty string)")
+    return name

@@ -1,0 +1,217 @@
+"""One PS shard's state: its tables, ownership checks, limits and checkpoints.
+
+Transport-free: the gRPC servicer and the admin REST API both call this. Every method
+validates first and mutates after, so a rejected request changes nothing. Table work runs
+in worker threads (``asyncio.to_thread``) under one lock per table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.common.config import ConfigError, from_dict
+from services.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    WrongShard,
+)
+from services.common.sharding import shard_of
+from services.ps.checkpoint import list_checkpoints, read_checkpoint, write_checkpoint
+from services.ps.config import PSConfig
+from services.ps.store import EmbeddingTable, PushResult
+from services.ps.tables import OptimizerConfig, TableConfig
+
+__all__ = ["Shard"]
+
+
+class Shard:
+    """The tables of shard ``config.shard_id`` of ``config.num_shards``."""
+
+    def __init__(self, config: PSConfig) -> None:
+        self.config = config
+        self.tables: dict[str, EmbeddingTable] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._ckpt_lock = asyncio.Lock()
+        self._last_checkpoint: str | None = None
+        for table_config in config.tables:
+            self.create_table(table_config)
+
+    # ---- tables -------------------------------------------------------------------------
+
+    def table(self, name: str) -> EmbeddingTable:
+        try:
+            return self.tables[name]
+        except KeyError:
+            raise NotFound(f"table {name!r} does not exist on shard {self.config.shard_id}; "
+                           f"tables: {sorted(self.tables)}") from None
+
+    def create_table(self, table_config: TableConfig | dict[str, Any]) -> EmbeddingTable:
+        if isinstance(table_config, dict):
+            table_config = from_dict(TableConfig, table_config, where="table")
+        if table_config.name in self.tables:
+            raise AlreadyExists(f"table {table_config.name!r} already exists")
+        if len(self.tables) >= self.config.max_tables:
+            raise ResourceExhausted(f"shard holds the maximum of {self.config.max_tables} tables")
+        table = EmbeddingTable(table_config)
+        self._locks[table_config.name] = threading.Lock()
+        self.tables[table_config.name] = table
+        return table
+
+    def drop_table(self, name: str) -> None:
+        self.table(name)
+        with self._locks[name]:
+            del self.tables[name]
+        del self._locks[name]
+
+    def describe(self, name: str) -> dict[str, Any]:
+        from services.common.config import config_to_dict
+
+        table = self.table(name)
+        return {"config": config_to_dict(table.config), "stats": table.stats()}
+
+    def set_optimizer(self, name: str, changes: dict[str, Any]) -> OptimizerConfig:
+        table = self.table(name)
+        if not isinstance(changes, dict) or not changes:
+            raise InvalidArgument("optimizer changes must be a non-empty object, e.g. {\"lr\": 0.05}")
+        with self._locks[name]:
+            try:
+                return table.set_optimizer(**changes)
+            except (TypeError, ValueError, ConfigError) as exc:
+                raise InvalidArgument(f"bad optimizer settings {changes}: {exc}") from exc
+
+    # ---- lookups and pushes -------------------------------------------------------------
+
+    def check_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Reject ids of the wrong dtype, too many, or owned by another shard."""
+        if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
+            raise InvalidArgument("ids must be a 1-d uint64 array")
+        if ids.size > self.config.max_ids_per_request:
+            raise InvalidArgument(f"{ids.size} ids exceed the limit of "
+                                  f"{self.config.max_ids_per_request} per request")
+        if self.config.num_shards > 1 and ids.size:
+            owners = shard_of(ids, self.config.num_shards)
+            foreign = owners != self.config.shard_id
+            if foreign.any():
+                bad = ids[foreign]
+                raise WrongShard(
+                    f"{bad.size} ids do not belong to shard {self.config.shard_id} of "
+                    f"{self.config.num_shards} (e.g. id {int(bad[0])} belongs to shard "
+                    f"{int(owners[foreign][0])}); route with shard_of()")
+        return ids
+
+    def lookup_sync(self, name: str, ids: np.ndarray) -> np.ndarray:
+        table = self.table(name)
+        table.validate_lookup(self.check_ids(ids))
+        with self._locks[name]:
+            return table.lookup(ids)
+
+    def push_sync(self, name: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
+        table = self.table(name)
+        table.validate_push(self.check_ids(ids), grads)
+        with self._locks[name]:
+            return table.push(ids, grads)
+
+    async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
+        return await asyncio.to_thread(self.lookup_sync, name, ids)
+
+    async def push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
+        return await asyncio.to_thread(self.push_sync, name, ids, grads)
+
+    def peek(self, name: str, row_id: int) -> dict[str, Any]:
+        if not 0 <= row_id < 2**64:
+            raise InvalidArgument(f"id {row_id} is not a uint64")
+        ids = self.check_ids(np.array([row_id], dtype=np.uint64))
+        table = self.table(name)
+        with self._locks[name]:
+            rows, present = table.peek(ids)
+        return {"id": row_id, "present": bool(present[0]), "row": rows[0].tolist()}
+
+    def expire(self) -> int:
+        dropped = 0
+        for name, table in list(self.tables.items()):
+            with self._locks[name]:
+                dropped += table.expire()
+        return dropped
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def _checkpoint_root(self) -> Path:
+        if not self.config.checkpoint_dir:
+            raise FailedPrecondition("no checkpoint directory configured (--checkpoint-dir)")
+        return Path(self.config.checkpoint_dir)
+
+    async def checkpoint(self, checkpoint_id: str | None = None, *,
+                         incremental: bool = False) -> dict[str, Any]:
+        """Write all tables atomically; incremental checkpoints chain to the last one."""
+        root = self._checkpoint_root()
+        checkpoint_id = checkpoint_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        _check_checkpoint_id(checkpoint_id)
+        async with self._ckpt_lock:
+            if incremental and self._last_checkpoint is None:
+                raise FailedPrecondition("an incremental checkpoint needs an earlier checkpoint "
+                                         "of this process as its parent")
+            parent = self._last_checkpoint if incremental else None
+            manifest = await asyncio.to_thread(self._write_checkpoint, root, checkpoint_id,
+                                               incremental, parent)
+            self._last_checkpoint = checkpoint_id
+        return manifest
+
+    def _write_checkpoint(self, root: Path, checkpoint_id: str, incremental: bool,
+                          parent: str | None) -> dict[str, Any]:
+        locks = [self._locks[name] for name in sorted(self.tables)]
+        for lock in locks:
+            lock.acquire()
+        try:
+            return write_checkpoint(root, checkpoint_id, self.config.shard_id,
+                                    self.config.num_shards, self.tables,
+                                    incremental=incremental, parent=parent)
+        finally:
+            for lock in locks:
+                lock.release()
+
+    def checkpoints(self) -> list[dict[str, Any]]:
+        if not self.config.checkpoint_dir:
+            return []
+        return list_checkpoints(self._checkpoint_root())
+
+    async def restore(self, checkpoint_id: str) -> dict[str, int]:
+        """Replace every table by the checkpoint's (resharding when the shard count differs)."""
+        root = self._checkpoint_root()
+        if checkpoint_id == "latest":
+            known = self.checkpoints()
+            if not known:
+                raise NotFound(f"no checkpoints under {root}")
+            checkpoint_id = known[-1]["checkpoint_id"]
+        _check_checkpoint_id(checkpoint_id)
+        async with self._ckpt_lock:
+            snapshots = await asyncio.to_thread(
+                read_checkpoint, root, checkpoint_id,
+                shard_id=self.config.shard_id, num_shards=self.config.num_shards)
+            fresh: dict[str, EmbeddingTable] = {}
+            for name, chain in snapshots.items():
+                table = EmbeddingTable(chain[0].config)
+                for snap in chain:
+                    table.restore(snap)
+                fresh[name] = table
+            self.tables = fresh
+            self._locks = {name: threading.Lock() for name in fresh}
+            self._last_checkpoint = checkpoint_id
+        return {name: table.num_rows for name, table in fresh.items()}
+
+
+def _check_checkpoint_id(checkpoint_id: str) -> None:
+    ok = checkpoint_id and len(checkpoint_id) <= 128 and all(
+        c.isalnum() or c in "-_." for c in checkpoint_id) and not checkpoint_id.startswith(".")
+    if not ok:
+        raise InvalidArgument(f"checkpoint id {checkpoint_id!r} must be 1-128 characters of "
+                              "letters, digits, '-', '_' or '.'")

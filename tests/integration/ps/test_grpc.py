@@ -1,0 +1,207 @@
+"""The PS over real gRPC: round trips, routing, codecs, and bad input that changes nothing."""
+
+from __future__ import annotations
+
+import grpc
+import msgpack
+import numpy as np
+import pytest
+
+from clients.ps_client import PSClient
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ProtocolMismatch,
+    WrongShard,
+)
+from services.common.sharding import shard_of
+from services.common.wire import encode_message, raw_array
+from tests.integration.ps.conftest import digest
+
+
+def addresses(cluster):
+    return [s.address for s in cluster]
+
+
+async def test_lookup_returns_initial_rows_in_request_order(cluster):
+    ids = np.array([5, 17, 5, 1999, 3, 17], dtype=np.uint64)
+    async with PSClient(addresses(cluster)) as ps:
+        rows = await ps.lookup("user", ids)
+    assert rows.shape == (6, 8)
+    np.testing.assert_array_equal(rows[0], rows[2])
+    for i, row_id in enumerate(ids):
+        owner = cluster[int(shard_of(row_id, 2))].shard.table("user")
+        np.testing.assert_array_equal(rows[i], owner.initial_rows(np.array([row_id], np.uint64))[0])
+
+
+async def test_push_applies_optimizer_on_the_owning_shard(cluster):
+    ids = np.arange(100, dtype=np.uint64)
+    grads = np.ones((100, 4), dtype=np.float32)
+    async with PSClient(addresses(cluster)) as ps:
+        before = await ps.lookup("item", ids)
+        ack = await ps.push("item", np.r_[ids, ids[:10]], np.r_[grads, grads[:10]])
+        after = await ps.lookup("item", ids)
+    assert ack.applied == 100 and ack.dropped_nonfinite == 0
+    expected = before - 0.5 * np.r_[np.full(10, 2.0), np.ones(90)][:, None]  # duplicates summed
+    np.testing.assert_allclose(after, expected, rtol=1e-6)
+    counts = [s.shard.table("item").num_rows for s in cluster]
+    assert sum(counts) == 100 and min(counts) > 0
+
+
+async def test_fp16_and_bf16_rows_within_tolerance(cluster):
+    ids = np.arange(50, dtype=np.uint64)
+    async with PSClient(addresses(cluster)) as exact:
+        ref = await exact.lookup("user", ids)
+    for codec, rtol in (("fp16", 2**-10), ("bf16", 2**-7)):
+        async with PSClient(addresses(cluster), rows_codec=codec, grads_codec=codec) as ps:
+            rows = await ps.lookup("user", ids)
+            np.testing.assert_allclose(rows, ref, rtol=rtol, atol=1e-6)
+            await ps.push("user", ids, np.zeros((50, 8), np.float32))
+            assert ps.wire_bytes()["lookup_in"] < 50 * 8 * 4 + 400
+
+
+async def test_many_requests_in_flight_on_one_stream(cluster):
+    import asyncio
+
+    async with PSClient(addresses(cluster)) as ps:
+        batches = [np.arange(i * 10, i * 10 + 10, dtype=np.uint64) for i in range(40)]
+        results = await asyncio.gather(*(ps.lookup("user", b) for b in batches))
+        single = await ps.lookup("user", np.concatenate(batches))
+    np.testing.assert_array_equal(np.concatenate(results), single)
+
+
+async def test_nan_gradients_are_dropped_and_counted(cluster):
+    ids = np.arange(20, dtype=np.uint64)
+    grads = np.ones((20, 8), np.float32)
+    grads[3, 2] = np.nan
+    grads[7, 0] = np.inf
+    async with PSClient(addresses(cluster)) as ps:
+        before = await ps.lookup("user", ids)
+        ack = await ps.push("user", ids, grads)
+        after = await ps.lookup("user", ids)
+    assert ack.dropped_nonfinite == 2 and ack.applied == 18
+    np.testing.assert_array_equal(after[[3, 7]], before[[3, 7]])
+    assert not np.array_equal(after[0], before[0])
+
+
+@pytest.mark.parametrize("case", ["unknown_table", "wrong_dim", "length_mismatch",
+                                  "float_ids", "missing_table", "bad_codec"])
+async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
+    async with PSClient(addresses(cluster)) as ps:
+        await ps.lookup("user", np.arange(30, dtype=np.uint64))
+        state = digest(cluster)
+        ids = np.arange(10, dtype=np.uint64)
+        shard0 = ps._shards[0]
+        mine = ids[shard_of(ids, 2) == 0]
+        bodies = {
+            "unknown_table": ("push", {"table": "nope", "ids": raw_array(mine),
+                                       "grads": raw_array(np.ones((mine.size, 8), np.float32))}),
+            "wrong_dim": ("push", {"table": "user", "ids": raw_array(mine),
+                                   "grads": raw_array(np.ones((mine.size, 3), np.float32))}),
+            "length_mismatch": ("push", {"table": "user", "ids": raw_array(mine),
+                                         "grads": raw_array(np.ones((mine.size + 1, 8), np.float32))}),
+            "float_ids": ("lookup", {"table": "user", "ids": raw_array(mine.astype(np.float64))}),
+            "missing_table": ("lookup", {"ids": raw_array(mine)}),
+            "bad_codec": ("lookup", {"table": "user", "ids": raw_array(mine), "codec": "zip9"}),
+        }
+        stream, body = bodies[case]
+        expected = NotFound if case == "unknown_table" else InvalidArgument
+        with pytest.raises(expected) as info:
+            await getattr(shard0, stream).request(body)
+        assert info.value.message
+        assert digest(cluster) == state
+        # the stream survives a bad request
+        rows = await ps.lookup("user", ids)
+        assert rows.shape == (10, 8)
+
+
+async def test_ids_of_another_shard_are_rejected(cluster):
+    ids = np.arange(64, dtype=np.uint64)
+    foreign = ids[shard_of(ids, 2) == 1]
+    async with PSClient(addresses(cluster)) as ps:
+        state = digest(cluster)
+        with pytest.raises(WrongShard, match="do not belong to shard 0"):
+            await ps._shards[0].push.request({
+                "table": "user", "ids": raw_array(foreign),
+                "grads": raw_array(np.ones((foreign.size, 8), np.float32))})
+    assert digest(cluster) == state
+
+
+async def raw_stream_call(address: str, method: str, payload: bytes):
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.stream_stream(f"/persimmon.PS/{method}")()
+        await call.write(payload)
+        await call.done_writing()
+        async for _ in call:
+            pass
+        return await call.code(), await call.details()
+
+
+async def test_malformed_msgpack_is_invalid_argument(cluster):
+    state = digest(cluster)
+    code, details = await raw_stream_call(cluster[0].address, "Push", b"\xc1\xff\x00garbage")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "msgpack" in details
+    code, details = await raw_stream_call(cluster[0].address, "Lookup", msgpack.packb([1, 2]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "map" in details
+    assert digest(cluster) == state
+
+
+async def test_protocol_version_mismatch_is_failed_precondition(cluster):
+    payload = msgpack.packb({"v": 999, "rid": 1, "table": "user"})
+    code, details = await raw_stream_call(cluster[0].address, "Lookup", payload)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "999" in details
+    assert issubclass(ProtocolMismatch, FailedPrecondition)
+
+
+async def test_truncated_array_buffer_is_invalid_argument(cluster):
+    state = digest(cluster)
+    body = {"table": "user", "ids": raw_array(np.array([2], np.uint64)),
+            "grads": {**raw_array(np.ones((1, 8), np.float32))}}
+    body["grads"]["data"] = bytes(body["grads"]["data"])[:-4]
+    async with PSClient(addresses(cluster)) as ps:
+        with pytest.raises(InvalidArgument, match="needs 32 bytes"):
+            await ps._shards[int(shard_of(2, 2))].push.request(body)
+    assert digest(cluster) == state
+
+
+async def test_oversized_message_is_invalid_argument(tmp_path):
+    from tests.integration.ps.conftest import start_cluster
+
+    services = await start_cluster(1, max_message_bytes=4096)
+    try:
+        state = digest(services)
+        big = encode_message({"rid": 1, "table": "user",
+                              "ids": raw_array(np.arange(2000, dtype=np.uint64))})
+        code, details = await raw_stream_call(services[0].address, "Lookup", big)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the limit" in details
+        assert digest(services) == state
+    finally:
+        await services[0].close()
+
+
+async def test_too_many_ids_per_request_is_rejected():
+    from tests.integration.ps.conftest import start_cluster
+
+    services = await start_cluster(1, max_ids_per_request=100)
+    try:
+        async with PSClient([services[0].address]) as ps:
+            with pytest.raises(InvalidArgument, match="exceed the limit of 100"):
+                await ps.lookup("user", np.arange(101, dtype=np.uint64))
+            assert services[0].shard.table("user").num_rows == 0
+    finally:
+        await services[0].close()
+
+
+async def test_client_checks_shard_order(cluster):
+    with pytest.raises(FailedPrecondition, match="shard order"):
+        await PSClient(list(reversed(addresses(cluster)))).connect()
+
+
+async def test_unary_tables_and_stats(cluster):
+    async with PSClient(addresses(cluster)) as ps:
+        await ps.lookup("item", np.arange(10, dtype=np.uint64))
+        tables = await ps.tables()
+        stats = await ps.stats("item")
+    assert {t["name"] for t in tables} == {"user", "item"}
+    assert sum(s["tables"]["item"]["rows"] for s in stats) == 10

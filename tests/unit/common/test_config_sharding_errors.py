@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import grpc
+import numpy as np
+import pytest
+
+from services.common.config import add_flags, config_to_dict, flag_values, from_dict, load_config
+from services.common.errors import (
+    ConfigError,
+    NotFound,
+    PersimmonError,
+    WrongShard,
+    error_from_grpc,
+    error_from_http,
+    error_from_wire,
+    error_to_wire,
+)
+from services.common.sharding import shard_of, split_by_shard
+
+
+class Colour(StrEnum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclass(kw_only=True, slots=True)
+class Inner:
+    size: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class Demo:
+    port: int = field(default=1, metadata={"help": "a port"})
+    ratio: float = 0.5
+    name: str | None = None
+    verbose: bool = False
+    colour: Colour = Colour.RED
+    hosts: list[str] = field(default_factory=list)
+    inner: Inner = field(default_factory=Inner)
+    items: list[Inner] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.port < 0:
+            raise ValueError("port must be >= 0")
+
+
+def test_precedence_yaml_env_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("port: 5\nratio: 0.25\nname: yaml\ninner: {size: 3}\nitems: [{size: 2}]\n")
+    env = {"PERSIMMON_DEMO_RATIO": "0.75", "PERSIMMON_DEMO_VERBOSE": "yes",
+           "PERSIMMON_DEMO_HOSTS": "a:1,b:2", "OTHER": "x"}
+    cfg = load_config(Demo, yaml_path=path, env_prefix="PERSIMMON_DEMO_", environ=env,
+                      flags={"port": "9", "name": None})
+    assert cfg.port == 9 and cfg.ratio == 0.75 and cfg.name == "yaml" and cfg.verbose is True
+    assert cfg.hosts == ["a:1", "b:2"] and cfg.inner.size == 3 and cfg.items == [Inner(size=2)]
+    assert config_to_dict(cfg)["colour"] == "red"
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"prot": 1}, "unknown keys \\['prot'\\]"),
+    ({"port": "x"}, "expected int"),
+    ({"port": -1}, "port must be >= 0"),
+    ({"verbose": "maybe"}, "expected a boolean"),
+    ({"colour": "green"}, "not one of"),
+    ({"inner": {"sise": 1}}, "config.inner: unknown keys"),
+    ({"port": True}, "expected int"),
+])
+def test_bad_config_is_an_error(data, match):
+    with pytest.raises(ConfigError, match=match):
+        from_dict(Demo, data)
+
+
+def test_unknown_env_key_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="PERSIMMON_DEMO_PROT"):
+        load_config(Demo, env_prefix="PERSIMMON_DEMO_", environ={"PERSIMMON_DEMO_PROT": "1"})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(Demo, yaml_path=bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(Demo, yaml_path=tmp_path / "missing.yaml")
+
+
+def test_flags_are_generated_from_fields():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Demo)
+    args = parser.parse_args(["--port", "7", "--hosts", "x,y"])
+    assert flag_values(Demo, args) == {"port": "7", "hosts": "x,y"}
+    assert from_dict(Demo, flag_values(Demo, args)).hosts == ["x", "y"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--inner", "3"])  # nested settings come from YAML only
+
+
+def test_shard_of_is_stable_balanced_and_vectorised():
+    ids = np.arange(100_000, dtype=np.uint64)
+    shards = shard_of(ids, 4)
+    assert shards.dtype == np.int64 and set(np.unique(shards)) == {0, 1, 2, 3}
+    counts = np.bincount(shards)
+    assert counts.min() > 0.95 * 25_000
+    assert int(shard_of(12345, 4)) == int(shards[12345])
+    assert shard_of(np.array([2**64 - 1], np.uint64), 7)[0] < 7
+    np.testing.assert_array_equal(shard_of(ids, 1), 0)
+    with pytest.raises(ValueError):
+        shard_of(ids, 0)
+
+
+def test_split_by_shard_partitions_positions():
+    ids = np.random.default_rng(0).integers(0, 2**63, size=1000, dtype=np.uint64)
+    parts = split_by_shard(ids, 3)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
+    for k, pos in enumerate(parts):
+        assert (shard_of(ids[pos], 3) == k).all()
+
+
+def test_error_mappings_are_consistent():
+    err = WrongShard("x")
+    assert err.grpc_code == grpc.StatusCode.INVALID_ARGUMENT and err.http_status == 400
+    back = error_from_wire(error_to_wire(NotFound("gone")))
+    assert isinstance(back, NotFound) and back.message == "gone"
+    assert isinstance(error_from_grpc(grpc.StatusCode.NOT_FOUND, "m"), NotFound)
+    assert isinstance(error_from_http(404, {"message": "m"}), NotFound)
+    assert type(error_from_grpc(grpc.StatusCode.DATA_LOSS, "m")).__name__ == "Internal"
+    assert isinstance(error_from_wire("junk"), PersimmonError)

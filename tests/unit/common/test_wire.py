@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from services.common.codecs import available_codecs, decoder, get_codec
+from services.common.errors import InvalidArgument, MalformedMessage, ProtocolMismatch
+from services.common.wire import (
+    PROTOCOL_VERSION,
+    array_from_wire,
+    array_to_wire,
+    decode_message,
+    encode_message,
+    raw_array,
+)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "uint64", "int32", "bool"])
+def test_raw_array_round_trip_is_exact(dtype):
+    arr = (np.random.default_rng(0).random((5, 3)) * 100).astype(dtype)
+    body = decode_message(encode_message({"a": raw_array(arr)}))
+    out = array_from_wire(body["a"])
+    assert out.dtype == arr.dtype and out.shape == arr.shape
+    np.testing.assert_array_equal(out, arr)
+
+
+def test_packing_uses_a_memoryview_and_unpacking_does_not_copy():
+    arr = np.arange(10, dtype=np.float32)
+    wire = raw_array(arr)
+    assert isinstance(wire["data"], memoryview) and wire["data"].obj is arr
+    raw = encode_message({"a": wire})
+    body = decode_message(raw)
+    out = array_from_wire(body["a"])
+    assert not out.flags.owndata  # a view over the received buffer
+
+
+def test_every_message_carries_the_protocol_version():
+    assert msgpack.unpackb(encode_message({"x": 1}))["v"] == PROTOCOL_VERSION
+    with pytest.raises(ProtocolMismatch, match="protocol version 7"):
+        decode_message(msgpack.packb({"v": 7}))
+    with pytest.raises(ProtocolMismatch):
+        decode_message(msgpack.packb({"x": 1}))
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", b"", msgpack.packb([1, 2]), msgpack.packb("s"),
+                                     b"\x85\xa1"])
+def test_malformed_messages(payload):
+    with pytest.raises(MalformedMessage):
+        decode_message(payload)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda b: b.update(dtype="complex128"), "dtype"),
+    (lambda b: b.update(shape=[-1]), "shape"),
+    (lambda b: b.update(shape="3"), "shape"),
+    (lambda b: b.update(data=b.pop("data").tobytes()[:-1]), "needs 24 bytes"),
+    (lambda b: b.update(shape=[10**12]), "needs"),
+    (lambda b: b.update(data="text"), "binary"),
+    (lambda b: b.update(codec="nope"), "unknown codec"),
+])
+def test_bad_array_headers(mutate, match):
+    body = raw_array(np.zeros(6, np.float32))
+    mutate(body)
+    with pytest.raises(MalformedMessage, match=match):
+        array_from_wire(body)
+    with pytest.raises(MalformedMessage):
+        array_from_wire([1, 2, 3])
+
+
+@pytest.mark.parametrize("name,rtol", [("none", 0), ("fp16", 2**-11), ("bf16", 2**-8)])
+def test_float_codecs_round_trip_and_count_bytes(name, rtol):
+    x = np.random.default_rng(1).normal(size=(64, 16)).astype(np.float32)
+    codec = get_codec(name)
+    body = decode_message(encode_message({"a": array_to_wire(x, codec)}))
+    out = array_from_wire(body["a"])
+    np.testing.assert_allclose(out, x, rtol=rtol, atol=0)
+    assert out.dtype == np.float32
+    assert codec.stats.raw_bytes == x.nbytes
+    assert codec.stats.wire_bytes == x.nbytes // (1 if name == "none" else 2)
+
+
+def test_bf16_keeps_nan_inf_and_rounds_to_nearest_even():
+    x = np.array([np.nan, np.inf, -np.inf, 1.0, 1.00390625, 1.01171875], np.float32)
+    out = decoder("bf16").from_wire(get_codec("bf16").to_wire(x))
+    assert np.isnan(out[0]) and out[1] == np.inf and out[2] == -np.inf
+    assert out[3] == 1.0 and out[4] == 1.0 and out[5] == 1.015625
+
+
+def test_unknown_codec_and_bad_params():
+    assert {"none", "fp16", "bf16"} <= set(available_codecs())
+    with pytest.raises(InvalidArgument, match="unknown codec"):
+        get_codec("zip9")
+    with pytest.raises(InvalidArgument, match="bad parameters"):
+        get_codec("fp16", levels=3)
+
+
+def test_corrupted_codec_payload():
+    body = get_codec("fp16").to_wire(np.ones(8, np.float32))
+    body["data"] = bytes(body["data"])[:-2]
+    with pytest.raises(MalformedMessage, match="needs 16 bytes"):
+        array_from_wire(body)
