@@ -1,0 +1,35 @@
+"""The embedding parameter server: in-memory tables, server-side optimizers, checkpoints."""
+
+from __future__ import annotations
+
+from services.ps.checkpoint import (
+    list_checkpoints,
+    read_checkpoint,
+    restore_tables,
+    write_checkpoint,
+)
+from services.ps.store import EmbeddingTable, PushResult, TableSnapshot
+from services.ps.tables import (
+    EvictionPolicy,
+    Initializer,
+    OptimizerConfig,
+    OptimizerKind,
+    TableConfig,
+    initial_rows,
+)
+
+__all__ = [
+    "EmbeddingTable",
+    "EvictionPolicy",
+    "Initializer",
+    "OptimizerConfig",
+    "OptimizerKind",
+    "PushResult",
+    "TableConfig",
+    "TableSnapshot",
+    "initial_rows",
+    "list_checkpoints",
+    "read_checkpoint",
+    "restore_tables",
+    "write_checkpoint",
+]

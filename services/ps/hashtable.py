@@ -1,0 +1,245 @@
+"""An open-addressing hash table uint64 id → int64 value, compiled with numba.
+
+Linear probing over a power-of-two array of keys and values (value ``-1`` marks an empty
+bucket), deletion by backward shift (no tombstones, so probe chains never rot), growth by
+doubling at load factor 1/2. Every operation takes a whole batch of ids; the loops run inside
+numba with the GIL released. The same module holds the splitmix64 mixer that the
+counter-based initializer and admission draws are built on, and :func:`unique_inverse`,
+a hash-based ``np.unique(return_inverse=True)`` that keeps first-appearance order in O(n).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["GOLDEN", "IdHashTable", "mix64", "mix64_int", "to_unit", "unique_inverse"]
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+_S11 = np.uint64(11)
+_EMPTY = -1
+
+
+@njit(cache=True, inline="always")
+def mix64(z):  # pragma: no cover - numba
+    """The splitmix64 finalizer on a uint64 (wrapping arithmetic)."""
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+def mix64_int(z: int) -> int:
+    """:func:`mix64` on a Python int, for seeds computed outside numba."""
+    mask = (1 << 64) - 1
+    z &= mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+@njit(cache=True, inline="always")
+def to_unit(z):  # pragma: no cover - numba
+    """A uint64 to a float64 uniform in [0, 1) (its top 53 bits)."""
+    return np.float64(z >> _S11) * (1.0 / 9007199254740992.0)
+
+
+@njit(cache=True, nogil=True)
+def _find(keys, vals, ids, out):  # pragma: no cover - numba
+    mask = keys.shape[0] - 1
+    for j in range(ids.shape[0]):
+        k = ids[j]
+        i = np.int64(mix64(k) & np.uint64(mask))
+        while True:
+            v = vals[i]
+            if v == _EMPTY:
+                out[j] = _EMPTY
+                break
+            if keys[i] == k:
+                out[j] = v
+                break
+            i = (i + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def _insert(keys, vals, ids, values):  # pragma: no cover - numba
+    """Insert or overwrite; returns how many keys were new."""
+    mask = keys.shape[0] - 1
+    added = 0
+    for j in range(ids.shape[0]):
+        k = ids[j]
+        i = np.int64(mix64(k) & np.uint64(mask))
+        while vals[i] != _EMPTY and keys[i] != k:
+            i = (i + 1) & mask
+        if vals[i] == _EMPTY:
+            added += 1
+        keys[i] = k
+        vals[i] = values[j]
+    return added
+
+
+@njit(cache=True, nogil=True)
+def _remove(keys, vals, ids, out):  # pragma: no cover - numba
+    """Remove ids (backward-shift deletion); out[j] is the removed value or -1."""
+    mask = keys.shape[0] - 1
+    removed = 0
+    for j in range(ids.shape[0]):
+        k = ids[j]
+        i = np.int64(mix64(k) & np.uint64(mask))
+        while vals[i] != _EMPTY and keys[i] != k:
+            i = (i + 1) & mask
+        if vals[i] == _EMPTY:
+            out[j] = _EMPTY
+            continue
+        out[j] = vals[i]
+        removed += 1
+        hole = i
+        nxt = (i + 1) & mask
+        while vals[nxt] != _EMPTY:
+            home = np.int64(mix64(keys[nxt]) & np.uint64(mask))
+            # the entry at nxt may fill the hole if the hole lies on its probe path home..nxt
+            if ((nxt - home) & mask) >= ((nxt - hole) & mask):
+                keys[hole] = keys[nxt]
+                vals[hole] = vals[nxt]
+                hole = nxt
+            nxt = (nxt + 1) & mask
+        vals[hole] = _EMPTY
+    return removed
+
+
+@njit(cache=True, nogil=True)
+def _count_up(keys, vals, ids, out):  # pragma: no cover - numba
+    """Add one to the value of each id (absent ids start at 0); out[j] is the new value."""
+    mask = keys.shape[0] - 1
+    added = 0
+    for j in range(ids.shape[0]):
+        k = ids[j]
+        i = np.int64(mix64(k) & np.uint64(mask))
+        while vals[i] != _EMPTY and keys[i] != k:
+            i = (i + 1) & mask
+        if vals[i] == _EMPTY:
+            keys[i] = k
+            vals[i] = 1
+            added += 1
+        else:
+            vals[i] += 1
+        out[j] = vals[i]
+    return added
+
+
+@njit(cache=True, nogil=True)
+def _unique_inverse(ids, keys, vals, uniq, inv):  # pragma: no cover - numba
+    mask = keys.shape[0] - 1
+    n = 0
+    for j in range(ids.shape[0]):
+        k = ids[j]
+        i = np.int64(mix64(k) & np.uint64(mask))
+        while vals[i] != _EMPTY and keys[i] != k:
+            i = (i + 1) & mask
+        if vals[i] == _EMPTY:
+            keys[i] = k
+            vals[i] = n
+            uniq[n] = k
+            n += 1
+        inv[j] = vals[i]
+    return n
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(3, (int(n) - 1).bit_length())
+
+
+def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(uniq, inverse)`` with ``uniq[inverse] == ids``; uniq in first-appearance order."""
+    ids = np.ascontiguousarray(ids, dtype=np.uint64)
+    size = _pow2_at_least(2 * ids.shape[0])
+    keys = np.empty(size, dtype=np.uint64)
+    vals = np.full(size, _EMPTY, dtype=np.int64)
+    uniq = np.empty(ids.shape[0], dtype=np.uint64)
+    inv = np.empty(ids.shape[0], dtype=np.int64)
+    n = _unique_inverse(ids, keys, vals, uniq, inv)
+    return uniq[:n].copy(), inv
+
+
+class IdHashTable:
+    """A map uint64 id → int64 value ≥ 0 (a row slot, or a sighting count).
+
+    Not thread-safe: the owner (one :class:`~services.ps.store.EmbeddingTable`) serialises
+    access. All methods take and return whole arrays.
+    """
+
+    __slots__ = ("_keys", "_size", "_vals")
+
+    def __init__(self, capacity: int = 1024) -> None:
+        size = _pow2_at_least(2 * max(1, capacity))
+        self._keys = np.zeros(size, dtype=np.uint64)
+        self._vals = np.full(size, _EMPTY, dtype=np.int64)
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def buckets(self) -> int:
+        return int(self._keys.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._keys.nbytes + self._vals.nbytes)
+
+    def reserve(self, more: int) -> None:
+        """Grow (by doubling) so that ``more`` new keys keep the load factor <= 1/2."""
+        need = self._size + int(more)
+        if 2 * need <= self.buckets:
+            return
+        size = self.buckets
+        while 2 * need > size:
+            size *= 2
+        keys, vals = self.items()
+        self._keys = np.zeros(size, dtype=np.uint64)
+        self._vals = np.full(size, _EMPTY, dtype=np.int64)
+        _insert(self._keys, self._vals, keys, vals)
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The value of each id, or -1 where absent."""
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        out = np.empty(ids.shape[0], dtype=np.int64)
+        _find(self._keys, self._vals, ids, out)
+        return out
+
+    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """Set ``ids[j] → values[j]`` (values must be >= 0)."""
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        if values.shape != ids.shape or (values.size and values.min() < 0):
+            raise ValueError("insert needs one value >= 0 per id")
+        self.reserve(ids.shape[0])
+        self._size += int(_insert(self._keys, self._vals, ids, values))
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """Remove ids; returns the removed values (-1 where an id was absent)."""
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        out = np.empty(ids.shape[0], dtype=np.int64)
+        self._size -= int(_remove(self._keys, self._vals, ids, out))
+        return out
+
+    def count_up(self, ids: np.ndarray) -> np.ndarray:
+        """Increment a counter per id (absent ids start from 0); returns the new counts."""
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        self.reserve(ids.shape[0])
+        out = np.empty(ids.shape[0], dtype=np.int64)
+        self._size += int(_count_up(self._keys, self._vals, ids, out))
+        return out
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, values)`` of every entry, in bucket order."""
+        used = self._vals != _EMPTY
+        return self._keys[used], self._vals[used]
+
+    def clear(self) -> None:
+        self._vals.fill(_EMPTY)
+        self._size = 0

@@ -1,0 +1,151 @@
+"""Server-side optimizers for embedding rows: SGD, Adagrad, lazy Adam, FTRL-Proximal.
+
+Each optimizer updates a batch of *unique* rows in place, one compiled loop over the rows of
+the batch, with float32 math (rows stored as float16 are widened by the caller first).
+State lives per row next to the arena, in arrays indexed by slot:
+
+=========  ==========================================================================
+sgd        none
+adagrad    ``accum`` (per element, starts at ``initial_accumulator``)
+adam       ``m``, ``v`` (per element) and ``step`` (per row: lazy Adam bias-corrects each
+           row by the number of updates *it* received)
+ftrl       ``z``, ``n`` (per element); the weight is a function of (z, n). ``z`` starts
+           at the value whose weight is the row's initial value, so unseen rows keep it.
+=========  ==========================================================================
+
+FTRL-Proximal (McMahan et al. 2013), with ``alpha = lr``::
+
+    sigma = (sqrt(n + g²) - sqrt(n)) / alpha;  z += g - sigma·w;  n += g²
+    w = 0 if |z| <= l1 else -(z - sign(z)·l1) / ((beta + sqrt(n)) / alpha + l2)
+
+``weight_bound`` clips every updated weight of every kind to ``[-bound, bound]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from services.ps.tables import OptimizerConfig, OptimizerKind
+
+__all__ = ["apply_update", "init_state", "state_layout"]
+
+_F32 = np.float32
+
+
+def state_layout(config: OptimizerConfig, dim: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Per-row state arrays of ``config``: name → (shape of one row's state, dtype)."""
+    per_elem = ((dim,), np.dtype(np.float32))
+    if config.kind is OptimizerKind.ADAGRAD:
+        return {"accum": per_elem}
+    if config.kind is OptimizerKind.ADAM:
+        return {"m": per_elem, "v": per_elem, "step": ((), np.dtype(np.int64))}
+    if config.kind is OptimizerKind.FTRL:
+        return {"z": per_elem, "n": per_elem}
+    return {}
+
+
+def init_state(config: OptimizerConfig, state: dict[str, np.ndarray], slots: np.ndarray,
+               rows: np.ndarray) -> None:
+    """Set the state of freshly created rows ``slots`` whose float32 values are ``rows``."""
+    if config.kind is OptimizerKind.ADAGRAD:
+        state["accum"][slots] = _F32(config.initial_accumulator)
+    elif config.kind is OptimizerKind.ADAM:
+        state["m"][slots] = 0.0
+        state["v"][slots] = 0.0
+        state["step"][slots] = 0
+    elif config.kind is OptimizerKind.FTRL:
+        c = _F32(config.ftrl_beta / config.lr + config.ftrl_l2)
+        state["n"][slots] = 0.0
+        state["z"][slots] = -(rows * c + np.sign(rows) * _F32(config.ftrl_l1))
+
+
+@njit(cache=True, nogil=True)
+def _clip(w, bound):  # pragma: no cover - numba
+    return min(max(w, -bound), bound)
+
+
+@njit(cache=True, nogil=True)
+def _sgd(W, wi, G, lr, bound):  # pragma: no cover - numba
+    for k in range(G.shape[0]):
+        r = wi[k]
+        for c in range(G.shape[1]):
+            W[r, c] = _clip(W[r, c] - lr * G[k, c], bound)
+
+
+@njit(cache=True, nogil=True)
+def _adagrad(W, wi, A, si, G, lr, eps, bound):  # pragma: no cover - numba
+    for k in range(G.shape[0]):
+        r = wi[k]
+        s = si[k]
+        for c in range(G.shape[1]):
+            g = G[k, c]
+            a = A[s, c] + g * g
+            A[s, c] = a
+            W[r, c] = _clip(W[r, c] - lr * g / (np.sqrt(a) + eps), bound)
+
+
+@njit(cache=True, nogil=True)
+def _adam(W, wi, M, V, T, si, G, lr, b1, b2, eps, bound):  # pragma: no cover - numba
+    one = np.float32(1.0)
+    b1d = np.float64(b1)
+    b2d = np.float64(b2)
+    for k in range(G.shape[0]):
+        r = wi[k]
+        s = si[k]
+        t = T[s] + 1
+        T[s] = t
+        bc1 = np.float32(1.0 - b1d ** t)
+        bc2 = np.float32(1.0 - b2d ** t)
+        for c in range(G.shape[1]):
+            g = G[k, c]
+            m = b1 * M[s, c] + (one - b1) * g
+            v = b2 * V[s, c] + (one - b2) * g * g
+            M[s, c] = m
+            V[s, c] = v
+            W[r, c] = _clip(W[r, c] - lr * (m / bc1) / (np.sqrt(v / bc2) + eps), bound)
+
+
+@njit(cache=True, nogil=True)
+def _ftrl(W, wi, Z, N, si, G, alpha, beta, l1, l2, bound):  # pragma: no cover - numba
+    zero = np.float32(0.0)
+    for k in range(G.shape[0]):
+        r = wi[k]
+        s = si[k]
+        for c in range(G.shape[1]):
+            g = G[k, c]
+            n_old = N[s, c]
+            n_new = n_old + g * g
+            sigma = (np.sqrt(n_new) - np.sqrt(n_old)) / alpha
+            z = Z[s, c] + g - sigma * W[r, c]
+            Z[s, c] = z
+            N[s, c] = n_new
+            if abs(z) <= l1:
+                w = zero
+            else:
+                w = -(z - np.sign(z) * l1) / ((beta + np.sqrt(n_new)) / alpha + l2)
+            W[r, c] = _clip(w, bound)
+
+
+def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.ndarray,
+                 state: dict[str, np.ndarray], slots: np.ndarray, grads: np.ndarray) -> None:
+    """Update ``weights[weight_index[k]]`` with ``grads[k]`` in place, state rows ``slots[k]``.
+
+    ``weights`` is float32 (the arena itself, or a widened copy of float16 rows);
+    ``weight_index`` and ``slots`` must hold no duplicates; ``grads`` is float32 (k, dim).
+    """
+    wi = np.ascontiguousarray(weight_index, dtype=np.int64)
+    si = np.ascontiguousarray(slots, dtype=np.int64)
+    grads = np.ascontiguousarray(grads, dtype=np.float32)
+    bound = _F32(np.inf if config.weight_bound is None else config.weight_bound)
+    lr = _F32(config.lr)
+    if config.kind is OptimizerKind.SGD:
+        _sgd(weights, wi, grads, lr, bound)
+    elif config.kind is OptimizerKind.ADAGRAD:
+        _adagrad(weights, wi, state["accum"], si, grads, lr, _F32(config.eps), bound)
+    elif config.kind is OptimizerKind.ADAM:
+        _adam(weights, wi, state["m"], state["v"], state["step"], si, grads, lr,
+              _F32(config.beta1), _F32(config.beta2), _F32(config.eps), bound)
+    else:
+        _ftrl(weights, wi, state["z"], state["n"], si, grads, lr, _F32(config.ftrl_beta),
+              _F32(config.ftrl_l1), _F32(config.ftrl_l2), bound)
