@@ -140,15 +140,23 @@ def error_from_grpc(code: grpc.StatusCode, message: str) -> PersimmonError:
     return _BY_CODE.get(code, Internal)(message)
 
 
+def _by_name(name: Any) -> type[PersimmonError] | None:
+    cls = globals().get(name) if isinstance(name, str) and name in __all__ else None
+    return cls if isinstance(cls, type) and issubclass(cls, PersimmonError) else None
+
+
 def error_to_wire(exc: PersimmonError) -> dict[str, Any]:
-    """An in-band error of a stream response: the status name and the message."""
-    return {"code": exc.grpc_code.name, "message": exc.message}
+    """An in-band error of a stream response: class name, status name and message."""
+    return {"error": type(exc).__name__, "code": exc.grpc_code.name, "message": exc.message}
 
 
 def error_from_wire(body: Any) -> PersimmonError:
-    """Inverse of :func:`error_to_wire`; anything unreadable becomes :class:`Internal`."""
+    """Inverse of :func:`error_to_wire` (same class when known); unreadable → :class:`Internal`."""
     if not isinstance(body, dict):
         return Internal(f"unreadable error body: {body!r}")
+    cls = _by_name(body.get("error"))
+    if cls is not None:
+        return cls(str(body.get("message", "")))
     code = getattr(grpc.StatusCode, str(body.get("code")), grpc.StatusCode.UNKNOWN)
     return error_from_grpc(code, str(body.get("message", "")))
 
@@ -161,6 +169,9 @@ _BY_HTTP: dict[int, type[PersimmonError]] = {
 def error_from_http(status: int, body: Any) -> PersimmonError:
     """The Persimmon error for an HTTP error response with a JSON body ``{error, message}``."""
     message = body.get("message", str(body)) if isinstance(body, dict) else str(body)
+    cls = _by_name(body.get("error")) if isinstance(body, dict) else None
+    if cls is not None and cls.http_status == status:
+        return cls(message)
     if status == 422:
         return InvalidArgument(f"{message}: {body.get('detail') if isinstance(body, dict) else ''}")
     return _BY_HTTP.get(status, Internal)(message)

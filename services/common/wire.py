@@ -44,7 +44,7 @@ def decode_message(data: bytes) -> dict[str, Any]:
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise MalformedMessage(f"message is not valid msgpack: {exc}") from exc
+        raise MalformedMessage(f"message is not valid msgpack ({type(exc).__name__}: {exc})") from exc
     if not isinstance(body, dict):
         raise MalformedMessage(f"message must be a map, got {type(body).__name__}")
     version = body.get("v")

@@ -54,13 +54,15 @@ class PSServicer:
 
     # ---- streams ----------------------------------------------------------------------------
 
-    def _lookup_stream(self, requests: AsyncIterator[bytes],
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        return self._serve_stream("Lookup", self._lookup, requests, context)
+    async def _lookup_stream(self, requests: AsyncIterator[bytes],
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async for out in self._serve_stream("Lookup", self._lookup, requests, context):
+            yield out
 
-    def _push_stream(self, requests: AsyncIterator[bytes],
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        return self._serve_stream("Push", self._push, requests, context)
+    async def _push_stream(self, requests: AsyncIterator[bytes],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async for out in self._serve_stream("Push", self._push, requests, context):
+            yield out
 
     async def _serve_stream(self, method: str, handle: Handler, requests: AsyncIterator[bytes],
                             context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
