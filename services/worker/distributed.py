@@ -1,0 +1,225 @@
+"""torch.distributed process groups for the dense replicas: set-up, tear-down, local ranks.
+
+:func:`init_distributed` joins the group described by explicit arguments (Persimmon's local
+launcher) or, for each one not given, by torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). The backend is NCCL when CUDA is available
+and gloo otherwise. With no world size anywhere it returns a single-process :class:`DistInfo`
+without creating a group; every sync strategy is then a no-op.
+
+:func:`run_local_ranks` runs a function on N local ranks joined through a TCP rendezvous on a
+free 127.0.0.1 port and returns their results (used by tests and by small local runs).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from services.common.errors import ConfigError, Internal
+
+__all__ = [
+    "BACKENDS",
+    "DistInfo",
+    "default_backend",
+    "destroy_distributed",
+    "free_port",
+    "init_distributed",
+    "run_local_ranks",
+]
+
+BACKENDS = ("gloo", "nccl")
+T = TypeVar("T")
+
+
+@dataclass(slots=True, frozen=True)
+class DistInfo:
+    """Where this process stands: its rank, the world size, backend and compute device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    initialized: bool  # False for a single process without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA and NCCL are available, else ``gloo``."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int | None:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {key}={raw!r} is not an integer") from exc
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        idx = local_rank % max(torch.cuda.device_count(), 1)
+        torch.cuda.set_device(idx)
+        return torch.device("cuda", idx)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _info_of_current_group() -> DistInfo:
+    backend = str(dist.get_backend())
+    local_rank = _env_int(os.environ, "LOCAL_RANK") or 0
+    device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+              else torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=local_rank, backend=backend, device=device, initialized=True)
+
+
+def init_distributed(*, rank: int | None = None, world_size: int | None = None,
+                     master_addr: str | None = None, master_port: int | None = None,
+                     local_rank: int | None = None, backend: str | None = None,
+                     timeout_s: float = 300.0,
+                     environ: Mapping[str, str] | None = None) -> DistInfo:
+    """Join (or describe, if already joined) the default process group.
+
+    Arguments left None are read from torchrun's environment; ``master_addr`` defaults to
+    127.0.0.1. Bad or missing values are a :class:`ConfigError`.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return _info_of_current_group()
+    env = os.environ if environ is None else environ
+    world_size = world_size if world_size is not None else _env_int(env, "WORLD_SIZE")
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
+    if world_size is None:
+        return DistInfo(rank=0, world_size=1, local_rank=0, backend=backend,
+                        device=_device_for(backend, 0), initialized=False)
+    rank = rank if rank is not None else _env_int(env, "RANK")
+    local_rank = local_rank if local_rank is not None else (_env_int(env, "LOCAL_RANK") or 0)
+    master_addr = master_addr or env.get("MASTER_ADDR") or "127.0.0.1"
+    master_port = master_port if master_port is not None else _env_int(env, "MASTER_PORT")
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if rank is None or not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be in [0, {world_size}), got {rank} "
+                          "(pass rank= or set RANK)")
+    if master_port is None or not 0 < master_port < 65536:
+        raise ConfigError(f"master_port must be in 1..65535, got {master_port} "
+                          "(pass master_port= or set MASTER_PORT)")
+    if timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+    host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    device = _device_for(backend, local_rank)
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
+                    device=device, initialized=True)
+
+
+def destroy_distributed() -> None:
+    """Leave the default process group (and every subgroup); a no-op when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
+               args: tuple[Any, ...], results: Any, threads: int, timeout_s: float) -> None:
+    torch.set_num_threads(threads)
+    try:
+        init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                         master_port=port, local_rank=rank, backend=backend,
+                         timeout_s=timeout_s)
+        value = fn(rank, world_size, *args)
+        dist.barrier()  # rank 0 hosts the store: nobody leaves while others still need it
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        destroy_distributed()
+
+
+def _stop(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def run_local_ranks(fn: Callable[..., T], world_size: int, *args: Any, backend: str = "gloo",
+                    timeout_s: float = 120.0, start_method: str = "fork",
+                    threads_per_rank: int = 1) -> list[T]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; results by rank.
+
+    Each process joins a fresh process group (TCP rendezvous on a free 127.0.0.1 port) before
+    calling ``fn`` and leaves it afterwards. ``fork`` starts in milliseconds; use ``spawn``
+    when the parent holds CUDA or threads that must not be forked (``fn`` must then be
+    importable). A failing rank stops the others and raises :class:`Internal` with its
+    traceback; so does a rank that dies silently or the whole run passing ``timeout_s``.
+    """
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    ctx: Any = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(fn, r, world_size, port, backend, args, results,
+                               threads_per_rank, timeout_s))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, T] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.1)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    raise Internal(f"local rank(s) {dead} died without a result "
+                                   f"(exit codes {[procs[r].exitcode for r in dead]})") from None
+                if time.monotonic() > deadline:
+                    raise Internal(f"local ranks did not finish within {timeout_s}s; "
+                                   f"done: {sorted(out)}") from None
+                continue
+            if not ok:
+                raise Internal(f"local rank {rank} failed:\n{value}")
+            out[rank] = value
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 1.0))
+    finally:
+        _stop(procs)
+        results.close()
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,334 @@
+"""Dense recommendation models: DLRM, DeepFM, DCN-v2 and Wide&Deep.
+
+Every model is built as ``Model(*, sparse_dims, num_dense, <arch params>)`` and called as
+``model(pooled, dense) -> logits``:
+
+- ``pooled`` is a ``dict[str, Tensor]`` with one pooled embedding ``(B, sparse_dims[name])``
+  per sparse feature (tables may have different dims). The model reads features in the order
+  of ``sparse_dims``; extra keys are ignored, a missing key or a wrong shape is an
+  :class:`~services.common.errors.InvalidArgument`.
+- ``dense`` is ``(B, num_dense)`` float (``(B, 0)`` when there are no dense features).
+- The result is ``(B,)`` logits (apply ``sigmoid`` for probabilities).
+
+Embeddings live on the parameter server, so the models own no embedding tables. First-order
+("wide", per-id scalar weight) terms are computed as a linear layer over the pooled vectors and
+the dense features: the scalar weight of an id is then ``w_f · e_id``, a learned projection of
+its embedding, which needs no extra table on the PS. Models whose interaction needs one common
+dimension (DLRM, DeepFM) project each table with a different dim through a bias-free linear
+layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from services.common.errors import ConfigError, InvalidArgument
+
+__all__ = [
+    "DCNv2",
+    "DLRM",
+    "MODELS",
+    "DeepFM",
+    "ModelConfig",
+    "WideAndDeep",
+    "build_model",
+    "dot_interaction",
+    "fm_second_order",
+    "mlp",
+    "pick_device",
+]
+
+
+def pick_device(prefer: str | None = None) -> torch.device:
+    """``prefer`` if given (``"cpu"``, ``"cuda"``, ``"cuda:1"``), else CUDA when available, else CPU."""
+    if prefer:
+        try:
+            dev = torch.device(prefer)
+        except RuntimeError as exc:
+            raise ConfigError(f"bad device {prefer!r}: {exc}") from exc
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {prefer!r} requested but CUDA is not available")
+        return dev
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def mlp(in_dim: int, sizes: Sequence[int], *, out_dim: int | None = None) -> nn.Sequential:
+    """Linear+ReLU layers of ``sizes``; a final plain Linear to ``out_dim`` when given."""
+    layers: list[nn.Module] = []
+    prev = in_dim
+    for size in sizes:
+        layers += [nn.Linear(prev, size), nn.ReLU()]
+        prev = size
+    if out_dim is not None:
+        layers.append(nn.Linear(prev, out_dim))
+    return nn.Sequential(*layers)
+
+
+def dot_interaction(t: Tensor, li: Tensor, lj: Tensor) -> Tensor:
+    """DLRM's pairwise dots of the vectors ``t`` ``(B, n, D)`` at index pairs ``(li, lj)``."""
+    return torch.bmm(t, t.transpose(1, 2))[:, li, lj]
+
+
+def fm_second_order(v: Tensor) -> Tensor:
+    """FM's ``Σ_{i<j} <v_i, v_j>`` of fields ``v`` ``(B, F, D)`` in O(F·D): ``(B,)``."""
+    return 0.5 * (v.sum(1).pow(2) - v.pow(2).sum(1)).sum(1)
+
+
+def _check_sizes(name: str, sizes: Sequence[int], *, allow_empty: bool = True) -> list[int]:
+    sizes = list(sizes)
+    if not allow_empty and not sizes:
+        raise ConfigError(f"{name} must have at least one layer")
+    if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
+        raise ConfigError(f"{name} must be positive layer sizes, got {sizes}")
+    return sizes
+
+
+class _RecModel(nn.Module):
+    """Shared input handling: feature order, validation, projection to a common dim."""
+
+    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int) -> None:
+        super().__init__()
+        if not sparse_dims:
+            raise ConfigError("sparse_dims must name at least one sparse feature")
+        for fname, dim in sparse_dims.items():
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
+                raise ConfigError(f"sparse_dims[{fname!r}] must be a positive int, got {dim!r}")
+        if not isinstance(num_dense, int) or isinstance(num_dense, bool) or num_dense < 0:
+            raise ConfigError(f"num_dense must be an int >= 0, got {num_dense!r}")
+        self.feature_names: list[str] = list(sparse_dims)
+        self.sparse_dims: dict[str, int] = dict(sparse_dims)
+        self.num_dense = num_dense
+        self.flat_dim = sum(self.sparse_dims.values()) + num_dense
+
+    def _features(self, pooled: Mapping[str, Tensor], dense: Tensor) -> list[Tensor]:
+        """The pooled tensors in feature order, checked against ``dense``'s batch size."""
+        if dense.dim() != 2 or dense.shape[1] != self.num_dense:
+            raise InvalidArgument(
+                f"dense must be (B, {self.num_dense}), got {tuple(dense.shape)}")
+        batch = dense.shape[0]
+        out = []
+        for fname in self.feature_names:
+            t = pooled.get(fname)
+            if t is None:
+                raise InvalidArgument(f"pooled embedding of feature {fname!r} is missing; "
+                                      f"expected {self.feature_names}")
+            if t.shape != (batch, self.sparse_dims[fname]):
+                raise InvalidArgument(f"pooled[{fname!r}] must be ({batch}, "
+                                      f"{self.sparse_dims[fname]}), got {tuple(t.shape)}")
+            out.append(t)
+        return out
+
+    def _projections(self, dim: int) -> nn.ModuleDict:
+        """Bias-free projections to ``dim`` for the tables whose dim differs."""
+        return nn.ModuleDict({
+            f"p{i}": nn.Linear(d, dim, bias=False)
+            for i, d in enumerate(self.sparse_dims.values()) if d != dim})
+
+    def _project(self, proj: nn.ModuleDict, feats: list[Tensor]) -> list[Tensor]:
+        return [proj[f"p{i}"](t) if f"p{i}" in proj else t for i, t in enumerate(feats)]
+
+
+class DLRM(_RecModel):
+    """DLRM: bottom MLP over dense, pairwise dot interaction, top MLP.
+
+    The interaction dim is ``bottom_mlp[-1]``; tables of another dim are projected to it.
+    With ``num_dense == 0`` the bottom MLP is skipped and only embeddings interact.
+    """
+
+    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
+                 bottom_mlp: Sequence[int] = (64, 16), top_mlp: Sequence[int] = (64, 32)) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+        bottom = _check_sizes("bottom_mlp", bottom_mlp, allow_empty=False)
+        top = _check_sizes("top_mlp", top_mlp)
+        dim = bottom[-1]
+        self.bottom = mlp(num_dense, bottom) if num_dense else None
+        self.proj = self._projections(dim)
+        n_vec = len(self.feature_names) + (1 if num_dense else 0)
+        self._li: Tensor
+        self._lj: Tensor
+        li, lj = torch.tril_indices(n_vec, n_vec, offset=-1)
+        self.register_buffer("_li", li, persistent=False)
+        self.register_buffer("_lj", lj, persistent=False)
+        n_pairs = n_vec * (n_vec - 1) // 2
+        self.top = mlp(n_pairs + (dim if num_dense else 0), top, out_dim=1)
+
+    def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
+        vecs = self._project(self.proj, self._features(pooled, dense))
+        if self.bottom is not None:
+            x = self.bottom(dense)
+            vecs = [x, *vecs]
+        t = torch.stack(vecs, dim=1)                    # (B, n_vec, D)
+        z = dot_interaction(t, self._li, self._lj)
+        top_in = torch.cat([vecs[0], z], dim=1) if self.bottom is not None else z
+        return self.top(top_in).squeeze(1)
+
+
+class DeepFM(_RecModel):
+    """DeepFM: first-order linear part + FM second-order part + deep MLP, summed.
+
+    Fields are the sparse features plus (when ``num_dense > 0``) one field made from the dense
+    vector by a linear layer. The FM dim is ``fm_dim`` or, when None, the largest table dim.
+    """
+
+    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
+                 deep_mlp: Sequence[int] = (128, 64), fm_dim: int | None = None) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+        deep = _check_sizes("deep_mlp", deep_mlp)
+        if fm_dim is not None and (not isinstance(fm_dim, int) or fm_dim <= 0):
+            raise ConfigError(f"fm_dim must be a positive int or None, got {fm_dim!r}")
+        dim = fm_dim or max(self.sparse_dims.values())
+        self.proj = self._projections(dim)
+        self.dense_field = nn.Linear(num_dense, dim) if num_dense else None
+        n_fields = len(self.feature_names) + (1 if num_dense else 0)
+        self.linear = nn.Linear(self.flat_dim, 1)
+        self.deep = mlp(n_fields * dim, deep, out_dim=1)
+
+    def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
+        feats = self._features(pooled, dense)
+        first = self.linear(torch.cat([*feats, dense], dim=1)).squeeze(1)
+        fields = self._project(self.proj, feats)
+        if self.dense_field is not None:
+            fields.append(self.dense_field(dense))
+        v = torch.stack(fields, dim=1)                  # (B, F, D)
+        fm = fm_second_order(v)
+        deep = self.deep(v.flatten(1)).squeeze(1)
+        return first + fm + deep
+
+
+class CrossLayerV2(nn.Module):
+    """One DCN-v2 cross layer: ``x_{l+1} = x0 * (W x_l + b) + x_l``; ``W = U V`` when low-rank."""
+
+    def __init__(self, dim: int, rank: int | None = None) -> None:
+        super().__init__()
+        if rank is None:
+            self.w: nn.Module = nn.Linear(dim, dim)
+        else:
+            self.w = nn.Sequential(nn.Linear(dim, rank, bias=False), nn.Linear(rank, dim))
+
+    def forward(self, x0: Tensor, x: Tensor) -> Tensor:
+        return x0 * self.w(x) + x
+
+
+class DCNv2(_RecModel):
+    """DCN-v2: a cross network over ``[pooled..., dense]`` plus a deep MLP.
+
+    ``structure="stacked"`` feeds the cross output to the deep MLP; ``"parallel"`` runs both on
+    the input and concatenates their outputs. ``cross_rank`` makes the cross weights low-rank.
+    """
+
+    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
+                 cross_layers: int = 3, cross_rank: int | None = None,
+                 deep_mlp: Sequence[int] = (128, 64), structure: str = "stacked") -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+        if not isinstance(cross_layers, int) or cross_layers < 1:
+            raise ConfigError(f"cross_layers must be an int >= 1, got {cross_layers!r}")
+        if cross_rank is not None and (not isinstance(cross_rank, int) or cross_rank <= 0):
+            raise ConfigError(f"cross_rank must be a positive int or None, got {cross_rank!r}")
+        if structure not in ("stacked", "parallel"):
+            raise ConfigError(f"structure must be 'stacked' or 'parallel', got {structure!r}")
+        deep = _check_sizes("deep_mlp", deep_mlp)
+        d0 = self.flat_dim
+        self.structure = structure
+        self.cross = nn.ModuleList(CrossLayerV2(d0, cross_rank) for _ in range(cross_layers))
+        self.deep = mlp(d0, deep)
+        deep_out = deep[-1] if deep else d0
+        head_in = deep_out if structure == "stacked" else d0 + deep_out
+        self.head = nn.Linear(head_in, 1)
+
+    def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
+        x0 = torch.cat([*self._features(pooled, dense), dense], dim=1)
+        x = x0
+        for layer in self.cross:
+            x = layer(x0, x)
+        if self.structure == "stacked":
+            out = self.deep(x)
+        else:
+            out = torch.cat([x, self.deep(x0)], dim=1)
+        return self.head(out).squeeze(1)
+
+
+class WideAndDeep(_RecModel):
+    """Wide&Deep: a linear (wide) part and a deep MLP over ``[pooled..., dense]``, summed."""
+
+    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
+                 deep_mlp: Sequence[int] = (128, 64)) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+        deep = _check_sizes("deep_mlp", deep_mlp)
+        self.wide = nn.Linear(self.flat_dim, 1)
+        self.deep = mlp(self.flat_dim, deep, out_dim=1)
+
+    def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
+        x = torch.cat([*self._features(pooled, dense), dense], dim=1)
+        return (self.wide(x) + self.deep(x)).squeeze(1)
+
+
+MODELS: dict[str, type[_RecModel]] = {
+    "dlrm": DLRM,
+    "deepfm": DeepFM,
+    "dcnv2": DCNv2,
+    "wide_deep": WideAndDeep,
+}
+
+# The architecture keywords each model accepts (besides sparse_dims and num_dense).
+_ARCH_PARAMS: dict[str, tuple[str, ...]] = {
+    "dlrm": ("bottom_mlp", "top_mlp"),
+    "deepfm": ("deep_mlp", "fm_dim"),
+    "dcnv2": ("cross_layers", "cross_rank", "deep_mlp", "structure"),
+    "wide_deep": ("deep_mlp",),
+}
+
+
+def build_model(name: str, *, sparse_dims: Mapping[str, int], num_dense: int,
+                **arch: Any) -> nn.Module:
+    """Build the model ``name`` (dlrm, deepfm, dcnv2, wide_deep) with its arch keywords."""
+    cls = MODELS.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown model {name!r}; available: {sorted(MODELS)}")
+    unknown = sorted(set(arch) - set(_ARCH_PARAMS[name]))
+    if unknown:
+        raise ConfigError(f"model {name!r} does not take {unknown}; "
+                          f"it takes {list(_ARCH_PARAMS[name])}")
+    return cls(sparse_dims=sparse_dims, num_dense=num_dense, **arch)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Which model and its architecture; fields a model does not use are ignored by it."""
+
+    name: str = "dlrm"
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
+    top_mlp: list[int] = field(default_factory=lambda: [64, 32])
+    deep_mlp: list[int] = field(default_factory=lambda: [128, 64])
+    cross_layers: int = 3
+    cross_rank: int | None = None
+    structure: str = "stacked"
+    fm_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in MODELS:
+            raise ConfigError(f"unknown model {self.name!r}; available: {sorted(MODELS)}")
+        _check_sizes("bottom_mlp", self.bottom_mlp, allow_empty=False)
+        _check_sizes("top_mlp", self.top_mlp)
+        _check_sizes("deep_mlp", self.deep_mlp)
+        if self.cross_layers < 1:
+            raise ConfigError(f"cross_layers must be >= 1, got {self.cross_layers}")
+        if self.cross_rank is not None and self.cross_rank <= 0:
+            raise ConfigError(f"cross_rank must be positive or None, got {self.cross_rank}")
+        if self.structure not in ("stacked", "parallel"):
+            raise ConfigError(f"structure must be 'stacked' or 'parallel', got {self.structure!r}")
+        if self.fm_dim is not None and self.fm_dim <= 0:
+            raise ConfigError(f"fm_dim must be positive or None, got {self.fm_dim}")
+
+    def arch(self) -> dict[str, Any]:
+        """The keywords of this config that the named model takes."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: values[k] for k in _ARCH_PARAMS[self.name]}
+
+    def build(self, *, sparse_dims: Mapping[str, int], num_dense: int) -> nn.Module:
+        return build_model(self.name, sparse_dims=sparse_dims, num_dense=num_dense, **self.arch())
