@@ -1,0 +1,164 @@
+"""Stochastic quantizers: ``qsgd`` (s levels, unbiased) and ``adaquant`` (s adapted from the loss).
+
+QSGD (Alistarh et al. 2017) per bucket of ``bucket`` elements with norm ``‖v‖``:
+``r = |v_i| · s / ‖v‖``, ``l = floor(r)`` rounded up with probability ``r − l``, decoded as
+``sign · l · ‖v‖ / s`` — so ``E[decode] = v`` (unbiased) and each element is off by less
+than ``‖v‖ / s``. Wire: one float32 norm per bucket, then one ``(level << 1) | negative``
+code of ``ceil(log2(s + 1)) + 1`` bits per element, packed back to back (:mod:`.bits`).
+``s`` and the bucket size travel in meta, so decoding never needs the sender's state and
+codes from different senders must be decoded before they are summed.
+
+AdaQuantFL (Jhunjhunwala et al. 2021): ``s_k = ceil(sqrt(F_0 / F_k) · s_0)`` clipped to
+``[s_min, s_max]``, where ``F_0`` is the first reported training loss and ``F_k`` the mean
+of the last ``window`` reports (:meth:`AdaQuantCodec.report_loss`): few levels early,
+more as the loss falls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from services.common.codecs.base import Codec
+from services.common.codecs.bits import (
+    NONFINITE,
+    all_finite,
+    decode_nonfinite,
+    expect_nbytes,
+    float_input,
+    meta_int,
+    numel,
+    pack_uint,
+    unpack_uint,
+)
+from services.common.errors import ConfigError, InvalidArgument, MalformedMessage
+
+__all__ = ["MAX_LEVELS", "AdaQuantCodec", "QSGDCodec", "code_width"]
+
+MAX_LEVELS = (1 << 15) - 1
+MAX_BUCKET = 1 << 30
+
+
+def code_width(levels: int) -> int:
+    """Bits per element: ``ceil(log2(s + 1))`` level bits plus one sign bit."""
+    return int(levels).bit_length() + 1
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _bucket_of(bucket: int, n: int) -> int:
+    return min(bucket, n) if bucket else n
+
+
+class QSGDCodec(Codec):
+    """``levels`` (s) quantization levels per sign, one norm per ``bucket`` elements (0 = one norm)."""
+
+    name = "qsgd"
+
+    def __init__(self, *, levels: int = 15, bucket: int = 256, seed: int | None = None) -> None:
+        super().__init__()
+        self._levels = _check_int(f"{self.name} levels", levels, 1, MAX_LEVELS)
+        self.bucket = _check_int(f"{self.name} bucket", bucket, 0, MAX_BUCKET)
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def levels(self) -> int:
+        """The s used by the next :meth:`encode`."""
+        return self._levels
+
+    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
+        flat = float_input(x, self.name)
+        if not all_finite(flat):
+            return b"", {NONFINITE: 1}
+        s, n = self.levels, flat.size
+        b = _bucket_of(self.bucket, n)
+        if n == 0:
+            return b"", {"s": s, "b": 0}
+        nb = -(-n // b)
+        padded = np.zeros(nb * b, dtype=np.float32)
+        padded[:n] = flat
+        blocks = padded.reshape(nb, b)
+        norms = np.sqrt(np.einsum("ij,ij->i", blocks, blocks, dtype=np.float64)).astype(np.float32)
+        safe = np.where(norms > 0, norms, np.float32(1.0))
+        r = (np.abs(blocks) * (np.float32(s) / safe)[:, None]).reshape(-1)[:n]
+        level = np.floor(r)
+        level += self.rng.random(n, dtype=np.float32) < (r - level)
+        np.clip(level, 0, s, out=level)
+        codes = (level.astype(np.uint32) << 1) | (flat < 0)
+        packed = pack_uint(codes, code_width(s))
+        out = np.empty(4 * nb + packed.size, dtype=np.uint8)
+        out[: 4 * nb] = norms.astype("<f4").view(np.uint8)
+        out[4 * nb:] = packed
+        return out.data, {"s": s, "b": b}
+
+    def decode(self, data, meta, dtype, shape):
+        nan = decode_nonfinite(data, meta, dtype, shape, self.name)
+        if nan is not None:
+            return nan
+        if dtype.kind != "f":
+            raise MalformedMessage(f"{self.name} cannot decode to dtype {dtype}")
+        n = numel(shape)
+        s = meta_int(meta, "s", 1, MAX_LEVELS, self.name)
+        b = meta_int(meta, "b", 1 if n else 0, max(n, 1), self.name)
+        if n == 0:
+            expect_nbytes(data, 0, f"{self.name} empty array")
+            return np.zeros(shape, dtype=dtype)
+        nb, width = -(-n // b), code_width(s)
+        expect_nbytes(data, 4 * nb + -(-n * width // 8), f"{self.name} array of {n} elements")
+        norms = np.frombuffer(data, dtype="<f4", count=nb)
+        codes = unpack_uint(np.frombuffer(data, dtype=np.uint8, offset=4 * nb), n, width)
+        level = (codes >> 1).astype(np.float32)
+        if level.max() > s:
+            raise MalformedMessage(f"{self.name} level above s={s}")
+        sign = 1.0 - 2.0 * (codes & 1).astype(np.float32)
+        values = sign * level * np.repeat(norms / np.float32(s), b)[:n]
+        return values.astype(dtype).reshape(shape)
+
+
+class AdaQuantCodec(QSGDCodec):
+    """QSGD whose s follows the training loss: ``s_k = ceil(sqrt(F_0/F_k) · s_0)`` in [s_min, s_max].
+
+    Call :meth:`report_loss` once per step with the (ideally all-worker mean) training loss.
+    """
+
+    name = "adaquant"
+    stateful = True
+
+    def __init__(self, *, s0: int = 2, s_min: int = 2, s_max: int = 255, window: int = 10,
+                 bucket: int = 256, seed: int | None = None) -> None:
+        self.s_min = _check_int("adaquant s_min", s_min, 1, MAX_LEVELS)
+        self.s_max = _check_int("adaquant s_max", s_max, self.s_min, MAX_LEVELS)
+        self.s0 = _check_int("adaquant s0", s0, 1, MAX_LEVELS)
+        self.window = _check_int("adaquant window", window, 1, 1 << 20)
+        super().__init__(levels=min(max(self.s0, self.s_min), self.s_max), bucket=bucket,
+                         seed=seed)
+        self.initial_loss: float | None = None
+        self._recent: deque[float] = deque(maxlen=self.window)
+
+    def report_loss(self, loss: float) -> int:
+        """Record a training loss and return the s the next encode will use."""
+        try:
+            value = float(loss)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"adaquant loss must be a number, got {loss!r}") from exc
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"adaquant loss must be finite and ≥ 0, got {loss!r}")
+        if self.initial_loss is None:
+            self.initial_loss = value
+        self._recent.append(value)
+        current = sum(self._recent) / len(self._recent)
+        if current <= 0:
+            s = self.s_max
+        elif self.initial_loss == 0:
+            s = self.s_min
+        else:
+            s = math.ceil(math.sqrt(self.initial_loss / current) * self.s0)
+        self._levels = min(max(s, self.s_min), self.s_max)
+        return self._levels

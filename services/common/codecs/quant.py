@@ -1,0 +1,154 @@
+"""Fixed-rate quantizers: ``int8`` (per-row scale) and ``onebit`` (sign + per-chunk scale).
+
+int8 wire: ``rows`` float32 scales, then one int8 per element (rows = the last axis).
+Each element is within ``max|row| / 254`` of its input. A row holding NaN/Inf travels as
+a NaN scale and decodes as all-NaN, so the receiver's NaN check still sees it.
+
+onebit wire: one float32 scale per chunk of ``chunk`` elements (the chunk's RMS,
+``||c|| / sqrt(len c)``), then one sign bit per element (see :mod:`.bits`). Error feedback
+per ``key``: the input plus the residual is compressed, and what was not sent is kept
+for the next call with that key, so ``Σ sent = Σ input − residual``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from services.common.codecs.base import Codec, ErrorFeedback
+from services.common.codecs.bits import (
+    NONFINITE,
+    all_finite,
+    decode_nonfinite,
+    expect_nbytes,
+    float_input,
+    meta_int,
+    numel,
+    pack_signs,
+    unpack_signs,
+)
+from services.common.errors import ConfigError, MalformedMessage
+
+__all__ = ["Int8Codec", "OneBitCodec", "chunk_rms", "onebit_values"]
+
+MAX_CHUNK = 1 << 24
+
+
+def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, row length) of an array whose rows run along the last axis."""
+    if not shape:
+        return 1, 1
+    width = int(shape[-1])
+    return (numel(shape[:-1]) if width else 0), width
+
+
+class Int8Codec(Codec):
+    """Symmetric int8 with one float32 scale per row (``max|row| / 127``)."""
+
+    name = "int8"
+
+    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
+        flat = float_input(x, self.name)
+        rows, width = _rows(x.shape)
+        if rows == 0:
+            return b"", {}
+        x2 = flat.reshape(rows, width)
+        amax = np.max(np.abs(x2), axis=1)
+        scale = (amax / np.float32(127.0)).astype(np.float32)
+        ok = np.isfinite(scale)
+        safe = np.where(ok & (scale > 0), scale, np.float32(1.0))
+        q = np.rint(x2 / safe[:, None])
+        q[~ok] = 0
+        q = np.clip(q, -127, 127).astype(np.int8)
+        scale[~ok] = np.nan
+        out = np.empty(4 * rows + q.size, dtype=np.uint8)
+        out[: 4 * rows] = scale.astype("<f4").view(np.uint8)
+        out[4 * rows:] = q.reshape(-1).view(np.uint8)
+        return out.data, {}
+
+    def decode(self, data, meta, dtype, shape):
+        if dtype.kind != "f":
+            raise MalformedMessage(f"int8 cannot decode to dtype {dtype}")
+        rows, width = _rows(shape)
+        expect_nbytes(data, 4 * rows + rows * width, f"int8 array of shape {list(shape)}")
+        if rows == 0:
+            return np.zeros(shape, dtype=dtype)
+        scale = np.frombuffer(data, dtype="<f4", count=rows)
+        q = np.frombuffer(data, dtype=np.int8, offset=4 * rows).reshape(rows, width)
+        return (q * scale[:, None]).astype(dtype).reshape(shape)
+
+
+def chunk_rms(x: np.ndarray, chunk: int) -> np.ndarray:
+    """Float32 RMS of each consecutive ``chunk`` of flat ``x`` (the last may be short)."""
+    n = x.size
+    full, rest = divmod(n, chunk)
+    sq = np.square(x, dtype=np.float64)
+    sums = np.add.reduceat(sq, np.arange(0, n, chunk)) if n else np.zeros(0)
+    lengths = np.full(full + (1 if rest else 0), chunk, dtype=np.float64)
+    if rest:
+        lengths[-1] = rest
+    return np.sqrt(sums / lengths).astype(np.float32)
+
+
+def onebit_values(scales: np.ndarray, signs: np.ndarray, chunk: int) -> np.ndarray:
+    """``scale[chunk of i] · sign[i]`` as float32 (what a onebit payload decodes to)."""
+    return np.repeat(scales, chunk)[: signs.size] * signs
+
+
+class OneBitCodec(Codec):
+    """Sign bits plus one RMS scale per chunk, with per-key error feedback.
+
+    ``chunk``: elements per scale (default 2048, i.e. 1 + 32/2048 bits per element).
+    ``error_feedback=False`` turns the residual off (for streams that are not summed).
+    """
+
+    name = "onebit"
+    stateful = True
+
+    def __init__(self, *, chunk: int = 2048, error_feedback: bool = True) -> None:
+        super().__init__()
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
+            raise ConfigError(f"onebit chunk must be an int in [1, {MAX_CHUNK}], got {chunk!r}")
+        self.chunk = chunk
+        self.error_feedback = bool(error_feedback)
+        self.feedback = ErrorFeedback()
+
+    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
+        flat = float_input(x, self.name)
+        if not all_finite(flat):
+            return b"", {NONFINITE: 1}
+        a = self.feedback.add(key, flat) if self.error_feedback else flat
+        scales = chunk_rms(a, self.chunk)
+        bits = pack_signs(a)
+        if self.error_feedback:
+            sent = onebit_values(scales, unpack_signs(bits, a.size), self.chunk)
+            self.feedback.keep(key, a, sent)
+        out = np.empty(4 * scales.size + bits.size, dtype=np.uint8)
+        out[: 4 * scales.size] = scales.astype("<f4").view(np.uint8)
+        out[4 * scales.size:] = bits
+        return out.data, {"chunk": self.chunk}
+
+    def decode(self, data, meta, dtype, shape):
+        nan = decode_nonfinite(data, meta, dtype, shape, self.name)
+        if nan is not None:
+            return nan
+        if dtype.kind != "f":
+            raise MalformedMessage(f"onebit cannot decode to dtype {dtype}")
+        chunk = meta_int(meta, "chunk", 1, MAX_CHUNK, self.name)
+        n = numel(shape)
+        chunks = -(-n // chunk)
+        expect_nbytes(data, 4 * chunks + -(-n // 8), f"onebit array of {n} elements")
+        scales = np.frombuffer(data, dtype="<f4", count=chunks)
+        packed = np.frombuffer(data, dtype=np.uint8, offset=4 * chunks)
+        values = onebit_values(scales, unpack_signs(packed, n), chunk)
+        return values.astype(dtype).reshape(shape)
+
+    def residual(self, key: Any = None) -> np.ndarray | None:
+        """What error feedback still owes for ``key`` (None before the first encode)."""
+        return self.feedback.residual(key)
+
+    def reset(self) -> None:
+        """Forget every residual (e.g. after a checkpoint restore)."""
+        self.feedback.reset()
+

@@ -1,0 +1,134 @@
+"""Bad codec names, bad parameters and corrupted payloads give clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.common.codecs import decoder, get_codec
+from services.common.errors import ConfigError, InvalidArgument, MalformedMessage
+from services.common.wire import array_from_wire, decode_message, encode_message
+
+LOSSY = ["int8", "onebit", "topk", "dct", "qsgd", "adaquant", "fp16+zstd", "int8+lz4", "dct+zstd"]
+
+
+def _body(name: str, **params) -> dict:
+    x = np.random.default_rng(0).standard_normal((16, 40)).astype(np.float32)
+    body = get_codec(name, **params).to_wire(x)
+    body["data"] = bytes(body["data"])
+    return body
+
+
+@pytest.mark.parametrize("name", ["nope", "zstd", "fp16+gzip", "FP16", "", "fp16+zstd+lz4+zstd"])
+def test_unknown_names_are_invalid_argument(name):
+    with pytest.raises(InvalidArgument, match="codec|wrapper"):
+        get_codec(name)
+
+
+def test_wrapper_alone_gets_a_hint():
+    with pytest.raises(InvalidArgument, match="none\\+zstd"):
+        get_codec("zstd")
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("topk", {"keep": 0}), ("topk", {"keep": 1.5}), ("dct", {"refresh": 0}),
+    ("dct", {"threshold": -1.0}), ("dct", {"drift": 0.5}), ("dct", {"values": "int4"}),
+    ("onebit", {"chunk": 0}), ("qsgd", {"levels": 0}), ("qsgd", {"levels": 1 << 20}),
+    ("adaquant", {"s_min": 8, "s_max": 4}), ("qsgd", {"bogus": 1}), ("fp16+zstd", {"keep": 0.1}),
+])
+def test_bad_parameters_are_invalid_argument(name, params):
+    with pytest.raises(InvalidArgument):
+        get_codec(name, **params)
+
+
+def test_non_float_input_is_refused_without_state_change():
+    codec = get_codec("dct", keep=0.1)
+    x = np.ones(100, dtype=np.float32)
+    codec.encode(x, key="k")
+    before = codec.residual("k").copy()
+    with pytest.raises(InvalidArgument, match="float"):
+        codec.encode(np.ones(100, dtype=np.int64), key="k")
+    np.testing.assert_array_equal(codec.residual("k"), before)
+    assert codec.stats.arrays == 0  # encode() alone does not count; to_wire does
+
+
+@pytest.mark.parametrize("name", LOSSY)
+@pytest.mark.parametrize("damage", ["truncate", "extend", "empty"])
+def test_corrupted_buffer_is_malformed(name, damage):
+    body = _body(name)
+    data = body["data"]
+    body["data"] = {"truncate": data[:-1], "extend": data + b"\0", "empty": b""}[damage]
+    with pytest.raises(MalformedMessage):
+        decoder(name).from_wire(body)
+    with pytest.raises(MalformedMessage):
+        array_from_wire(decode_message(encode_message({"a": body}))["a"])
+
+
+@pytest.mark.parametrize(("name", "key", "value"), [
+    ("onebit", "chunk", 0), ("onebit", "chunk", "64"), ("topk", "mode", "weird"),
+    ("topk", "k", -1), ("topk", "k", 10**9), ("topk", "v", "fp8"), ("qsgd", "s", 0),
+    ("qsgd", "b", 0), ("adaquant", "s", True), ("fp16+zstd", "n", 10**12), ("fp16+zstd", "m", 3),
+])
+def test_corrupted_meta_is_malformed(name, key, value):
+    body = _body(name)
+    body["meta"][key] = value
+    with pytest.raises(MalformedMessage):
+        decoder(name).decode(body["data"], body["meta"], np.dtype(np.float32), (16, 40))
+
+
+def test_missing_meta_is_malformed():
+    body = _body("qsgd")
+    body["meta"] = {}
+    with pytest.raises(MalformedMessage, match="meta 's'"):
+        array_from_wire(body)
+
+
+def test_sparse_indices_out_of_range_or_unsorted():
+    body = _body("topk", keep=0.05)
+    k = body["meta"]["k"]
+    idx = np.frombuffer(body["data"], dtype="<i4", count=k).copy()
+    for bad in (np.r_[idx[:-1], 640], idx[::-1].copy(), np.r_[idx[:-1], idx[-2]]):
+        body["data"] = bad.astype("<i4").tobytes() + body["data"][4 * k:]
+        with pytest.raises(MalformedMessage, match="indices"):
+            array_from_wire(body)
+
+
+def test_qsgd_level_above_s_is_malformed():
+    body = _body("qsgd", levels=2, bucket=0)  # 2 level bits: the code 3 exists but s = 2
+    n = 16 * 40
+    body["data"] = body["data"][:4] + b"\xff" * (-(-n * 3 // 8))
+    with pytest.raises(MalformedMessage, match="level"):
+        array_from_wire(body)
+
+
+def test_corrupt_compressed_stream_is_malformed():
+    body = _body("fp16+zstd")
+    data = bytearray(body["data"])
+    data[len(data) // 2] ^= 0xFF
+    data[-1] ^= 0xFF
+    body["data"] = bytes(data)
+    with pytest.raises(MalformedMessage):
+        array_from_wire(body)
+
+
+def test_unknown_codec_on_the_wire_is_malformed():
+    body = _body("int8")
+    body["codec"] = "int9"
+    with pytest.raises(MalformedMessage, match="int9"):
+        array_from_wire(body)
+
+
+def test_nonfinite_flag_with_data_is_malformed():
+    body = _body("onebit")
+    body["meta"] = {"nonfinite": 1}
+    with pytest.raises(MalformedMessage):
+        array_from_wire(body)
+
+
+def test_codec_spec_validates_at_config_time():
+    from services.common.codecs import CodecSpec
+
+    with pytest.raises(ConfigError, match="keep"):
+        CodecSpec(name="dct", params={"keep": 2.0})
+    with pytest.raises(ConfigError, match="unknown codec"):
+        CodecSpec.parse("dtc")
