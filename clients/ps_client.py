@@ -147,6 +147,8 @@ class PSClient:
         replies = await asyncio.wait_for(asyncio.gather(*bodies), self.timeout)
         dim = self.dims.get(table)
         rows_by_shard = [array_from_wire(r["rows"]) for r in replies]
+        if self.num_shards == 1 and rows_by_shard:
+            return rows_by_shard[0].astype(np.float32, copy=True)  # a writable copy, no scatter
         if rows_by_shard:
             dim = rows_by_shard[0].shape[1]
             self.dims[table] = dim
