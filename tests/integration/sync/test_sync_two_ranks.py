@@ -1,0 +1,142 @@
+"""Two local ranks: the shadow thread never blocks training, the DDP comm-hook slot, failures."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+from services.common.errors import Internal
+from services.worker.distributed import init_distributed, run_local_ranks
+from services.worker.models import build_model
+from services.worker.sync import make_sync
+from services.worker.sync.base import flatten
+
+
+class CountingState:
+    """A hook state that reports the bytes it put on the wire, as the compression hooks do."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.wire_bytes = 0
+
+
+def counting_fp16_hook(state: CountingState, bucket: dist.GradBucket
+                       ) -> torch.futures.Future[torch.Tensor]:
+    state.calls += 1
+    state.wire_bytes += bucket.buffer().numel() * 2
+    return fp16_compress_hook(None, bucket)
+
+
+def shadow_never_blocks(rank: int) -> dict[str, Any]:
+    """Rank 1 stays away until rank 0 took 30 steps, so rank 0's first round cannot finish."""
+    sync = make_sync("shadow")
+    model = torch.nn.Linear(64, 64)
+    sync.prepare(model)
+    with torch.no_grad():
+        for p in sync.params:
+            p.add_(float(rank))
+    out: dict[str, Any] = {}
+    if rank == 0:
+        times = []
+        for step in range(30):
+            t0 = time.perf_counter()
+            sync.after_step(step)
+            times.append(time.perf_counter() - t0)
+        out["max_step_s"] = max(times)
+        out["syncs_while_peer_away"] = sync.stats.syncs
+        out["in_flight"] = sync.rounds_in_flight
+    dist.barrier()          # rank 1 joins the shadow group's round only now
+    for step in range(30, 40):
+        sync.after_step(step)
+    sync.close()
+    out["consensus"] = sync.consensus_distance()
+    out["mean_param"] = float(flatten(sync.params).mean())
+    return out
+
+
+def ddp_with_comm_hook(rank: int) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    model = build_model("dlrm", sparse_dims={"a": 4, "b": 4}, num_dense=2,
+                        bottom_mlp=[8, 4], top_mlp=[8])
+    state = CountingState()
+    sync = make_sync("allreduce", comm_hook=(state, counting_fp16_hook))
+    ddp = sync.prepare(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(10 + rank)
+    for step in range(3):
+        pooled = {k: torch.randn(8, 4, generator=g) for k in ("a", "b")}
+        loss = ddp(pooled, torch.randn(8, 2, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        sync.after_backward(step)
+        opt.step()
+        sync.after_step(step)
+    return {"calls": state.calls, "wire_bytes": state.wire_bytes,
+            "bytes_sent": sync.stats.bytes_sent, "consensus": sync.consensus_distance(),
+            "sync_seconds": sync.stats.sync_seconds,
+            "param_count": sum(p.numel() for p in sync.params)}
+
+
+def gossip_pair(rank: int) -> float:
+    sync = make_sync("gossip", topology="ring")
+    sync.prepare(torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        for p in sync.params:
+            p.fill_(float(rank * 4))
+    sync.after_step(0)
+    return float(flatten(sync.params).sub(2.0).abs().max())   # the pair's mean is 2
+
+
+def two_rank_checks(rank: int, world: int) -> dict[str, Any]:
+    info = init_distributed()      # already joined: describes the group
+    return {"info": (info.rank, info.world_size, info.backend, info.initialized),
+            "shadow": shadow_never_blocks(rank), "hook": ddp_with_comm_hook(rank),
+            "gossip_pair": gossip_pair(rank)}
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return run_local_ranks(two_rank_checks, 2, timeout_s=120)
+
+
+def test_ranks_see_their_group(two: list[dict[str, Any]]) -> None:
+    assert [r["info"] for r in two] == [(0, 2, "gloo", True), (1, 2, "gloo", True)]
+
+
+def test_shadow_thread_never_blocks_the_training_step(two: list[dict[str, Any]]) -> None:
+    r0 = two[0]["shadow"]
+    assert r0["syncs_while_peer_away"] == 0 and r0["in_flight"] == 1   # round still pending
+    assert r0["max_step_s"] < 0.25            # a memcpy, never a wait on the peer
+    for r in two:
+        assert r["shadow"]["consensus"] < 1e-6
+    assert two[0]["shadow"]["mean_param"] == pytest.approx(two[1]["shadow"]["mean_param"])
+
+
+def test_ddp_comm_hook_slot_is_used_and_reports_wire_bytes(two: list[dict[str, Any]]) -> None:
+    for r in two:
+        h = r["hook"]
+        assert h["calls"] >= 3
+        assert h["wire_bytes"] == 3 * 2 * h["param_count"]   # fp16: half of the fp32 payload
+        assert h["bytes_sent"] == h["wire_bytes"]
+        assert h["consensus"] == 0.0
+        assert h["sync_seconds"] > 0
+
+
+def test_gossip_with_two_ranks_is_the_pair_average(two: list[dict[str, Any]]) -> None:
+    assert all(r["gossip_pair"] == 0.0 for r in two)
+
+
+def failing_rank(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("boom from rank one")
+    return rank
+
+
+def test_a_failing_rank_is_reported_with_its_traceback() -> None:
+    with pytest.raises(Internal, match="(?s)local rank 1 failed.*boom from rank one"):
+        run_local_ranks(failing_rank, 2, timeout_s=60)

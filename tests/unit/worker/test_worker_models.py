@@ -1,0 +1,167 @@
+"""Models: shapes, gradients, the interaction formulas against naive loops, config errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from services.common.config import from_dict
+from services.common.errors import ConfigError, InvalidArgument
+from services.worker.models import (
+    MODELS,
+    CrossLayerV2,
+    DCNv2,
+    ModelConfig,
+    build_model,
+    dot_interaction,
+    fm_second_order,
+    pick_device,
+)
+
+DIMS = {"user": 8, "item": 8, "cat": 4}
+
+
+def _inputs(batch: int = 6, num_dense: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    pooled = {k: torch.randn(batch, d, generator=g, requires_grad=True) for k, d in DIMS.items()}
+    return pooled, torch.randn(batch, num_dense, generator=g)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("num_dense", [0, 3])
+def test_forward_shape_and_every_parameter_gets_a_gradient(name: str, num_dense: int) -> None:
+    torch.manual_seed(0)
+    model = build_model(name, sparse_dims=DIMS, num_dense=num_dense)
+    pooled, dense = _inputs(num_dense=num_dense)
+    logits = model(pooled, dense)
+    assert logits.shape == (6,)
+    assert torch.isfinite(logits).all()
+    logits.sum().backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, pname
+    for fname, t in pooled.items():
+        assert t.grad is not None and t.grad.abs().sum() > 0, fname
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_same_seed_same_model_and_extra_keys_ignored(name: str) -> None:
+    torch.manual_seed(3)
+    a = build_model(name, sparse_dims=DIMS, num_dense=3)
+    torch.manual_seed(3)
+    b = build_model(name, sparse_dims=DIMS, num_dense=3)
+    pooled, dense = _inputs()
+    extra = dict(pooled, unused=torch.zeros(6, 2))
+    assert torch.equal(a(pooled, dense), b(extra, dense))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_learn_a_planted_signal(name: str) -> None:
+    torch.manual_seed(1)
+    model = build_model(name, sparse_dims=DIMS, num_dense=3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    pooled, dense = _inputs(batch=128, seed=5)
+    pooled = {k: v.detach() for k, v in pooled.items()}
+    labels = ((pooled["user"] * pooled["item"]).sum(1) + dense[:, 0] > 0).float()
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    first = loss_fn(model(pooled, dense), labels).item()
+    for _ in range(60):
+        opt.zero_grad()
+        loss = loss_fn(model(pooled, dense), labels)
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.7 * first
+
+
+def test_dot_interaction_matches_pairwise_loop() -> None:
+    t = torch.randn(3, 5, 4)
+    li, lj = torch.tril_indices(5, 5, offset=-1)
+    z = dot_interaction(t, li, lj)
+    expected = torch.stack([torch.stack([t[b, i] @ t[b, j] for i, j in zip(li, lj, strict=True)])
+                            for b in range(3)])
+    torch.testing.assert_close(z, expected)
+
+
+def test_fm_second_order_matches_pairwise_sum() -> None:
+    v = torch.randn(4, 6, 3, dtype=torch.float64)
+    expected = torch.stack([
+        sum((v[b, i] * v[b, j]).sum() for i, j in itertools.combinations(range(6), 2))
+        for b in range(4)])
+    torch.testing.assert_close(fm_second_order(v), expected)
+
+
+@pytest.mark.parametrize("rank", [None, 2])
+def test_cross_layer_formula(rank: int | None) -> None:
+    layer = CrossLayerV2(5, rank)
+    x0, x = torch.randn(2, 5), torch.randn(2, 5)
+    if rank is None:
+        w = layer.w.weight @ x.T + layer.w.bias[:, None]
+    else:
+        w = layer.w[1].weight @ (layer.w[0].weight @ x.T) + layer.w[1].bias[:, None]
+    torch.testing.assert_close(layer(x0, x), x0 * w.T + x)
+
+
+def test_dcn_parallel_and_low_rank() -> None:
+    model = DCNv2(sparse_dims=DIMS, num_dense=3, structure="parallel", cross_rank=2,
+                  cross_layers=2)
+    pooled, dense = _inputs()
+    assert model(pooled, dense).shape == (6,)
+    assert model.head.in_features == sum(DIMS.values()) + 3 + 64
+
+
+def test_bad_inputs_are_clear_errors() -> None:
+    model = build_model("dlrm", sparse_dims=DIMS, num_dense=3)
+    pooled, dense = _inputs()
+    with pytest.raises(InvalidArgument, match="'cat' is missing"):
+        model({k: v for k, v in pooled.items() if k != "cat"}, dense)
+    with pytest.raises(InvalidArgument, match="pooled\\['user'\\] must be \\(6, 8\\)"):
+        model(dict(pooled, user=torch.zeros(6, 7)), dense)
+    with pytest.raises(InvalidArgument, match="dense must be"):
+        model(pooled, torch.zeros(6, 2))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"sparse_dims": {}, "num_dense": 1}, "at least one sparse feature"),
+    ({"sparse_dims": {"a": 0}, "num_dense": 1}, "positive int"),
+    ({"sparse_dims": {"a": 4}, "num_dense": -1}, "num_dense"),
+    ({"sparse_dims": {"a": 4}, "num_dense": 1, "bottom_mlp": []}, "at least one layer"),
+    ({"sparse_dims": {"a": 4}, "num_dense": 1, "top_mlp": [8, 0]}, "positive layer sizes"),
+])
+def test_bad_dlrm_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build_model("dlrm", **kwargs)
+
+
+def test_build_model_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown model 'nope'"):
+        build_model("nope", sparse_dims=DIMS, num_dense=1)
+    with pytest.raises(ConfigError, match="does not take \\['cross_layers'\\]"):
+        build_model("dlrm", sparse_dims=DIMS, num_dense=1, cross_layers=2)
+    with pytest.raises(ConfigError, match="structure"):
+        build_model("dcnv2", sparse_dims=DIMS, num_dense=1, structure="diagonal")
+
+
+def test_model_config_from_dict_builds_and_rejects() -> None:
+    cfg = from_dict(ModelConfig, {"name": "deepfm", "deep_mlp": [16, 8], "fm_dim": 4})
+    assert cfg.arch() == {"deep_mlp": [16, 8], "fm_dim": 4}
+    model = cfg.build(sparse_dims=DIMS, num_dense=2)
+    pooled, _ = _inputs()
+    assert model(pooled, torch.zeros(6, 2)).shape == (6,)
+    with pytest.raises(ConfigError, match="unknown keys \\['hidden'\\]"):
+        from_dict(ModelConfig, {"name": "dlrm", "hidden": [3]})
+    with pytest.raises(ConfigError, match="unknown model"):
+        ModelConfig(name="xgboost")
+    with pytest.raises(ConfigError, match="cross_layers"):
+        ModelConfig(cross_layers=0)
+
+
+def test_pick_device() -> None:
+    assert pick_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert pick_device().type == expected
+    with pytest.raises(ConfigError, match="bad device"):
+        pick_device("tpu-ish")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            pick_device("cuda")
