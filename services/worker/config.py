@@ -1,0 +1,88 @@
+"""Configuration of the Trainer (one NN worker): mode, staleness, dense optimizer, codecs.
+
+:class:`TrainerConfig` is the flat, flag- and YAML-friendly form; ``persimmon worker`` and
+``persimmon train`` load it with :func:`services.common.config.load_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.codecs import get_codec
+from services.common.errors import ConfigError, PersimmonError
+from services.worker.pooling import POOLING_MODES
+
+__all__ = ["DENSE_OPTIMIZERS", "MODES", "TrainerConfig", "ps_table_configs"]
+
+MODES = ("sync", "hybrid", "async")
+DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """How one worker trains.
+
+    ``staleness`` S bounds the batches in flight in ``hybrid`` mode: a batch takes one of
+    ``max(S, 1)`` semaphore slots before its lookup and frees it when its push is
+    acknowledged, so a lookup sees at most ``S - 1`` earlier pushes still unacknowledged
+    (never more than S). ``sync`` is S = 0 (one batch at a time, bit-reproducible);
+    ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead).
+    """
+
+    mode: str = field(default="hybrid", metadata={"help": "sync, hybrid or async"})
+    staleness: int = field(default=8, metadata={"help": "hybrid: batches in flight (S)"})
+    prefetch: int = field(default=8, metadata={"help": "async: lookups ahead of compute"})
+    dense_optimizer: str = field(default="adam", metadata={"help": "adam, adagrad or sgd"})
+    lr: float = field(default=1e-3, metadata={"help": "dense learning rate"})
+    rows_codec: str = field(default="none", metadata={"help": "codec of rows PS -> worker"})
+    grads_codec: str = field(default="none", metadata={"help": "codec of grads worker -> PS"})
+    pooling: str = field(default="sum", metadata={"help": "pooling per sample: sum or mean"})
+    eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0: at end)"})
+    seed: int = field(default=0, metadata={"help": "seed of the dense model's init"})
+    device: str | None = field(default=None, metadata={"help": "cpu, cuda (default: auto)"})
+    timeout_s: float = field(default=30.0, metadata={"help": "PS request timeout"})
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) \
+                or self.staleness < 0:
+            raise ConfigError(f"staleness must be an int >= 0, got {self.staleness!r}")
+        if self.prefetch < 1:
+            raise ConfigError(f"prefetch must be >= 1, got {self.prefetch}")
+        if self.dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ConfigError(f"dense_optimizer must be one of {DENSE_OPTIMIZERS}, "
+                              f"got {self.dense_optimizer!r}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        for name in ("rows_codec", "grads_codec"):
+            try:
+                get_codec(getattr(self, name))
+            except PersimmonError as exc:
+                raise ConfigError(f"{name}: {exc.message}") from exc
+        if self.pooling not in POOLING_MODES:
+            raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def window(self) -> int | None:
+        """Batches allowed in flight (lookup taken, push not acknowledged); None: unbounded."""
+        if self.mode == "sync":
+            return 1
+        if self.mode == "hybrid":
+            return max(self.staleness, 1)
+        return None
+
+
+def ps_table_configs(feature_dims: dict[str, int], *, prefix: str = "", lr: float = 0.05,
+                     optimizer: str = "adagrad", seed: int = 0) -> list[dict[str, object]]:
+    """PS table configs (dicts for ``LocalPS``/YAML), one table ``prefix + feature`` each,
+    with the server-side optimizer that trains planted data well (Adagrad, lr 0.05)."""
+    if not feature_dims:
+        raise ConfigError("feature_dims must name at least one feature")
+    return [{"name": f"{prefix}{name}", "dim": int(dim), "seed": seed,
+             "optimizer": {"kind": optimizer, "lr": lr}}
+            for name, dim in feature_dims.items()]

@@ -1,0 +1,371 @@
+"""The Trainer: PERSIA hybrid training of a model whose embeddings live on the PS.
+
+One step of one batch::
+
+    plan_batch (dedup ids per table) → PSClient.lookup_unique per table (concurrently)
+    → pool_batch → model forward/backward (BCE with logits) → dense sync + optimizer step
+    → PSClient.push_unique of the per-unique-row gradients per table (in the background)
+
+Lookups run in a producer task ahead of compute; compute runs in a thread so the event loop
+keeps serving lookups and pushes meanwhile. The bound on staleness is a semaphore of
+``TrainerConfig.window`` slots: taken before a batch's lookup, freed when its push is
+acknowledged (``sync``: 1 slot, so a lookup waits for every earlier push; ``hybrid``:
+``max(S, 1)``; ``async``: none). The staleness of a batch is the number of earlier batches
+whose push is not yet acknowledged when its lookup starts; ``fit`` reports the maximum.
+
+Dense replicas synchronise through a :mod:`services.worker.sync` strategy (DDP all-reduce by
+default) when a torch.distributed group of more than one rank is initialised.
+
+Usage::
+
+    async with Trainer(model=ModelConfig(name="dlrm"), ps_addresses=addrs,
+                       tables={"C1": "C1", ...}, mode="hybrid", staleness=8) as trainer:
+        summary = await trainer.fit(train_batches, eval_batches=test_batches)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from clients.batch import Batch
+from clients.ps_client import PSClient
+from services.common.errors import ConfigError, InvalidArgument
+from services.worker.config import TrainerConfig
+from services.worker.evaluation import EvalAccumulator, gather_accumulator
+from services.worker.models import ModelConfig, pick_device
+from services.worker.pooling import BatchPlan, plan_batch, pool_batch
+from services.worker.sync import SyncStrategy, make_sync
+
+__all__ = ["Trainer"]
+
+Batches = AsyncIterable[Batch] | Iterable[Batch]
+_DONE = object()
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A batch whose rows came back from the PS, ready for compute."""
+
+    batch: Batch
+    plan: BatchPlan
+    rows: dict[str, np.ndarray]
+    staleness: int
+
+
+async def _iterate(batches: Batches) -> AsyncIterator[Batch]:
+    if isinstance(batches, AsyncIterable):
+        async for b in batches:
+            yield b
+    else:
+        for b in batches:
+            yield b
+
+
+def _make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr)
+
+
+class Trainer:
+    """Trains ``model`` on batches with embeddings on the PS at ``ps_addresses``.
+
+    ``model`` is an ``nn.Module`` called as ``model(pooled, dense) -> logits`` or a
+    :class:`ModelConfig` (built at the first batch from the tables' dims and the batch's dense
+    width, after ``torch.manual_seed(seed)``). ``tables`` maps each sparse feature to its PS
+    table (default: every feature of the first batch, table named like the feature); a
+    feature's dim is its table's dim on the PS. Settings are a :class:`TrainerConfig` or its
+    fields as keywords. ``on_step(info)`` is called after every step (progress bars).
+    """
+
+    def __init__(self, *, model: nn.Module | ModelConfig | str, ps_addresses: Sequence[str],
+                 tables: Mapping[str, str] | None = None, config: TrainerConfig | None = None,
+                 sync: SyncStrategy | None = None,
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 **settings: Any) -> None:
+        if config is not None and settings:
+            raise ConfigError(f"give a config or settings, not both (got {sorted(settings)})")
+        try:
+            self.config = config or TrainerConfig(**settings)
+        except TypeError as exc:
+            raise ConfigError(f"unknown trainer setting: {exc}") from exc
+        if isinstance(model, str):
+            model = ModelConfig(name=model)
+        if not isinstance(model, nn.Module | ModelConfig):
+            raise ConfigError(f"model must be an nn.Module or a ModelConfig, got {type(model)}")
+        if not ps_addresses:
+            raise ConfigError("ps_addresses must list at least one PS shard")
+        self.tables: dict[str, str] | None = dict(tables) if tables is not None else None
+        if self.tables is not None and not self.tables:
+            raise ConfigError("tables must map at least one feature to a PS table")
+        self.ps = PSClient(list(ps_addresses), rows_codec=self.config.rows_codec,
+                           grads_codec=self.config.grads_codec, timeout=self.config.timeout_s)
+        self.device = pick_device(self.config.device)
+        self._model_spec = model
+        self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
+        self._forward: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._sync = sync
+        self.on_step = on_step
+        self._connected = False
+        self._unacked = 0
+        self.step = 0
+        self.losses: list[float] = []          # training loss of every step
+        self.staleness: list[int] = []         # staleness of every step's lookup
+        self.history: list[dict[str, float]] = []  # evaluations: step, auc, logloss, samples
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> Trainer:
+        """Connect to the PS (idempotent)."""
+        if not self._connected:
+            await self.ps.connect()
+            self._connected = True
+        return self
+
+    async def close(self) -> None:
+        if self._connected:
+            await self.ps.close()
+            self._connected = False
+        if self._sync is not None and self._forward is not None:
+            self._sync.close()
+
+    async def __aenter__(self) -> Trainer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- model ---------------------------------------------------------------------------
+
+    def _features(self, batch: Batch) -> dict[str, Any]:
+        if self.tables is None:
+            self.tables = {name: name for name in batch.sparse}
+        missing = sorted(set(self.tables) - set(batch.sparse))
+        if missing:
+            raise InvalidArgument(f"batch {batch.batch_id} lacks sparse features {missing}")
+        return {name: batch.sparse[name] for name in self.tables}
+
+    async def _ensure_model(self, batch: Batch) -> None:
+        if self._forward is not None:
+            return
+        assert self.tables is not None  # set by _features before any model is needed
+        if self.module is None:
+            await self.ps.tables()
+            unknown = sorted(t for t in self.tables.values() if t not in self.ps.dims)
+            if unknown:
+                raise ConfigError(f"PS tables {unknown} do not exist; "
+                                  f"the PS has {sorted(self.ps.dims)}")
+            dims = {f: self.ps.dims[t] for f, t in self.tables.items()}
+            torch.manual_seed(self.config.seed)
+            spec = self._model_spec
+            assert isinstance(spec, ModelConfig)
+            self.module = spec.build(sparse_dims=dims, num_dense=batch.num_dense)
+        self.module.to(self.device)
+        if self._sync is None and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1:
+            self._sync = make_sync("allreduce")
+        self._forward = self._sync.prepare(self.module) if self._sync else self.module
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self._optimizer = _make_optimizer(self.config.dense_optimizer, params, self.config.lr)
+
+    # ---- PS round trips ------------------------------------------------------------------
+
+    async def _lookup(self, batch: Batch) -> tuple[BatchPlan, dict[str, np.ndarray]]:
+        plan = plan_batch(self._features(batch), table_of=self.tables)
+        tables = list(plan.unique)
+        rows = await asyncio.gather(*(self.ps.lookup_unique(t, plan.unique[t]) for t in tables))
+        return plan, dict(zip(tables, rows, strict=True))
+
+    async def _push(self, plan: BatchPlan, grads: dict[str, np.ndarray],
+                    slots: asyncio.Semaphore | None) -> None:
+        try:
+            await asyncio.gather(*(self.ps.push_unique(t, plan.unique[t], g)
+                                   for t, g in grads.items()))
+        finally:
+            self._unacked -= 1
+            if slots is not None:
+                slots.release()
+
+    async def _produce(self, batches: Batches, steps: int | None,
+                       slots: asyncio.Semaphore | None, queue: asyncio.Queue[Any]) -> None:
+        """Look batches up ahead of compute, each after taking a slot."""
+        try:
+            taken = 0
+            async for batch in _iterate(batches):
+                if steps is not None and taken >= steps:
+                    break
+                if slots is not None:
+                    await slots.acquire()
+                staleness = self._unacked
+                self._unacked += 1
+                plan, rows = await self._lookup(batch)
+                await queue.put(_Prepared(batch, plan, rows, staleness))
+                taken += 1
+            await queue.put(_DONE)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            await queue.put(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    # ---- compute (runs in a thread) ------------------------------------------------------
+
+    def _inputs(self, item: _Prepared) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        pooled = pool_batch(item.plan, item.rows, mode=self.config.pooling, device=self.device)
+        dense = torch.from_numpy(item.batch.dense).to(self.device)
+        labels = torch.from_numpy(item.batch.labels).to(self.device)
+        return pooled, dense, labels
+
+    def _train_step(self, item: _Prepared) -> tuple[float, np.ndarray, dict[str, np.ndarray]]:
+        assert self._forward is not None and self._optimizer is not None and self.module
+        pooled, dense, labels = self._inputs(item)
+        self.module.train()
+        logits = self._forward(pooled.pooled, dense)
+        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        self._optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self._sync is not None:
+            self._sync.after_backward(self.step)
+        self._optimizer.step()
+        if self._sync is not None:
+            self._sync.after_step(self.step)
+        return float(loss.item()), logits.detach().cpu().numpy(), pooled.row_grads()
+
+    def _eval_step(self, item: _Prepared) -> np.ndarray:
+        assert self.module is not None
+        pooled, dense, _ = self._inputs(item)
+        self.module.eval()
+        with torch.no_grad():
+            return self.module(pooled.pooled, dense).cpu().numpy()
+
+    # ---- public API ----------------------------------------------------------------------
+
+    async def fit(self, batches: Batches, *, steps: int | None = None,
+                  eval_batches: Callable[[], Batches] | Sequence[Batch] | None = None
+                  ) -> dict[str, Any]:
+        """Train on ``batches`` (at most ``steps`` of them); returns the summary dict.
+
+        ``eval_batches`` (a list, or a callable giving a fresh iterable) is evaluated every
+        ``eval_every`` steps and at the end; the summary's ``auc``/``logloss`` are then the
+        final held-out figures, else the progressive (pre-update) training figures.
+        """
+        if steps is not None and steps < 1:
+            raise InvalidArgument(f"steps must be >= 1 or None, got {steps}")
+        await self.start()
+        window = self.config.window
+        slots = asyncio.Semaphore(window) if window is not None else None
+        queue: asyncio.Queue[Any] = asyncio.Queue(
+            maxsize=0 if window is not None else self.config.prefetch)
+        producer = asyncio.create_task(self._produce(batches, steps, slots, queue))
+        pushes: set[asyncio.Task[None]] = set()
+        train_acc = EvalAccumulator()
+        samples, first_step = 0, self.step
+        started = time.perf_counter()
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                await self._ensure_model(item.batch)
+                loss, logits, grads = await asyncio.to_thread(self._train_step, item)
+                task = asyncio.create_task(self._push(item.plan, grads, slots))
+                pushes.add(task)
+                _prune_pushes(pushes)
+                train_acc.update(item.batch.labels, logits)
+                self.losses.append(loss)
+                self.staleness.append(item.staleness)
+                self.step += 1
+                samples += item.batch.size
+                if self.on_step is not None:
+                    self.on_step({"step": self.step, "loss": loss, "staleness": item.staleness,
+                                  "samples": samples,
+                                  "samples_per_s": samples / (time.perf_counter() - started)})
+                if self.config.eval_every and eval_batches is not None \
+                        and self.step % self.config.eval_every == 0:
+                    await self._evaluate_into_history(eval_batches)
+            await asyncio.gather(*pushes)
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, *pushes, return_exceptions=True)
+        seconds = time.perf_counter() - started
+        steps_done = self.step - first_step
+        summary: dict[str, Any] = {
+            "mode": self.config.mode, "staleness": self.config.staleness,
+            "steps": steps_done, "samples": samples, "seconds": seconds,
+            "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+            "loss": float(np.mean(self.losses[-50:])) if steps_done else math.nan,
+            "staleness_max": max(self.staleness[first_step:], default=0),
+            "staleness_mean": float(np.mean(self.staleness[first_step:])) if steps_done else 0.0,
+        }
+        train = gather_accumulator(train_acc).result()
+        summary.update(train_auc=train.auc, train_logloss=train.logloss)
+        if eval_batches is not None:
+            last = (self.history[-1] if self.history and self.history[-1]["step"] == self.step
+                    else await self._evaluate_into_history(eval_batches))
+            summary.update(auc=last["auc"], logloss=last["logloss"],
+                           eval_samples=last["samples"])
+        else:
+            summary.update(auc=train.auc, logloss=train.logloss)
+        summary["wire_bytes"] = self.ps.wire_bytes()
+        return summary
+
+    async def _evaluate_into_history(self, eval_batches: Callable[[], Batches] | Sequence[Batch]
+                                     ) -> dict[str, float]:
+        source = eval_batches() if callable(eval_batches) else eval_batches
+        result = await self.evaluate(source)
+        entry = {"step": self.step, **result}
+        self.history.append(entry)
+        return entry
+
+    async def evaluate(self, batches: Batches) -> dict[str, float]:
+        """Held-out ``auc``, ``logloss`` and ``samples`` (over every rank's batches when a
+        process group is initialised: then every rank must call it)."""
+        await self.start()
+        acc = EvalAccumulator()
+        iterator = _iterate(batches).__aiter__()
+        pending: asyncio.Task[Any] | None = None
+
+        async def fetch() -> tuple[Batch, BatchPlan, dict[str, np.ndarray]] | None:
+            try:
+                batch = await iterator.__anext__()
+            except StopAsyncIteration:
+                return None
+            return (batch, *await self._lookup(batch))
+
+        pending = asyncio.create_task(fetch())
+        try:
+            while (got := await pending) is not None:
+                pending = asyncio.create_task(fetch())  # the next lookup overlaps compute
+                batch, plan, rows = got
+                await self._ensure_model(batch)
+                item = _Prepared(batch, plan, rows, 0)
+                acc.update(batch.labels, await asyncio.to_thread(self._eval_step, item))
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+        result = gather_accumulator(acc).result()
+        return {"auc": result.auc, "logloss": result.logloss, "samples": result.count}
+
+
+def _prune_pushes(tasks: set[asyncio.Task[None]]) -> None:
+    """Forget acknowledged pushes; raise the error of a failed one."""
+    for task in [t for t in tasks if t.done()]:
+        tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            raise exc
