@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from services.common.errors import ConfigError, InvalidArgument
 
 __all__ = [
+    "CrossLayerV2",
     "DCNv2",
     "DLRM",
     "MODELS",
