@@ -26,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from services.ps.hashtable import PREFETCH_DISTANCE as AHEAD
+from services.ps.hashtable import prefetch, prefetch_row
 from services.ps.tables import OptimizerConfig, OptimizerKind
 
 __all__ = ["apply_update", "init_state", "state_layout"]
@@ -67,7 +69,10 @@ def _clip(w, bound):  # pragma: no cover - numba
 
 @njit(cache=True, nogil=True)
 def _sgd(W, wi, G, lr, bound):  # pragma: no cover - numba
-    for k in range(G.shape[0]):
+    n = G.shape[0]
+    for k in range(n):
+        if k + AHEAD < n:
+            prefetch_row(W, wi[k + AHEAD])
         r = wi[k]
         for c in range(G.shape[1]):
             W[r, c] = _clip(W[r, c] - lr * G[k, c], bound)
@@ -75,7 +80,11 @@ def _sgd(W, wi, G, lr, bound):  # pragma: no cover - numba
 
 @njit(cache=True, nogil=True)
 def _adagrad(W, wi, A, si, G, lr, eps, bound):  # pragma: no cover - numba
-    for k in range(G.shape[0]):
+    n = G.shape[0]
+    for k in range(n):
+        if k + AHEAD < n:
+            prefetch_row(W, wi[k + AHEAD])
+            prefetch_row(A, si[k + AHEAD])
         r = wi[k]
         s = si[k]
         for c in range(G.shape[1]):
@@ -90,7 +99,13 @@ def _adam(W, wi, M, V, T, si, G, lr, b1, b2, eps, bound):  # pragma: no cover - 
     one = np.float32(1.0)
     b1d = np.float64(b1)
     b2d = np.float64(b2)
-    for k in range(G.shape[0]):
+    n = G.shape[0]
+    for k in range(n):
+        if k + AHEAD < n:
+            prefetch_row(W, wi[k + AHEAD])
+            prefetch_row(M, si[k + AHEAD])
+            prefetch_row(V, si[k + AHEAD])
+            prefetch(T, si[k + AHEAD])
         r = wi[k]
         s = si[k]
         t = T[s] + 1
@@ -109,7 +124,12 @@ def _adam(W, wi, M, V, T, si, G, lr, b1, b2, eps, bound):  # pragma: no cover - 
 @njit(cache=True, nogil=True)
 def _ftrl(W, wi, Z, N, si, G, alpha, beta, l1, l2, bound):  # pragma: no cover - numba
     zero = np.float32(0.0)
-    for k in range(G.shape[0]):
+    n = G.shape[0]
+    for k in range(n):
+        if k + AHEAD < n:
+            prefetch_row(W, wi[k + AHEAD])
+            prefetch_row(Z, si[k + AHEAD])
+            prefetch_row(N, si[k + AHEAD])
         r = wi[k]
         s = si[k]
         for c in range(G.shape[1]):

@@ -16,6 +16,7 @@ the next snapshot. An id without a row always reads as its initial row.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -23,10 +24,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
-from services.ps.hashtable import IdHashTable, unique_inverse
+from services.ps.hashtable import (
+    IdHashTable,
+    dedup_slots,
+    gather_rows,
+    nonfinite_rows,
+    sum_rows_by_slot,
+    touch_slots,
+    unique_inverse,
+)
 from services.ps.optimizers import apply_update, init_state, state_layout
 from services.ps.tables import (
     EvictionPolicy,
@@ -71,34 +79,6 @@ class TableSnapshot:
     meta: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-@njit(cache=True, nogil=True)
-def _touch(slots, ticks, uses, last_used, tick, now):  # pragma: no cover - numba
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        if s >= 0:
-            ticks[s] = tick
-            uses[s] += 1
-            last_used[s] = now
-
-
-@njit(cache=True, nogil=True)
-def _sum_duplicates(inv, grads, out, bad):  # pragma: no cover - numba
-    """out[inv[i]] += grads[i] in request order; bad[u] if any input row of u is non-finite."""
-    for i in range(grads.shape[0]):
-        u = inv[i]
-        for c in range(grads.shape[1]):
-            g = grads[i, c]
-            if not np.isfinite(g):
-                bad[u] = True
-            out[u, c] += g
-    for u in range(out.shape[0]):
-        if not bad[u]:
-            for c in range(out.shape[1]):
-                if not np.isfinite(out[u, c]):
-                    bad[u] = True
-                    break
-
-
 def _smallest(k: int, primary: np.ndarray, secondary: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Positions of the k smallest entries by (primary, secondary, id), in O(n) + ties."""
     if k >= primary.shape[0]:
@@ -132,6 +112,7 @@ class EmbeddingTable:
         self._ticks = np.zeros(cap, dtype=np.int64)
         self._uses = np.zeros(cap, dtype=np.int64)
         self._last_used = np.zeros(cap, dtype=np.float64)
+        self._mark = np.full(cap, -1, dtype=np.int64)  # scratch of push: slot -> position
         self._free = np.empty(0, dtype=np.int64)  # stack of freed slots below _high
         self._high = 0  # slots >= _high were never used
         self._num_live = 0
@@ -215,13 +196,15 @@ class EmbeddingTable:
             return self._gather(ids, slots)
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        valid = slots >= 0
-        if valid.all():
-            out = self._rows.take(slots, axis=0)
-            return out if out.dtype == np.float32 else out.astype(np.float32)
         out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
-        out[valid] = self._rows[slots[valid]]
-        out[~valid] = initial_rows(self.config, ids[~valid])
+        if self._dtype == np.float32:
+            gather_rows(self._rows, slots, out)
+        else:
+            valid = slots >= 0
+            out[valid] = self._rows[slots[valid]]
+        absent = slots < 0
+        if absent.any():
+            out[absent] = initial_rows(self.config, ids[absent])
         return out
 
     # ----------------------------------------------------------------- writes
@@ -232,29 +215,57 @@ class EmbeddingTable:
         with self._lock:
             self._counters["pushes"] += 1
             self._counters["ids_pushed"] += ids.shape[0]
-            uniq, inv = unique_inverse(ids)
-            summed = np.zeros((uniq.shape[0], self.dim), dtype=np.float32)
-            bad = np.zeros(uniq.shape[0], dtype=bool)
-            _sum_duplicates(inv, grads, summed, bad)
-            dropped = int(bad.sum())
-            if dropped:
-                uniq, summed = uniq[~bad], summed[~bad]
-                self._counters["dropped_nonfinite"] += dropped
-            slots = self._index.find(uniq)
+            slots = self._index.find(ids)
             missing = slots < 0
-            not_admitted = 0
+            dropped = not_admitted = 0
             if missing.any():
-                slots[missing] = self._admit_and_create(uniq[missing], protected=slots[~missing])
-                ok = slots >= 0
-                not_admitted = int(ok.shape[0] - ok.sum())
-                if not_admitted:
-                    slots, summed = slots[ok], summed[ok]
-                    self._counters["not_admitted"] += not_admitted
-            self._apply(slots, summed)
-            self._dirty[slots] = True
-            self._mark_used(slots)
-            return PushResult(applied=int(slots.shape[0]), dropped_nonfinite=dropped,
+                dropped, not_admitted = self._push_missing(ids, grads, slots, missing)
+            uslots, summed = self._sum_by_slot(slots, grads)
+            bad = np.empty(uslots.shape[0], dtype=bool)
+            if nonfinite_rows(summed, bad):
+                dropped += int(bad.sum())
+                uslots, summed = uslots[~bad], summed[~bad]
+            self._counters["dropped_nonfinite"] += dropped
+            self._counters["not_admitted"] += not_admitted
+            self._apply(uslots, summed)
+            self._dirty[uslots] = True
+            self._mark_used(uslots)
+            return PushResult(applied=int(uslots.shape[0]), dropped_nonfinite=dropped,
                               not_admitted=not_admitted)
+
+    def _push_missing(self, ids: np.ndarray, grads: np.ndarray, slots: np.ndarray,
+                      missing: np.ndarray) -> tuple[int, int]:
+        """Create rows for pushed ids without one; returns (dropped, not admitted) counts.
+
+        Ids whose gradient holds NaN/Inf are neither sighted nor created; ids that are not
+        admitted keep slot -1, so their gradients are ignored.
+        """
+        pos = np.flatnonzero(missing)
+        mids, inv = unique_inverse(ids[pos])
+        row_bad = np.empty(pos.shape[0], dtype=bool)
+        bad = np.zeros(mids.shape[0], dtype=bool)
+        if nonfinite_rows(grads[pos], row_bad):
+            bad[inv[row_bad]] = True
+        good = np.flatnonzero(~bad)
+        mslots = np.full(mids.shape[0], -1, dtype=np.int64)
+        mslots[good] = self._admit_and_create(mids[good], protected=slots[~missing])
+        slots[pos] = mslots[inv]
+        return int(bad.sum()), int((mslots[good] < 0).sum())
+
+    def _sum_by_slot(self, slots: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(unique slots >= 0, their summed gradients); no copy when nothing repeats."""
+        n = slots.shape[0]
+        uslots = np.empty(n, dtype=np.int64)
+        first = np.empty(n, dtype=np.int64)
+        k, dups = dedup_slots(slots, self._mark, uslots, first)
+        uslots = uslots[:k]
+        if not dups:
+            summed = grads if k == n else grads[first[:k]]
+        else:
+            summed = np.zeros((k, self.dim), dtype=np.float32)
+            sum_rows_by_slot(slots, self._mark, grads, summed)
+        self._mark[uslots] = -1
+        return uslots, summed
 
     def _apply(self, slots: np.ndarray, grads: np.ndarray) -> None:
         opt = self.config.optimizer
@@ -352,6 +363,9 @@ class EmbeddingTable:
         self._state = {k: grown(v) for k, v in self._state.items()}
         for name in ("_slot_ids", "_live", "_dirty", "_ticks", "_uses", "_last_used"):
             setattr(self, name, grown(getattr(self, name)))
+        mark = np.full(cap, -1, dtype=np.int64)
+        mark[:self._mark.shape[0]] = self._mark
+        self._mark = mark
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
         """New rows (initial values, fresh state) for unique absent ids; returns their slots."""
@@ -372,7 +386,7 @@ class EmbeddingTable:
 
     def _mark_used(self, slots: np.ndarray) -> None:
         self._tick += 1
-        _touch(slots, self._ticks, self._uses, self._last_used, self._tick, float(self._clock()))
+        touch_slots(slots, self._ticks, self._uses, self._last_used, self._tick, float(self._clock()))
 
     def _evict(self, k: int, protected: np.ndarray) -> None:
         high = self._high
@@ -491,10 +505,24 @@ class EmbeddingTable:
 
     # ----------------------------------------------------------------- stats
 
+    def content_digest(self) -> str:
+        """sha256 of every live id with its stored row and optimizer state (order-free)."""
+        with self._lock:
+            high = self._high
+            slots = np.flatnonzero(self._live[:high])
+            slots = slots[np.argsort(self._slot_ids[slots], kind="stable")]
+            h = hashlib.sha256()
+            h.update(self._slot_ids[slots].tobytes())
+            h.update(np.ascontiguousarray(self._rows[slots]).tobytes())
+            for key in sorted(self._state):
+                h.update(key.encode())
+                h.update(np.ascontiguousarray(self._state[key][slots]).tobytes())
+            return h.hexdigest()
+
     def nbytes(self) -> int:
         """Bytes held by the arena, optimizer state, bookkeeping and hash indexes."""
         arrays = [self._rows, self._slot_ids, self._live, self._dirty, self._ticks, self._uses,
-                  self._last_used, *self._state.values()]
+                  self._last_used, self._mark, *self._state.values()]
         return int(sum(a.nbytes for a in arrays) + self._index.nbytes + self._pending.nbytes)
 
     def stats(self) -> dict[str, Any]:
