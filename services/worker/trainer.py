@@ -134,7 +134,16 @@ class Trainer:
         if not self._connected:
             await self.ps.connect()
             self._connected = True
+            if self.tables is not None:
+                self._check_tables()
         return self
+
+    def _check_tables(self) -> None:
+        assert self.tables is not None
+        unknown = sorted(t for t in self.tables.values() if t not in self.ps.dims)
+        if unknown:
+            raise ConfigError(f"PS tables {unknown} do not exist; "
+                              f"the PS has {sorted(self.ps.dims)}")
 
     async def close(self) -> None:
         if self._connected:
@@ -165,10 +174,7 @@ class Trainer:
         assert self.tables is not None  # set by _features before any model is needed
         if self.module is None:
             await self.ps.tables()
-            unknown = sorted(t for t in self.tables.values() if t not in self.ps.dims)
-            if unknown:
-                raise ConfigError(f"PS tables {unknown} do not exist; "
-                                  f"the PS has {sorted(self.ps.dims)}")
+            self._check_tables()
             dims = {f: self.ps.dims[t] for f, t in self.tables.items()}
             torch.manual_seed(self.config.seed)
             spec = self._model_spec
