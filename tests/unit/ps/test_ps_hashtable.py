@@ -1,0 +1,90 @@
+"""The numba hash table against a dict, through growth and backward-shift deletions."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.common.sharding import mix64
+from services.ps.hashtable import IdHashTable, unique_inverse
+
+
+def _check(table: IdHashTable, ref: dict[int, int], universe: int) -> None:
+    found = table.find(np.arange(universe, dtype=np.uint64))
+    assert found.tolist() == [ref.get(i, -1) for i in range(universe)]
+    assert len(table) == len(ref)
+    keys, vals = table.items()
+    assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == ref
+
+
+def test_random_operations_match_a_dict():
+    rng = np.random.default_rng(0)
+    table, ref = IdHashTable(2), {}
+    for _ in range(400):
+        ids = rng.integers(0, 300, size=rng.integers(1, 60)).astype(np.uint64)
+        op = rng.integers(3)
+        if op == 0:
+            uniq = np.unique(ids)
+            vals = rng.integers(0, 10_000, size=uniq.size)
+            table.insert(uniq, vals)
+            ref.update(zip(uniq.tolist(), vals.tolist(), strict=True))
+        elif op == 1:
+            removed = table.remove(ids)
+            assert removed.tolist() == [ref.pop(i, -1) for i in ids.tolist()]
+        else:
+            uniq = np.unique(ids)
+            counts = table.count_up(uniq)
+            for i, c in zip(uniq.tolist(), counts.tolist(), strict=True):
+                ref[i] = ref.get(i, 0) + 1
+                assert c == ref[i]
+        _check(table, ref, 300)
+    assert table.buckets >= 2 * len(table)
+
+
+def test_growth_keeps_every_key_and_huge_ids_work():
+    ids = np.concatenate([np.arange(5000, dtype=np.uint64),
+                          np.array([2**64 - 1, 2**63, 2**32], dtype=np.uint64)])
+    table = IdHashTable(4)
+    table.insert(ids, np.arange(ids.size))
+    assert table.buckets >= 2 * ids.size
+    assert np.array_equal(table.find(ids), np.arange(ids.size))
+    assert table.find(np.array([5001], dtype=np.uint64)).tolist() == [-1]
+
+
+def test_insert_rejects_negative_values():
+    table = IdHashTable()
+    try:
+        table.insert(np.array([1], dtype=np.uint64), np.array([-1]))
+    except ValueError as exc:
+        assert "value >= 0" in str(exc)
+    else:
+        raise AssertionError("negative value accepted")
+    assert len(table) == 0
+
+
+def test_clustered_deletes_keep_probe_chains_intact():
+    # ids that all hash to bucket 0 of an 8-bucket table form one probe chain; deleting from
+    # its middle must shift the followers back, or later finds would stop early
+    candidates = np.arange(10_000, dtype=np.uint64)
+    same_home = candidates[(mix64(candidates) & np.uint64(7)) == 0][:4]
+    table = IdHashTable(1)
+    assert table.buckets == 8
+    table.insert(same_home, np.arange(4))
+    assert table.remove(same_home[[0, 2]]).tolist() == [0, 2]
+    assert table.find(same_home).tolist() == [-1, 1, -1, 3]
+    table.insert(same_home[[2]], np.array([7]))
+    assert table.find(same_home).tolist() == [-1, 1, 7, 3]
+    assert len(table) == 3
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=200), st.integers(1, 5))
+def test_unique_inverse_matches_numpy(values, repeat):
+    ids = np.array(values * repeat, dtype=np.uint64)
+    uniq, inv = unique_inverse(ids)
+    assert np.array_equal(uniq[inv], ids)
+    assert np.array_equal(np.sort(uniq), np.unique(ids))
+    # first-appearance order
+    _, first = np.unique(ids, return_index=True)
+    assert np.array_equal(uniq, ids[np.sort(first)])
