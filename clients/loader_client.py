@@ -1,0 +1,175 @@
+"""Worker-side client of the loader: ``LoaderClient`` (async) and ``SyncLoaderClient``.
+
+A worker of rank r opens the ``Batches`` stream with a number of *credits* (the most batches
+the loader may have out to it unacknowledged) and acknowledges each batch once it is done
+with it; every ack frees a credit. If the stream breaks, the client reconnects within
+``reconnect_timeout_s``; the loader then re-sends the batches it has not seen acknowledged,
+and the client drops those it already handed out (they will be acked by the caller), so
+the caller sees each batch once. Iteration ends at the loader's end marker.
+
+    async with LoaderClient("127.0.0.1:50061", rank=0, world_size=2, credits=8) as loader:
+        async for batch in loader.batches():
+            train(batch)
+            await loader.ack(batch)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from clients.batch import Batch
+from services.common.errors import InvalidArgument, MalformedMessage, error_from_grpc
+from services.common.rpc import channel_options
+from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message
+
+__all__ = ["LoaderClient", "SyncLoaderClient"]
+
+T = TypeVar("T")
+_SERVICE = "/persimmon.Loader/"
+_RETRY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
+class LoaderClient:
+    """One worker rank's connection to one loader."""
+
+    def __init__(self, address: str, *, rank: int = 0, world_size: int = 1, credits: int = 8,
+                 reconnect_timeout_s: float = 30.0,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        if not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank must be in [0, {world_size}), got {rank}")
+        if credits < 1:
+            raise InvalidArgument(f"credits must be >= 1, got {credits}")
+        self.address = address
+        self.rank = rank
+        self.world_size = world_size
+        self.credits = credits
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self._options = channel_options(max_message_bytes)
+        self._channel: grpc.aio.Channel | None = None
+        self._outstanding: set[int] = set()
+        self.reconnects = 0
+        self.bytes_in = 0
+
+    def _chan(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+        return self._channel
+
+    async def _unary(self, method: str, body: dict[str, Any], timeout: float = 30.0
+                     ) -> dict[str, Any]:
+        call = self._chan().unary_unary(_SERVICE + method)
+        try:
+            raw = await call(encode_message(body), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_grpc(exc.code(), exc.details() or "") from exc
+        return decode_message(raw)
+
+    async def describe(self) -> dict[str, Any]:
+        """Feature names, dense width, batch size and world size of the loader."""
+        return await self._unary("Describe", {})
+
+    async def ack(self, batches: Batch | int | Iterable[Batch | int]) -> dict[str, Any]:
+        """Acknowledge batches (objects or ids); returns ``{acked, unknown}``."""
+        items = [batches] if isinstance(batches, Batch | int) else list(batches)
+        ids = [b.batch_id if isinstance(b, Batch) else int(b) for b in items]
+        reply = await self._unary("Ack", {"batch_ids": ids})
+        self._outstanding.difference_update(ids)
+        return reply
+
+    async def batches(self) -> AsyncIterator[Batch]:
+        """This rank's batches until the loader's end marker, reconnecting on failures."""
+        request = encode_message({"rank": self.rank, "world_size": self.world_size,
+                                  "credits": self.credits})
+        deadline: float | None = None
+        while True:
+            call = self._chan().unary_stream(_SERVICE + "Batches")(request)
+            try:
+                async for raw in call:
+                    deadline = None
+                    self.bytes_in += len(raw)
+                    body = decode_message(raw)
+                    kind = body.get("kind")
+                    if kind == "end":
+                        return
+                    if kind != "batch":
+                        raise MalformedMessage(f"unexpected Batches message kind {kind!r}")
+                    batch = Batch.from_wire(body.get("batch"))
+                    if batch.batch_id in self._outstanding:
+                        continue  # re-sent after a reconnect; the caller already has it
+                    self._outstanding.add(batch.batch_id)
+                    yield batch
+                error: Exception = error_from_grpc(grpc.StatusCode.UNAVAILABLE,
+                                                   "Batches stream ended without an end marker")
+                code = grpc.StatusCode.UNAVAILABLE
+            except grpc.aio.AioRpcError as exc:
+                error, code = error_from_grpc(exc.code(), exc.details() or ""), exc.code()
+            finally:
+                call.cancel()
+            if code not in _RETRY:
+                raise error
+            now = time.monotonic()
+            deadline = deadline or now + self.reconnect_timeout_s
+            if now > deadline:
+                raise error
+            self.reconnects += 1
+            await asyncio.sleep(min(0.05 * self.reconnects, 1.0))  # back-off between retries
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def __aenter__(self) -> LoaderClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class SyncLoaderClient:
+    """Blocking wrapper: a private event loop in a daemon thread runs a :class:`LoaderClient`."""
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="persimmon-loader-client")
+        self._thread.start()
+        self._client = LoaderClient(address, **kwargs)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def describe(self) -> dict[str, Any]:
+        return self._run(self._client.describe())
+
+    def ack(self, batches: Batch | int | Iterable[Batch | int]) -> dict[str, Any]:
+        return self._run(self._client.ack(batches))
+
+    def batches(self) -> Iterator[Batch]:
+        stream = self._client.batches()
+        try:
+            while True:
+                try:
+                    yield self._run(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(stream.aclose())
+
+    def close(self) -> None:
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> SyncLoaderClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
