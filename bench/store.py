@@ -99,17 +99,22 @@ def bench_store(num_ids: int = 1_000_000, dim: int = 16, seed: int = 0,
                 repeats: int = 3) -> dict[str, Any]:
     """Seconds for lookup + Adagrad push of ``num_ids`` ids (half new), store vs dict.
 
-    The store is timed ``repeats`` times on fresh tables (median reported); the dict once.
-    ``max_abs_err`` checks the store's pushed rows against the Adagrad formula.
+    After a small run that loads the compiled kernels, the store runs ``1 + repeats`` times
+    on fresh tables: the first full-size run is reported as ``store_first_s`` (it also pays
+    the process's first page faults of that much memory), the median of the others as
+    ``store_s``. The dict runs once, after the store. ``max_abs_err`` checks the store's
+    pushed rows against the Adagrad formula.
     """
     ids, known, grads = _workload(num_ids, dim, seed)
     config = _config(dim, seed)
     _warm_up(dim)
-    runs = [_time_store(config, ids, known, grads) for _ in range(max(1, repeats))]
-    lookup_s = statistics.median(r[0] for r in runs)
-    push_s = statistics.median(r[1] for r in runs)
+    runs = [_time_store(config, ids, known, grads) for _ in range(1 + max(1, repeats))]
+    first_s = runs[0][0] + runs[0][1]
+    lookup_s = statistics.median(r[0] for r in runs[1:])
+    push_s = statistics.median(r[1] for r in runs[1:])
     _, _, before, after = runs[-1]
     expected = before - np.float32(LR) * grads / (np.sqrt(grads * grads) + np.float32(EPS))
+    del runs
     dict_lookup_s, dict_push_s = _time_dict(ids, known, grads, dim, seed)
     store_s = lookup_s + push_s
     dict_s = dict_lookup_s + dict_push_s
@@ -119,10 +124,12 @@ def bench_store(num_ids: int = 1_000_000, dim: int = 16, seed: int = 0,
         "store_s": store_s,
         "store_lookup_s": lookup_s,
         "store_push_s": push_s,
+        "store_first_s": first_s,
         "dict_s": dict_s,
         "dict_lookup_s": dict_lookup_s,
         "dict_push_s": dict_push_s,
         "store_vs_dict": dict_s / store_s,
+        "store_first_vs_dict": dict_s / first_s,
         "store_ids_per_s": 2 * num_ids / store_s,
         "dict_ids_per_s": 2 * num_ids / dict_s,
         "max_abs_err": float(np.abs(after - expected).max()),
@@ -140,8 +147,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{r['store_s']:>10.3f}{r['store_ids_per_s']:>14,.0f}")
     print(f"{'python dict':14}{r['dict_lookup_s']:>10.3f}{r['dict_push_s']:>10.3f}"
           f"{r['dict_s']:>10.3f}{r['dict_ids_per_s']:>14,.0f}")
-    print(f"store_vs_dict = {r['store_vs_dict']:.1f}x   (max |err| vs Adagrad formula "
-          f"{r['max_abs_err']:.2e})")
+    print(f"{'  first run':14}{'':>20}{r['store_first_s']:>10.3f}")
+    print(f"store_vs_dict = {r['store_vs_dict']:.1f}x (first full-size run: "
+          f"{r['store_first_vs_dict']:.1f}x); max |err| vs the Adagrad formula "
+          f"{r['max_abs_err']:.2e}")
 
 
 if __name__ == "__main__":

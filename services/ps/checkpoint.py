@@ -294,16 +294,21 @@ def read_checkpoint(root: Path | str, checkpoint_id: str, *, shard_id: int,
     if not 0 <= shard_id < num_shards:
         raise InvalidArgument(f"shard_id must be in [0, {num_shards}), got {shard_id}")
     result: dict[str, list[TableSnapshot]] = {}
+
+    def mine(ids: np.ndarray) -> np.ndarray:
+        return shard_of(ids, num_shards) == shard_id
+
     for ckpt in _chain(root, checkpoint_id):
         parts = _parts(root, ckpt)
         written_by = parts[0][2]
         parts = [p for p in parts if p[2] == written_by]
+        keep: Callable[[np.ndarray], np.ndarray] | None
         if written_by == num_shards:
             chosen = [p for p in parts if p[1] == shard_id]
             keep = None
         else:
             chosen = parts
-            keep = (lambda ids: shard_of(ids, num_shards) == shard_id)
+            keep = mine
         have = sorted(p[1] for p in chosen)
         need = [shard_id] if keep is None else list(range(written_by))
         if have != need:

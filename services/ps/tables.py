@@ -13,6 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, TypeVar
 
 import numpy as np
 from numba import njit
@@ -33,6 +34,7 @@ __all__ = [
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_DIM = 4096
 STORAGE_DTYPES = ("float32", "float16")
+E = TypeVar("E", bound=StrEnum)
 _ADMIT_SALT = 0xA5A5_3C3C_5A5A_C3C3
 _MASK64 = (1 << 64) - 1
 
@@ -55,7 +57,7 @@ class EvictionPolicy(StrEnum):
     LFU = "lfu"
 
 
-def _enum(cls: type[StrEnum], value: object, where: str) -> StrEnum:
+def _enum(cls: type[E], value: Any, where: str) -> E:
     try:
         return cls(value)
     except ValueError as exc:
