@@ -222,3 +222,22 @@ def test_manifest_records_configs_counts_and_checksums(tmp_path):
     assert {"ids", "rows", "tombstones", "state:m", "state:v", "state:step"} <= set(entry["files"])
     assert all(len(f["sha256"]) == 64 for f in entry["files"].values())
     assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_restore_keep_filters_rows_and_tombstones():
+    table = make()
+    train(table, UNIVERSE[:600], seed=5)
+    target = make()
+    target.lookup(UNIVERSE[:10])  # 0..9 exist in the target
+    table.delete(UNIVERSE[:10])
+    snap = table.snapshot()
+    assert snap.tombstones.tolist() == list(range(10))
+
+    def even(ids: np.ndarray) -> np.ndarray:
+        return ids % 2 == 0
+
+    target.restore(snap, keep=even)
+    ids = target.ids()
+    assert ids.tolist() == [1, 3, 5, 7, 9] + [i for i in snap.ids.tolist() if i % 2 == 0]
+    kept = snap.ids[even(snap.ids)]
+    assert np.array_equal(target.peek(kept)[0], table.peek(kept)[0])

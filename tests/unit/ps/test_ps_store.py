@@ -253,3 +253,24 @@ def test_stats_report_sizes_and_counters():
     assert s["rows"] == 100 and s["capacity"] >= 100
     assert s["bytes"] >= s["capacity"] * 16 * 4 * 2  # rows + adagrad accumulator at least
     assert (s["lookups"], s["pushes"], s["ids_pushed"]) == (1, 1, 50)
+
+
+def test_concurrent_calls_from_threads_are_serialised():
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(table: EmbeddingTable, part: int) -> None:
+        rng = np.random.default_rng(part)
+        for _ in range(20):  # disjoint id ranges per thread, growth included
+            ids = (rng.integers(0, 3000, size=300) * 4 + part).astype(np.uint64)
+            table.lookup(ids)
+            table.push(ids, rng.normal(size=(300, 4)).astype(np.float32))
+
+    threaded, sequential = make(initial_capacity=8), make(initial_capacity=8)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda p: work(threaded, p), range(4)))
+    for part in range(4):
+        work(sequential, part)
+    assert threaded.num_rows == sequential.num_rows
+    ids = sequential.ids()
+    assert np.array_equal(threaded.ids(), ids)
+    assert np.array_equal(threaded.peek(ids)[0], sequential.peek(ids)[0])
