@@ -82,7 +82,6 @@ async def test_hybrid_training_beats_chance_on_test_split(cluster: LocalPS,
     async with trainer(cluster, "le_", mode="hybrid", staleness=4, eval_every=40) as t:
         summary = await t.fit(train, eval_batches=test)
     oracle = data.oracle(8192)["auc"]
-    print("AUC", summary["auc"], "oracle", oracle, "samples_per_s", summary["samples_per_s"])
     assert summary["eval_samples"] == 8192 and summary["steps"] == len(train)
     assert 0.72 < summary["auc"] <= oracle + 0.01, (summary["auc"], oracle)
     assert summary["logloss"] < 0.56  # the constant predictor's logloss is ~0.58
