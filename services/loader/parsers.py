@@ -148,13 +148,19 @@ def _parse_lines(buf, delim, roles, slots, seps, seeds, buckets, num_dense,  # n
     while pos < n:
         end = pos
         high = False
+        fields = 1
         while end < n and buf[end] != 10:
-            if buf[end] >= 0x80:
+            c = buf[end]
+            if c == delim:
+                fields += 1
+            elif c >= 0x80:
                 high = True
             end += 1
         stop = end - 1 if end > pos and buf[end - 1] == 13 else end
         code = 0
-        if high and not _valid_utf8(buf, pos, stop):
+        if fields != ncols:
+            code = 1
+        elif high and not _valid_utf8(buf, pos, stop):
             code = 4
         for f in range(nsparse):
             saved[f] = count[f]

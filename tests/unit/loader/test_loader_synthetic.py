@@ -1,0 +1,122 @@
+"""The planted data set: determinism, shape, an honest oracle, and files equal to memory."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+
+from services.common.errors import ConfigError
+from services.loader.parsers import TextParser
+from services.loader.synthetic import (
+    CHUNK_ROWS,
+    SyntheticConfig,
+    SyntheticDataset,
+    auc,
+    format_criteo,
+    logloss,
+)
+
+
+@pytest.fixture(scope="module")
+def dataset() -> SyntheticDataset:
+    return SyntheticDataset()
+
+
+def test_same_seed_same_data_other_seed_other_data(dataset):
+    again = SyntheticDataset(SyntheticConfig(seed=0)).teacher_chunk("train", 3)
+    chunk = dataset.teacher_chunk("train", 3)
+    np.testing.assert_array_equal(chunk.labels, again.labels)
+    np.testing.assert_array_equal(chunk.raw_ids["C5"].values, again.raw_ids["C5"].values)
+    other = SyntheticDataset(SyntheticConfig(seed=1)).teacher_chunk("train", 3)
+    assert not np.array_equal(chunk.raw_ids["C5"].values, other.raw_ids["C5"].values)
+    test = dataset.teacher_chunk("test", 3)
+    assert not np.array_equal(chunk.raw_ids["C5"].values, test.raw_ids["C5"].values)
+    rows = dataset.teacher_rows("train", CHUNK_ROWS + 100)
+    assert rows.size == CHUNK_ROWS + 100
+    np.testing.assert_array_equal(rows.labels[CHUNK_ROWS:], dataset.teacher_chunk(
+        "train", 1).labels[:100])
+
+
+def test_ids_are_zipf_and_multi_hot_lengths_vary(dataset):
+    t = dataset.teacher_rows("train", 2 * CHUNK_ROWS)
+    cfg = dataset.config
+    for f, name in enumerate(cfg.sparse_names):
+        ids = t.raw_ids[name]
+        assert ids.values.max() < cfg.vocab_sizes[f]
+        counts = np.sort(np.bincount(ids.values.astype(np.int64)))[::-1]
+        # Zipf: the most frequent id is far more frequent than the 10th and the 100th
+        assert counts[0] > 3 * counts[9] > 0 and counts[0] > 20 * max(counts[99], 1)
+        if f < len(cfg.vocab_sizes) - cfg.num_multi_hot:
+            assert (ids.lengths == 1).all()
+        else:
+            assert ids.lengths.min() == 1 and ids.lengths.max() <= cfg.max_multi_hot_length
+            assert abs(ids.lengths.mean() - cfg.mean_multi_hot_length) < 0.2
+
+
+def test_oracle_is_in_the_demo_range(dataset):
+    oracle = dataset.oracle(20_000)
+    assert 0.75 <= oracle["auc"] <= 0.85
+    assert 0.1 < oracle["positive_rate"] < 0.4
+    assert oracle["logloss"] < 0.5
+
+
+def test_logistic_model_on_teacher_features_reaches_the_oracle(dataset):
+    train = dataset.teacher_rows("train", 30_000)
+    test = dataset.teacher_rows("test", 50_000)
+    model = LogisticRegression(C=10.0, max_iter=500).fit(train.teacher_features(), train.labels)
+    scores = model.predict_proba(test.teacher_features())[:, 1]
+    oracle = dataset.oracle(50_000)
+    assert abs(auc(test.labels, scores) - oracle["auc"]) < 0.01
+    assert abs(logloss(test.labels, scores) - oracle["logloss"]) < 0.01
+    # and the oracle is not trivial: the dense term alone is much weaker
+    weak = LogisticRegression().fit(train.dense_term, train.labels)
+    assert auc(test.labels, weak.predict_proba(test.dense_term)[:, 1]) < oracle["auc"] - 0.1
+
+
+def test_auc_matches_sklearn_with_ties():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 500)
+    scores = np.round(rng.random(500), 1)  # many ties
+    assert auc(labels, scores) == pytest.approx(roc_auc_score(labels, scores))
+    with pytest.raises(ValueError):
+        auc(np.ones(3), np.ones(3))
+
+
+def test_files_parse_to_exactly_the_in_memory_rows(dataset, tmp_path):
+    meta = dataset.write(tmp_path, train_rows=1000, test_rows=500)
+    assert json.loads((tmp_path / "synthetic.json").read_text())["oracle"] == meta["oracle"]
+    assert meta["source"].startswith("criteo:") and "multi_hot=," in meta["source"]
+    data = (tmp_path / "train.txt").read_bytes()
+    assert data.count(b"\n") == 1000
+    parsed = TextParser(dataset.layout, dataset.transform).parse(data)
+    memory = dataset.hashed(dataset.teacher_rows("train", 1000))
+    assert not parsed.bad
+    np.testing.assert_array_equal(parsed.labels, memory.labels)
+    np.testing.assert_allclose(parsed.dense, memory.dense, rtol=1e-6)
+    for name in dataset.config.sparse_names:
+        np.testing.assert_array_equal(parsed.sparse[name].values, memory.sparse[name].values)
+        np.testing.assert_array_equal(parsed.sparse[name].lengths, memory.sparse[name].lengths)
+    assert format_criteo(dataset.teacher_rows("test", 500)) == (tmp_path / "test.txt").read_bytes()
+
+
+def test_in_memory_batches(dataset):
+    batches = list(dataset.batches(batch_size=3000, rows=10_000))
+    assert [b.size for b in batches] == [3000, 3000, 3000, 1000]
+    assert [b.batch_id for b in batches] == [0, 1, 2, 3]
+    assert batches[0].feature_names == dataset.config.sparse_names
+    assert batches[3].positions == {"synthetic:train": (9000, 9999)}
+    assert batches[0].num_dense == dataset.config.num_dense
+
+
+@pytest.mark.parametrize("kwargs", [dict(vocab_sizes=[]), dict(vocab_sizes=[1]),
+                                    dict(num_multi_hot=9), dict(zipf_exponent=0.0),
+                                    dict(mean_multi_hot_length=9.0), dict(weight_scale=-1.0)])
+def test_bad_synthetic_configs(kwargs):
+    with pytest.raises(ConfigError):
+        SyntheticConfig(**kwargs)
+    with pytest.raises(ConfigError):
+        SyntheticDataset().teacher_chunk("validation", 0)
