@@ -12,7 +12,7 @@ from services.common.errors import PersimmonError
 __all__ = ["main"]
 
 # Modules exposing ``register_cli(subparsers)``; a module not present yet is left out.
-_SERVICES = ["services.ps.__main__", "services.loader.__main__", "services.worker.__main__",
+_SERVICES = ["services.ps.__main__", "services.loader.__main__", "services.launch",
              "services.demo"]
 # Modules exposing ``register_bench(subparsers)`` for ``persimmon bench <target>``.
 _BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",

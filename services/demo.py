@@ -1,14 +1,13 @@
 """``persimmon demo``: a local cluster on this machine, no Docker, no Redis.
 
-Today it starts two PS shard processes on loopback ports and drives lookup/push rounds
-through :class:`clients.ps_client.PSClient`, printing what crossed the wire. (Training with
-workers and the loader joins it as those services land.)
+It starts PS shard processes on loopback ports, trains a DLRM with gloo workers in PERSIA's
+hybrid mode on planted synthetic data (in memory until the LoaderClient lands), and prints
+test AUC against the data's oracle AUC, throughput and bytes on the wire, plus a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -24,8 +23,6 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-
-from clients.ps_client import PSClient
 
 __all__ = ["LocalPS", "register_cli"]
 
@@ -97,50 +94,122 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float = 60.0) 
         time.sleep(0.1)
 
 
-async def _rounds(addresses: list[str], rounds: int, batch: int, dim: int) -> dict[str, Any]:
-    rng = np.random.default_rng(0)
-    async with PSClient(addresses, rows_codec="fp16", grads_codec="fp16") as ps:
-        started = time.perf_counter()
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("lookup → push rounds", total=rounds)
-            for _ in range(rounds):
-                ids = rng.zipf(1.2, size=batch).astype(np.uint64)
-                rows = await ps.lookup("demo", ids)
-                await ps.push("demo", ids, 0.1 * rows)  # pull every row toward zero
-                progress.advance(task)
-        elapsed = time.perf_counter() - started
-        stats = await ps.stats("demo")
-        return {"rounds": rounds, "ids_per_s": rounds * batch / elapsed,
-                "rows": sum(s["tables"]["demo"]["rows"] for s in stats),
-                "wire_bytes": ps.wire_bytes()}
+def _plot(summary: dict[str, Any], path: str) -> None:
+    """Loss (moving average) against step and held-out AUC against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = np.asarray(summary.get("losses", []), dtype=np.float64)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    if losses.size:
+        window = max(1, losses.size // 50)
+        smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+        ax1.plot(np.arange(smooth.size) + window, smooth)
+    ax1.set(title="training loss (rank 0)", xlabel="step", ylabel="log loss")
+    history = summary.get("history", [])
+    if history:
+        ax2.plot([h["step"] for h in history], [h["auc"] for h in history], marker="o",
+                 label="test AUC")
+    ax2.axhline(summary["oracle_auc"], color="gray", linestyle="--", label="oracle AUC")
+    ax2.set(title="held-out AUC", xlabel="step", ylabel="AUC")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _progress(cluster: LocalPS, total_steps: int, tables: list[str], done: Any) -> None:
+    """A progress bar fed by the PS itself: pushes acknowledged per table = steps done.
+
+    It polls the admin REST API (not gRPC: the workers are forked, and a process must not
+    fork while gRPC threads run in it)."""
+    def pushes() -> int:
+        total = 0
+        for url in cluster.admin_urls:
+            for name in tables:
+                with urllib.request.urlopen(f"{url}/v1/tables/{name}/stats", timeout=5) as r:
+                    total += json.load(r)["pushes"]
+        return total
+
+    with Progress(console=console) as progress:
+        task = progress.add_task("training (steps acknowledged by the PS)", total=total_steps)
+        while not done.is_set():
+            steps = pushes() / (len(tables) * cluster.num_shards)
+            progress.update(task, completed=min(total_steps, steps))
+            done.wait(0.5)
+        progress.update(task, completed=total_steps)
 
 
 def _run(args: argparse.Namespace) -> int:
-    tables = [{"name": "demo", "dim": args.dim, "optimizer": {"kind": "adagrad", "lr": 0.05}}]
-    console.print(f"[bold]persimmon demo[/]: {args.shards} PS shards on loopback")
+    import threading
+
+    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+    from services.worker.config import TrainerConfig, ps_table_configs
+    from services.worker.local import run_local_training
+    from services.worker.models import ModelConfig
+
+    dataset = SyntheticDataset(SyntheticConfig(seed=args.seed))
+    features = dataset.config.sparse_names
+    train = list(dataset.batches(args.batch_size, args.rows, "train"))
+    test = list(dataset.batches(4096, args.eval_rows, "test"))
+    oracle = dataset.oracle(args.eval_rows)
+    config = TrainerConfig(mode=args.mode, staleness=args.staleness, seed=args.seed,
+                           eval_every=max(1, len(train) // args.workers // 4))
+    console.print(f"[bold]persimmon demo[/]: {args.shards} PS shards, {args.workers} workers "
+                  f"(gloo), DLRM, {args.rows:,} planted rows, mode {args.mode}")
+    tables = ps_table_configs({f: args.dim for f in features})
     with LocalPS(args.shards, tables) as cluster:
-        summary = asyncio.run(_rounds(cluster.addresses, args.rounds, args.batch, args.dim))
-    table = Table(title="demo summary")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    table.add_row("PS shards", str(args.shards))
-    table.add_row("rounds (lookup + push)", str(summary["rounds"]))
-    table.add_row("ids per second", f"{summary['ids_per_s']:,.0f}")
-    table.add_row("rows stored", f"{summary['rows']:,}")
-    for stream, n in summary["wire_bytes"].items():
-        table.add_row(f"wire bytes {stream}", f"{n:,}")
-    console.print(table)
+        done = threading.Event()
+        bar = threading.Thread(target=_progress, daemon=True,
+                               args=(cluster, len(train) // args.workers,
+                                     [t["name"] for t in tables], done))
+        bar.start()
+        try:
+            summary = run_local_training(ps_addresses=cluster.addresses, train_batches=train,
+                                         eval_batches=test, model=ModelConfig(name="dlrm"),
+                                         config=config, num_workers=args.workers)
+        finally:
+            done.set()
+            bar.join(timeout=5)
+    summary.update(oracle_auc=oracle["auc"], oracle_logloss=oracle["logloss"])
+    _print_summary(summary, args)
+    png = args.plot or "demo.png"
+    _plot(summary, png)
+    console.print(f"loss and AUC curves: {png}")
     if args.summary_json:
         with open(args.summary_json, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({k: v for k, v in summary.items() if k != "losses"}, f, indent=2)
     return 0
 
 
+def _print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    table = Table(title="demo summary")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("test AUC", f"{summary['auc']:.4f}")
+    table.add_row("oracle AUC (teacher's own probabilities)", f"{summary['oracle_auc']:.4f}")
+    table.add_row("test log loss / oracle", f"{summary['logloss']:.4f} / {summary['oracle_logloss']:.4f}")
+    table.add_row("samples/s (all workers)", f"{summary['samples_per_s']:,.0f}")
+    table.add_row("steps (rank 0)", str(summary["steps"]))
+    table.add_row("mode, max staleness seen", f"{summary['mode']}, {summary['staleness_max']}")
+    for stream, n in summary["wire_bytes"].items():
+        table.add_row(f"wire bytes {stream}", f"{n:,}")
+    console.print(table)
+
+
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="run a local cluster end to end (no Docker)")
+    parser = subparsers.add_parser("demo", help="train on a local cluster end to end (no Docker, no Redis)")
     parser.add_argument("--shards", type=int, default=2, help="PS shard processes")
-    parser.add_argument("--rounds", type=int, default=200, help="lookup/push rounds")
-    parser.add_argument("--batch", type=int, default=4096, help="ids per round")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (gloo)")
+    parser.add_argument("--rows", type=int, default=131072, help="planted training rows")
+    parser.add_argument("--eval-rows", type=int, default=16384, help="held-out rows")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--mode", default="hybrid", choices=["sync", "hybrid", "async"])
+    parser.add_argument("--staleness", type=int, default=8, help="bound S of hybrid mode")
     parser.add_argument("--dim", type=int, default=16, help="embedding dimension")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", help="PNG of the loss and AUC curves (default demo.png)")
     parser.add_argument("--summary-json", help="write the summary to this JSON file")
     parser.set_defaults(func=_run)

@@ -317,6 +317,7 @@ class Trainer:
             "loss": float(np.mean(self.losses[-50:])) if steps_done else math.nan,
             "staleness_max": max(self.staleness[first_step:], default=0),
             "staleness_mean": float(np.mean(self.staleness[first_step:])) if steps_done else 0.0,
+            "losses": [float(x) for x in self.losses[first_step:]],
         }
         train = gather_accumulator(train_acc).result()
         summary.update(train_auc=train.auc, train_logloss=train.logloss)
@@ -328,6 +329,7 @@ class Trainer:
         else:
             summary.update(auc=train.auc, logloss=train.logloss)
         summary["wire_bytes"] = self.ps.wire_bytes()
+        summary["history"] = list(self.history)
         return summary
 
     async def _evaluate_into_history(self, eval_batches: Callable[[], Batches] | Sequence[Batch]

@@ -1,4 +1,7 @@
-"""``persimmon worker`` and ``persimmon train``: run the Trainer from flags or YAML.
+"""The local launcher: ``persimmon worker`` and ``persimmon train`` run the Trainer from flags or YAML.
+
+It sits above the services (like ``services.demo``) because, until the LoaderClient lands,
+it feeds planted synthetic data from ``services.loader.synthetic`` in memory.
 
 - ``worker``: one worker against a running PS (``--ps host:port,...`` in shard order).
 - ``train``: a local cluster (PS shard processes + N workers) on this machine.
@@ -128,4 +131,4 @@ if __name__ == "__main__":
     from services.cli import main
 
     logging.basicConfig(level=logging.INFO)
-    raise SystemExit(main(["worker", *sys.argv[1:]]))
+    raise SystemExit(main(sys.argv[1:]))
