@@ -3,6 +3,11 @@
 ``get_codec("fp16")`` returns a fresh instance (its own state and byte counters);
 ``decoder("fp16")`` returns a shared stateless instance for receivers. Codecs whose
 optional backend is missing are left out of the registry.
+
+Names: ``none``, ``fp16``, ``bf16``, ``int8``, ``onebit``, ``topk``, ``dct``, ``qsgd``,
+``adaquant``; any of them followed by lossless wrappers, e.g. ``"fp16+zstd"`` or
+``"dct+lz4"`` (parameters go to the first codec). :class:`StreamCodecs` holds one codec
+per stream and counts bytes per stream and codec.
 """
 
 from __future__ import annotations
@@ -12,13 +17,22 @@ from typing import Any
 
 from services.common.codecs.base import Codec, CodecStats, ErrorFeedback
 from services.common.codecs.floats import BF16Codec, FP16Codec, NoneCodec
+from services.common.codecs.lossless import WRAPPERS, LosslessCodec
+from services.common.codecs.qsgd import AdaQuantCodec, QSGDCodec
+from services.common.codecs.quant import Int8Codec, OneBitCodec
+from services.common.codecs.sparse import DCTCodec, TopKCodec
+from services.common.codecs.streams import CodecSpec, StreamCodecs, WireStats
 from services.common.errors import InvalidArgument
 
 __all__ = [
     "CODECS",
+    "WRAPPERS",
     "Codec",
+    "CodecSpec",
     "CodecStats",
     "ErrorFeedback",
+    "StreamCodecs",
+    "WireStats",
     "available_codecs",
     "decoder",
     "get_codec",
@@ -26,6 +40,7 @@ __all__ = [
 ]
 
 CODECS: dict[str, type[Codec]] = {}
+MAX_WRAPPERS = 2  # bounds the names decoder() can cache
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
@@ -36,7 +51,8 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-for _cls in (NoneCodec, FP16Codec, BF16Codec):
+for _cls in (NoneCodec, FP16Codec, BF16Codec, Int8Codec, OneBitCodec, TopKCodec, DCTCodec,
+             QSGDCodec, AdaQuantCodec):
     register_codec(_cls)
 
 
@@ -45,14 +61,31 @@ def available_codecs() -> list[str]:
 
 
 def get_codec(name: str, **params: Any) -> Codec:
-    """A new codec instance; unknown names or parameters are an InvalidArgument."""
-    cls = CODECS.get(name)
+    """A new codec instance; unknown names or parameters are an InvalidArgument.
+
+    ``"<codec>+<wrapper>[+<wrapper>…]"`` wraps the codec in lossless compressors
+    (:data:`WRAPPERS`, at most :data:`MAX_WRAPPERS`); ``params`` go to the first codec.
+    """
+    base, *wrappers = str(name).split("+")
+    cls = CODECS.get(base)
     if cls is None:
-        raise InvalidArgument(f"unknown codec {name!r}; available: {available_codecs()}")
+        hint = f" (a wrapper goes after a codec: 'none+{base}')" if base in WRAPPERS else ""
+        raise InvalidArgument(f"unknown codec {name!r}{hint}; available: {available_codecs()}, "
+                              f"optionally followed by +{'/+'.join(sorted(WRAPPERS))}")
+    if len(wrappers) > MAX_WRAPPERS:
+        raise InvalidArgument(f"codec {name!r} stacks {len(wrappers)} wrappers; at most "
+                              f"{MAX_WRAPPERS}")
+    unknown = [w for w in wrappers if w not in WRAPPERS]
+    if unknown:
+        raise InvalidArgument(f"unknown lossless wrapper {unknown[0]!r} in codec {name!r}; "
+                              f"available: {sorted(WRAPPERS)}")
     try:
-        return cls(**params)
-    except TypeError as exc:
+        codec = cls(**params)
+    except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"bad parameters for codec {name!r}: {exc}") from exc
+    for wrapper in wrappers:
+        codec = LosslessCodec(codec, wrapper)
+    return codec
 
 
 @cache
