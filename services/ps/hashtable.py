@@ -248,7 +248,8 @@ class IdHashTable:
 
     def __init__(self, capacity: int = 1024) -> None:
         size = _pow2_at_least(2 * max(1, capacity))
-        self._keys = np.zeros(size, dtype=np.uint64)
+        self._keys = np.empty(size, dtype=np.uint64)
+        self._keys.fill(0)  # written now, so the first inserts do not page-fault
         self._vals = np.full(size, _EMPTY, dtype=np.int64)
         self._size = 0
 
@@ -272,7 +273,8 @@ class IdHashTable:
         while 2 * need > size:
             size *= 2
         keys, vals = self.items()
-        self._keys = np.zeros(size, dtype=np.uint64)
+        self._keys = np.empty(size, dtype=np.uint64)
+        self._keys.fill(0)
         self._vals = np.full(size, _EMPTY, dtype=np.int64)
         _insert(self._keys, self._vals, keys, vals)
 

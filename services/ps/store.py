@@ -79,6 +79,14 @@ class TableSnapshot:
     meta: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def _committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
+    """An array whose memory is written now (``np.zeros`` would defer the page faults to the
+    first batches that touch it): the arena is preallocated for real."""
+    a = np.empty(shape, dtype=dtype)
+    a.fill(fill)
+    return a
+
+
 def _smallest(k: int, primary: np.ndarray, secondary: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Positions of the k smallest entries by (primary, secondary, id), in O(n) + ties."""
     if k >= primary.shape[0]:
@@ -103,16 +111,16 @@ class EmbeddingTable:
         cap = int(config.initial_capacity)
         self._index = IdHashTable(cap)
         self._pending = IdHashTable(64)  # sightings of ids not admitted yet
-        self._rows = np.zeros((cap, self.dim), dtype=self._dtype)
-        self._state = {name: np.zeros((cap, *shape), dtype=dt)
+        self._rows = _committed((cap, self.dim), self._dtype)
+        self._state = {name: _committed((cap, *shape), dt)
                        for name, (shape, dt) in state_layout(config.optimizer, self.dim).items()}
-        self._slot_ids = np.zeros(cap, dtype=np.uint64)
-        self._live = np.zeros(cap, dtype=bool)
-        self._dirty = np.zeros(cap, dtype=bool)
-        self._ticks = np.zeros(cap, dtype=np.int64)
-        self._uses = np.zeros(cap, dtype=np.int64)
-        self._last_used = np.zeros(cap, dtype=np.float64)
-        self._mark = np.full(cap, -1, dtype=np.int64)  # scratch of push: slot -> position
+        self._slot_ids = _committed((cap,), np.uint64)
+        self._live = _committed((cap,), bool)
+        self._dirty = _committed((cap,), bool)
+        self._ticks = _committed((cap,), np.int64)
+        self._uses = _committed((cap,), np.int64)
+        self._last_used = _committed((cap,), np.float64)
+        self._mark = _committed((cap,), np.int64, -1)  # scratch of push: slot -> position
         self._free = np.empty(0, dtype=np.int64)  # stack of freed slots below _high
         self._high = 0  # slots >= _high were never used
         self._num_live = 0
@@ -354,18 +362,17 @@ class EmbeddingTable:
         while cap < need:
             cap *= 2
 
-        def grown(a: np.ndarray) -> np.ndarray:
-            b = np.zeros((cap, *a.shape[1:]), dtype=a.dtype)
+        def grown(a: np.ndarray, fill: int = 0) -> np.ndarray:
+            b = np.empty((cap, *a.shape[1:]), dtype=a.dtype)
             b[:a.shape[0]] = a
+            b[a.shape[0]:] = fill
             return b
 
         self._rows = grown(self._rows)
         self._state = {k: grown(v) for k, v in self._state.items()}
         for name in ("_slot_ids", "_live", "_dirty", "_ticks", "_uses", "_last_used"):
             setattr(self, name, grown(getattr(self, name)))
-        mark = np.full(cap, -1, dtype=np.int64)
-        mark[:self._mark.shape[0]] = self._mark
-        self._mark = mark
+        self._mark = grown(self._mark, -1)
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
         """New rows (initial values, fresh state) for unique absent ids; returns their slots."""
