@@ -65,7 +65,7 @@ def raw_array(arr: np.ndarray) -> dict[str, Any]:
         "shape": list(arr.shape),
         "codec": "none",
         "meta": {},
-        "data": memoryview(arr).cast("B"),
+        "data": memoryview(arr.reshape(-1)).cast("B"),  # 1-D view: (B, 0) works too
     }
 
 
