@@ -65,7 +65,8 @@ def raw_array(arr: np.ndarray) -> dict[str, Any]:
         "shape": list(arr.shape),
         "codec": "none",
         "meta": {},
-        "data": memoryview(arr.reshape(-1)).cast("B"),  # 1-D view: (B, 0) works too
+        # cast needs a 1-D view when a dimension is 0, e.g. a (B, 0) dense matrix
+        "data": memoryview(arr if arr.ndim == 1 or arr.size else arr.reshape(-1)).cast("B"),
     }
 
 
