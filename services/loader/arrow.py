@@ -38,6 +38,8 @@ def _flat(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
 def _hash_scalar_column(arr: pa.Array, name: str, buckets: int) -> tuple[np.ndarray, np.ndarray]:
     """(hashes of every entry, mask of present entries) of a non-list column."""
     t = arr.type
+    if pa.types.is_null(t):
+        return np.zeros(len(arr), dtype=np.uint64), np.zeros(len(arr), dtype=bool)
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) \
             or pa.types.is_large_binary(t):
         off_type = np.int64 if pa.types.is_large_string(t) or pa.types.is_large_binary(t) \
@@ -115,43 +117,40 @@ class ArrowConverter:
         self.columns = [label, *schema.dense, *schema.sparse]
 
     def convert(self, table: pa.Table) -> Parsed:
-        """Rows of ``table``; ``Parsed.lines`` are row indices, ``bad`` the rejected rows."""
+        """Rows of ``table``; ``Parsed.lines`` are row indices, ``bad`` the rejected rows.
+
+        An absent feature column counts as missing in every row (JSON objects may omit keys);
+        an absent or non-numeric label rejects the row.
+        """
         n = table.num_rows
-        missing = [c for c in self.columns if c not in table.column_names]
-        present_label = self.label in table.column_names
-        labels = _numbers(table.column(self.label)) if present_label else None
-        reasons = np.zeros(n, dtype=np.int8)  # 0 ok, 1 label, 2 dense, 3 column
-        if missing:
-            reasons[:] = 3
-        elif labels is None:
+        names = set(table.column_names)
+        labels = _numbers(table.column(self.label)) if self.label in names else None
+        reasons = np.zeros(n, dtype=np.int8)  # 0 ok, 1 label, 2 dense
+        if labels is None:
             reasons[:] = 1
         else:
             reasons[np.isnan(labels)] = 1
         dense = np.full((n, len(self.schema.dense)), np.nan)
-        if not missing:
-            for d, name in enumerate(self.schema.dense):
-                values = _numbers(table.column(name))
-                if values is None:
-                    reasons[reasons == 0] = 2
-                else:
-                    dense[:, d] = values
+        for d, name in enumerate(self.schema.dense):
+            values = _numbers(table.column(name)) if name in names else dense[:, d]
+            if values is None:
+                reasons[reasons == 0] = 2
+            else:
+                dense[:, d] = values
         good = np.flatnonzero(reasons == 0)
-        bad = [BadRecord(int(i), ("label_not_numeric", "dense_not_numeric",
-                                  "missing_column")[reasons[i] - 1], _row_bytes(table, int(i)))
-               for i in np.flatnonzero(reasons)]
+        bad = [BadRecord(int(i), ("label_not_numeric", "dense_not_numeric")[reasons[i] - 1],
+                         _row_bytes(table, int(i))) for i in np.flatnonzero(reasons)]
+        kept = table.take(pa.array(good)) if good.shape[0] < n else table
         sparse: dict[str, Jagged] = {}
-        if good.shape[0]:
-            kept = table.take(pa.array(good)) if good.shape[0] < n else table
-            for name in self.schema.sparse:
+        for name in self.schema.sparse:
+            if name in names and good.shape[0]:
                 sparse[name] = hash_column(kept.column(name), name, self.schema.bucket_of(name),
                                            self.schema.multi_hot.get(name))
-        else:
-            sparse = {name: Jagged(np.zeros(0, np.uint64), np.zeros(0, np.int32))
-                      for name in self.schema.sparse}
-        return Parsed(labels=(labels[good] if labels is not None else np.zeros(0)).astype(
-                          np.float32),
-                      dense=self.transform.apply(dense[good]), sparse=sparse, lines=good,
-                      bad=bad)
+            else:
+                sparse[name] = Jagged(np.zeros(0, np.uint64), np.zeros(good.shape[0], np.int32))
+        out_labels = labels[good] if labels is not None else np.zeros(0)
+        return Parsed(labels=out_labels.astype(np.float32), dense=self.transform.apply(dense[good]),
+                      sparse=sparse, lines=good, bad=bad)
 
 
 def _row_bytes(table: pa.Table, i: int) -> bytes:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, PersimmonError
 
 __all__ = ["Dispatcher", "Outgoing"]
 
@@ -64,6 +64,7 @@ class Dispatcher:
         if world_size:
             self._world_known.set()
         self._finished = False
+        self._error: PersimmonError | None = None
 
     def _rank(self, rank: int) -> _Rank:
         state = self._ranks.get(rank)
@@ -90,6 +91,12 @@ class Dispatcher:
         """No more batches will come; streams end once their batches are acknowledged."""
         async with self._cond:
             self._finished = True
+            self._cond.notify_all()
+
+    async def fail(self, error: PersimmonError) -> None:
+        """The producer died: every stream, now and later, ends with ``error``."""
+        async with self._cond:
+            self._error = error
             self._cond.notify_all()
 
     # ---- worker side ------------------------------------------------------------------------
@@ -125,7 +132,8 @@ class Dispatcher:
             return state.generation
 
     async def stream(self, rank: int, generation: int) -> AsyncIterator[Outgoing | None]:
-        """Batches for ``rank`` within its credits; ``None`` is the end marker."""
+        """Batches for ``rank`` within its credits; ``None`` is the end marker. Raises the
+        producer's error if it failed."""
         state = self._rank(rank)
         try:
             while True:
@@ -142,6 +150,8 @@ class Dispatcher:
 
     async def _next(self, state: _Rank, generation: int) -> Outgoing | None | bool:
         while True:
+            if self._error is not None:
+                raise self._error
             if state.generation != generation:
                 return False  # superseded by a newer stream of this rank
             if state.ready and len(state.unacked) < state.credits:

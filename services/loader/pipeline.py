@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from services.common.errors import Internal, PersimmonError
 from services.common.wire import encode_message
 from services.loader.batching import Batcher, ChunkTracker, Rows
 from services.loader.config import LoaderConfig
@@ -63,6 +64,18 @@ class Pipeline:
     # ---- producing --------------------------------------------------------------------------
 
     async def produce(self) -> None:
+        """Run until the source is exhausted; a failure ends every worker stream with it."""
+        try:
+            await self._produce()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error = exc if isinstance(exc, PersimmonError) else Internal(
+                f"the loader stopped producing: {type(exc).__name__}: {exc}")
+            await self.dispatcher.fail(error)
+            raise
+
+    async def _produce(self) -> None:
         async for block in self.source.blocks():
             await self._ingest(block)
             await self._resume.wait()
@@ -123,11 +136,17 @@ class Pipeline:
             await self.source.commit(settled)
 
     async def commit_loop(self) -> None:
+        """Commit whenever acks made something committable; a commit in progress when the
+        loop is cancelled is finished first (shutdown then commits the rest)."""
         while True:
             await self._commit_wanted.wait()
             self._commit_wanted.clear()
+            commit = asyncio.ensure_future(self.commit_once())
             try:
-                await self.commit_once()
+                await asyncio.shield(commit)
+            except asyncio.CancelledError:
+                await asyncio.gather(commit, return_exceptions=True)
+                raise
             except Exception:  # a failed commit is retried with the next one
                 log.exception("commit failed")
 

@@ -7,7 +7,8 @@ Messages (msgpack bodies, see :mod:`services.common.wire`):
                of the rank is acknowledged
     Ack      → {batch_ids: [int]}        ← {acked: [int], unknown: [int]}
     Describe → {}                        ← {sparse_features, dense_features, num_dense,
-                                           batch_size, world_size, source, ...}
+                                           batch_size, world_size (0 until a worker connects
+                                           unless configured), source, ...}
 
 A rank that opens a new Batches stream ends its previous one and receives its
 unacknowledged batches again first. Bad requests end the call with INVALID_ARGUMENT (or
@@ -55,12 +56,15 @@ class LoaderServicer:
             await abort_with(context, exc)
             return
         sent = self.pipeline.metrics.sent_bytes
-        async for item in self.dispatcher.stream(rank, generation):
-            if item is None:
-                yield encode_message({"kind": "end", "rank": rank})
-                return
-            sent.inc(len(item.payload))
-            yield item.payload
+        try:
+            async for item in self.dispatcher.stream(rank, generation):
+                if item is None:
+                    yield encode_message({"kind": "end", "rank": rank})
+                    return
+                sent.inc(len(item.payload))
+                yield item.payload
+        except PersimmonError as exc:
+            await abort_with(context, exc)
 
     async def _ack(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         body = decode_message(request)

@@ -8,9 +8,11 @@ resumes with no record lost (records after the last commit may be delivered twic
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +109,8 @@ class StateFile:
         self.path = Path(path) if path else None
         self.source = source
         self.partitions: dict[str, dict[str, Any]] = {}
+        self._seq = self._written = 0
+        self._lock = threading.Lock()
         if self.path is not None and self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
@@ -124,12 +128,27 @@ class StateFile:
     def update(self, partition: str, **values: Any) -> None:
         self.partitions.setdefault(partition, {}).update(values)
 
-    def save(self) -> None:
+    def snapshot(self) -> tuple[int, str]:
+        """The current state serialized (call on the event loop), with a sequence number."""
+        self._seq += 1
+        return self._seq, json.dumps({"source": self.source, "partitions": self.partitions},
+                                     indent=1)
+
+    def write(self, snapshot: tuple[int, str]) -> None:
+        """Write a snapshot atomically (may run in a thread); an older one never wins."""
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"source": self.source, "partitions": self.partitions}, indent=1)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".state-")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(body)
-        os.replace(tmp, self.path)
+        seq, body = snapshot
+        with self._lock:
+            if seq <= self._written:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".state-")
+            with os.fdopen(fd, "w") as fh:
+                fh.write(body)
+            os.replace(tmp, self.path)
+            self._written = seq
+
+    async def save(self) -> None:
+        if self.path is not None:
+            await asyncio.to_thread(self.write, self.snapshot())

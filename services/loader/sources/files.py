@@ -296,7 +296,7 @@ class FileSource:
             return
         for partition, chunk in settled.advanced.items():
             self.state.update(partition, **chunk.meta)
-        await asyncio.to_thread(self.state.save)
+        await self.state.save()
 
     async def dead_letter(self, block: SourceBlock) -> None:
         """Files have no dead-letter topic; the loader's dead-letter file gets the records."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from services.common.errors import NotFound, Unavailable
@@ -50,21 +51,31 @@ class KafkaSource:
     def _key(self, partition: int) -> str:
         return f"kafka:{self.topic}:{partition}"
 
+    async def _partitions_of_topic(self) -> list[int]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.spec.target)
+        try:
+            await admin.start()
+            (info,) = await admin.describe_topics([self.topic])
+        except KafkaError as exc:
+            raise Unavailable(f"cannot reach Kafka at {self.spec.target}: {exc}") from exc
+        finally:
+            await admin.close()
+        if info.get("error_code") or not info.get("partitions"):
+            raise NotFound(f"Kafka topic {self.topic!r} does not exist at {self.spec.target} "
+                           f"(error code {info.get('error_code')})")
+        return sorted(p["partition"] for p in info["partitions"])
+
     async def start(self) -> None:
+        parts = await self._partitions_of_topic()
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.spec.target, group_id=self.group, enable_auto_commit=False,
             auto_offset_reset="earliest", client_id=f"persimmon-loader-{self.config.replica}")
         try:
             await consumer.start()
-            await consumer.topics()  # fetch metadata
-            parts = consumer.partitions_for_topic(self.topic)
         except KafkaError as exc:
             await consumer.stop()
             raise Unavailable(f"cannot reach Kafka at {self.spec.target}: {exc}") from exc
-        if not parts:
-            await consumer.stop()
-            raise NotFound(f"Kafka topic {self.topic!r} does not exist at {self.spec.target}")
-        mine = [p for p in sorted(parts) if p % self.config.replicas == self.config.replica]
+        mine = [p for p in parts if p % self.config.replicas == self.config.replica]
         self._partitions = [TopicPartition(self.topic, p) for p in mine]
         consumer.assign(self._partitions)
         for tp in self._partitions:

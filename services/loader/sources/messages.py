@@ -79,9 +79,9 @@ class MessageParser:
         assert self._text is not None
         return self._text.parse(b"\n".join(payloads) + b"\n" if payloads else b"")
 
-    def _read_json(self, payloads: list[bytes]) -> Parsed:
+    def _read_json(self, payloads: list[bytes], typed: bool = True) -> Parsed:
         assert self._json is not None
-        opts = pajson.ParseOptions(explicit_schema=self._json_schema,
+        opts = pajson.ParseOptions(explicit_schema=self._json_schema if typed else None,
                                    unexpected_field_behavior="infer")
         table = pajson.read_json(io.BytesIO(b"\n".join(payloads)), parse_options=opts)
         if table.num_rows != len(payloads):
@@ -98,13 +98,18 @@ class MessageParser:
             pass
         parts: list[Parsed] = []
         for i, payload in enumerate(payloads):
+            reason = None
             try:
                 if not isinstance(json.loads(payload), dict):
-                    raise ValueError("not a JSON object")
-                part = self._read_json([payload])
-            except (ValueError, pa.ArrowInvalid, pa.ArrowTypeError,
-                    pa.ArrowNotImplementedError) as exc:
-                reason = "invalid_json" if isinstance(exc, ValueError) else "json_types"
+                    reason = "not_an_object"
+            except ValueError:
+                reason = "invalid_json"
+            if reason is None:
+                try:  # alone and untyped: a bad label or dense value is reported as such
+                    part = self._read_json([payload], typed=False)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                    reason = "json_types"
+            if reason is not None:
                 part = _concat([], self.schema.sparse, len(self.schema.dense))
                 part.bad = [BadRecord(0, reason, payload)]
             part.lines = part.lines + i

@@ -72,7 +72,7 @@ class SyntheticSource:
             return
         for partition, chunk in settled.advanced.items():
             self.state.update(partition, **chunk.meta)
-        await asyncio.to_thread(self.state.save)
+        await self.state.save()
 
     async def dead_letter(self, block: SourceBlock) -> None:
         """Generated data has no malformed records."""
