@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -35,3 +38,33 @@ def labels_of(batches: list[Batch]) -> np.ndarray:
 
 def ids_of(batches: list[Batch], name: str) -> list[int]:
     return [int(v) for b in batches for v in b.sparse[name].values]
+
+
+async def consume_until(address: str, want: set[int], *, ack_first: int | None = None,
+                        timeout: float = 30.0) -> tuple[list, set[int]]:
+    """Batches until every row id in ``want`` was seen (acking at most ``ack_first``)."""
+    batches, seen = [], set()
+    async with LoaderClient(address, credits=4) as client:
+        stream = client.batches()
+
+        async def run():
+            async for batch in stream:
+                batches.append(batch)
+                seen.update(int(v) for v in batch.dense[:, 0])
+                if ack_first is None or len(batches) <= ack_first:
+                    await client.ack(batch)
+                if want <= seen or (ack_first is not None and len(batches) >= ack_first + 2):
+                    return
+
+        await asyncio.wait_for(run(), timeout)
+        await stream.aclose()
+    return batches, seen
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Poll an async predicate until it is true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(0.05)

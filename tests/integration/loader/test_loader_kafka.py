@@ -4,16 +4,14 @@ JSON messages, and a dead-letter topic."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from clients.loader_client import LoaderClient
 from services.loader.sources.kafka import produce_file
 from tests.conftest import eventually
-from tests.integration.loader.loader_support import MOCK_PARTITIONS
+from tests.integration.loader.loader_support import MOCK_PARTITIONS, consume_until
 
 pytestmark = pytest.mark.service
 
@@ -22,27 +20,6 @@ SPEC = "dense=2&sparse=2"
 
 def write_rows(path, n: int) -> None:
     path.write_text("".join(f"{i % 2}\t{i}\t{2 * i}\tc{i % 5}\tx{i}\n" for i in range(n)))
-
-
-async def consume_until(address: str, want: set[int], *, ack_first: int | None = None,
-                        timeout: float = 30.0) -> tuple[list, set[int]]:
-    """Batches until every row id in ``want`` was seen (acking at most ``ack_first``)."""
-    batches, seen = [], set()
-    async with LoaderClient(address, credits=4) as client:
-        stream = client.batches()
-
-        async def run():
-            async for batch in stream:
-                batches.append(batch)
-                seen.update(int(v) for v in batch.dense[:, 0])
-                if ack_first is None or len(batches) <= ack_first:
-                    await client.ack(batch)
-                if want <= seen or (ack_first is not None and len(batches) >= ack_first + 2):
-                    return
-
-        await asyncio.wait_for(run(), timeout)
-        await stream.aclose()
-    return batches, seen
 
 
 def first_positions(batches) -> dict[str, int]:
