@@ -107,8 +107,8 @@ def csv_module_pipeline(path: str) -> int:
     labels = np.array(columns[0], dtype=np.float64)
     dense = np.empty((labels.shape[0], DENSE))
     for d in range(DENSE):
-        col = np.array(columns[1 + d])
-        dense[:, d] = np.where(col == "", "nan", col).astype(np.float64)
+        text = np.array(columns[1 + d])
+        dense[:, d] = np.where(text == "", "nan", text).astype(np.float64)
     sparse = {}
     for f, name in enumerate(SPARSE_NAMES):
         col = columns[1 + DENSE + f]

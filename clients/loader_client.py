@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
+from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -82,7 +82,7 @@ class LoaderClient:
         self._outstanding.difference_update(ids)
         return reply
 
-    async def batches(self) -> AsyncIterator[Batch]:
+    async def batches(self) -> AsyncGenerator[Batch, None]:
         """This rank's batches until the loader's end marker, reconnecting on failures."""
         request = encode_message({"rank": self.rank, "world_size": self.world_size,
                                   "credits": self.credits})
@@ -153,12 +153,16 @@ class SyncLoaderClient:
 
     def batches(self) -> Iterator[Batch]:
         stream = self._client.batches()
+
+        async def next_batch() -> Batch | None:
+            try:
+                return await anext(stream)
+            except StopAsyncIteration:
+                return None
+
         try:
-            while True:
-                try:
-                    yield self._run(stream.__anext__())
-                except StopAsyncIteration:
-                    return
+            while (batch := self._run(next_batch())) is not None:
+                yield batch
         finally:
             self._run(stream.aclose())
 

@@ -51,12 +51,37 @@ class Parsed:
 
 
 @njit(inline="always")
-def _parse_number(buf: np.ndarray, s: int, e: int) -> tuple[float, bool]:
-    """(value, ok) of buf[s:e]; an empty field is (NaN, True); spaces around are allowed."""
+def _parse_exponent(buf: np.ndarray, i: int, e: int) -> tuple[int, bool]:
+    """(exponent, ok) of ``[+-]digits`` in buf[i:e] (capped at 400)."""
+    neg = False
+    if i < e and (buf[i] == 45 or buf[i] == 43):
+        neg = buf[i] == 45
+        i += 1
+    if i == e:
+        return 0, False
+    ex = 0
+    while i < e:
+        c = buf[i]
+        if not 48 <= c <= 57:
+            return 0, False
+        ex = min(ex * 10 + (c - 48), 400)
+        i += 1
+    return (-ex if neg else ex), True
+
+
+@njit(inline="always")
+def _trim(buf: np.ndarray, s: int, e: int) -> tuple[int, int]:
     while s < e and buf[s] == 32:
         s += 1
     while e > s and buf[e - 1] == 32:
         e -= 1
+    return s, e
+
+
+@njit(inline="always")
+def _parse_number(buf: np.ndarray, s: int, e: int) -> tuple[float, bool]:
+    """(value, ok) of buf[s:e]; an empty field is (NaN, True); spaces around are allowed."""
+    s, e = _trim(buf, s, e)
     if s == e:
         return np.nan, True
     neg = False
@@ -85,21 +110,10 @@ def _parse_number(buf: np.ndarray, s: int, e: int) -> tuple[float, bool]:
     if i < e:
         if buf[i] != 101 and buf[i] != 69:  # e / E
             return np.nan, False
-        i += 1
-        eneg = False
-        if i < e and (buf[i] == 45 or buf[i] == 43):
-            eneg = buf[i] == 45
-            i += 1
-        if i == e:
+        ex, ok = _parse_exponent(buf, i + 1, e)
+        if not ok:
             return np.nan, False
-        ex = 0
-        while i < e:
-            c = buf[i]
-            if not 48 <= c <= 57:
-                return np.nan, False
-            ex = min(ex * 10 + (c - 48), 400)
-            i += 1
-        scale += -ex if eneg else ex
+        scale += ex
     value = mant * 10.0 ** scale if scale != 0 else mant
     return (-value if neg else value), True
 

@@ -49,9 +49,9 @@ class LoaderServicer:
                        ) -> AsyncIterator[bytes]:
         try:
             body = decode_message(request)
-            rank = body.get("rank")
-            generation = await self.dispatcher.connect(rank, body.get("world_size"),
+            generation = await self.dispatcher.connect(body.get("rank"), body.get("world_size"),
                                                        body.get("credits"))
+            rank = int(body["rank"])  # validated by connect
         except PersimmonError as exc:
             await abort_with(context, exc)
             return

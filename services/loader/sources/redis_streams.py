@@ -75,8 +75,9 @@ class RedisStreamSource:
     async def _read(self, start_id: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
         assert self._redis is not None
         block = None if start_id != ">" else self.config.poll_timeout_ms
-        resp = await self._redis.xreadgroup(self.group, self.consumer, {self.stream: start_id},
-                                            count=self.config.poll_records, block=block)
+        resp: Any = await self._redis.xreadgroup(self.group, self.consumer,
+                                                 {self.stream: start_id},
+                                                 count=self.config.poll_records, block=block)
         return list(resp[0][1]) if resp else []
 
     async def _claim(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -89,7 +90,7 @@ class RedisStreamSource:
         cursor: bytes | str = "0-0"
         out: list[tuple[bytes, dict[bytes, bytes]]] = []
         while True:
-            resp = await self._redis.xautoclaim(self.stream, self.group, self.consumer,
+            resp: Any = await self._redis.xautoclaim(self.stream, self.group, self.consumer,
                                                 self.config.claim_idle_ms, start_id=cursor,
                                                 count=self.config.poll_records)
             cursor, entries = resp[0], resp[1]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
