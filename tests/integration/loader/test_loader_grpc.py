@@ -124,3 +124,16 @@ async def test_bad_calls_get_clear_errors(start_loader):
         assert reply == {"acked": [], "unknown": [12345], "v": 1}
     ranks = loader.dispatcher.stats()["ranks"].values()
     assert all(r["credits"] == 0 and r["delivered"] == 0 for r in ranks)  # bad calls changed nothing
+
+
+async def test_synthetic_source_resumes_from_its_state_file(tmp_path, start_loader):
+    common = dict(source="synthetic:20000", batch_size=1000, state_file=str(tmp_path / "s.json"))
+    first = await start_loader(**common)
+    acked = await drain(first.address, limit=9)  # 9000 rows: the first chunk (8192) is done
+    await first.close()
+    second = await start_loader(**common)
+    rest = await drain(second.address)
+    assert rest[0].positions == {"synthetic:e0:train": (CHUNK_ROWS, CHUNK_ROWS + 999)}
+    expected = SyntheticDataset().teacher_rows("train", 20000).labels
+    np.testing.assert_array_equal(labels_of(acked)[:CHUNK_ROWS], expected[:CHUNK_ROWS])
+    np.testing.assert_array_equal(labels_of(rest), expected[CHUNK_ROWS:])
