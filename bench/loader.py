@@ -33,7 +33,7 @@ import pyarrow.csv as pacsv
 from rich.console import Console
 from rich.table import Table
 
-from clients.batch import Jagged
+from services.common.batch import Jagged
 from services.loader.arrow import hash_column
 from services.loader.batching import Batcher, Rows
 from services.loader.hashing import DenseTransform, hash_strings

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from clients.batch import Batch
+from services.common.batch import Batch
 from services.common.errors import InvalidArgument, MalformedMessage, error_from_grpc
 from services.common.rpc import channel_options
 from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message

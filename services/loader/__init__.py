@@ -11,5 +11,5 @@ Layout (the service file set of STYLE.md):
 - ``batching`` (rows, shuffle, ack accounting), ``dispatch`` (credits), ``pipeline``
 - ``synthetic``: the planted data set and its oracle metrics
 
-The batch type workers receive is :class:`clients.batch.Batch`.
+The batch type workers receive is :class:`services.common.batch.Batch`.
 """

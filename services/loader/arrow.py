@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from clients.batch import Jagged
+from services.common.batch import Jagged
 from services.common.errors import ConfigError
 from services.loader.hashing import (
     DenseTransform,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from clients.batch import Batch, Jagged
+from services.common.batch import Batch, Jagged
 
 __all__ = ["Batch", "Batcher", "Chunk", "ChunkTracker", "Jagged", "Rows", "concat_jagged",
            "take_jagged"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
-from clients.batch import Jagged
+from services.common.batch import Jagged
 from services.loader.hashing import DenseTransform, bucketize, finalize, fnv_byte
 from services.loader.schema import TextLayout
 

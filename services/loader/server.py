@@ -2,7 +2,7 @@
 
 Messages (msgpack bodies, see :mod:`services.common.wire`):
     Batches  → {rank, world_size, credits}
-             ← stream of {kind: "batch", batch: <Batch wire form, see clients.batch>}
+             ← stream of {kind: "batch", batch: <Batch wire form, see services.common.batch>}
                ending with {kind: "end", rank} once the source is exhausted and every batch
                of the rank is acknowledged
     Ack      → {batch_ids: [int]}        ← {acked: [int], unknown: [int]}

@@ -29,15 +29,15 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from clients.batch import Batch, Jagged
+from services.common.batch import Batch, Jagged
 from services.common.config import config_to_dict
 from services.common.errors import ConfigError
+from services.common.scoring import auc, logloss
 from services.loader.batching import Batcher, Rows
 from services.loader.hashing import DenseTransform, hash_hex_ids
 from services.loader.schema import TextLayout, criteo_layout
 
-__all__ = ["CHUNK_ROWS", "SyntheticConfig", "SyntheticDataset", "TeacherRows", "auc", "format_criteo",
-           "logloss"]
+__all__ = ["CHUNK_ROWS", "SyntheticConfig", "SyntheticDataset", "TeacherRows", "format_criteo"]
 
 CHUNK_ROWS = 8192
 _SPLITS = {"train": 0, "test": 1}
@@ -309,23 +309,3 @@ def format_criteo(t: TeacherRows) -> bytes:
 
     written = _format_lines(t.labels, t.dense_counts, List(values), List(lengths), out)
     return out[:written].tobytes()
-
-
-def auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """ROC AUC with tied scores counted half (the Mann–Whitney statistic)."""
-    labels = np.asarray(labels) > 0.5
-    pos = int(labels.sum())
-    neg = labels.shape[0] - pos
-    if pos == 0 or neg == 0:
-        raise ValueError("AUC needs both positive and negative labels")
-    _, inverse, counts = np.unique(np.asarray(scores), return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)
-    avg_rank = ends - (counts - 1) / 2.0  # 1-based mean rank of each distinct score
-    rank_sum = float(avg_rank[inverse][labels].sum())
-    return (rank_sum - pos * (pos + 1) / 2.0) / (pos * neg)
-
-
-def logloss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-7) -> float:
-    p = np.clip(np.asarray(probs, dtype=np.float64), eps, 1 - eps)
-    y = np.asarray(labels, dtype=np.float64)
-    return float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from clients.batch import Batch
+from services.common.batch import Batch
 from services.common.errors import ConfigError
 from services.worker.config import TrainerConfig
 from services.worker.distributed import run_local_ranks

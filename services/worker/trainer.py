@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from clients.batch import Batch
 from clients.ps_client import PSClient
+from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument
 from services.worker.config import TrainerConfig
 from services.worker.evaluation import EvalAccumulator, gather_accumulator

@@ -42,9 +42,6 @@ def allowed(layer: str) -> set[str]:
     return {"common", layer}
 
 
-# Known exception, to be removed: the loader builds ``clients.batch.Batch`` (the batch wire
-# type), which belongs in services/common next to the rest of the wire format.
-EXCEPTIONS = {("loader", "clients.batch")}
 
 
 def modules_of(layer: str) -> list[Path]:
@@ -61,7 +58,6 @@ def test_layer_imports_only_what_it_may(layer):
     for path in files:
         for module in imports_of(path):
             other = owner(module)
-            if (other is not None and other not in allowed(layer)
-                    and (layer, module) not in EXCEPTIONS):
+            if other is not None and other not in allowed(layer):
                 bad.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not bad, "layering violations:\n" + "\n".join(bad)

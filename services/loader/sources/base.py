@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from clients.batch import Jagged
+from services.common.batch import Jagged
 from services.common.errors import ConfigError
 from services.loader.batching import Settled
 from services.loader.config import SourceSpec

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from clients.batch import Jagged
+from services.common.batch import Jagged
 from services.common.errors import ConfigError
 from services.loader.arrow import ArrowConverter, infer_schema
 from services.loader.batching import Settled

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.json as pajson
 
-from clients.batch import Jagged
+from services.common.batch import Jagged
 from services.loader.arrow import ArrowConverter
 from services.loader.config import SourceSpec
 from services.loader.hashing import DenseTransform

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from clients.batch import Batch
 from clients.loader_client import LoaderClient
+from services.common.batch import Batch
 
 MOCK_PARTITIONS = 4  # partitions of a topic the Kafka mock cluster creates on first use
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from clients.batch import Batch
+from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument
 from services.demo import LocalPS
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset

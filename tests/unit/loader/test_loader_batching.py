@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clients.batch import Batch, Jagged
+from services.common.batch import Batch, Jagged
 from services.common.errors import MalformedMessage
 from services.common.wire import decode_message, encode_message
 from services.loader.batching import Batcher, ChunkTracker, Rows, take_jagged

@@ -7,17 +7,15 @@ import json
 import numpy as np
 import pytest
 from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import roc_auc_score
 
 from services.common.errors import ConfigError
+from services.common.scoring import auc, logloss
 from services.loader.parsers import TextParser
 from services.loader.synthetic import (
     CHUNK_ROWS,
     SyntheticConfig,
     SyntheticDataset,
-    auc,
     format_criteo,
-    logloss,
 )
 
 
@@ -75,15 +73,6 @@ def test_logistic_model_on_teacher_features_reaches_the_oracle(dataset):
     # and the oracle is not trivial: the dense term alone is much weaker
     weak = LogisticRegression().fit(train.dense_term, train.labels)
     assert auc(test.labels, weak.predict_proba(test.dense_term)[:, 1]) < oracle["auc"] - 0.1
-
-
-def test_auc_matches_sklearn_with_ties():
-    rng = np.random.default_rng(0)
-    labels = rng.integers(0, 2, 500)
-    scores = np.round(rng.random(500), 1)  # many ties
-    assert auc(labels, scores) == pytest.approx(roc_auc_score(labels, scores))
-    with pytest.raises(ValueError):
-        auc(np.ones(3), np.ones(3))
 
 
 def test_files_parse_to_exactly_the_in_memory_rows(dataset, tmp_path):
