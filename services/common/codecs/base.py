@@ -67,7 +67,9 @@ class Codec:
 
     def to_wire(self, x: np.ndarray, *, key: Any = None) -> dict[str, Any]:
         """The wire dict of :mod:`services.common.wire`, counted in :attr:`stats`."""
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x)
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)  # (never for a 0-d array, whose shape it would change)
         data, meta = self.encode(x, key=key)
         self.stats.add(x.nbytes, memoryview(data).nbytes)
         return {"dtype": x.dtype.name, "shape": list(x.shape), "codec": self.name,

@@ -22,6 +22,7 @@ from services.common.errors import InvalidArgument, MalformedMessage
 __all__ = [
     "NONFINITE",
     "all_finite",
+    "byte_view",
     "decode_nonfinite",
     "expect_nbytes",
     "float_input",
@@ -40,6 +41,12 @@ NONFINITE = "nonfinite"
 
 def numel(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+def byte_view(x: np.ndarray) -> memoryview:
+    """The bytes of ``x`` in C order as a flat memoryview (copies only a non-contiguous ``x``);
+    works for 0-d and zero-size multi-dimensional arrays, which ``memoryview.cast`` refuses."""
+    return memoryview(np.ascontiguousarray(x).reshape(-1)).cast("B")
 
 
 def nbytes_of(data: Any) -> int:

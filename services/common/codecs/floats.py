@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from services.common.codecs.base import Codec
+from services.common.codecs.bits import byte_view
 from services.common.errors import MalformedMessage
 
 __all__ = ["BF16Codec", "FP16Codec", "NoneCodec", "bf16_to_float32", "float32_to_bf16"]
@@ -27,7 +28,7 @@ class NoneCodec(Codec):
     lossless = True
 
     def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-        return memoryview(np.ascontiguousarray(x)).cast("B"), {}
+        return byte_view(x), {}
 
     def decode(self, data, meta, dtype, shape):
         _check_len(data, int(np.prod(shape, dtype=np.int64)), dtype.itemsize, self.name)
@@ -40,7 +41,7 @@ class FP16Codec(Codec):
     name = "fp16"
 
     def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-        return memoryview(x.astype(np.float16)).cast("B"), {}
+        return byte_view(x.astype(np.float16)), {}
 
     def decode(self, data, meta, dtype, shape):
         _check_len(data, int(np.prod(shape, dtype=np.int64)), 2, self.name)
@@ -48,11 +49,12 @@ class FP16Codec(Codec):
 
 
 def float32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    """Flat bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    bits = flat.view(np.uint32)
     rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
     out = ((bits + rounding) >> 16).astype(np.uint16)
-    nan = np.isnan(x)
+    nan = np.isnan(flat)
     if nan.any():
         out[nan] = 0x7FC0
     return out
@@ -68,7 +70,7 @@ class BF16Codec(Codec):
     name = "bf16"
 
     def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-        return memoryview(float32_to_bf16(x)).cast("B"), {}
+        return byte_view(float32_to_bf16(x)), {}
 
     def decode(self, data, meta, dtype, shape):
         _check_len(data, int(np.prod(shape, dtype=np.int64)), 2, self.name)
