@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
@@ -20,11 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0,
+async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
                      interval: float = 0.02) -> None:
-    """Poll ``predicate`` until true or fail after ``timeout`` seconds (no bare sleeps)."""
+    """Poll ``predicate`` (plain or async) until true or fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         await asyncio.sleep(interval)

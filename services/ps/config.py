@@ -20,7 +20,14 @@ class PSConfig:
     admin_port: int = field(default=8081, metadata={"help": "admin REST port (0: any free port)"})
     checkpoint_dir: str | None = field(default=None, metadata={"help": "where checkpoints go"})
     restore: str | None = field(default=None, metadata={
-        "help": "checkpoint id to restore at start ('latest' for the newest)"})
+        "help": "checkpoint id to restore at start ('latest' for the newest; 'job' for the "
+                "newest complete job checkpoint under checkpoint_dir, if any)"})
+    registry: str | None = field(default=None, metadata={
+        "help": "register this shard at redis://HOST:PORT/DB?job=NAME (or memory://NAME)"})
+    advertise: str | None = field(default=None, metadata={
+        "help": "host:port others dial for gRPC (default: host and the bound port)"})
+    heartbeat_ttl_s: float = field(default=5.0, metadata={
+        "help": "seconds the registry keeps this shard after its last heartbeat"})
     tables: list[TableConfig] = field(default_factory=list)
     max_message_bytes: int = field(default=128 * 1024 * 1024, metadata={
         "help": "largest request accepted, in bytes"})
@@ -43,6 +50,8 @@ class PSConfig:
             raise ValueError("max_message_bytes must be at least 1024")
         if self.max_ids_per_request < 1 or self.max_tables < 1:
             raise ValueError("max_ids_per_request and max_tables must be >= 1")
+        if self.heartbeat_ttl_s <= 0:
+            raise ValueError("heartbeat_ttl_s must be > 0")
         if self.ttl_sweep_s <= 0:
             raise ValueError("ttl_sweep_s must be > 0")
         names = [t.name for t in self.tables]

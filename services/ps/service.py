@@ -6,7 +6,9 @@ import asyncio
 import logging
 
 from services.common.admin import AdminServer
+from services.common.jobs import latest_complete
 from services.common.lifecycle import AsyncService
+from services.common.registry import Heartbeat, Member, open_registry
 from services.common.rpc import make_server
 from services.ps.admin import make_ps_admin
 from services.ps.config import PSConfig
@@ -32,19 +34,26 @@ class PSService(AsyncService):
         self._ready = False
         self._grpc = None
         self._admin: AdminServer | None = None
+        self._heartbeat: Heartbeat | None = None
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.grpc_port}"
+        return self.config.advertise or f"{self.config.host}:{self.grpc_port}"
 
     @property
     def admin_url(self) -> str:
-        return f"http://{self.config.host}:{self.admin_port}"
+        host = self.config.advertise.rpartition(":")[0] if self.config.advertise \
+            else self.config.host
+        return f"http://{host}:{self.admin_port}"
 
     async def on_start(self) -> None:
-        if self.config.restore:
-            rows = await self.shard.restore(self.config.restore)
-            log.info("restored checkpoint %s: %s", self.config.restore, rows)
+        restore = self.config.restore
+        if restore == "job":
+            job = latest_complete(self.shard._checkpoint_root())
+            restore = job["checkpoint_id"] if job else None
+        if restore:
+            rows = await self.shard.restore(restore)
+            log.info("restored checkpoint %s: %s", restore, rows)
         servicer = PSServicer(self.shard, self.metrics)
         self._grpc, self.grpc_port = make_server(
             [servicer.handlers()], self.config.host, self.config.grpc_port,
@@ -54,12 +63,21 @@ class PSService(AsyncService):
         self._admin = AdminServer(app, self.config.host, self.config.admin_port)
         self.admin_port = await self._admin.start()
         self.spawn(self._sweep_ttl(), "ttl-sweeper")
+        if self.config.registry:
+            member = Member(kind="ps", index=self.config.shard_id, count=self.config.num_shards,
+                            address=self.address, admin_url=self.admin_url)
+            self._heartbeat = Heartbeat(open_registry(self.config.registry), member,
+                                        self.config.heartbeat_ttl_s)
+            await self._heartbeat.start()
         self._ready = True
         log.info("PS shard %d/%d serving gRPC on %s, admin on %s", self.config.shard_id,
                  self.config.num_shards, self.address, self.admin_url)
 
     async def on_close(self) -> None:
         self._ready = False
+        if self._heartbeat is not None:
+            await self._heartbeat.close()
+            await self._heartbeat.registry.close()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         if self._admin is not None:
