@@ -208,6 +208,19 @@ class Heartbeat:
         self.member = member
         self.ttl_s = ttl_s
         self._task: asyncio.Task[None] | None = None
+        self._owns_registry = False
+
+    @classmethod
+    async def join(cls, url: str, member: Member, ttl_s: float = 5.0) -> Heartbeat:
+        """Open the registry at ``url`` and start; :meth:`close` also closes the registry."""
+        beat = cls(open_registry(url), member, ttl_s)
+        beat._owns_registry = True
+        try:
+            await beat.start()
+        except BaseException:
+            await beat.registry.close()
+            raise
+        return beat
 
     async def start(self) -> None:
         await self.registry.register(self.member, self.ttl_s)
@@ -230,6 +243,8 @@ class Heartbeat:
             self._task = None
             with contextlib.suppress(Unavailable):
                 await self.registry.deregister(self.member.kind, self.member.index)
+        if self._owns_registry:
+            await self.registry.close()
 
 
 async def discover_shards(registry: Registry, *, timeout_s: float = 60.0,

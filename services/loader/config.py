@@ -166,6 +166,10 @@ class LoaderConfig:
     dense_clip_max: float | None = field(default=None, metadata={"help": "dense upper clip"})
     dense_log1p: bool = field(default=True, metadata={"help": "apply log1p to dense features"})
     max_message_bytes: int = field(default=128 << 20, metadata={"help": "largest gRPC message"})
+    registry: str | None = field(default=None, metadata={
+        "help": "register this loader at redis://HOST:PORT/DB?job=NAME (or memory://NAME)"})
+    advertise: str | None = field(default=None, metadata={
+        "help": "host:port others dial for gRPC (default: host and the bound port)"})
 
     def __post_init__(self) -> None:
         SourceSpec.parse(self.source)

@@ -9,6 +9,7 @@ import grpc
 
 from services.common.admin import AdminServer
 from services.common.lifecycle import AsyncService
+from services.common.registry import Heartbeat, Member
 from services.common.rpc import make_server
 from services.loader.admin import make_loader_admin
 from services.loader.config import LoaderConfig
@@ -38,14 +39,17 @@ class LoaderService(AsyncService):
         self._grpc: grpc.aio.Server | None = None
         self._admin: AdminServer | None = None
         self._source_started = False
+        self._heartbeat: Heartbeat | None = None
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.grpc_port}"
+        return self.config.advertise or f"{self.config.host}:{self.grpc_port}"
 
     @property
     def admin_url(self) -> str:
-        return f"http://{self.config.host}:{self.admin_port}"
+        host = self.config.advertise.rpartition(":")[0] if self.config.advertise \
+            else self.config.host
+        return f"http://{host}:{self.admin_port}"
 
     def ready(self) -> bool:
         task = self._tasks.get("producer")
@@ -60,6 +64,10 @@ class LoaderService(AsyncService):
             raise
         self.spawn(self.pipeline.produce(), "producer")
         self.spawn(self.pipeline.commit_loop(), "committer")
+        if self.config.registry:
+            member = Member(kind="loader", index=self.config.replica, count=self.config.replicas,
+                            address=self.address, admin_url=self.admin_url)
+            self._heartbeat = await Heartbeat.join(self.config.registry, member)
         log.info("loader serving %s on gRPC %s, admin on %s", self.config.source, self.address,
                  self.admin_url)
 
@@ -76,6 +84,8 @@ class LoaderService(AsyncService):
         self.admin_port = await self._admin.start()
 
     async def on_close(self) -> None:
+        if self._heartbeat is not None:
+            await self._heartbeat.close()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         if self._admin is not None:

@@ -8,7 +8,7 @@ import logging
 from services.common.admin import AdminServer
 from services.common.jobs import latest_complete
 from services.common.lifecycle import AsyncService
-from services.common.registry import Heartbeat, Member, open_registry
+from services.common.registry import Heartbeat, Member
 from services.common.rpc import make_server
 from services.ps.admin import make_ps_admin
 from services.ps.config import PSConfig
@@ -66,9 +66,8 @@ class PSService(AsyncService):
         if self.config.registry:
             member = Member(kind="ps", index=self.config.shard_id, count=self.config.num_shards,
                             address=self.address, admin_url=self.admin_url)
-            self._heartbeat = Heartbeat(open_registry(self.config.registry), member,
-                                        self.config.heartbeat_ttl_s)
-            await self._heartbeat.start()
+            self._heartbeat = await Heartbeat.join(self.config.registry, member,
+                                                   self.config.heartbeat_ttl_s)
         self._ready = True
         log.info("PS shard %d/%d serving gRPC on %s, admin on %s", self.config.shard_id,
                  self.config.num_shards, self.address, self.admin_url)
@@ -77,7 +76,6 @@ class PSService(AsyncService):
         self._ready = False
         if self._heartbeat is not None:
             await self._heartbeat.close()
-            await self._heartbeat.registry.close()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         if self._admin is not None:

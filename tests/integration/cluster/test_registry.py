@@ -139,3 +139,22 @@ async def test_ps_shards_register_and_leave(redis_url, tmp_path) -> None:
             await s.close()
         await reg.close()
 
+
+
+async def test_loader_registers(redis_url) -> None:
+    from services.loader.config import LoaderConfig
+    from services.loader.service import LoaderService
+
+    url = f"{redis_url}?job={uuid.uuid4().hex[:8]}"
+    service = LoaderService(LoaderConfig(source="synthetic:1000", grpc_port=0, admin_port=0,
+                                         registry=url, advertise="loader-0:50061"))
+    reg = open_registry(url)
+    await service.start()
+    try:
+        (member,) = await reg.members("loader")
+        assert member.address == "loader-0:50061"
+        assert member.admin_url == f"http://loader-0:{service.admin_port}"
+    finally:
+        await service.close()
+    assert await reg.members("loader") == []
+    await reg.close()
