@@ -3,13 +3,20 @@
 ``PSClient`` deduplicates ids, routes each unique id to ``shard_of(id)``, talks to every
 shard concurrently over long-lived Lookup/Push streams and returns rows in request order.
 Address ``i`` must be shard ``i``: :meth:`PSClient.connect` checks it.
+
+Fault tolerance: with ``retry_s > 0`` a request to a shard that is down is retried with
+backoff on a fresh channel for up to ``retry_s`` seconds, the address re-resolved through
+``resolver`` (e.g. :meth:`PSClient.from_registry`) first, so a restarted shard on another
+address is found. A retried push whose first attempt reached the shard before it died may be
+applied twice; it is dropped if the shard restarts from a checkpoint taken before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Sequence
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,8 +24,15 @@ import grpc
 import numpy as np
 
 from clients._stream import MultiplexedStream
-from services.common.codecs import Codec, get_codec
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, error_from_grpc
+from services.common.codecs import RowEncoder, get_codec
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    error_from_grpc,
+)
+from services.common.registry import discover_shards, open_registry
 from services.common.rpc import channel_options
 from services.common.sharding import split_by_shard
 from services.common.wire import (
@@ -32,6 +46,7 @@ from services.common.wire import (
 __all__ = ["PSClient", "PushAck", "SyncPSClient"]
 
 T = TypeVar("T")
+Resolver = Callable[[], Awaitable[Sequence[str]]]
 _SERVICE = "/persimmon.PS/"
 
 
@@ -67,12 +82,31 @@ def sum_duplicates(inverse: np.ndarray, num_unique: int, grads: np.ndarray) -> n
 
 
 class _ShardConnection:
-    def __init__(self, address: str, max_message_bytes: int) -> None:
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
-        self.lookup = MultiplexedStream(self.channel, _SERVICE + "Lookup")
-        self.push = MultiplexedStream(self.channel, _SERVICE + "Push")
-        self.grads_codecs: dict[str, Codec] = {}
+    def __init__(self, client: PSClient, index: int) -> None:
+        self.client = client
+        self.index = index
+        self.address = client.addresses[index]
+        self.channel = self._open()
+        self._reconnecting = asyncio.Lock()
+        self.lookup = MultiplexedStream(self.channel, _SERVICE + "Lookup",
+                                        reconnect=self.reconnect, retry_s=client.retry_s)
+        self.push = MultiplexedStream(self.channel, _SERVICE + "Push",
+                                      reconnect=self.reconnect, retry_s=client.retry_s)
+        self.grads_encoders: dict[str, RowEncoder] = {}  # per table: residuals per id
+
+    def _open(self) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(
+            self.address, options=channel_options(self.client._max_message_bytes))
+
+    async def reconnect(self, failed: grpc.aio.Channel) -> grpc.aio.Channel:
+        """A fresh channel to this shard's (re-resolved) address, once per failed channel."""
+        async with self._reconnecting:
+            if failed is self.channel:
+                await self.client.resolve()
+                self.address = self.client.addresses[self.index]
+                self.channel = self._open()
+                await failed.close()
+            return self.channel
 
     async def unary(self, method: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         call = self.channel.unary_unary(_SERVICE + method)
@@ -92,27 +126,74 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], *, rows_codec: str = "none",
                  grads_codec: str = "none", max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 timeout: float = 30.0) -> None:
-        if not addresses:
-            raise InvalidArgument("PSClient needs at least one PS address")
+                 timeout: float = 30.0, retry_s: float = 0.0,
+                 resolver: Resolver | None = None) -> None:
+        if not addresses and resolver is None:
+            raise InvalidArgument("PSClient needs at least one PS address or a resolver")
+        if retry_s < 0:
+            raise InvalidArgument(f"retry_s must be >= 0, got {retry_s}")
         get_codec(rows_codec)  # fail early on a bad name
         get_codec(grads_codec)
         self.addresses = list(addresses)
         self.rows_codec = rows_codec
         self.grads_codec = grads_codec
         self.timeout = timeout
+        self.retry_s = retry_s
+        self.resolver = resolver
         self._max_message_bytes = max_message_bytes
         self._shards: list[_ShardConnection] = []
         self.dims: dict[str, int] = {}
+
+    @classmethod
+    def from_registry(cls, url: str, *, discover_timeout_s: float = 60.0,
+                      **kwargs: Any) -> PSClient:
+        """A client whose shard addresses come from the registry at ``url``."""
+        async def resolve() -> list[str]:
+            registry = open_registry(url)
+            try:
+                shards = await discover_shards(registry, timeout_s=discover_timeout_s)
+            finally:
+                await registry.close()
+            return [m.address for m in shards]
+
+        return cls([], resolver=resolve, **kwargs)
 
     @property
     def num_shards(self) -> int:
         return len(self.addresses)
 
+    @property
+    def _budget_s(self) -> float:
+        return self.timeout + self.retry_s
+
+    async def resolve(self) -> None:
+        """Refresh ``addresses`` from the resolver (the shard count must not change)."""
+        if self.resolver is None:
+            return
+        addresses = list(await self.resolver())
+        if self.addresses and len(addresses) != len(self.addresses):
+            raise FailedPrecondition(f"the PS now has {len(addresses)} shards, the client "
+                                     f"was connected to {len(self.addresses)}")
+        self.addresses = addresses
+
+    async def _tables_of_every_shard(self) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                return await asyncio.gather(
+                    *(s.unary("Tables", {}, self.timeout) for s in self._shards))
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
+            for s in self._shards:
+                await s.reconnect(s.channel)
+
     async def connect(self) -> PSClient:
         """Open channels and check that address ``i`` serves shard ``i`` of ``len(addresses)``."""
-        self._shards = [_ShardConnection(a, self._max_message_bytes) for a in self.addresses]
-        infos = await asyncio.gather(*(s.unary("Tables", {}, self.timeout) for s in self._shards))
+        await self.resolve()
+        self._shards = [_ShardConnection(self, i) for i in range(len(self.addresses))]
+        infos = await self._tables_of_every_shard()
         for i, info in enumerate(infos):
             if info.get("shard_id") != i or info.get("num_shards") != self.num_shards:
                 raise FailedPrecondition(
@@ -144,7 +225,7 @@ class PSClient:
         bodies = [self._shards[k].lookup.request(
             {"table": table, "ids": raw_array(uniq[pos]), "codec": self.rows_codec})
             for k, pos in enumerate(parts) if pos.size]
-        replies = await asyncio.wait_for(asyncio.gather(*bodies), self.timeout)
+        replies = await asyncio.wait_for(asyncio.gather(*bodies), self._budget_s)
         dim = self.dims.get(table)
         rows_by_shard = [array_from_wire(r["rows"]) for r in replies]
         if self.num_shards == 1 and rows_by_shard:
@@ -170,24 +251,39 @@ class PSClient:
         return await self.push_unique(table, uniq, sum_duplicates(inverse, uniq.size, grads))
 
     async def push_unique(self, table: str, uniq: np.ndarray, grads: np.ndarray) -> PushAck:
-        """Gradients of already-unique uint64 ids."""
+        """Gradients of already-unique uint64 ids.
+
+        With an error-feedback grads codec (``dct``, ``topk``, ``onebit``) what an id's
+        gradient loses to compression is kept per id and added the next time it is pushed.
+        """
         requests = []
         for k, pos in enumerate(split_by_shard(uniq, self.num_shards)):
             if not pos.size:
                 continue
             shard = self._shards[k]
-            codec = shard.grads_codecs.get(table)
-            if codec is None:
-                codec = shard.grads_codecs[table] = get_codec(self.grads_codec)
+            encoder = shard.grads_encoders.get(table)
+            if encoder is None:
+                encoder = shard.grads_encoders[table] = RowEncoder(self.grads_codec)
+            ids = uniq[pos]
             requests.append(shard.push.request({
-                "table": table, "ids": raw_array(uniq[pos]),
-                "grads": codec.to_wire(grads[pos], key=table)}))
+                "table": table, "ids": raw_array(ids),
+                "grads": encoder.to_wire(ids, grads[pos], key=table)}))
         ack = PushAck()
-        for reply in await asyncio.wait_for(asyncio.gather(*requests), self.timeout):
+        for reply in await asyncio.wait_for(asyncio.gather(*requests), self._budget_s):
             ack.applied += int(reply["applied"])
             ack.dropped_nonfinite += int(reply["dropped_nonfinite"])
             ack.not_admitted += int(reply["not_admitted"])
         return ack
+
+    def grads_residual(self, table: str, ids: Any) -> np.ndarray:
+        """What per-id error feedback still owes the PS for ``ids`` (zeros when it owes none)."""
+        ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
+        out = np.zeros((ids.size, self.dims[table]), dtype=np.float32)
+        for k, pos in enumerate(split_by_shard(ids, self.num_shards)):
+            encoder = self._shards[k].grads_encoders.get(table)
+            if encoder is not None and pos.size:
+                out[pos] = encoder.residual(ids[pos], out.shape[1])
+        return out
 
     async def _dim(self, table: str) -> int:
         await self.tables()

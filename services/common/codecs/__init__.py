@@ -7,7 +7,8 @@ optional backend is missing are left out of the registry.
 Names: ``none``, ``fp16``, ``bf16``, ``int8``, ``onebit``, ``topk``, ``dct``, ``qsgd``,
 ``adaquant``; any of them followed by lossless wrappers, e.g. ``"fp16+zstd"`` or
 ``"dct+lz4"`` (parameters go to the first codec). :class:`StreamCodecs` holds one codec
-per stream and counts bytes per stream and codec.
+per stream and counts bytes per stream and codec; :class:`RowEncoder` encodes rows pushed by
+id with error feedback kept per id.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from services.common.codecs.floats import BF16Codec, FP16Codec, NoneCodec
 from services.common.codecs.lossless import WRAPPERS, LosslessCodec
 from services.common.codecs.qsgd import AdaQuantCodec, QSGDCodec
 from services.common.codecs.quant import Int8Codec, OneBitCodec
+from services.common.codecs.rows import RowEncoder, RowResiduals
 from services.common.codecs.sparse import DCTCodec, TopKCodec
 from services.common.codecs.streams import CodecSpec, StreamCodecs, WireStats
 from services.common.errors import InvalidArgument
@@ -31,6 +33,8 @@ __all__ = [
     "CodecSpec",
     "CodecStats",
     "ErrorFeedback",
+    "RowEncoder",
+    "RowResiduals",
     "StreamCodecs",
     "WireStats",
     "available_codecs",
