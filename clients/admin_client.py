@@ -6,17 +6,26 @@ from typing import Any
 
 import httpx
 
+from services.common.auth import ClientSecurity
 from services.common.errors import error_from_http
+from services.common.tls import ClientTLS
 
 __all__ = ["AdminClient"]
 
 
 class AdminClient:
-    """Async client of one service's admin API, e.g. ``AdminClient("http://127.0.0.1:8081")``."""
+    """Async client of one service's admin API, e.g. ``AdminClient("http://127.0.0.1:8081")``.
+
+    ``token``/``tls`` default to ``PERSIMMON_TOKEN``(``_FILE``) and ``PERSIMMON_TLS_CA``….
+    """
 
     def __init__(self, base_url: str, *, timeout: float = 30.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
+                 transport: httpx.AsyncBaseTransport | None = None, token: str | None = None,
+                 tls: ClientTLS | None = None) -> None:
+        security = ClientSecurity.resolve(token=token, tls=tls)
+        self._http = httpx.AsyncClient(
+            base_url=base_url, timeout=timeout, transport=transport, headers=security.headers(),
+            verify=security.tls.ssl_context() if security.tls else True)
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -2,6 +2,11 @@
 
 A service builds its app with :func:`make_admin_app` (adding its own ``/v1`` routes) and
 serves it in-process with :class:`AdminServer`, which binds port 0 and reports the port.
+
+Every app is guarded once, here: when a token is configured, each mutating request (any
+method but GET/HEAD/OPTIONS) needs ``Authorization: Bearer <token>`` (401 missing, 403
+wrong) before any route code runs, and a body over ``max_body_bytes`` is a 413; the
+OpenAPI document lists those responses on every mutating route. Reads stay open.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.common.errors import PersimmonError
+from services.common.auth import ServerSecurity, check_authorization
+from services.common.errors import PersimmonError, ResourceExhausted
 
 __all__ = ["AdminServer", "ErrorBody", "make_admin_app"]
 
@@ -27,16 +35,68 @@ log = logging.getLogger(__name__)
 ErrorBody = {"description": "Error", "content": {"application/json": {"example": {
     "error": "NotFound", "message": "table 'user' does not exist"}}}}
 
+MAX_BODY_BYTES = 16 * 1024 * 1024
+_READS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _error_response(exc: PersimmonError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
+    return JSONResponse(status_code=exc.http_status, headers=headers,
+                        content={"error": type(exc).__name__, "message": exc.message})
+
+
+class _Guard:
+    """ASGI middleware: bearer token on mutating requests, a cap on declared body size."""
+
+    def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.token = token
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in _READS:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                       for k, v in scope["headers"]}
+            try:
+                self._check(headers)
+            except PersimmonError as exc:
+                await _error_response(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, headers: dict[str, str]) -> None:
+        if self.token is not None:
+            check_authorization(headers.get("authorization"), self.token)
+        length = headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > self.max_body_bytes:
+            raise ResourceExhausted(f"request body of {length} bytes exceeds the limit of "
+                                    f"{self.max_body_bytes} bytes")
+
+
+class _Route(APIRoute):
+    """Documents the guard's 401/403/413 on every mutating route."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if set(kwargs.get("methods") or ()) - _READS:
+            kwargs["responses"] = {401: ErrorBody, 403: ErrorBody, 413: ErrorBody,
+                                   **(kwargs.get("responses") or {})}
+        super().__init__(path, endpoint, **kwargs)
+
 
 def make_admin_app(*, title: str, registry: CollectorRegistry, config: Callable[[], dict[str, Any]],
-                   ready: Callable[[], bool], lifespan: Any = None) -> FastAPI:
-    """A FastAPI app with /healthz, /readyz, /metrics, /v1/config and JSON error bodies."""
+                   ready: Callable[[], bool], lifespan: Any = None,
+                   security: ServerSecurity | None = None,
+                   max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """A guarded FastAPI app with /healthz, /readyz, /metrics, /v1/config and JSON error
+    bodies; ``security`` None reads ``PERSIMMON_TOKEN``/``PERSIMMON_TOKEN_FILE``."""
+    security = ServerSecurity.from_env() if security is None else security
     app = FastAPI(title=title, version="1", lifespan=lifespan)
+    app.router.route_class = _Route
+    app.add_middleware(_Guard, token=security.token, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(PersimmonError)
     async def _persimmon_error(_: Request, exc: PersimmonError) -> JSONResponse:
-        return JSONResponse(status_code=exc.http_status,
-                            content={"error": type(exc).__name__, "message": exc.message})
+        return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -71,11 +131,17 @@ def make_admin_app(*, title: str, registry: CollectorRegistry, config: Callable[
 
 
 class AdminServer:
-    """Serve a FastAPI app with uvicorn inside the running event loop."""
+    """Serve a FastAPI app with uvicorn inside the running event loop (HTTPS when
+    ``security.tls`` is set; ``security`` None reads ``PERSIMMON_TLS_*``)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, *,
+                 security: ServerSecurity | None = None) -> None:
+        security = ServerSecurity.from_env() if security is None else security
+        tls = security.tls.uvicorn_options() if security.tls else {}
+        self.scheme = "https" if tls else "http"
         self._server = uvicorn.Server(uvicorn.Config(
-            app, host=host, port=port, log_level="warning", access_log=False, lifespan="on"))
+            app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+            **tls))
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._task: asyncio.Task[None] | None = None
         self.port = port

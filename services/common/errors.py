@@ -10,6 +10,7 @@
     ├── FailedPrecondition       FAILED_PRECONDITION  412
     │   └── ProtocolMismatch     FAILED_PRECONDITION  412
     ├── ResourceExhausted        RESOURCE_EXHAUSTED   413
+    ├── DeadlineExceeded         DEADLINE_EXCEEDED    504
     ├── Unauthenticated          UNAUTHENTICATED      401
     ├── PermissionDenied         PERMISSION_DENIED    403
     ├── Unavailable              UNAVAILABLE          503
@@ -28,6 +29,7 @@ import grpc
 __all__ = [
     "AlreadyExists",
     "ConfigError",
+    "DeadlineExceeded",
     "FailedPrecondition",
     "Internal",
     "InvalidArgument",
@@ -99,6 +101,13 @@ class ResourceExhausted(PersimmonError):
     http_status = 413
 
 
+class DeadlineExceeded(PersimmonError):
+    """A call ran past its deadline; the server did not apply it."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+
+
 class Unauthenticated(PersimmonError):
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
     http_status = 401
@@ -127,6 +136,7 @@ _BY_CODE: dict[grpc.StatusCode, type[PersimmonError]] = {
         AlreadyExists,
         FailedPrecondition,
         ResourceExhausted,
+        DeadlineExceeded,
         Unauthenticated,
         PermissionDenied,
         Unavailable,

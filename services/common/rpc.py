@@ -3,17 +3,33 @@
 Handlers receive and return *bytes*; the servicer decodes with
 :func:`services.common.wire.decode_message` itself so that a malformed body becomes a
 clear INVALID_ARGUMENT (a deserializer exception would surface as INTERNAL).
+
+Every server made by :func:`make_server` is guarded by one interceptor: the bearer token
+when one is configured (UNAUTHENTICATED / PERMISSION_DENIED before any handler runs), a
+limit of concurrent streams per client host (RESOURCE_EXHAUSTED), and a deadline on unary
+calls (DEADLINE_EXCEEDED). Clients open channels with :func:`open_channel`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable
+import inspect
+import ipaddress
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from services.common.errors import PersimmonError, error_from_grpc
+from services.common.auth import ClientSecurity, ServerSecurity, check_authorization
+from services.common.errors import (
+    DeadlineExceeded,
+    PersimmonError,
+    ResourceExhausted,
+    error_from_grpc,
+)
 from services.common.wire import MAX_MESSAGE_BYTES
 
 __all__ = [
@@ -21,9 +37,15 @@ __all__ = [
     "channel_options",
     "generic_service",
     "make_server",
+    "open_channel",
     "raise_for_rpc_error",
     "unary_handler",
 ]
+
+log = logging.getLogger(__name__)
+
+MAX_STREAMS_PER_CLIENT = 256
+MAX_UNARY_S = 60.0
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -56,14 +78,147 @@ def unary_handler(fn: Callable[..., Any]) -> grpc.RpcMethodHandler:
 
 
 def make_server(handlers: list[grpc.GenericRpcHandler], host: str, port: int,
-                max_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server bound to ``host:port`` (0 picks a free port); returns it and the port."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
+                max_message_bytes: int = MAX_MESSAGE_BYTES, *,
+                security: ServerSecurity | None = None,
+                max_streams_per_client: int = MAX_STREAMS_PER_CLIENT,
+                max_unary_s: float = MAX_UNARY_S) -> tuple[grpc.aio.Server, int]:
+    """A guarded grpc.aio server bound to ``host:port`` (0 picks a free port); returns it and
+    the port. ``security`` None reads ``PERSIMMON_TOKEN``/``PERSIMMON_TLS_*``."""
+    security = ServerSecurity.from_env() if security is None else security
+    guard = _Guard(security.token, max_streams_per_client, max_unary_s)
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=[guard])
     server.add_generic_rpc_handlers(handlers)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if security.tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, security.tls.grpc_credentials())
     if bound == 0:
-        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        raise OSError(f"cannot bind gRPC server to {address}")
+    if security.token is None and not _is_loopback(host):
+        log.warning("gRPC server on %s accepts calls without a token (set PERSIMMON_TOKEN)",
+                    address)
     return server, bound
+
+
+def open_channel(address: str, security: ClientSecurity | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """A channel to ``address``: TLS when ``security.tls`` is set (tokens go as call metadata,
+    see :meth:`ClientSecurity.metadata`)."""
+    options = channel_options(max_message_bytes)
+    if security is None or security.tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, security.tls.grpc_credentials(), options=options)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _client_host(peer: str) -> str:
+    """``ipv4:1.2.3.4:5678`` → ``1.2.3.4``; ``ipv6:[::1]:5678`` → ``::1``."""
+    address = peer.split(":", 1)[1] if ":" in peer else peer
+    return (address.rsplit(":", 1)[0] if ":" in address else address).strip("[]")
+
+
+_FACTORIES = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
+    return getattr(handler, _FACTORIES[handler.request_streaming, handler.response_streaming][0])
+
+
+def _replace(handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    factory = _FACTORIES[handler.request_streaming, handler.response_streaming][1]
+    return factory(behavior, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+
+class _Guard(grpc.aio.ServerInterceptor):
+    """Token check, per-client stream limit and unary deadline around every handler."""
+
+    def __init__(self, token: str | None, max_streams: int, max_unary_s: float) -> None:
+        if max_streams < 1 or max_unary_s <= 0:
+            raise ValueError("max_streams_per_client must be >= 1 and max_unary_s > 0")
+        self._token = token
+        self._max_streams = max_streams
+        self._max_unary_s = max_unary_s
+        self._open: Counter[str] = Counter()
+
+    async def intercept_service(self, continuation: Callable[..., Any],
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if self._token is not None:
+            header = next((v for k, v in details.invocation_metadata or ()
+                           if k == "authorization"), None)
+            try:
+                check_authorization(header if isinstance(header, str) else None, self._token)
+            except PersimmonError as exc:
+                return _replace(handler, _rejecting(exc))
+        behavior = _behavior(handler)
+        if handler.request_streaming or handler.response_streaming:
+            return _replace(handler, self._limited(behavior))
+        return _replace(handler, self._bounded(behavior))
+
+    async def _enter(self, context: grpc.aio.ServicerContext) -> str:
+        client = _client_host(context.peer())
+        if self._open[client] >= self._max_streams:
+            await abort_with(context, ResourceExhausted(
+                f"client {client} already has {self._open[client]} streams open on this "
+                f"server, the limit (max_streams_per_client) is {self._max_streams}"))
+        self._open[client] += 1
+        return client
+
+    def _leave(self, client: str) -> None:
+        self._open[client] -= 1
+        if self._open[client] <= 0:
+            del self._open[client]
+
+    def _limited(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behavior):
+            async def limited_stream(request: Any, context: grpc.aio.ServicerContext
+                                     ) -> AsyncIterator[Any]:
+                client = await self._enter(context)
+                try:
+                    async for item in behavior(request, context):
+                        yield item
+                finally:
+                    self._leave(client)
+            return limited_stream
+
+        async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            client = await self._enter(context)
+            try:
+                return await behavior(request, context)
+            finally:
+                self._leave(client)
+        return limited
+
+    def _bounded(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def bounded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await asyncio.wait_for(behavior(request, context), self._max_unary_s)
+            except TimeoutError:
+                await abort_with(context, DeadlineExceeded(
+                    f"the call ran longer than the server's limit of {self._max_unary_s} s "
+                    "(max_unary_s) and was cancelled"))
+        return bounded
+
+
+def _rejecting(exc: PersimmonError) -> Callable[..., Any]:
+    async def reject(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await abort_with(context, exc)
+    return reject
 
 
 def raise_for_rpc_error(exc: grpc.aio.AioRpcError) -> PersimmonError:
