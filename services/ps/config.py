@@ -34,6 +34,8 @@ class PSConfig:
     max_ids_per_request: int = field(default=4_000_000, metadata={
         "help": "most ids one lookup or push may carry"})
     max_tables: int = field(default=1024, metadata={"help": "most tables one shard holds"})
+    max_streams_per_client: int = field(default=256, metadata={
+        "help": "most gRPC streams one client host may hold open at once"})
     ttl_sweep_s: float = field(default=10.0, metadata={
         "help": "seconds between sweeps that drop rows past their table's TTL"})
 
@@ -48,8 +50,9 @@ class PSConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if self.max_message_bytes < 1024:
             raise ValueError("max_message_bytes must be at least 1024")
-        if self.max_ids_per_request < 1 or self.max_tables < 1:
-            raise ValueError("max_ids_per_request and max_tables must be >= 1")
+        if min(self.max_ids_per_request, self.max_tables, self.max_streams_per_client) < 1:
+            raise ValueError("max_ids_per_request, max_tables and max_streams_per_client "
+                             "must be >= 1")
         if self.heartbeat_ttl_s <= 0:
             raise ValueError("heartbeat_ttl_s must be > 0")
         if self.ttl_sweep_s <= 0:

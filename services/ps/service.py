@@ -57,7 +57,8 @@ class PSService(AsyncService):
         servicer = PSServicer(self.shard, self.metrics)
         self._grpc, self.grpc_port = make_server(
             [servicer.handlers()], self.config.host, self.config.grpc_port,
-            max_message_bytes=2 * self.config.max_message_bytes)
+            max_message_bytes=2 * self.config.max_message_bytes,
+            max_streams_per_client=self.config.max_streams_per_client)
         await self._grpc.start()
         app = make_ps_admin(self.shard, self.metrics, ready=lambda: self._ready)
         self._admin = AdminServer(app, self.config.host, self.config.admin_port)
