@@ -9,12 +9,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from services.common.rpc import channel_options
+from services.common.wire import decode_message
 from services.ps.config import PSConfig
 from services.ps.service import PSService
 from tests.integration.ps.conftest import table_configs
@@ -116,3 +119,24 @@ async def start_ps(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Callable[..
     yield start
     for service in started:
         await service.close()
+
+
+def table_state(service: PSService) -> dict[str, tuple[str, int]]:
+    """Every table of the shard with the sha256 of all its rows and optimizer state."""
+    return {name: (table.content_digest(), table.num_rows)
+            for name, table in sorted(service.shard.tables.items())}
+
+
+async def stream_once(address: str, method: str, raw: bytes, metadata=None,
+                      timeout: float = 10.0) -> dict:
+    """Send one raw message on a PS stream and return the decoded reply (errors raise)."""
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+        call = channel.stream_stream(f"/persimmon.PS/{method}")(metadata=metadata,
+                                                                 timeout=timeout)
+        await call.write(raw)
+        await call.done_writing()
+        reply = await call.read()
+        if reply is grpc.aio.EOF:
+            await call  # raises the call's status
+            raise AssertionError(f"{method} ended without a reply")
+        return decode_message(reply)

@@ -14,18 +14,14 @@ from services.common.wire import decode_message, encode_message, raw_array
 from services.loader.config import LoaderConfig
 from services.loader.service import LoaderService
 from tests.integration.ps.conftest import digest
-from tests.integration.security.conftest import TOKEN
+from tests.integration.security.conftest import TOKEN, stream_once
 
 PUSH = encode_message({"rid": 1, "table": "item", "ids": raw_array(np.arange(4, dtype=np.uint64)),
                        "grads": raw_array(np.ones((4, 4), np.float32))})
 
 
 async def _push(address: str, metadata=None) -> dict:
-    async with grpc.aio.insecure_channel(address) as channel:
-        call = channel.stream_stream("/persimmon.PS/Push")(metadata=metadata)
-        await call.write(PUSH)
-        await call.done_writing()
-        return decode_message(await call.read())
+    return await stream_once(address, "Push", PUSH, metadata)
 
 
 async def _tables(address: str, metadata=None) -> dict:
