@@ -16,7 +16,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.rpc import channel_options
+from services.common.auth import ClientSecurity
+from services.common.rpc import open_channel
 from services.common.wire import decode_message
 from services.ps.config import PSConfig
 from services.ps.service import PSService
@@ -128,9 +129,9 @@ def table_state(service: PSService) -> dict[str, tuple[str, int]]:
 
 
 async def stream_once(address: str, method: str, raw: bytes, metadata=None,
-                      timeout: float = 10.0) -> dict:
+                      timeout: float = 10.0, security: ClientSecurity | None = None) -> dict:
     """Send one raw message on a PS stream and return the decoded reply (errors raise)."""
-    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+    async with open_channel(address, security) as channel:
         call = channel.stream_stream(f"/persimmon.PS/{method}")(metadata=metadata,
                                                                  timeout=timeout)
         await call.write(raw)
