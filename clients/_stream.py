@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -12,7 +15,13 @@ import grpc
 from services.common.errors import PersimmonError, Unavailable, error_from_grpc, error_from_wire
 from services.common.wire import decode_message, encode_message
 
-__all__ = ["MultiplexedStream"]
+__all__ = ["MultiplexedStream", "Reconnect"]
+
+log = logging.getLogger(__name__)
+
+# Given the channel that failed, returns the channel to use now (a new one, or the one another
+# request already replaced it with).
+Reconnect = Callable[[grpc.aio.Channel], Awaitable[grpc.aio.Channel]]
 
 
 class MultiplexedStream:
@@ -20,11 +29,18 @@ class MultiplexedStream:
 
     The stream opens lazily and reopens after a failure; a failure fails every request in
     flight with the mapped Persimmon error. ``bytes_out``/``bytes_in`` count wire bytes.
+
+    With ``retry_s > 0`` and a ``reconnect`` callback, a request that fails with
+    :class:`Unavailable` (the server is down) is sent again on a fresh channel, with
+    exponential backoff, until ``retry_s`` seconds have passed: the caller pauses, not crashes.
     """
 
-    def __init__(self, channel: grpc.aio.Channel, method: str) -> None:
+    def __init__(self, channel: grpc.aio.Channel, method: str, *,
+                 reconnect: Reconnect | None = None, retry_s: float = 0.0) -> None:
         self._channel = channel
         self._method = method
+        self._reconnect = reconnect
+        self.retry_s = retry_s
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -35,6 +51,25 @@ class MultiplexedStream:
 
     async def request(self, body: dict[str, Any]) -> dict[str, Any]:
         """Send ``body`` and return the response body; in-band errors are raised."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            channel = self._channel
+            try:
+                return await self._request_once(body)
+            except Unavailable as exc:
+                if self._reconnect is None or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("%s unavailable (%s); retrying in %.2fs", self._method,
+                            exc.message, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+            fresh = await self._reconnect(channel)
+            if fresh is not self._channel:
+                self._channel = fresh
+                self._call = None
+
+    async def _request_once(self, body: dict[str, Any]) -> dict[str, Any]:
         rid = next(self._rids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
