@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from clients._stream import MultiplexedStream
-from services.common.codecs import Codec, get_codec
+from services.common.codecs import RowEncoder, get_codec
 from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -92,7 +92,7 @@ class _ShardConnection:
                                         reconnect=self.reconnect, retry_s=client.retry_s)
         self.push = MultiplexedStream(self.channel, _SERVICE + "Push",
                                       reconnect=self.reconnect, retry_s=client.retry_s)
-        self.grads_codecs: dict[str, Codec] = {}
+        self.grads_encoders: dict[str, RowEncoder] = {}  # per table: residuals per id
 
     def _open(self) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(
@@ -251,24 +251,39 @@ class PSClient:
         return await self.push_unique(table, uniq, sum_duplicates(inverse, uniq.size, grads))
 
     async def push_unique(self, table: str, uniq: np.ndarray, grads: np.ndarray) -> PushAck:
-        """Gradients of already-unique uint64 ids."""
+        """Gradients of already-unique uint64 ids.
+
+        With an error-feedback grads codec (``dct``, ``topk``, ``onebit``) what an id's
+        gradient loses to compression is kept per id and added the next time it is pushed.
+        """
         requests = []
         for k, pos in enumerate(split_by_shard(uniq, self.num_shards)):
             if not pos.size:
                 continue
             shard = self._shards[k]
-            codec = shard.grads_codecs.get(table)
-            if codec is None:
-                codec = shard.grads_codecs[table] = get_codec(self.grads_codec)
+            encoder = shard.grads_encoders.get(table)
+            if encoder is None:
+                encoder = shard.grads_encoders[table] = RowEncoder(self.grads_codec)
+            ids = uniq[pos]
             requests.append(shard.push.request({
-                "table": table, "ids": raw_array(uniq[pos]),
-                "grads": codec.to_wire(grads[pos], key=table)}))
+                "table": table, "ids": raw_array(ids),
+                "grads": encoder.to_wire(ids, grads[pos], key=table)}))
         ack = PushAck()
         for reply in await asyncio.wait_for(asyncio.gather(*requests), self._budget_s):
             ack.applied += int(reply["applied"])
             ack.dropped_nonfinite += int(reply["dropped_nonfinite"])
             ack.not_admitted += int(reply["not_admitted"])
         return ack
+
+    def grads_residual(self, table: str, ids: Any) -> np.ndarray:
+        """What per-id error feedback still owes the PS for ``ids`` (zeros when it owes none)."""
+        ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
+        out = np.zeros((ids.size, self.dims[table]), dtype=np.float32)
+        for k, pos in enumerate(split_by_shard(ids, self.num_shards)):
+            encoder = self._shards[k].grads_encoders.get(table)
+            if encoder is not None and pos.size:
+                out[pos] = encoder.residual(ids[pos], out.shape[1])
+        return out
 
     async def _dim(self, table: str) -> int:
         await self.tables()
