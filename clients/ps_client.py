@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from clients._stream import MultiplexedStream
-from services.common.codecs import RowEncoder, get_codec
+from services.common.codecs import Codec, RowEncoder, codec_without_feedback, get_codec
 from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -59,14 +59,19 @@ class PushAck:
     not_admitted: int = 0
 
 
-def unique_ids(ids: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique uint64 ids and the inverse index that rebuilds the request order."""
+def as_ids(ids: Any) -> np.ndarray:
+    """``ids`` as a uint64 array; anything but non-negative integers is an InvalidArgument."""
     ids = np.asarray(ids)
     if ids.dtype != np.uint64:
         if ids.dtype.kind not in "iu" or (ids.size and ids.min() < 0):
             raise InvalidArgument(f"ids must be non-negative integers, got dtype {ids.dtype}")
         ids = ids.astype(np.uint64)
-    uniq, inverse = np.unique(ids.ravel(), return_inverse=True)
+    return ids
+
+
+def unique_ids(ids: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique uint64 ids and the inverse index that rebuilds the request order."""
+    uniq, inverse = np.unique(as_ids(ids).ravel(), return_inverse=True)
     return uniq, inverse
 
 
@@ -81,6 +86,20 @@ def sum_duplicates(inverse: np.ndarray, num_unique: int, grads: np.ndarray) -> n
     return np.add.reduceat(grads[order], starts, axis=0)
 
 
+def _check_mode(mode: str) -> None:
+    if mode not in ("sum", "mean"):
+        raise InvalidArgument(f"pooling mode must be 'sum' or 'mean', got {mode!r}")
+
+
+def _sum_acks(replies: Sequence[dict[str, Any]]) -> PushAck:
+    ack = PushAck()
+    for reply in replies:
+        ack.applied += int(reply["applied"])
+        ack.dropped_nonfinite += int(reply["dropped_nonfinite"])
+        ack.not_admitted += int(reply["not_admitted"])
+    return ack
+
+
 class _ShardConnection:
     def __init__(self, client: PSClient, index: int) -> None:
         self.client = client
@@ -93,6 +112,11 @@ class _ShardConnection:
         self.push = MultiplexedStream(self.channel, _SERVICE + "Push",
                                       reconnect=self.reconnect, retry_s=client.retry_s)
         self.grads_encoders: dict[str, RowEncoder] = {}  # per table: residuals per id
+        self.pooled_lookup = MultiplexedStream(self.channel, _SERVICE + "PooledLookup",
+                                               reconnect=self.reconnect, retry_s=client.retry_s)
+        self.pooled_push = MultiplexedStream(self.channel, _SERVICE + "PooledPush",
+                                             reconnect=self.reconnect, retry_s=client.retry_s)
+        self.pooled_grads_codec: Codec | None = None
 
     def _open(self) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(
@@ -116,8 +140,8 @@ class _ShardConnection:
             raise error_from_grpc(exc.code(), f"{self.address}: {exc.details()}") from exc
 
     async def close(self) -> None:
-        await self.lookup.close()
-        await self.push.close()
+        for stream in (self.lookup, self.push, self.pooled_lookup, self.pooled_push):
+            await stream.close()
         await self.channel.close()
 
 
@@ -268,12 +292,76 @@ class PSClient:
             requests.append(shard.push.request({
                 "table": table, "ids": raw_array(ids),
                 "grads": encoder.to_wire(ids, grads[pos], key=table)}))
-        ack = PushAck()
-        for reply in await asyncio.wait_for(asyncio.gather(*requests), self._budget_s):
-            ack.applied += int(reply["applied"])
-            ack.dropped_nonfinite += int(reply["dropped_nonfinite"])
-            ack.not_admitted += int(reply["not_admitted"])
-        return ack
+        return _sum_acks(await asyncio.wait_for(asyncio.gather(*requests), self._budget_s))
+
+    # ---- DES-style partial pooling: each shard pools the rows it owns ---------------------
+
+    def _pooled_parts(self, ids: Any, lengths: Any) -> tuple[np.ndarray, list[tuple[
+            int, np.ndarray, np.ndarray, np.ndarray]]]:
+        """Checked lengths and, per shard with ids: (shard, its ids in sample order, the samples
+        holding any, their counts)."""
+        lengths = np.asarray(lengths)
+        if lengths.ndim != 1 or lengths.dtype.kind not in "iu" \
+                or (lengths.size and int(lengths.min()) < 0):
+            raise InvalidArgument("lengths must be a 1-d array of non-negative ints")
+        ids = as_ids(ids).reshape(-1)
+        if int(lengths.sum()) != ids.size:
+            raise InvalidArgument(f"lengths add up to {int(lengths.sum())} but there are "
+                                  f"{ids.size} ids")
+        sample = np.repeat(np.arange(lengths.size), lengths)
+        parts = []
+        for k, pos in enumerate(split_by_shard(ids, self.num_shards)):
+            if pos.size:
+                counts = np.bincount(sample[pos], minlength=lengths.size)
+                held = np.flatnonzero(counts)
+                parts.append((k, ids[pos], held, counts[held]))
+        return lengths, parts
+
+    async def pooled_lookup(self, table: str, ids: Any, lengths: Any, *,
+                            mode: str = "sum") -> np.ndarray:
+        """Per-sample pooled rows ``(len(lengths), dim)`` of a jagged feature (sample ``b``
+        holds the next ``lengths[b]`` ids), ``mode`` ``sum`` or ``mean``; empty samples give
+        zeros. Each shard returns the partial sums of the rows it owns, only for the samples
+        that have any; equal to pooling :meth:`lookup`'s rows up to float rounding."""
+        _check_mode(mode)
+        lengths, parts = self._pooled_parts(ids, lengths)
+        replies = await asyncio.wait_for(asyncio.gather(*(
+            self._shards[k].pooled_lookup.request({
+                "table": table, "ids": raw_array(ids_k), "lengths": raw_array(counts),
+                "codec": self.rows_codec})
+            for k, ids_k, _, counts in parts)), self._budget_s)
+        dim = self.dims.get(table)
+        if dim is None:
+            dim = await self._dim(table)
+        out = np.zeros((lengths.size, dim), dtype=np.float32)
+        for (_, _, held, _), reply in zip(parts, replies, strict=True):
+            out[held] += array_from_wire(reply["pooled"])
+        if mode == "mean":
+            out /= np.maximum(lengths, 1)[:, None]
+        return out
+
+    async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any, *,
+                          mode: str = "sum") -> PushAck:
+        """Send the gradient of :meth:`pooled_lookup`'s output, ``(len(lengths), dim)``; each
+        shard spreads a sample's gradient over that sample's ids it owns (``mean``: divided
+        by the sample's id count here first). Returns the shards' counts."""
+        _check_mode(mode)
+        lengths, parts = self._pooled_parts(ids, lengths)
+        grads = np.asarray(grads, dtype=np.float32)
+        if grads.ndim != 2 or grads.shape[0] != lengths.size:
+            raise InvalidArgument(f"pooled grads must be (len(lengths), dim) = "
+                                  f"({lengths.size}, dim), got {grads.shape}")
+        if mode == "mean":
+            grads = grads / np.maximum(lengths, 1)[:, None]
+        requests = []
+        for k, ids_k, held, counts in parts:
+            shard = self._shards[k]
+            if shard.pooled_grads_codec is None:
+                shard.pooled_grads_codec = codec_without_feedback(self.grads_codec)[0]
+            requests.append(shard.pooled_push.request({
+                "table": table, "ids": raw_array(ids_k), "lengths": raw_array(counts),
+                "grads": shard.pooled_grads_codec.to_wire(grads[held])}))
+        return _sum_acks(await asyncio.wait_for(asyncio.gather(*requests), self._budget_s))
 
     def grads_residual(self, table: str, ids: Any) -> np.ndarray:
         """What per-id error feedback still owes the PS for ``ids`` (zeros when it owes none)."""
@@ -306,11 +394,11 @@ class PSClient:
 
     def wire_bytes(self) -> dict[str, int]:
         """Bytes this client sent and received per stream."""
-        return {
-            "lookup_out": sum(s.lookup.bytes_out for s in self._shards),
-            "lookup_in": sum(s.lookup.bytes_in for s in self._shards),
-            "push_out": sum(s.push.bytes_out for s in self._shards),
-            "push_in": sum(s.push.bytes_in for s in self._shards),
+        return {  # pooled lookups and pushes count as lookups and pushes
+            "lookup_out": sum(s.lookup.bytes_out + s.pooled_lookup.bytes_out for s in self._shards),
+            "lookup_in": sum(s.lookup.bytes_in + s.pooled_lookup.bytes_in for s in self._shards),
+            "push_out": sum(s.push.bytes_out + s.pooled_push.bytes_out for s in self._shards),
+            "push_in": sum(s.push.bytes_in + s.pooled_push.bytes_in for s in self._shards),
         }
 
 

@@ -5,10 +5,18 @@ requests in flight on one stream. A request that cannot be decoded at all ends t
 with INVALID_ARGUMENT (or FAILED_PRECONDITION for a protocol mismatch); a decodable but
 invalid request gets an in-band ``error`` for its ``rid`` and the stream goes on.
 
+PooledLookup/PooledPush are DES-style partial pooling: ``ids`` are this shard's ids of a
+batch, sample by sample (``lengths[b]`` ids for sample ``b``); the shard returns per-sample
+sums of its rows and takes back the per-sample (pooled) gradient, spreading it over the ids.
+
 Messages:
     Lookup  → {rid, table, ids: array(uint64), codec: str}   ← {rid, rows: array} | {rid, error}
     Push    → {rid, table, ids: array(uint64), grads: array} ← {rid, applied, dropped_nonfinite,
                                                                not_admitted} | {rid, error}
+    PooledLookup → {rid, table, ids: array(uint64), lengths: array(int), codec: str}
+                                                     ← {rid, pooled: array (samples, dim)} | {rid, error}
+    PooledPush   → {rid, table, ids, lengths, grads: array (samples, dim)}
+                                                     ← as Push
     Tables  → {}                                             ← {shard_id, num_shards, tables}
     Stats   → {table?}                                       ← {shard_id, tables: {name: stats}}
 """
@@ -29,6 +37,7 @@ from services.common.rpc import abort_with, generic_service, unary_handler
 from services.common.wire import array_from_wire, array_to_wire, decode_message, encode_message
 from services.ps.metrics import PSMetrics
 from services.ps.shard import Shard
+from services.ps.store import PushResult
 
 __all__ = ["SERVICE_NAME", "PSServicer"]
 
@@ -48,6 +57,8 @@ class PSServicer:
         return generic_service(SERVICE_NAME, {
             "Lookup": grpc.stream_stream_rpc_method_handler(self._lookup_stream),
             "Push": grpc.stream_stream_rpc_method_handler(self._push_stream),
+            "PooledLookup": grpc.stream_stream_rpc_method_handler(self._pooled_lookup_stream),
+            "PooledPush": grpc.stream_stream_rpc_method_handler(self._pooled_push_stream),
             "Tables": unary_handler(self._tables),
             "Stats": unary_handler(self._stats),
         })
@@ -62,6 +73,17 @@ class PSServicer:
     async def _push_stream(self, requests: AsyncIterator[bytes],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         async for out in self._serve_stream("Push", self._push, requests, context):
+            yield out
+
+    async def _pooled_lookup_stream(self, requests: AsyncIterator[bytes],
+                                    context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async for out in self._serve_stream("PooledLookup", self._pooled_lookup, requests,
+                                            context):
+            yield out
+
+    async def _pooled_push_stream(self, requests: AsyncIterator[bytes],
+                                  context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async for out in self._serve_stream("PooledPush", self._pooled_push, requests, context):
             yield out
 
     async def _serve_stream(self, method: str, handle: Handler, requests: AsyncIterator[bytes],
@@ -95,24 +117,31 @@ class PSServicer:
     async def _lookup(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
         table = _table_name(body)
         ids = array_from_wire(body.get("ids"))
-        codec_name = body.get("codec", "none")
-        if not isinstance(codec_name, str):
-            raise InvalidArgument("codec must be a string such as 'fp16'")
-        codec = codecs.get(codec_name)
-        if codec is None:
-            codec = codecs[codec_name] = get_codec(codec_name)
+        codec = _codec(body, codecs)
         rows = await self.shard.lookup(table, ids)
         return {"rows": array_to_wire(rows, codec)}
 
     async def _push(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
         table = _table_name(body)
         ids = array_from_wire(body.get("ids"))
-        grads = array_from_wire(body.get("grads"))
-        if grads.dtype != np.float32:
-            grads = grads.astype(np.float32)
-        result = await self.shard.push(table, ids, grads)
-        return {"applied": result.applied, "dropped_nonfinite": result.dropped_nonfinite,
-                "not_admitted": result.not_admitted}
+        grads = _float32(array_from_wire(body.get("grads")))
+        return _ack(await self.shard.push(table, ids, grads))
+
+    async def _pooled_lookup(self, body: dict[str, Any],
+                             codecs: dict[str, Codec]) -> dict[str, Any]:
+        table = _table_name(body)
+        ids = array_from_wire(body.get("ids"))
+        lengths = array_from_wire(body.get("lengths"))
+        codec = _codec(body, codecs)
+        pooled = await self.shard.pooled_lookup(table, ids, lengths)
+        return {"pooled": array_to_wire(pooled, codec)}
+
+    async def _pooled_push(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
+        table = _table_name(body)
+        ids = array_from_wire(body.get("ids"))
+        lengths = array_from_wire(body.get("lengths"))
+        grads = _float32(array_from_wire(body.get("grads")))
+        return _ack(await self.shard.pooled_push(table, ids, lengths, grads))
 
     # ---- unary ------------------------------------------------------------------------------
 
@@ -130,6 +159,26 @@ class PSServicer:
         return encode_message({
             "shard_id": self.shard.config.shard_id,
             "tables": {n: self.shard.table(n).stats() for n in names}})
+
+
+def _codec(body: dict[str, Any], codecs: dict[str, Codec]) -> Codec:
+    """The stream's encoder for the reply codec the request names (default ``none``)."""
+    name = body.get("codec", "none")
+    if not isinstance(name, str):
+        raise InvalidArgument("codec must be a string such as 'fp16'")
+    codec = codecs.get(name)
+    if codec is None:
+        codec = codecs[name] = get_codec(name)
+    return codec
+
+
+def _float32(grads: np.ndarray) -> np.ndarray:
+    return grads if grads.dtype == np.float32 else grads.astype(np.float32)
+
+
+def _ack(result: PushResult) -> dict[str, Any]:
+    return {"applied": result.applied, "dropped_nonfinite": result.dropped_nonfinite,
+            "not_admitted": result.not_admitted}
 
 
 def _table_name(body: dict[str, Any]) -> str:

@@ -124,6 +124,58 @@ class Shard:
     async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         return await asyncio.to_thread(self.lookup_sync, name, ids)
 
+    # DES-style partial pooling: the shard pools the rows it owns, per sample.
+
+    def check_lengths(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Per-sample id counts: a 1-d array of non-negative integers adding up to ``ids.size``."""
+        if not isinstance(lengths, np.ndarray) or lengths.ndim != 1 \
+                or lengths.dtype.kind not in "iu":
+            raise InvalidArgument("lengths must be a 1-d integer array (ids per sample)")
+        if lengths.size > self.config.max_ids_per_request:
+            raise InvalidArgument(f"{lengths.size} samples exceed the limit of "
+                                  f"{self.config.max_ids_per_request} per request")
+        if lengths.size and int(lengths.min()) < 0:
+            raise InvalidArgument("lengths must be >= 0")
+        total = int(lengths.sum(dtype=np.int64))
+        if total != ids.size:
+            raise InvalidArgument(f"lengths add up to {total} but there are {ids.size} ids")
+        return lengths.astype(np.int64, copy=False)
+
+    def pooled_lookup_sync(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Per-sample sums of the rows of ``ids`` (sample ``b`` owns the next ``lengths[b]``
+        ids): ``(len(lengths), dim)`` float32, zeros for a sample with none here."""
+        table = self.table(name)
+        table.validate_lookup(self.check_ids(ids))
+        lengths = self.check_lengths(ids, lengths)
+        with self._locks[name]:
+            rows = table.lookup(ids)
+        return segment_sum(rows, lengths)
+
+    def pooled_push_sync(self, name: str, ids: np.ndarray, lengths: np.ndarray,
+                         grads: np.ndarray) -> PushResult:
+        """Apply the per-sample pooled gradients ``grads`` (``(len(lengths), dim)``): each id
+        of sample ``b`` gets ``grads[b]`` (summed over its occurrences) — sum pooling's
+        backward, done here."""
+        table = self.table(name)
+        self.check_ids(ids)
+        lengths = self.check_lengths(ids, lengths)
+        if not isinstance(grads, np.ndarray) or grads.ndim != 2 \
+                or grads.shape[0] != lengths.size:
+            raise InvalidArgument(f"pooled grads must be (samples, dim) = ({lengths.size}, "
+                                  f"{table.config.dim}), got "
+                                  f"{getattr(grads, 'shape', type(grads).__name__)}")
+        expanded = np.repeat(grads, lengths, axis=0)
+        table.validate_push(ids, expanded)
+        with self._locks[name]:
+            return table.push(ids, expanded)
+
+    async def pooled_lookup(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        return await asyncio.to_thread(self.pooled_lookup_sync, name, ids, lengths)
+
+    async def pooled_push(self, name: str, ids: np.ndarray, lengths: np.ndarray,
+                          grads: np.ndarray) -> PushResult:
+        return await asyncio.to_thread(self.pooled_push_sync, name, ids, lengths, grads)
+
     async def push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
         return await asyncio.to_thread(self.push_sync, name, ids, grads)
 
@@ -207,6 +259,16 @@ class Shard:
             self._locks = {name: threading.Lock() for name in fresh}
             self._last_checkpoint = checkpoint_id
         return {name: table.num_rows for name, table in fresh.items()}
+
+
+def segment_sum(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Sums of consecutive runs of ``rows``, run ``b`` of ``lengths[b]`` rows (0 rows: zeros)."""
+    out = np.zeros((lengths.size, rows.shape[1]), dtype=np.float32)
+    nonempty = lengths > 0
+    if rows.shape[0]:
+        starts = np.cumsum(lengths) - lengths
+        out[nonempty] = np.add.reduceat(rows, starts[nonempty], axis=0)
+    return out
 
 
 def _check_checkpoint_id(checkpoint_id: str) -> None:

@@ -21,7 +21,7 @@ from services.common.codecs.floats import BF16Codec, FP16Codec, NoneCodec
 from services.common.codecs.lossless import WRAPPERS, LosslessCodec
 from services.common.codecs.qsgd import AdaQuantCodec, QSGDCodec
 from services.common.codecs.quant import Int8Codec, OneBitCodec
-from services.common.codecs.rows import RowEncoder, RowResiduals
+from services.common.codecs.rows import RowEncoder, RowResiduals, codec_without_feedback
 from services.common.codecs.sparse import DCTCodec, TopKCodec
 from services.common.codecs.streams import CodecSpec, StreamCodecs, WireStats
 from services.common.errors import InvalidArgument
@@ -38,6 +38,7 @@ __all__ = [
     "StreamCodecs",
     "WireStats",
     "available_codecs",
+    "codec_without_feedback",
     "decoder",
     "get_codec",
     "register_codec",

@@ -24,7 +24,21 @@ from services.common.codecs.base import Codec
 from services.common.codecs.bits import all_finite
 from services.common.errors import InvalidArgument
 
-__all__ = ["RowEncoder", "RowResiduals"]
+__all__ = ["RowEncoder", "RowResiduals", "codec_without_feedback"]
+
+
+def codec_without_feedback(name: str, **params: Any) -> tuple[Codec, bool]:
+    """Codec ``name`` with its error feedback off, and whether it had any.
+
+    For streams whose arrays never repeat (rows of changing ids, per-sample pooled
+    gradients): a residual kept per stream would be added to the wrong entries.
+    """
+    from services.common.codecs import get_codec
+
+    codec = get_codec(name, **params)
+    if not getattr(codec, "error_feedback", False):
+        return codec, False
+    return get_codec(name, **{**params, "error_feedback": False}), True
 
 
 class RowResiduals:
@@ -91,13 +105,8 @@ class RowEncoder:
     """
 
     def __init__(self, name: str, **params: Any) -> None:
-        from services.common.codecs import get_codec
-
-        codec = get_codec(name, **params)
-        self.feedback: RowResiduals | None = None
-        if getattr(codec, "error_feedback", False):
-            codec = get_codec(name, **{**params, "error_feedback": False})
-            self.feedback = RowResiduals()
+        codec, had_feedback = codec_without_feedback(name, **params)
+        self.feedback = RowResiduals() if had_feedback else None
         self.codec: Codec = codec
 
     @property

@@ -1,0 +1,162 @@
+"""Compression on the PS paths over real gRPC: per-id error feedback, gradients decoded on the
+PS, and DES-style server-side partial pooling against the plain lookup+pool path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from clients.ps_client import PSClient
+from services.common.errors import InvalidArgument
+from services.common.sharding import shard_of
+from services.common.wire import raw_array
+from services.worker.pooling import plan_batch, pool_batch
+from tests.integration.ps.conftest import digest, start_cluster
+
+SGD_LR = 0.5  # table "item" of tests/integration/ps/conftest.py: SGD, lr 0.5, dim 4
+
+
+@pytest.fixture
+async def cluster():
+    services = await start_cluster(2)
+    yield services
+    for s in services:
+        await s.close()
+
+
+def _addresses(services) -> list[str]:
+    return [s.address for s in services]
+
+
+@pytest.mark.parametrize("codec", ["topk", "dct"])
+async def test_grads_residual_kept_per_id_through_the_ps(cluster, codec):
+    """SGD applies exactly what was sent: per id, Σ applied = lr·(Σ pushed − residual)."""
+    rng = np.random.default_rng(0)
+    universe = np.arange(200, dtype=np.uint64)
+    pushed = np.zeros((200, 4))
+    async with PSClient(_addresses(cluster), grads_codec=codec) as ps:
+        before = await ps.lookup("item", universe)
+        for _ in range(12):
+            ids = np.sort(rng.choice(200, size=80, replace=False)).astype(np.uint64)
+            grads = rng.standard_normal((80, 4)).astype(np.float32)
+            await ps.push_unique("item", ids, grads)
+            pushed[ids.astype(np.int64)] += grads
+        after = await ps.lookup("item", universe)
+        residual = ps.grads_residual("item", universe)
+        sent_bytes = ps.wire_bytes()["push_out"]
+    np.testing.assert_allclose(before - after, SGD_LR * (pushed - residual), atol=2e-3)
+    assert np.abs(residual).sum() > 0.1 * np.abs(pushed).sum()  # most was held back
+    assert sent_bytes < 12 * 80 * 4 * 4  # and the pushes were smaller than fp32 grads
+
+
+@pytest.mark.parametrize("codec", ["qsgd", "adaquant"])
+async def test_quantized_grads_are_decoded_on_the_ps_before_its_optimizer(cluster, codec):
+    """The applied SGD step is a decoded QSGD value: sign·l·‖bucket‖/s with integer l ≤ s."""
+    ids = np.arange(64, dtype=np.uint64)
+    grads = np.random.default_rng(1).standard_normal((64, 4)).astype(np.float32)
+    async with PSClient(_addresses(cluster), grads_codec=codec) as ps:
+        before = await ps.lookup("item", ids)
+        await ps.push_unique("item", ids, grads)
+        applied = (before - await ps.lookup("item", ids)) / SGD_LR
+    levels = 15 if codec == "qsgd" else 2  # the codecs' defaults
+    for k in range(2):  # each shard's push is one bucket (fewer than 256 elements)
+        mine = shard_of(ids, 2) == k
+        norm = np.linalg.norm(grads[mine])
+        steps = applied[mine] / (norm / levels)
+        np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+        assert np.abs(steps).max() <= levels + 1e-3
+        assert np.all(np.abs(applied[mine] - grads[mine]) <= norm / levels * (1 + 1e-4))
+    assert not np.allclose(applied, grads, atol=1e-3)  # quantized, not raw
+
+
+def _jagged(rng, batch: int, universe: int) -> tuple[np.ndarray, np.ndarray]:
+    lengths = rng.integers(0, 6, size=batch)
+    lengths[3] = 0  # an empty sample
+    ids = rng.integers(0, universe, size=int(lengths.sum())).astype(np.uint64)
+    if lengths[0] >= 2:
+        ids[1] = ids[0]  # a duplicate inside one sample
+    return ids, lengths
+
+
+async def _plain_step(ps, table, ids, lengths, grad_out, mode):
+    """The worker's plain path: unique lookup, embedding_bag, backward, per-row push."""
+    plan = plan_batch({"f": (ids, lengths)}, table_of={"f": table})
+    rows = {table: await ps.lookup_unique(table, plan.unique[table])}
+    pooled = pool_batch(plan, rows, mode=mode)
+    pooled.pooled["f"].backward(torch.from_numpy(grad_out))
+    await ps.push_unique(table, plan.unique[table], pooled.row_grads()[table])
+    return pooled.pooled["f"].detach().numpy()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+async def test_des_pooling_equals_plain_lookup_and_pool(mode):
+    """Forward partials summed over shards equal plain pooling; after the pooled push every
+    row (Adagrad table) equals the row the plain push gives."""
+    rng = np.random.default_rng(2)
+    plain_cluster, des_cluster = await start_cluster(2), await start_cluster(2)
+    try:
+        async with PSClient(_addresses(plain_cluster)) as plain, \
+                PSClient(_addresses(des_cluster)) as des:
+            for _ in range(3):
+                ids, lengths = _jagged(rng, 32, 300)
+                grad_out = rng.standard_normal((32, 8)).astype(np.float32)
+                expected = await _plain_step(plain, "user", ids, lengths, grad_out, mode)
+                got = await des.pooled_lookup("user", ids, lengths, mode=mode)
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+                assert not got[3].any()
+                ack = await des.pooled_push("user", ids, lengths, grad_out, mode=mode)
+                assert ack.applied == np.unique(ids).size
+            universe = np.arange(300, dtype=np.uint64)
+            np.testing.assert_allclose(await des.lookup("user", universe),
+                                       await plain.lookup("user", universe),
+                                       rtol=1e-5, atol=1e-6)
+    finally:
+        for s in plain_cluster + des_cluster:
+            await s.close()
+
+
+async def test_des_partials_cost_less_than_rows_for_multi_hot_features(cluster):
+    rng = np.random.default_rng(3)
+    lengths = np.full(64, 20)
+    ids = rng.integers(0, 100_000, size=int(lengths.sum())).astype(np.uint64)
+    async with PSClient(_addresses(cluster)) as ps:
+        await ps.pooled_lookup("user", ids, lengths)
+        des_in = ps.wire_bytes()["lookup_in"]
+        await ps.lookup("user", ids)
+        plain_in = ps.wire_bytes()["lookup_in"] - des_in
+    assert des_in * 5 < plain_in
+
+
+@pytest.mark.parametrize("case", ["short_lengths", "negative_lengths", "float_lengths",
+                                  "grads_rows", "grads_dim"])
+async def test_bad_pooled_requests_get_clear_errors_and_change_nothing(cluster, case):
+    ids = np.arange(40, dtype=np.uint64)
+    mine = ids[shard_of(ids, 2) == 0]
+    n = mine.size
+    ok_lengths = np.array([n - 2, 2])
+    bodies = {
+        "short_lengths": ("pooled_lookup", {"lengths": raw_array(np.array([n - 1]))}, "add up"),
+        "negative_lengths": ("pooled_lookup", {"lengths": raw_array(np.array([n + 1, -1]))},
+                             ">= 0"),
+        "float_lengths": ("pooled_push", {"lengths": raw_array(np.array([n * 1.0])),
+                                          "grads": raw_array(np.ones((1, 8), np.float32))},
+                          "integer"),
+        "grads_rows": ("pooled_push", {"lengths": raw_array(ok_lengths),
+                                       "grads": raw_array(np.ones((3, 8), np.float32))},
+                       "samples, dim"),
+        "grads_dim": ("pooled_push", {"lengths": raw_array(ok_lengths),
+                                      "grads": raw_array(np.ones((2, 5), np.float32))}, "dim"),
+    }
+    stream, extra, message = bodies[case]
+    async with PSClient(_addresses(cluster)) as ps:
+        await ps.lookup("user", ids)
+        state = digest(cluster)
+        with pytest.raises(InvalidArgument, match=message):
+            await getattr(ps._shards[0], stream).request(
+                {"table": "user", "ids": raw_array(mine), **extra})
+        assert digest(cluster) == state
+        with pytest.raises(InvalidArgument, match="add up"):  # checked before sending, too
+            await ps.pooled_lookup("user", ids, [39])
+        pooled = await ps.pooled_lookup("user", ids, [20, 20])  # the stream goes on
+        assert pooled.shape == (2, 8)
