@@ -173,7 +173,7 @@ class RedisRegistry:
 
     async def update_state(self, **fields: Any) -> None:
         if fields:
-            mapping = {k: json.dumps(v) for k, v in fields.items()}
+            mapping: dict[Any, Any] = {k: json.dumps(v) for k, v in fields.items()}
             await self._call("update_state", self._redis.hset(self._prefix + "state",
                                                               mapping=mapping))
 

@@ -41,6 +41,10 @@ class TrainerConfig:
     seed: int = field(default=0, metadata={"help": "seed of the dense model's init"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda (default: auto)"})
     timeout_s: float = field(default=30.0, metadata={"help": "PS request timeout"})
+    ps_retry_s: float = field(default=0.0, metadata={
+        "help": "seconds a PS request keeps retrying while a shard is down (0: fail at once)"})
+    registry: str | None = field(default=None, metadata={
+        "help": "discover the PS shards at this registry (redis://HOST:PORT/DB?job=NAME)"})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -66,6 +70,8 @@ class TrainerConfig:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.ps_retry_s < 0:
+            raise ConfigError(f"ps_retry_s must be >= 0, got {self.ps_retry_s}")
 
     @property
     def window(self) -> int | None:

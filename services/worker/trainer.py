@@ -106,13 +106,17 @@ class Trainer:
             model = ModelConfig(name=model)
         if not isinstance(model, nn.Module | ModelConfig):
             raise ConfigError(f"model must be an nn.Module or a ModelConfig, got {type(model)}")
-        if not ps_addresses:
-            raise ConfigError("ps_addresses must list at least one PS shard")
+        if not ps_addresses and not self.config.registry:
+            raise ConfigError("ps_addresses must list at least one PS shard "
+                              "(or set a registry)")
         self.tables: dict[str, str] | None = dict(tables) if tables is not None else None
         if self.tables is not None and not self.tables:
             raise ConfigError("tables must map at least one feature to a PS table")
-        self.ps = PSClient(list(ps_addresses), rows_codec=self.config.rows_codec,
-                           grads_codec=self.config.grads_codec, timeout=self.config.timeout_s)
+        ps_options: dict[str, Any] = dict(
+            rows_codec=self.config.rows_codec, timeout=self.config.timeout_s,
+            grads_codec=self.config.grads_codec, retry_s=self.config.ps_retry_s)
+        self.ps = (PSClient.from_registry(self.config.registry, **ps_options)
+                   if self.config.registry else PSClient(list(ps_addresses), **ps_options))
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
