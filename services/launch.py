@@ -30,16 +30,21 @@ def load_trainer_config(args: argparse.Namespace) -> TrainerConfig:
                        flags=flag_values(TrainerConfig, args))
 
 
-def _synthetic(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any], dict[str, Any]]:
-    """(dataset, train batches, test batches, oracle) from ``--train-data synthetic[:ROWS]``."""
+def _train_rows(args: argparse.Namespace) -> int:
+    """The row count of ``--train-data synthetic[:ROWS]``."""
     kind, _, rows = str(args.train_data).partition(":")
     if kind != "synthetic":
         raise ConfigError(f"--train-data {args.train_data!r}: only 'synthetic[:ROWS]' is "
                           "supported until the loader client lands")
     try:
-        train_rows = int(rows) if rows else 65536
+        return int(rows) if rows else 65536
     except ValueError as exc:
         raise ConfigError(f"--train-data: bad row count {rows!r}") from exc
+
+
+def _synthetic(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any], dict[str, Any]]:
+    """(dataset, train batches, test batches, oracle) from ``--train-data synthetic[:ROWS]``."""
+    train_rows = _train_rows(args)
     from services.loader.synthetic import SyntheticConfig, SyntheticDataset
 
     dataset = SyntheticDataset(SyntheticConfig(seed=args.data_seed))
@@ -65,17 +70,27 @@ def _finish(summary: dict[str, Any], oracle: dict[str, Any], path: str | None) -
 def _run_worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from services.worker.distributed import init_distributed
     from services.worker.trainer import Trainer
 
     config = load_trainer_config(args)
     print_config("worker", config)
-    if not args.ps:
-        raise ConfigError("--ps must list the PS shard addresses in shard order")
+    if not args.ps and not config.registry:
+        raise ConfigError("give --ps (PS shard addresses in shard order) or --registry")
+    _train_rows(args)
+    if args.check_config:
+        return 0
+    info = init_distributed()  # a process group when torchrun (or compose) set WORLD_SIZE
     dataset, train, test, oracle = _synthetic(args)
+    if info.world_size > 1:
+        steps = len(train) // info.world_size
+        train = train[info.rank::info.world_size][:steps]
+        test = test[info.rank::info.world_size]
     tables = {f: args.table_prefix + f for f in dataset.config.sparse_names}
+    addresses = args.ps.split(",") if args.ps else []
 
     async def main() -> dict[str, Any]:
-        async with Trainer(model=ModelConfig(name=args.model), ps_addresses=args.ps.split(","),
+        async with Trainer(model=ModelConfig(name=args.model), ps_addresses=addresses,
                            tables=tables, config=config) as trainer:
             return await trainer.fit(train, eval_batches=test)
 
@@ -88,6 +103,9 @@ def _run_train(args: argparse.Namespace) -> int:
 
     config = load_trainer_config(args)
     print_config("train", config)
+    _train_rows(args)
+    if args.check_config:
+        return 0
     dataset, train, test, oracle = _synthetic(args)
     features = dataset.config.sparse_names
     tables = ps_table_configs({f: args.dim for f in features}, lr=args.ps_lr)
@@ -100,6 +118,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file with trainer settings")
+    parser.add_argument("--check-config", action="store_true",
+                        help="print the effective config, check the flags and exit")
     parser.add_argument("--model", default="dlrm", choices=sorted(MODELS))
     parser.add_argument("--train-data", default="synthetic", help="synthetic[:ROWS]")
     parser.add_argument("--eval-rows", type=int, default=16384, help="held-out rows")
@@ -113,7 +133,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     worker = subparsers.add_parser("worker", help="run one NN worker against a running PS")
     _common(worker)
-    worker.add_argument("--ps", help="PS shard addresses host:port,... in shard order")
+    worker.add_argument("--ps", help="PS shard addresses host:port,... in shard order "
+                        "(or --registry)")
     worker.add_argument("--table-prefix", default="", help="PS table = prefix + feature")
     worker.set_defaults(func=_run_worker)
     train = subparsers.add_parser("train", help="train on a local cluster (PS + workers)")
