@@ -100,7 +100,8 @@ def make_admin_app(*, title: str, registry: CollectorRegistry, config: Callable[
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""),
+                   "type": e.get("type", "value_error")} for e in exc.errors()]
         return JSONResponse(status_code=422, content={
             "error": "InvalidArgument", "message": "request body or parameters are invalid",
             "detail": errors})
