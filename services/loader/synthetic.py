@@ -46,20 +46,26 @@ _DENSE_MU = 1.5
 
 @dataclass(kw_only=True, slots=True)
 class SyntheticConfig:
-    """Shape and strength of the planted data; defaults give an oracle AUC near 0.8."""
+    """Shape and strength of the planted data.
+
+    The defaults give an oracle AUC near 0.88, most of it from the ids (the dense term alone
+    reaches about 0.69), and are learnable at demo size: DLRM trained on half a million rows
+    gets within about 0.004 of the oracle. A heavier tail (e.g. ``zipf_exponent=1.6`` with
+    100k-id vocabularies) needs many millions of rows for that, since rare ids are seen too
+    seldom to learn their weights."""
 
     seed: int = 0
     num_dense: int = 4
     vocab_sizes: list[int] = field(
-        default_factory=lambda: [1000, 2000, 5000, 10000, 20000, 50000, 100000, 3000])
+        default_factory=lambda: [100, 200, 500, 1000, 2000, 5000, 10000, 300])
     num_multi_hot: int = 2
     mean_multi_hot_length: float = 3.0
     max_multi_hot_length: int = 8
-    zipf_exponent: float = 1.6
+    zipf_exponent: float = 2.0
     interaction_rank: int = 4
-    weight_scale: float = 0.6
+    weight_scale: float = 1.0
     interaction_scale: float = 0.2
-    dense_scale: float = 0.8
+    dense_scale: float = 0.5
     bias: float = -1.0
 
     def __post_init__(self) -> None:

@@ -57,8 +57,8 @@ def test_ids_are_zipf_and_multi_hot_lengths_vary(dataset):
 
 def test_oracle_is_in_the_demo_range(dataset):
     oracle = dataset.oracle(20_000)
-    assert 0.75 <= oracle["auc"] <= 0.85
-    assert 0.1 < oracle["positive_rate"] < 0.4
+    assert 0.85 <= oracle["auc"] <= 0.9
+    assert 0.1 < oracle["positive_rate"] < 0.5
     assert oracle["logloss"] < 0.5
 
 
