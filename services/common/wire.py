@@ -8,12 +8,13 @@ wraps the received bytes with ``np.frombuffer`` (no copy either).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from services.common.errors import MalformedMessage, ProtocolMismatch
+from services.common.errors import MalformedMessage, PersimmonError, ProtocolMismatch
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -86,14 +87,17 @@ def array_from_wire(body: Any, codecs: Any = None) -> np.ndarray:
         raise MalformedMessage("array must be a map with dtype, shape, codec, data")
     dtype, shape, data = body.get("dtype"), body.get("shape"), body.get("data")
     codec_name = body.get("codec", "none")
-    if dtype not in ALLOWED_DTYPES:
+    if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
         raise MalformedMessage(f"array dtype {dtype!r} is not one of {sorted(ALLOWED_DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+    if not isinstance(shape, list) or not all(
+            type(s) is int and 0 <= s < 2**63 for s in shape):
         raise MalformedMessage(f"array shape {shape!r} must be a list of non-negative ints")
     if not isinstance(data, bytes | bytearray | memoryview):
         raise MalformedMessage("array data must be a binary buffer")
+    if not isinstance(codec_name, str):
+        raise MalformedMessage(f"array codec {codec_name!r} must be a codec name")
     if codec_name == "none":
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)  # Python ints: a huge declared shape cannot overflow
         itemsize = np.dtype(dtype).itemsize
         if count * itemsize != len(data):
             raise MalformedMessage(
@@ -109,4 +113,10 @@ def array_from_wire(body: Any, codecs: Any = None) -> np.ndarray:
         codec = codecs(codec_name)
     except Exception as exc:
         raise MalformedMessage(f"unknown codec {codec_name!r}") from exc
-    return codec.from_wire(body)
+    try:
+        return codec.from_wire(body)
+    except PersimmonError:
+        raise
+    except Exception as exc:  # a codec's own parsing of a hostile body
+        raise MalformedMessage(f"array with codec {codec_name!r} cannot be decoded "
+                               f"({type(exc).__name__}: {exc})") from exc

@@ -1,0 +1,253 @@
+"""Hypothesis against a real PS over gRPC: random msgpack, truncated messages, wrong dtypes and
+shapes, huge declared lengths. Each bad message must get a clear error (an in-band error or
+a status the error hierarchy names, never UNKNOWN or INTERNAL), the server must keep serving,
+and every table must stay byte-identical."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.common.rpc import channel_options
+from services.common.wire import ALLOWED_DTYPES, decode_message, encode_message, raw_array
+from services.ps.config import PSConfig
+from services.ps.service import PSService
+from tests.integration.ps.conftest import table_configs
+from tests.integration.security.conftest import table_state
+
+SCALE = float(os.environ.get("PERSIMMON_FUZZ_SCALE", "1"))
+CLEAR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
+DIMS = {"user": 8, "item": 4}
+
+
+def fuzz(examples: int) -> settings:
+    return settings(max_examples=int(examples * SCALE), deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+class Server:
+    """A PS shard on its own event loop thread, and a blocking channel to it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.service = PSService(PSConfig(grpc_port=0, admin_port=0, tables=table_configs(),
+                                          max_ids_per_request=10_000))
+        self.run(self.service.start())
+        self.channel = grpc.insecure_channel(self.service.address, options=channel_options())
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def send(self, method: str, raw: bytes) -> tuple[list[dict[str, Any]], grpc.StatusCode | None]:
+        """Replies to one message on a fresh stream, and the status if the stream failed."""
+        call = self.channel.stream_stream(f"/persimmon.PS/{method}")
+        replies: list[dict[str, Any]] = []
+        try:
+            for reply in call(iter([raw]), timeout=30):
+                replies.append(decode_message(reply))
+        except grpc.RpcError as exc:
+            return replies, exc.code()
+        return replies, None
+
+    def close(self) -> None:
+        self.channel.close()
+        self.run(self.service.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = Server()
+    for table, dim in DIMS.items():  # some state to protect
+        ids = np.arange(0, 3000, 3, dtype=np.uint64)
+        grads = np.random.default_rng(0).normal(size=(ids.size, dim)).astype(np.float32)
+        replies, code = srv.send("Push", encode_message(
+            {"rid": 0, "table": table, "ids": raw_array(ids), "grads": raw_array(grads)}))
+        assert code is None and replies[0]["applied"] == ids.size
+    yield srv
+    srv.close()
+
+
+def assert_refused_and_unchanged(server: Server, method: str, raw: bytes) -> None:
+    before = table_state(server.service)
+    replies, code = server.send(method, raw)
+    assert code is None or code in CLEAR, (code, raw[:200])
+    assert all("error" in r for r in replies), replies
+    if code is None:
+        assert len(replies) == 1 and replies[0]["error"]["code"] in {c.name for c in CLEAR}
+    assert table_state(server.service) == before
+
+
+# ---- random msgpack and random bytes ------------------------------------------------------
+
+LEAVES = (st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2**64 - 1)
+          | st.floats() | st.text(max_size=12) | st.binary(max_size=48))
+VALUES = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.text(max_size=8) | st.sampled_from(
+                          ["v", "rid", "table", "ids", "grads", "codec"]), inner, max_size=6),
+                      max_leaves=16)
+METHODS = st.sampled_from(["Lookup", "Push"])
+
+
+@given(method=METHODS, body=VALUES)
+@fuzz(120)
+def test_random_msgpack(server, method, body):
+    assert_refused_and_unchanged(server, method, msgpack.packb(body, use_bin_type=True))
+
+
+@given(method=METHODS, raw=st.binary(max_size=256))
+@fuzz(60)
+def test_random_bytes(server, method, raw):
+    assert_refused_and_unchanged(server, method, raw)
+
+
+# ---- valid messages made invalid on purpose -----------------------------------------------
+
+@st.composite
+def valid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    method = draw(METHODS)
+    table = draw(st.sampled_from(sorted(DIMS)))
+    n = draw(st.integers(min_value=1, max_value=40))
+    ids = np.array(draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n,
+                                 unique=True)), dtype=np.uint64)
+    body: dict[str, Any] = {"rid": draw(st.integers(0, 2**32)), "table": table,
+                            "ids": raw_array(ids)}
+    if method == "Lookup":
+        body["codec"] = draw(st.sampled_from(["none", "fp16", "bf16"]))
+    else:
+        body["grads"] = raw_array(np.ones((n, DIMS[table]), np.float32))
+    for arr in ("ids", "grads"):
+        if arr in body:
+            body[arr]["data"] = bytes(body[arr]["data"])
+    return method, body
+
+
+def _retype(arr: dict[str, Any], dtype: str) -> None:
+    """Same bytes, another dtype, a shape that matches the byte count where one exists."""
+    itemsize = np.dtype(dtype).itemsize
+    arr["dtype"] = dtype
+    arr["shape"] = [len(arr["data"]) // itemsize]
+    arr["data"] = arr["data"][: arr["shape"][0] * itemsize]
+
+
+HUGE = [[2**40], [2**62, 4], [2**63 - 1], [2**64 - 1], [2**32, 2**32], [2**63, 2]]
+NOT_UINT64 = sorted(ALLOWED_DTYPES - {"uint64"})
+NOT_FLOAT = sorted(d for d in ALLOWED_DTYPES if not d.startswith("float"))
+
+
+def break_array(draw: st.DrawFn, arr: dict[str, Any]) -> None:
+    """Make one array of a request undecodable."""
+    kind = draw(st.sampled_from(["truncate", "extend", "huge", "negative", "codec", "dtype"]))
+    if kind == "truncate":
+        arr["data"] = arr["data"][: draw(st.integers(0, len(arr["data"]) - 1))]
+    elif kind == "extend":
+        arr["data"] += draw(st.binary(min_size=1, max_size=16))
+    elif kind == "huge":
+        arr["shape"] = draw(st.sampled_from(HUGE))
+    elif kind == "negative":
+        arr["shape"] = [-draw(st.integers(1, 2**63))] + arr["shape"][1:]
+    elif kind == "codec":
+        arr["codec"] = draw(st.sampled_from(["fp16", "bf16", "int8", "onebit", "topk", "dct",
+                                             "qsgd", "fp16+zstd", "none+lz4", "bogus"]) | VALUES)
+        arr["meta"] = draw(VALUES)
+    else:
+        arr["dtype"] = draw(st.sampled_from(["object", "<f4", "complex64", "V8", "", "str"])
+                            | VALUES)
+
+
+def break_ids(draw: st.DrawFn, body: dict[str, Any]) -> None:
+    """Decodable ids the shard must refuse: another dtype, or two dimensions."""
+    if draw(st.booleans()):
+        _retype(body["ids"], draw(st.sampled_from(NOT_UINT64)))
+    else:
+        n = body["ids"]["shape"][0]
+        body["ids"]["shape"] = draw(st.sampled_from([[n, 1], [1, n]]))
+
+
+def break_grads(draw: st.DrawFn, body: dict[str, Any]) -> None:
+    """Decodable gradients of the wrong dim, row count or dtype kind."""
+    n, dim = body["ids"]["shape"][0], DIMS[body["table"]]
+    kind = draw(st.sampled_from(["dim", "rows", "dtype"]))
+    if kind == "dim":
+        body["grads"] = raw_array(np.ones((n, draw(st.integers(0, 12).filter(
+            lambda d: d != dim))), np.float32))
+    elif kind == "rows":
+        body["grads"] = raw_array(np.ones((draw(st.integers(0, 50).filter(
+            lambda m: m != n)), dim), np.float32))
+    else:
+        body["grads"]["data"] = bytes(body["grads"]["data"])
+        _retype(body["grads"], draw(st.sampled_from(NOT_FLOAT)))
+
+
+def break_message(draw: st.DrawFn, method: str, body: dict[str, Any]) -> None:
+    """A bad table name, protocol version or (for lookups) response codec."""
+    kind = draw(st.sampled_from(["table", "version", "codec"]))
+    if kind == "table":
+        body["table"] = draw(st.sampled_from(["", "nope", "USER"]) | VALUES)
+    elif kind == "version" or method == "Push":
+        body["v"] = draw(st.sampled_from([0, 2, "1", None]))
+    else:
+        body["codec"] = draw(st.sampled_from(["bogus", "", "fp16+", "none+none"]) | VALUES)
+
+
+@st.composite
+def broken_request(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A valid request with one change that must make it invalid."""
+    method, body = draw(valid_request())
+    part = draw(st.sampled_from(["array", "ids", "grads", "message", "cut"]))
+    if part == "array":
+        break_array(draw, body[draw(st.sampled_from(["ids", "grads"] if method == "Push"
+                                                    else ["ids"]))])
+    elif part == "ids":
+        break_ids(draw, body)
+    elif part == "grads" and method == "Push":
+        break_grads(draw, body)
+    elif part == "cut":
+        raw = encode_message(body)
+        return method, raw[: draw(st.integers(0, len(raw) - 1))]
+    else:
+        break_message(draw, method, body)
+    raw = msgpack.packb(body, use_bin_type=True) if "v" in body else encode_message(body)
+    return method, raw
+
+
+@given(request=broken_request())
+@fuzz(250)
+def test_broken_requests(server, request):
+    assert_refused_and_unchanged(server, *request)
+
+
+@given(body=VALUES)
+@fuzz(40)
+def test_unary_calls_with_bad_bodies(server, body):
+    before = table_state(server.service)
+    for method in ("Tables", "Stats"):
+        try:
+            server.channel.unary_unary(f"/persimmon.PS/{method}")(
+                msgpack.packb(body, use_bin_type=True), timeout=30)
+        except grpc.RpcError as exc:
+            assert exc.code() in CLEAR, exc
+    assert table_state(server.service) == before
+
+
+def test_the_server_still_serves_after_the_fuzzing(server):
+    ids = np.arange(0, 3000, 3, dtype=np.uint64)
+    replies, code = server.send("Lookup", encode_message(
+        {"rid": 1, "table": "user", "ids": raw_array(ids), "codec": "none"}))
+    assert code is None and replies[0]["rows"]["shape"] == [ids.size, 8]
+    assert server.service.shard.table("user").num_rows == ids.size
