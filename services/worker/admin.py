@@ -1,0 +1,111 @@
+"""A worker's live state and its admin REST API: health, Prometheus metrics, ``/v1/progress``.
+
+:class:`WorkerProgress` is what the Trainer updates every step (samples, throughput, loss,
+staleness, latest held-out AUC) and times its PS round trips into; :func:`make_worker_admin`
+serves it. ``persimmon demo`` draws its progress bar from ``GET /v1/progress`` of rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.admin import make_admin_app
+
+__all__ = ["WorkerProgress", "make_worker_admin"]
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0)
+
+
+class WorkerProgress:
+    """Counters of one worker rank, mirrored into a Prometheus registry of its own."""
+
+    def __init__(self, *, rank: int = 0, world_size: int = 1, loss_window: int = 50) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.step = 0
+        self.samples = 0
+        self.staleness = 0
+        self.staleness_max = 0
+        self.last_eval: dict[str, float] | None = None
+        self.state = "starting"
+        self._losses: deque[float] = deque(maxlen=loss_window)
+        self._started: float | None = None
+        self.registry = r = CollectorRegistry()
+        self._samples = Counter("persimmon_worker_samples", "samples trained on", registry=r)
+        self._steps = Counter("persimmon_worker_steps", "training steps", registry=r)
+        self._rate = Gauge("persimmon_worker_samples_per_second", "samples/s since the start",
+                           registry=r)
+        self._loss = Gauge("persimmon_worker_loss", "training loss (moving average)", registry=r)
+        self._stale = Gauge("persimmon_worker_staleness",
+                            "earlier pushes unacknowledged at the latest lookup", registry=r)
+        self._auc = Gauge("persimmon_worker_eval_auc", "latest held-out AUC", registry=r)
+        self._logloss = Gauge("persimmon_worker_eval_logloss", "latest held-out logloss",
+                              registry=r)
+        self.lookup_seconds = Histogram("persimmon_worker_lookup_seconds",
+                                        "PS lookup of one batch (all tables)",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.push_seconds = Histogram("persimmon_worker_push_seconds",
+                                      "PS push of one batch until acknowledged",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+
+    @property
+    def samples_per_s(self) -> float:
+        if self._started is None or self.samples == 0:
+            return 0.0
+        return self.samples / max(time.perf_counter() - self._started, 1e-9)
+
+    @property
+    def loss(self) -> float:
+        return sum(self._losses) / len(self._losses) if self._losses else math.nan
+
+    def training(self) -> None:
+        """Training starts now (the clock of samples/s)."""
+        self.state = "training"
+        if self._started is None:
+            self._started = time.perf_counter()
+
+    def record_step(self, *, samples: int, loss: float, staleness: int) -> None:
+        self.step += 1
+        self.samples += samples
+        self.staleness = staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        self._losses.append(loss)
+        self._samples.inc(samples)
+        self._steps.inc()
+        self._rate.set(self.samples_per_s)
+        self._loss.set(self.loss)
+        self._stale.set(staleness)
+
+    def record_eval(self, entry: dict[str, float]) -> None:
+        self.last_eval = dict(entry)
+        self._auc.set(entry["auc"])
+        self._logloss.set(entry["logloss"])
+
+    def as_dict(self) -> dict[str, Any]:
+        loss = self.loss
+        return {"rank": self.rank, "world_size": self.world_size, "state": self.state,
+                "step": self.step, "samples": self.samples,
+                "samples_per_s": self.samples_per_s,
+                "loss": None if math.isnan(loss) else loss,
+                "staleness": self.staleness, "staleness_max": self.staleness_max,
+                "eval": self.last_eval}
+
+
+def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str, Any]],
+                      ready: Callable[[], bool]) -> FastAPI:
+    app = make_admin_app(title="Persimmon worker", registry=progress.registry, config=config,
+                         ready=ready)
+
+    @app.get("/v1/progress", tags=["training"])
+    async def get_progress() -> dict[str, Any]:
+        """Step, samples, samples/s, loss (moving average), staleness and the latest eval."""
+        return progress.as_dict()
+
+    return app
