@@ -64,10 +64,13 @@ class MultiplexedStream:
                             exc.message, delay)
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
-            fresh = await self._reconnect(channel)
-            if fresh is not self._channel:
-                self._channel = fresh
-                self._call = None
+            self.rebind(await self._reconnect(channel))
+
+    def rebind(self, channel: grpc.aio.Channel) -> None:
+        """Use ``channel`` from now on (after a reconnect); the stream reopens on it."""
+        if channel is not self._channel:
+            self._channel = channel
+            self._call = None
 
     async def _request_once(self, body: dict[str, Any]) -> dict[str, Any]:
         rid = next(self._rids)
@@ -82,7 +85,7 @@ class MultiplexedStream:
             response = await future
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), exc.details() or "") from exc
-        except asyncio.InvalidStateError as exc:  # stream closed under us
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # closed under us
             raise Unavailable(f"{self._method} stream closed") from exc
         finally:
             self._pending.pop(rid, None)

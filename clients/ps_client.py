@@ -129,6 +129,9 @@ class _ShardConnection:
                 await self.client.resolve()
                 self.address = self.client.addresses[self.index]
                 self.channel = self._open()
+                for stream in vars(self).values():
+                    if isinstance(stream, MultiplexedStream):
+                        stream.rebind(self.channel)
                 await failed.close()
             return self.channel
 

@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from services.cluster.supervise import Supervisor
+
 __all__ = ["LocalPS", "register_cli"]
 
 console = Console()
@@ -36,16 +38,28 @@ def _free_port() -> int:
 
 
 class LocalPS:
-    """``num_shards`` PS processes on loopback ports; a context manager that stops them."""
+    """``num_shards`` PS processes on loopback ports; a context manager that stops them.
+
+    ``registry``: the shards register there. ``supervise=True``: a shard that dies is started
+    again on the same ports from the newest complete job checkpoint in ``checkpoint_dir``
+    (``--restore job``); ``supervisor.restarts`` records each restart.
+    """
 
     def __init__(self, num_shards: int, tables: list[dict[str, Any]],
-                 checkpoint_dir: str | None = None) -> None:
+                 checkpoint_dir: str | None = None, *, registry: str | None = None,
+                 supervise: bool = False) -> None:
+        if supervise and not checkpoint_dir:
+            raise ValueError("supervise=True needs a checkpoint_dir to restart from")
         self.num_shards = num_shards
         self.tables = tables
         self.checkpoint_dir = checkpoint_dir
+        self.registry = registry
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.commands: list[list[str]] = []
         self.addresses: list[str] = []
         self.admin_urls: list[str] = []
+        self.supervisor: Supervisor | None = None
+        self._supervise = supervise
         self._tmp = tempfile.TemporaryDirectory(prefix="persimmon-demo-")
 
     def __enter__(self) -> LocalPS:
@@ -61,14 +75,26 @@ class LocalPS:
                    "--grpc-port", str(grpc_port), "--admin-port", str(admin_port)]
             if self.checkpoint_dir:
                 cmd += ["--checkpoint-dir", self.checkpoint_dir]
+            if self.registry:
+                cmd += ["--registry", self.registry]
+            self.commands.append(cmd)
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
             self.addresses.append(f"127.0.0.1:{grpc_port}")
             self.admin_urls.append(f"http://127.0.0.1:{admin_port}")
         for proc, url in zip(self.procs, self.admin_urls, strict=True):
             _wait_ready(proc, url)
+        if self._supervise:
+            self.supervisor = Supervisor(self.procs, self._restart).start()
         return self
 
+    def _restart(self, k: int) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([*self.commands[k], "--restore", "job"], stdout=subprocess.DEVNULL)
+        _wait_ready(proc, self.admin_urls[k])
+        return proc
+
     def __exit__(self, *exc: object) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

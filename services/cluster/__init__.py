@@ -1,0 +1,1 @@
+"""Running Persimmon as a cluster: job checkpoints and local process supervision."""
