@@ -23,9 +23,11 @@ from typing import Any, TypeVar
 
 import grpc
 
+from services.common.auth import ClientSecurity
 from services.common.batch import Batch
 from services.common.errors import InvalidArgument, MalformedMessage, error_from_grpc
-from services.common.rpc import channel_options
+from services.common.rpc import open_channel
+from services.common.tls import ClientTLS
 from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message
 
 __all__ = ["LoaderClient", "SyncLoaderClient"]
@@ -36,11 +38,13 @@ _RETRY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 class LoaderClient:
-    """One worker rank's connection to one loader."""
+    """One worker rank's connection to one loader (``token``/``tls`` default to
+    ``PERSIMMON_TOKEN``(``_FILE``) and ``PERSIMMON_TLS_CA``…)."""
 
     def __init__(self, address: str, *, rank: int = 0, world_size: int = 1, credits: int = 8,
                  reconnect_timeout_s: float = 30.0,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, token: str | None = None,
+                 tls: ClientTLS | None = None) -> None:
         if not 0 <= rank < world_size:
             raise InvalidArgument(f"rank must be in [0, {world_size}), got {rank}")
         if credits < 1:
@@ -50,7 +54,8 @@ class LoaderClient:
         self.world_size = world_size
         self.credits = credits
         self.reconnect_timeout_s = reconnect_timeout_s
-        self._options = channel_options(max_message_bytes)
+        self._max_message_bytes = max_message_bytes
+        self._security = ClientSecurity.resolve(token=token, tls=tls)
         self._channel: grpc.aio.Channel | None = None
         self._outstanding: set[int] = set()
         self.reconnects = 0
@@ -58,14 +63,15 @@ class LoaderClient:
 
     def _chan(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            self._channel = open_channel(self.address, self._security, self._max_message_bytes)
         return self._channel
 
     async def _unary(self, method: str, body: dict[str, Any], timeout: float = 30.0
                      ) -> dict[str, Any]:
         call = self._chan().unary_unary(_SERVICE + method)
         try:
-            raw = await call(encode_message(body), timeout=timeout)
+            raw = await call(encode_message(body), timeout=timeout,
+                             metadata=self._security.metadata())
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), exc.details() or "") from exc
         return decode_message(raw)
@@ -88,7 +94,8 @@ class LoaderClient:
                                   "credits": self.credits})
         deadline: float | None = None
         while True:
-            call = self._chan().unary_stream(_SERVICE + "Batches")(request)
+            call = self._chan().unary_stream(_SERVICE + "Batches")(
+                request, metadata=self._security.metadata())
             try:
                 async for raw in call:
                     deadline = None

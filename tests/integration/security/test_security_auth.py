@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from clients.admin_client import AdminClient
+from clients.loader_client import LoaderClient
 from services.common.errors import PermissionDenied, Unauthenticated
 from services.common.wire import decode_message, encode_message, raw_array
 from services.loader.config import LoaderConfig
@@ -107,5 +108,10 @@ async def test_the_loader_admin_and_grpc_are_guarded_too(monkeypatch):
                 await channel.unary_unary("/persimmon.Loader/Describe")(encode_message({}),
                                                                         timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        async with LoaderClient(loader.address, token=TOKEN) as client:
+            assert (await client.describe())["batch_size"] == 100
+        async with LoaderClient(loader.address, token="wrong") as client:
+            with pytest.raises(PermissionDenied):
+                await client.describe()
     finally:
         await loader.close()
