@@ -40,7 +40,7 @@ from torch import nn
 
 from clients.ps_client import PSClient
 from services.common.batch import Batch
-from services.common.errors import ConfigError, InvalidArgument
+from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.worker.config import TrainerConfig
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
 from services.worker.models import ModelConfig, pick_device
@@ -191,6 +191,27 @@ class Trainer:
         self._forward = self._sync.prepare(self.module) if self._sync else self.module
         params = [p for p in self.module.parameters() if p.requires_grad]
         self._optimizer = _make_optimizer(self.config.dense_optimizer, params, self.config.lr)
+
+    async def build(self, batch: Batch) -> None:
+        """Build the dense model from ``batch`` now, as the first training batch would."""
+        await self.start()
+        self._features(batch)
+        await self._ensure_model(batch)
+
+    def dense_state(self) -> dict[str, Any]:
+        """The dense model's and optimizer's state and the step (a job checkpoint's part)."""
+        if self.module is None or self._optimizer is None:
+            raise FailedPrecondition("the dense model does not exist before the first batch")
+        return {"model": self.module.state_dict(), "optimizer": self._optimizer.state_dict(),
+                "step": self.step}
+
+    def load_dense_state(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`dense_state` (after :meth:`build`)."""
+        if self.module is None or self._optimizer is None:
+            raise FailedPrecondition("build the model first: await trainer.build(batch)")
+        self.module.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
 
     # ---- PS round trips ------------------------------------------------------------------
 
