@@ -16,7 +16,7 @@ _SERVICES = ["services.ps.__main__", "services.loader.__main__", "services.launc
              "services.demo"]
 # Modules exposing ``register_bench(subparsers)`` for ``persimmon bench <target>``.
 _BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",
-            "bench.staleness", "bench.load"]
+            "bench.staleness", "bench.load", "bench.recovery"]
 
 
 def _register(subparsers: argparse._SubParsersAction, modules: list[str], hook: str) -> None:
