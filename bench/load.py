@@ -107,35 +107,41 @@ def run(*, seconds: float = 20.0, clients: int = 8, universe: int = 200_000, bat
     workdir = tempfile.mkdtemp(prefix="persimmon-load-")
     proc, address = _start_ps(workdir)
     try:
-        console.log(f"warm-up: {universe:,} ids, then {warmup_s:.0f} s of load")
-        asyncio.run(_populate([address], universe))
-        asyncio.run(_load([address], clients, warmup_s, universe, batch, seed=1000))
-        rss_start = rss_mb(proc.pid)
-        console.log(f"baseline: 1 client, {baseline_s:.0f} s")
-        single = asyncio.run(_load([address], 1, baseline_s, universe, batch, seed=2000))
-        console.log(f"load: {clients} clients x {batch}-id lookups and pushes, {seconds:.0f} s")
-        samples = [rss_start]
-        phases = []
-        step = sample_every_s or seconds
-        done = 0.0
-        while done < seconds:
-            chunk = min(step, seconds - done)
-            phases.append(asyncio.run(_load([address], clients, chunk, universe, batch,
-                                            seed=3000 + len(phases) * clients)))
-            samples.append(rss_mb(proc.pid))
-            done += chunk
+        result, single = asyncio.run(_measure(
+            proc.pid, [address], seconds=seconds, clients=clients, universe=universe,
+            batch=batch, warmup_s=warmup_s, baseline_s=baseline_s,
+            sample_every_s=sample_every_s or seconds))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         shutil.rmtree(workdir, ignore_errors=True)
-    load = _merge(phases)
-    result = {"ops_per_s": load["ops_per_s"], "p50_ms": load["p50_ms"], "p99_ms": load["p99_ms"],
-              "rss_growth_mb": samples[-1] - rss_start, "rss_after_warmup_mb": rss_start,
-              "rss_samples_mb": samples, "clients": clients, "seconds": seconds,
-              "batch": batch, "universe": universe, "baseline_ops_per_s": single["ops_per_s"],
-              "scaling": load["ops_per_s"] / single["ops_per_s"]}
     _print_table(result, single)
     return result
+
+
+async def _measure(pid: int, addresses: list[str], *, seconds: float, clients: int,
+                   universe: int, batch: int, warmup_s: float, baseline_s: float,
+                   sample_every_s: float) -> tuple[dict[str, Any], dict[str, float]]:
+    console.log(f"warm-up: {universe:,} ids, then {warmup_s:.0f} s of load")
+    await _populate(addresses, universe)
+    await _load(addresses, clients, warmup_s, universe, batch, seed=1000)
+    rss_start = rss_mb(pid)
+    console.log(f"baseline: 1 client, {baseline_s:.0f} s")
+    single = await _load(addresses, 1, baseline_s, universe, batch, seed=2000)
+    console.log(f"load: {clients} clients x {batch}-id lookups and pushes, {seconds:.0f} s")
+    samples, phases, done = [rss_start], [], 0.0
+    while done < seconds:
+        chunk = min(sample_every_s, seconds - done)
+        phases.append(await _load(addresses, clients, chunk, universe, batch,
+                                  seed=3000 + len(phases) * clients))
+        samples.append(rss_mb(pid))
+        done += chunk
+    load = _merge(phases)
+    return {"ops_per_s": load["ops_per_s"], "p50_ms": load["p50_ms"], "p99_ms": load["p99_ms"],
+            "rss_growth_mb": samples[-1] - rss_start, "rss_after_warmup_mb": rss_start,
+            "rss_samples_mb": samples, "clients": clients, "seconds": seconds,
+            "batch": batch, "universe": universe, "baseline_ops_per_s": single["ops_per_s"],
+            "scaling": load["ops_per_s"] / single["ops_per_s"]}, single
 
 
 def _merge(phases: list[dict[str, float]]) -> dict[str, float]:

@@ -143,7 +143,8 @@ class AdminServer:
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
             **tls))
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # signals belong to the service (run_service), not to uvicorn
+        self._server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self._task: asyncio.Task[None] | None = None
         self.port = port
 
