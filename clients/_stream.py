@@ -36,9 +36,11 @@ class MultiplexedStream:
     """
 
     def __init__(self, channel: grpc.aio.Channel, method: str, *,
-                 reconnect: Reconnect | None = None, retry_s: float = 0.0) -> None:
+                 reconnect: Reconnect | None = None, retry_s: float = 0.0,
+                 metadata: tuple[tuple[str, str], ...] | None = None) -> None:
         self._channel = channel
         self._method = method
+        self._metadata = metadata  # sent when the stream opens, e.g. the bearer token
         self._reconnect = reconnect
         self.retry_s = retry_s
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -95,7 +97,7 @@ class MultiplexedStream:
 
     def _ensure_open(self) -> grpc.aio.StreamStreamCall:
         if self._call is None or self._call.done():
-            self._call = self._channel.stream_stream(self._method)()
+            self._call = self._channel.stream_stream(self._method)(metadata=self._metadata)
             self._reader = asyncio.create_task(self._read(self._call), name=f"read {self._method}")
         return self._call
 
