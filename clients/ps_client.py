@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 
 from clients._stream import MultiplexedStream
+from services.common.auth import ClientSecurity
 from services.common.codecs import Codec, RowEncoder, codec_without_feedback, get_codec
 from services.common.errors import (
     FailedPrecondition,
@@ -33,8 +34,9 @@ from services.common.errors import (
     error_from_grpc,
 )
 from services.common.registry import discover_shards, open_registry
-from services.common.rpc import channel_options
+from services.common.rpc import open_channel
 from services.common.sharding import split_by_shard
+from services.common.tls import ClientTLS
 from services.common.wire import (
     MAX_MESSAGE_BYTES,
     array_from_wire,
@@ -107,20 +109,20 @@ class _ShardConnection:
         self.address = client.addresses[index]
         self.channel = self._open()
         self._reconnecting = asyncio.Lock()
-        self.lookup = MultiplexedStream(self.channel, _SERVICE + "Lookup",
-                                        reconnect=self.reconnect, retry_s=client.retry_s)
-        self.push = MultiplexedStream(self.channel, _SERVICE + "Push",
-                                      reconnect=self.reconnect, retry_s=client.retry_s)
+        self.lookup = self._stream("Lookup")
+        self.push = self._stream("Push")
         self.grads_encoders: dict[str, RowEncoder] = {}  # per table: residuals per id
-        self.pooled_lookup = MultiplexedStream(self.channel, _SERVICE + "PooledLookup",
-                                               reconnect=self.reconnect, retry_s=client.retry_s)
-        self.pooled_push = MultiplexedStream(self.channel, _SERVICE + "PooledPush",
-                                             reconnect=self.reconnect, retry_s=client.retry_s)
+        self.pooled_lookup = self._stream("PooledLookup")
+        self.pooled_push = self._stream("PooledPush")
         self.pooled_grads_codec: Codec | None = None
 
     def _open(self) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(
-            self.address, options=channel_options(self.client._max_message_bytes))
+        return open_channel(self.address, self.client.security, self.client._max_message_bytes)
+
+    def _stream(self, method: str) -> MultiplexedStream:
+        return MultiplexedStream(self.channel, _SERVICE + method, reconnect=self.reconnect,
+                                 retry_s=self.client.retry_s,
+                                 metadata=self.client.security.metadata())
 
     async def reconnect(self, failed: grpc.aio.Channel) -> grpc.aio.Channel:
         """A fresh channel to this shard's (re-resolved) address, once per failed channel."""
@@ -138,7 +140,8 @@ class _ShardConnection:
     async def unary(self, method: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         call = self.channel.unary_unary(_SERVICE + method)
         try:
-            return decode_message(await call(encode_message(body), timeout=timeout))
+            return decode_message(await call(encode_message(body), timeout=timeout,
+                                             metadata=self.client.security.metadata()))
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), f"{self.address}: {exc.details()}") from exc
 
@@ -149,12 +152,16 @@ class _ShardConnection:
 
 
 class PSClient:
-    """Async client of a sharded PS; use ``async with PSClient([...]) as ps``."""
+    """Async client of a sharded PS; use ``async with PSClient([...]) as ps``.
+
+    ``token``/``tls`` default to ``PERSIMMON_TOKEN``(``_FILE``) and ``PERSIMMON_TLS_CA``….
+    """
 
     def __init__(self, addresses: Sequence[str], *, rows_codec: str = "none",
                  grads_codec: str = "none", max_message_bytes: int = MAX_MESSAGE_BYTES,
                  timeout: float = 30.0, retry_s: float = 0.0,
-                 resolver: Resolver | None = None) -> None:
+                 resolver: Resolver | None = None, token: str | None = None,
+                 tls: ClientTLS | None = None) -> None:
         if not addresses and resolver is None:
             raise InvalidArgument("PSClient needs at least one PS address or a resolver")
         if retry_s < 0:
@@ -168,6 +175,7 @@ class PSClient:
         self.retry_s = retry_s
         self.resolver = resolver
         self._max_message_bytes = max_message_bytes
+        self.security = ClientSecurity.resolve(token=token, tls=tls)
         self._shards: list[_ShardConnection] = []
         self.dims: dict[str, int] = {}
 
