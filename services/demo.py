@@ -1,8 +1,9 @@
 """``persimmon demo``: a local cluster on this machine, no Docker, no Redis.
 
-It starts PS shard processes on loopback ports, trains a DLRM with gloo workers in PERSIA's
-hybrid mode on planted synthetic data (in memory until the LoaderClient lands), and prints
-test AUC against the data's oracle AUC, throughput and bytes on the wire, plus a PNG.
+It starts a loader process streaming planted synthetic data (and one for its test split), PS
+shard processes on loopback ports, and gloo workers that train a DLRM in PERSIA's hybrid mode;
+a progress bar follows worker rank 0's admin API; it ends with test AUC against the data's
+oracle AUC, throughput and bytes on the wire per stream, plus a PNG of the curves.
 """
 
 from __future__ import annotations
@@ -10,31 +11,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 import urllib.request
 from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, TextColumn
 from rich.table import Table
 
 from services.cluster.supervise import Supervisor
+from services.processes import free_port, stop_processes, wait_ready
 
 __all__ = ["LocalPS", "register_cli"]
 
 console = Console()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalPS:
@@ -69,7 +64,7 @@ class LocalPS:
         with open(config, "w") as f:
             yaml.safe_dump({"tables": self.tables}, f)
         for k in range(self.num_shards):
-            grpc_port, admin_port = _free_port(), _free_port()
+            grpc_port, admin_port = free_port(), free_port()
             cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "ps",
                    "--config", config, "--shard-id", str(k), "--num-shards", str(self.num_shards),
                    "--grpc-port", str(grpc_port), "--admin-port", str(admin_port)]
@@ -82,42 +77,21 @@ class LocalPS:
             self.addresses.append(f"127.0.0.1:{grpc_port}")
             self.admin_urls.append(f"http://127.0.0.1:{admin_port}")
         for proc, url in zip(self.procs, self.admin_urls, strict=True):
-            _wait_ready(proc, url)
+            wait_ready(proc, url)
         if self._supervise:
             self.supervisor = Supervisor(self.procs, self._restart).start()
         return self
 
     def _restart(self, k: int) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen([*self.commands[k], "--restore", "job"], stdout=subprocess.DEVNULL)
-        _wait_ready(proc, self.admin_urls[k])
+        wait_ready(proc, self.admin_urls[k])
         return proc
 
     def __exit__(self, *exc: object) -> None:
         if self.supervisor is not None:
             self.supervisor.stop()
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(self.procs)
         self._tmp.cleanup()
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"PS at {url} did not become ready")
-        time.sleep(0.1)
 
 
 def _plot(summary: dict[str, Any], path: str) -> None:
@@ -146,61 +120,68 @@ def _plot(summary: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _progress(cluster: LocalPS, total_steps: int, tables: list[str], done: Any) -> None:
-    """A progress bar fed by the PS itself: pushes acknowledged per table = steps done.
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free (the admin ports of worker ranks 0 and 1)."""
+    while True:
+        port = free_port()
+        if port < 65535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
 
-    It polls the admin REST API (not gRPC: the workers are forked, and a process must not
-    fork while gRPC threads run in it)."""
-    def pushes() -> int:
-        total = 0
-        for url in cluster.admin_urls:
-            for name in tables:
-                with urllib.request.urlopen(f"{url}/v1/tables/{name}/stats", timeout=5) as r:
-                    total += json.load(r)["pushes"]
-        return total
 
-    with Progress(console=console) as progress:
-        task = progress.add_task("training (steps acknowledged by the PS)", total=total_steps)
+def _progress(url: str, total_steps: int, done: threading.Event) -> None:
+    """A progress bar fed by worker rank 0's ``GET /v1/progress`` (REST, not gRPC: the
+    workers are forked, and a process must not fork while gRPC threads run in it)."""
+    columns = [*Progress.get_default_columns(), TextColumn("{task.fields[status]}")]
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("training (rank 0 steps)", total=total_steps, status="starting")
         while not done.is_set():
-            steps = pushes() / (len(tables) * cluster.num_shards)
-            progress.update(task, completed=min(total_steps, steps))
+            try:
+                with urllib.request.urlopen(url + "/v1/progress", timeout=2) as r:
+                    p = json.load(r)
+            except OSError:  # not serving yet, or already gone
+                done.wait(0.5)
+                continue
+            status = f"{p['samples_per_s'] * p['world_size']:,.0f} samples/s"
+            if p["loss"] is not None:
+                status += f"  loss {p['loss']:.4f}"
+            if p["eval"]:
+                status += f"  AUC {p['eval']['auc']:.4f}"
+            bar.update(task, completed=min(total_steps, p["step"]), status=status)
             done.wait(0.5)
-        progress.update(task, completed=total_steps)
+        bar.update(task, completed=total_steps)
 
 
 def _run(args: argparse.Namespace) -> int:
-    import threading
-
-    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
-    from services.worker.config import TrainerConfig, ps_table_configs
-    from services.worker.local import run_local_training
+    from services.launch import train_on_local_cluster
+    from services.worker.config import TrainerConfig
     from services.worker.models import ModelConfig
 
-    dataset = SyntheticDataset(SyntheticConfig(seed=args.seed))
-    features = dataset.config.sparse_names
-    train = list(dataset.batches(args.batch_size, args.rows, "train"))
-    test = list(dataset.batches(4096, args.eval_rows, "test"))
-    oracle = dataset.oracle(args.eval_rows)
+    total_steps = args.rows // args.batch_size // args.workers
+    admin_port = _free_port_pair()
     config = TrainerConfig(mode=args.mode, staleness=args.staleness, seed=args.seed,
-                           eval_every=max(1, len(train) // args.workers // 4))
-    console.print(f"[bold]persimmon demo[/]: {args.shards} PS shards, {args.workers} workers "
-                  f"(gloo), DLRM, {args.rows:,} planted rows, mode {args.mode}")
-    tables = ps_table_configs({f: args.dim for f in features})
-    with LocalPS(args.shards, tables) as cluster:
-        done = threading.Event()
-        bar = threading.Thread(target=_progress, daemon=True,
-                               args=(cluster, len(train) // args.workers,
-                                     [t["name"] for t in tables], done))
-        bar.start()
-        try:
-            summary = run_local_training(ps_addresses=cluster.addresses, train_batches=train,
-                                         eval_batches=test, model=ModelConfig(name="dlrm"),
-                                         config=config, num_workers=args.workers)
-        finally:
-            done.set()
-            bar.join(timeout=5)
-    summary.update(oracle_auc=oracle["auc"], oracle_logloss=oracle["logloss"])
-    _print_summary(summary, args)
+                           lr=args.lr, pooling="mean", admin_port=admin_port,
+                           eval_every=max(1, total_steps // 4))
+    console.print(f"[bold]persimmon demo[/]: a loader, {args.shards} PS shards and "
+                  f"{args.workers} workers (gloo) train a DLRM on {args.rows:,} planted rows, "
+                  f"mode {args.mode}" + (f" S={args.staleness}" if args.mode == "hybrid" else ""))
+    done = threading.Event()
+    bar = threading.Thread(target=_progress, daemon=True,
+                           args=(f"http://127.0.0.1:{admin_port}", total_steps, done))
+    bar.start()
+    try:
+        summary = train_on_local_cluster(
+            train_data=f"synthetic:{args.rows}", eval_data=f"synthetic:{args.eval_rows}?split=test",
+            config=config, model=ModelConfig(name="dlrm"), workers=args.workers,
+            shards=args.shards, dim=args.dim, batch_size=args.batch_size, data_seed=args.seed)
+    finally:
+        done.set()
+        bar.join(timeout=5)
+    _print_summary(summary)
     png = args.plot or "demo.png"
     _plot(summary, png)
     console.print(f"loss and AUC curves: {png}")
@@ -210,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
+def _print_summary(summary: dict[str, Any]) -> None:
     table = Table(title="demo summary")
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -229,12 +210,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help="train on a local cluster end to end (no Docker, no Redis)")
     parser.add_argument("--shards", type=int, default=2, help="PS shard processes")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (gloo)")
-    parser.add_argument("--rows", type=int, default=131072, help="planted training rows")
+    parser.add_argument("--rows", type=int, default=524288, help="planted training rows")
     parser.add_argument("--eval-rows", type=int, default=16384, help="held-out rows")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--mode", default="hybrid", choices=["sync", "hybrid", "async"])
     parser.add_argument("--staleness", type=int, default=8, help="bound S of hybrid mode")
     parser.add_argument("--dim", type=int, default=16, help="embedding dimension")
+    parser.add_argument("--lr", type=float, default=3e-3, help="dense Adam learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", help="PNG of the loss and AUC curves (default demo.png)")
     parser.add_argument("--summary-json", help="write the summary to this JSON file")

@@ -1,9 +1,11 @@
 """Train on this machine: N local worker processes (gloo) against a running PS.
 
 :func:`run_local_training` is what ``persimmon demo`` and ``persimmon train`` call once the PS
-shards are up: batch ``b`` of the list goes to worker ``b % num_workers`` (every worker gets
-the same number of steps, as DDP needs), held-out batches are split the same way and the
-AUC/logloss are computed over all of them.
+shards (and loaders) are up. Training batches come from a loader service (``loader``: its
+address; rank r gets batches ``b % num_workers == r`` and acks each once the PS acknowledged
+its push) or from a list (batch ``b`` to worker ``b % num_workers``). Held-out batches come
+from an eval loader (each rank reads its share once and keeps it) or a list split the same
+way; AUC/logloss are computed over all ranks' shares.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from clients.loader_client import LoaderClient
 from services.common.batch import Batch
 from services.common.errors import ConfigError
 from services.worker.config import TrainerConfig
@@ -19,55 +22,87 @@ from services.worker.distributed import run_local_ranks
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
 
-__all__ = ["run_local_training"]
+__all__ = ["read_loader", "run_local_training"]
 
 
-async def _train(ps_addresses: Sequence[str], tables: Mapping[str, str] | None,
-                 model: ModelConfig, config: TrainerConfig, train: Sequence[Batch],
-                 test: Sequence[Batch] | None,
+async def read_loader(address: str, rank: int, world: int) -> list[Batch]:
+    """Every batch the loader at ``address`` has for ``rank`` (acked as they arrive)."""
+    out: list[Batch] = []
+    async with LoaderClient(address, rank=rank, world_size=world, credits=16) as loader:
+        async for batch in loader.batches():
+            out.append(batch)
+            await loader.ack(batch)
+    return out
+
+
+async def _train(rank: int, world: int, ps_addresses: Sequence[str],
+                 tables: Mapping[str, str] | None, model: ModelConfig, config: TrainerConfig,
+                 train: Sequence[Batch] | str, test: Sequence[Batch] | str | None,
                  on_step: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+    """One rank: ``train``/``test`` are this rank's batches or a loader address."""
+    if isinstance(test, str):
+        test = await read_loader(test, rank, world)
     async with Trainer(model=model, ps_addresses=ps_addresses, tables=tables, config=config,
                        on_step=on_step) as trainer:
-        summary = await trainer.fit(train, eval_batches=test)
+        if isinstance(train, str):
+            credits = (config.window or config.prefetch) + 2
+            async with LoaderClient(train, rank=rank, world_size=world,
+                                    credits=credits) as loader:
+                summary = await trainer.fit(loader, eval_batches=test)
+        else:
+            summary = await trainer.fit(train, eval_batches=test)
         summary["history"] = trainer.history
         summary["losses"] = trainer.losses
         return summary
 
 
+def _share(batches: Sequence[Batch] | str | None, rank: int, world: int
+           ) -> list[Batch] | str | None:
+    if batches is None or isinstance(batches, str):
+        return batches
+    return list(batches[rank::world])
+
+
 def _rank(rank: int, world: int, ps_addresses: Sequence[str], tables: Mapping[str, str] | None,
-          model: ModelConfig, config: TrainerConfig, train: Sequence[Batch],
-          test: Sequence[Batch] | None) -> dict[str, Any]:
-    steps = len(train) // world
-    mine = list(train[rank::world])[:steps]
-    my_test = list(test[rank::world]) if test is not None else None
-    return asyncio.run(_train(ps_addresses, tables, model, config, mine, my_test, None))
+          model: ModelConfig, config: TrainerConfig, train: Sequence[Batch] | str,
+          test: Sequence[Batch] | str | None) -> dict[str, Any]:
+    return asyncio.run(_train(rank, world, ps_addresses, tables, model, config,
+                              _share(train, rank, world) or [], _share(test, rank, world), None))
 
 
-def run_local_training(*, ps_addresses: Sequence[str], train_batches: Sequence[Batch],
+def run_local_training(*, ps_addresses: Sequence[str],
+                       train_batches: Sequence[Batch] | None = None, loader: str | None = None,
                        eval_batches: Sequence[Batch] | None = None,
+                       eval_loader: str | None = None,
                        tables: Mapping[str, str] | None = None,
                        model: ModelConfig | None = None, config: TrainerConfig | None = None,
                        num_workers: int = 1, timeout_s: float = 600.0,
                        on_step: Callable[[dict[str, Any]], None] | None = None
                        ) -> dict[str, Any]:
     """Train and return rank 0's summary, with ``samples_per_s`` and ``wire_bytes`` summed over
-    the workers and ``num_workers`` added. ``on_step`` runs only with one worker (in this
-    process); with more, workers are forked processes joined by a gloo group."""
+    the workers and ``num_workers`` added. Give ``train_batches`` or ``loader`` (an address),
+    and optionally ``eval_batches`` or ``eval_loader``. ``on_step`` runs only with one worker
+    (in this process); with more, workers are forked processes joined by a gloo group."""
     if num_workers < 1:
         raise ConfigError(f"num_workers must be >= 1, got {num_workers}")
-    if len(train_batches) < num_workers:
+    if (train_batches is None) == (loader is None):
+        raise ConfigError("give either train_batches or a loader address")
+    if eval_batches is not None and eval_loader is not None:
+        raise ConfigError("give eval_batches or an eval_loader address, not both")
+    if train_batches is not None and len(train_batches) < num_workers:
         raise ConfigError(f"{len(train_batches)} training batches cannot feed "
                           f"{num_workers} workers")
     model = model or ModelConfig()
     config = config or TrainerConfig()
+    train: Sequence[Batch] | str = loader if loader is not None else list(train_batches or [])
+    test: Sequence[Batch] | str | None = eval_loader if eval_loader is not None else eval_batches
     if num_workers == 1:
-        summary = asyncio.run(_train(ps_addresses, tables, model, config, train_batches,
-                                     eval_batches, on_step))
+        summary = asyncio.run(_train(0, 1, ps_addresses, tables, model, config, train, test,
+                                     on_step))
         summary["num_workers"] = 1
         return summary
     results = run_local_ranks(_rank, num_workers, list(ps_addresses), tables, model, config,
-                              list(train_batches), eval_batches, backend="gloo",
-                              timeout_s=timeout_s)
+                              train, test, backend="gloo", timeout_s=timeout_s)
     summary = dict(results[0])
     summary["num_workers"] = num_workers
     summary["samples"] = sum(r["samples"] for r in results)
