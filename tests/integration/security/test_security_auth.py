@@ -10,6 +10,7 @@ import pytest
 
 from clients.admin_client import AdminClient
 from clients.loader_client import LoaderClient
+from clients.ps_client import PSClient
 from services.common.errors import PermissionDenied, Unauthenticated
 from services.common.wire import decode_message, encode_message, raw_array
 from services.loader.config import LoaderConfig
@@ -115,3 +116,22 @@ async def test_the_loader_admin_and_grpc_are_guarded_too(monkeypatch):
                 await client.describe()
     finally:
         await loader.close()
+
+
+async def test_ps_client_sends_the_token_from_its_argument_or_the_environment(start_ps,
+                                                                             monkeypatch):
+    ps = await start_ps(env={"PERSIMMON_TOKEN": TOKEN})
+    ids = np.arange(10, dtype=np.uint64)
+    with pytest.raises(Unauthenticated):
+        async with PSClient([ps.address]):
+            pass
+    with pytest.raises(PermissionDenied):
+        async with PSClient([ps.address], token="wrong"):
+            pass
+    async with PSClient([ps.address], token=TOKEN) as client:
+        ack = await client.push("item", ids, np.ones((10, 4), np.float32))
+        assert ack.applied == 10
+    monkeypatch.setenv("PERSIMMON_TOKEN", TOKEN)
+    async with PSClient([ps.address]) as client:
+        rows = await client.lookup("item", ids)
+    np.testing.assert_allclose(rows, ps.shard.table("item").peek(ids)[0])

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from clients.admin_client import AdminClient
+from clients.ps_client import PSClient
 from services.common.auth import ClientSecurity
+from services.common.errors import Unavailable
 from services.common.tls import ClientTLS
 from services.common.wire import encode_message, raw_array
 from tests.integration.security.conftest import TOKEN, stream_once, table_state
@@ -59,6 +61,17 @@ async def test_grpc_mutual_tls_needs_a_client_certificate(start_ps, certs):
     # a certificate does not replace the token
     assert await refused(ps.address, ClientSecurity(tls=worker.tls)) == \
         grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_ps_client_over_mutual_tls(start_ps, certs):
+    ps = await start_ps(env=server_env(certs, mutual=True))
+    tls = ClientTLS(ca=str(certs.ca), cert=str(certs.client_cert), key=str(certs.client_key))
+    async with PSClient([ps.address], tls=tls) as client:
+        rows = await client.lookup("user", np.arange(7, dtype=np.uint64))
+    assert rows.shape == (7, 8)
+    with pytest.raises(Unavailable):
+        async with PSClient([ps.address], tls=ClientTLS(ca=str(certs.ca)), timeout=3):
+            pass
 
 
 async def test_admin_over_https(start_ps, certs):
