@@ -91,6 +91,10 @@ class MultiplexedStream:
             raise Unavailable(f"{self._method} stream closed") from exc
         finally:
             self._pending.pop(rid, None)
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()  # retrieved: a failed write leaves nobody awaiting it
         if "error" in response:
             raise error_from_wire(response["error"])
         return response

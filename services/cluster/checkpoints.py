@@ -31,18 +31,17 @@ __all__ = ["JobCheckpointer", "dense_part", "load_dense_part", "loader_offsets_p
 PartSource = Callable[[], bytes | Awaitable[bytes]]
 
 
-def dense_part(module: Any, optimizer: Any, step: int) -> bytes:
-    """A torch-serialised dict of the dense model's and its optimizer's state at ``step``."""
+def dense_part(state: dict[str, Any]) -> bytes:
+    """``state`` (e.g. ``Trainer.dense_state()``: model, optimizer, step) serialised by torch."""
     import torch
 
     buf = io.BytesIO()
-    torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(),
-                "step": step}, buf)
+    torch.save(state, buf)
     return buf.getvalue()
 
 
 def load_dense_part(data: bytes) -> dict[str, Any]:
-    """The dict :func:`dense_part` wrote (``model``, ``optimizer``, ``step``)."""
+    """The dict :func:`dense_part` wrote."""
     import torch
 
     return torch.load(io.BytesIO(data), weights_only=True)

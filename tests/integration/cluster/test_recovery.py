@@ -18,6 +18,8 @@ from services.common.jobs import latest_complete, list_job_checkpoints, read_par
 from services.common.registry import discover_shards, open_registry
 from services.common.sharding import shard_of
 from services.demo import LocalPS
+from services.ps.config import PSConfig
+from services.ps.service import PSService
 from tests.conftest import eventually
 
 TABLES = [{"name": "emb", "dim": 4, "optimizer": {"kind": "sgd", "lr": 0.5}}]
@@ -77,17 +79,24 @@ async def test_killed_shard_restarts_from_latest_complete_checkpoint(tmp_path, r
 
 async def test_checkpointer_refuses_a_missing_shard_part(tmp_path):
     ckpt = tmp_path / "ckpt"
-    with LocalPS(2, TABLES, checkpoint_dir=str(ckpt)) as cluster:
-        only_one = JobCheckpointer(ckpt, admin_urls=cluster.admin_urls[:1])
+    shards = []
+    for k in range(2):
+        shards.append(PSService(PSConfig(shard_id=k, num_shards=2, grpc_port=0, admin_port=0,
+                                         checkpoint_dir=str(ckpt))))
+        await shards[-1].start()
+    try:
+        urls = [s.admin_url for s in shards]
         with pytest.raises(FailedPrecondition, match="incomplete"):
-            await only_one.checkpoint(5, checkpoint_id="half")
-        # a 1-shard manifest of a 2-shard job would name shard-0-of-1, which is absent
+            await JobCheckpointer(ckpt, admin_urls=urls[:1]).checkpoint(5, checkpoint_id="half")
         assert latest_complete(ckpt) is None
-        full = JobCheckpointer(ckpt, admin_urls=cluster.admin_urls)
+        full = JobCheckpointer(ckpt, admin_urls=urls)
         manifest = await full.checkpoint(6, parts={"dense": _dense_bytes()})
         assert latest_complete(ckpt)["checkpoint_id"] == manifest["checkpoint_id"]
         state = load_dense_part(read_part(ckpt, manifest, "dense"))
         assert state["step"] == 6 and "weight" in state["model"]
+    finally:
+        for s in shards:
+            await s.close()
 
 
 def _dense_bytes() -> bytes:
@@ -96,4 +105,6 @@ def _dense_bytes() -> bytes:
     from services.cluster.checkpoints import dense_part
 
     model = torch.nn.Linear(3, 1)
-    return dense_part(model, torch.optim.SGD(model.parameters(), lr=0.1), step=6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return dense_part({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                       "step": 6})
