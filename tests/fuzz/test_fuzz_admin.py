@@ -30,11 +30,12 @@ from services.ps.config import PSConfig
 from services.ps.metrics import PSMetrics
 from services.ps.shard import Shard
 from tests.conftest import free_port
+from tests.fuzz.cases import count_case
 from tests.integration.ps.conftest import table_configs
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
-EXAMPLES = int(os.environ.get("PERSIMMON_FUZZ_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("PERSIMMON_FUZZ_EXAMPLES", "20"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
@@ -63,12 +64,14 @@ loader_app = schemathesis.pytest.from_fixture("loader_schema")
 @ps_app.parametrize()
 @FUZZ
 def test_ps_admin_asgi(case):
+    count_case("schemathesis PS admin (ASGI)")
     case.call_and_validate(checks=CHECKS)
 
 
 @loader_app.parametrize()
 @FUZZ
 def test_loader_admin_asgi(case):
+    count_case("schemathesis loader admin (ASGI)")
     case.call_and_validate(checks=CHECKS)
 
 
@@ -111,6 +114,7 @@ live = schemathesis.pytest.from_fixture("live_schema")
 @live.parametrize()
 @FUZZ
 def test_ps_admin_live_with_token(case, live_ps):
+    count_case("schemathesis live PS admin, token")
     case.call_and_validate(base_url=live_ps, headers={"Authorization": "Bearer fuzz-token"},
                            checks=CHECKS)
 
@@ -118,6 +122,7 @@ def test_ps_admin_live_with_token(case, live_ps):
 @live.parametrize()
 @FUZZ
 def test_ps_admin_live_without_token(case, live_ps):
+    count_case("schemathesis live PS admin, no token")
     response = case.call_and_validate(base_url=live_ps, checks=CHECKS)
     if case.method.upper() not in ("GET", "HEAD", "OPTIONS"):
         assert response.status_code == 401

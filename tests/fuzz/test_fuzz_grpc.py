@@ -22,6 +22,7 @@ from services.common.rpc import channel_options
 from services.common.wire import ALLOWED_DTYPES, decode_message, encode_message, raw_array
 from services.ps.config import PSConfig
 from services.ps.service import PSService
+from tests.fuzz.cases import count_case
 from tests.integration.ps.conftest import table_configs
 from tests.integration.security.conftest import table_state
 
@@ -84,6 +85,7 @@ def server() -> Iterator[Server]:
 
 
 def assert_refused_and_unchanged(server: Server, method: str, raw: bytes) -> None:
+    count_case(f"gRPC {method} stream")
     before = table_state(server.service)
     replies, code = server.send(method, raw)
     assert code is None or code in CLEAR, (code, raw[:200])
@@ -235,6 +237,7 @@ def test_broken_requests(server, request):
 @given(body=VALUES)
 @fuzz(40)
 def test_unary_calls_with_bad_bodies(server, body):
+    count_case("gRPC Tables+Stats unary")
     before = table_state(server.service)
     for method in ("Tables", "Stats"):
         try:
