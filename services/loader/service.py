@@ -49,7 +49,8 @@ class LoaderService(AsyncService):
     def admin_url(self) -> str:
         host = self.config.advertise.rpartition(":")[0] if self.config.advertise \
             else self.config.host
-        return f"http://{host}:{self.admin_port}"
+        scheme = self._admin.scheme if self._admin is not None else "http"
+        return f"{scheme}://{host}:{self.admin_port}"
 
     def ready(self) -> bool:
         task = self._tasks.get("producer")

@@ -44,7 +44,8 @@ class PSService(AsyncService):
     def admin_url(self) -> str:
         host = self.config.advertise.rpartition(":")[0] if self.config.advertise \
             else self.config.host
-        return f"http://{host}:{self.admin_port}"
+        scheme = self._admin.scheme if self._admin is not None else "http"
+        return f"{scheme}://{host}:{self.admin_port}"
 
     async def on_start(self) -> None:
         restore = self.config.restore

@@ -76,7 +76,8 @@ async def test_ps_client_over_mutual_tls(start_ps, certs):
 
 async def test_admin_over_https(start_ps, certs):
     ps = await start_ps(env=server_env(certs) | {"PERSIMMON_TOKEN": TOKEN})
-    url = f"https://127.0.0.1:{ps.admin_port}"
+    url = ps.admin_url
+    assert url == f"https://127.0.0.1:{ps.admin_port}"
     tls = ClientTLS(ca=str(certs.ca))
     async with AdminClient(url, tls=tls, token=TOKEN) as admin:
         assert await admin.healthy()
