@@ -25,7 +25,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.common.auth import ServerSecurity, check_authorization
+from services.common.auth import ServerSecurity, check_authorization, is_loopback
 from services.common.errors import PersimmonError, ResourceExhausted
 
 __all__ = ["AdminServer", "ErrorBody", "make_admin_app"]
@@ -138,6 +138,9 @@ class AdminServer:
     def __init__(self, app: FastAPI, host: str, port: int, *,
                  security: ServerSecurity | None = None) -> None:
         security = ServerSecurity.from_env() if security is None else security
+        if security.token is None and not is_loopback(host):
+            log.warning("admin server on %s:%s accepts changes without a token (set "
+                        "PERSIMMON_TOKEN)", host, port)
         tls = security.tls.uvicorn_options() if security.tls else {}
         self.scheme = "https" if tls else "http"
         self._server = uvicorn.Server(uvicorn.Config(

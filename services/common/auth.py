@@ -13,6 +13,7 @@ compared in constant time. TLS settings come from :mod:`services.common.tls`.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ __all__ = [
     "ClientSecurity",
     "ServerSecurity",
     "check_authorization",
+    "is_loopback",
     "load_token",
 ]
 
@@ -71,6 +73,14 @@ def check_authorization(header: str | None, token: str) -> None:
                               "<token>' (clients read PERSIMMON_TOKEN or PERSIMMON_TOKEN_FILE)")
     if not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise PermissionDenied("the bearer token is not valid for this server")
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (a server there needs no token)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import ipaddress
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -23,7 +22,12 @@ from typing import Any
 
 import grpc
 
-from services.common.auth import ClientSecurity, ServerSecurity, check_authorization
+from services.common.auth import (
+    ClientSecurity,
+    ServerSecurity,
+    check_authorization,
+    is_loopback,
+)
 from services.common.errors import (
     DeadlineExceeded,
     PersimmonError,
@@ -95,7 +99,7 @@ def make_server(handlers: list[grpc.GenericRpcHandler], host: str, port: int,
         bound = server.add_secure_port(address, security.tls.grpc_credentials())
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
-    if security.token is None and not _is_loopback(host):
+    if security.token is None and not is_loopback(host):
         log.warning("gRPC server on %s accepts calls without a token (set PERSIMMON_TOKEN)",
                     address)
     return server, bound
@@ -109,13 +113,6 @@ def open_channel(address: str, security: ClientSecurity | None = None,
     if security is None or security.tls is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, security.tls.grpc_credentials(), options=options)
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _client_host(peer: str) -> str:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.auth import ClientSecurity, ServerSecurity, check_authorization, load_token
+from services.common.auth import (
+    ClientSecurity,
+    ServerSecurity,
+    check_authorization,
+    is_loopback,
+    load_token,
+)
 from services.common.errors import ConfigError, PermissionDenied, Unauthenticated
 from services.common.rpc import _client_host
 from services.common.tls import ClientTLS, ServerTLS
@@ -99,3 +105,10 @@ def test_unreadable_certificates_are_config_errors(tmp_path):
                                         ("ipv6:[::1]:5678", "::1"), ("unix:/tmp/s", "/tmp/s")])
 def test_client_host_of_a_peer(peer, host):
     assert _client_host(peer) == host
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("::1", True), ("[::1]", True),
+                                            ("localhost", True), ("0.0.0.0", False),
+                                            ("10.1.2.3", False), ("ps-0.example", False)])
+def test_is_loopback(host, loopback):
+    assert is_loopback(host) is loopback
