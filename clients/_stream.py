@@ -133,10 +133,11 @@ class MultiplexedStream:
                     future.set_exception(error or Unavailable(f"{self._method} stream failed"))
 
     async def close(self) -> None:
-        if self._call is not None:
+        call = self._call  # the reader may clear self._call while done_writing() is awaited
+        if call is not None:
             with contextlib.suppress(Exception):
-                await self._call.done_writing()
-            self._call.cancel()
+                await call.done_writing()
+            call.cancel()
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
