@@ -99,7 +99,7 @@ async def test_streams_per_client(start_ps):
 async def test_a_stream_past_its_deadline_applies_nothing_more(start_ps):
     ps = await start_ps()
     async with grpc.aio.insecure_channel(ps.address, options=channel_options()) as channel:
-        call = channel.stream_stream("/persimmon.PS/Push")(timeout=0.5)
+        call = channel.stream_stream("/persimmon.PS/Push")(timeout=2.0)
         await call.write(push_body(4))
         assert decode_message(await call.read())["applied"] == 4
         after_first = table_state(ps)
