@@ -1,5 +1,5 @@
-"""Schemathesis over the OpenAPI of every admin app: in process (ASGI) for the PS and the
-loader, and against a live ``persimmon ps`` process. Every response must be documented,
+"""Schemathesis over the OpenAPI of every admin app: in process (ASGI) for the PS, the
+loader and the worker, and against a live ``persimmon ps`` process. Every response must be documented,
 match its schema and content type, and none may be a server error."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from services.ps.admin import make_ps_admin
 from services.ps.config import PSConfig
 from services.ps.metrics import PSMetrics
 from services.ps.shard import Shard
+from services.worker.admin import WorkerProgress, make_worker_admin
 from tests.conftest import free_port
 from tests.fuzz.cases import count_case
 from tests.integration.ps.conftest import table_configs
@@ -57,8 +58,19 @@ def loader_schema():
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
+@pytest.fixture(scope="module")
+def worker_schema():
+    progress = WorkerProgress(rank=0, world_size=2)
+    progress.training()
+    progress.record_step(samples=256, loss=0.69, staleness=1)
+    progress.record_eval({"auc": 0.7, "logloss": 0.6})
+    app = make_worker_admin(progress, config=lambda: {"mode": "hybrid"}, ready=lambda: True)
+    return schemathesis.openapi.from_asgi("/openapi.json", app)
+
+
 ps_app = schemathesis.pytest.from_fixture("ps_schema")
 loader_app = schemathesis.pytest.from_fixture("loader_schema")
+worker_app = schemathesis.pytest.from_fixture("worker_schema")
 
 
 @ps_app.parametrize()
@@ -72,6 +84,13 @@ def test_ps_admin_asgi(case):
 @FUZZ
 def test_loader_admin_asgi(case):
     count_case("schemathesis loader admin (ASGI)")
+    case.call_and_validate(checks=CHECKS)
+
+
+@worker_app.parametrize()
+@FUZZ
+def test_worker_admin_asgi(case):
+    count_case("schemathesis worker admin (ASGI)")
     case.call_and_validate(checks=CHECKS)
 
 
