@@ -1,6 +1,6 @@
 """Schemathesis over the OpenAPI of every admin app: in process (ASGI) for the PS, the
-loader and the worker, and against a live ``persimmon ps`` process. Every response must be documented,
-match its schema and content type, and none may be a server error."""
+loader and the worker, and against a live ``persimmon ps`` process. Every response must be
+documented, match its schema and content type, and none may be a server error."""
 
 from __future__ import annotations
 
