@@ -25,7 +25,13 @@ import numpy as np
 
 from clients._stream import MultiplexedStream
 from services.common.auth import ClientSecurity
-from services.common.codecs import Codec, RowEncoder, codec_without_feedback, get_codec
+from services.common.codecs import (
+    Codec,
+    RowEncoder,
+    WireStats,
+    codec_without_feedback,
+    get_codec,
+)
 from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -178,6 +184,8 @@ class PSClient:
         self.security = ClientSecurity.resolve(token=token, tls=tls)
         self._shards: list[_ShardConnection] = []
         self.dims: dict[str, int] = {}
+        # array payloads per stream (rows_down, grads_up, pooled_down, pooled_grads_up) and codec
+        self.codec_stats = WireStats()
 
     @classmethod
     def from_registry(cls, url: str, *, discover_timeout_s: float = 60.0,
@@ -262,7 +270,7 @@ class PSClient:
             for k, pos in enumerate(parts) if pos.size]
         replies = await asyncio.wait_for(asyncio.gather(*bodies), self._budget_s)
         dim = self.dims.get(table)
-        rows_by_shard = [array_from_wire(r["rows"]) for r in replies]
+        rows_by_shard = [self._received("rows_down", r["rows"]) for r in replies]
         if self.num_shards == 1 and rows_by_shard:
             return rows_by_shard[0].astype(np.float32, copy=True)  # a writable copy, no scatter
         if rows_by_shard:
@@ -300,9 +308,10 @@ class PSClient:
             if encoder is None:
                 encoder = shard.grads_encoders[table] = RowEncoder(self.grads_codec)
             ids = uniq[pos]
+            body = encoder.to_wire(ids, grads[pos], key=table)
+            self._sent("grads_up", body, grads[pos])
             requests.append(shard.push.request({
-                "table": table, "ids": raw_array(ids),
-                "grads": encoder.to_wire(ids, grads[pos], key=table)}))
+                "table": table, "ids": raw_array(ids), "grads": body}))
         return _sum_acks(await asyncio.wait_for(asyncio.gather(*requests), self._budget_s))
 
     # ---- DES-style partial pooling: each shard pools the rows it owns ---------------------
@@ -346,7 +355,7 @@ class PSClient:
             dim = await self._dim(table)
         out = np.zeros((lengths.size, dim), dtype=np.float32)
         for (_, _, held, _), reply in zip(parts, replies, strict=True):
-            out[held] += array_from_wire(reply["pooled"])
+            out[held] += self._received("pooled_down", reply["pooled"])
         if mode == "mean":
             out /= np.maximum(lengths, 1)[:, None]
         return out
@@ -369,10 +378,22 @@ class PSClient:
             shard = self._shards[k]
             if shard.pooled_grads_codec is None:
                 shard.pooled_grads_codec = codec_without_feedback(self.grads_codec)[0]
+            body = shard.pooled_grads_codec.to_wire(grads[held])
+            self._sent("pooled_grads_up", body, grads[held])
             requests.append(shard.pooled_push.request({
                 "table": table, "ids": raw_array(ids_k), "lengths": raw_array(counts),
-                "grads": shard.pooled_grads_codec.to_wire(grads[held])}))
+                "grads": body}))
         return _sum_acks(await asyncio.wait_for(asyncio.gather(*requests), self._budget_s))
+
+    def _received(self, stream: str, body: Any) -> np.ndarray:
+        arr = array_from_wire(body)
+        self.codec_stats.add(stream, str(body.get("codec", "none")), "received",
+                             4 * arr.size, memoryview(body["data"]).nbytes)
+        return arr
+
+    def _sent(self, stream: str, body: dict[str, Any], arr: np.ndarray) -> None:
+        self.codec_stats.add(stream, body["codec"], "sent", 4 * arr.size,
+                             memoryview(body["data"]).nbytes)
 
     def grads_residual(self, table: str, ids: Any) -> np.ndarray:
         """What per-id error feedback still owes the PS for ``ids`` (zeros when it owes none)."""

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 from numba import njit
 
+from services.common.codecs.quant import ONEBIT_EMBEDDING_REFUSAL
 from services.common.errors import ConfigError
 from services.ps.hashtable import GOLDEN, mix64, mix64_int, to_unit
 
@@ -108,6 +109,8 @@ class OptimizerConfig:
     weight_bound: float | None = None
 
     def __post_init__(self) -> None:
+        if str(getattr(self.kind, "value", self.kind)).startswith("onebit"):
+            raise ConfigError(f"optimizer.kind {self.kind!r}: {ONEBIT_EMBEDDING_REFUSAL}")
         self.kind = _enum(OptimizerKind, self.kind, "optimizer.kind")
         self.lr = _number(self.lr, "optimizer.lr", low=0.0,
                           low_open=self.kind is OptimizerKind.FTRL)

@@ -30,9 +30,18 @@ from services.common.codecs.bits import (
 )
 from services.common.errors import ConfigError, MalformedMessage
 
-__all__ = ["Int8Codec", "OneBitCodec", "chunk_rms", "onebit_values"]
+__all__ = ["ONEBIT_EMBEDDING_REFUSAL", "Int8Codec", "OneBitCodec", "chunk_rms", "onebit_values"]
 
 MAX_CHUNK = 1 << 24
+
+#: Why 1-bit Adam / 1-bit LAMB never update embedding rows; every place where they could be
+#: configured for embeddings (dense optimizers given an embedding module, PS table
+#: optimizers) refuses with this reason.
+ONEBIT_EMBEDDING_REFUSAL = (
+    "1-bit optimizers apply to dense parameters only: 1-bit compression cannot send exact "
+    "zeros (rows absent from a batch would still move) and rows never seen have zero "
+    "variance, so the frozen-variance update explodes; keep embeddings on the parameter "
+    "server with its own optimizer (sgd, adagrad, adam, ftrl)")
 
 
 def _rows(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Compression of the dense all-reduce: DDP comm hooks, compressed collectives, 1-bit optimizers.
+"""Compression on the worker: DDP comm hooks, compressed collectives, 1-bit optimizers, DCT-MP.
 
 The codecs themselves live in :mod:`services.common.codecs` (one registry for every path);
 this package applies them to torch.distributed traffic between the NN workers.
@@ -6,6 +6,11 @@ this package applies them to torch.distributed traffic between the NN workers.
 
 from __future__ import annotations
 
+from services.worker.compression.activations import (
+    ActivationSparsifier,
+    kept_per_sample,
+    threshold_activations,
+)
 from services.worker.compression.collectives import (
     CodecAverager,
     CommStats,
@@ -19,6 +24,7 @@ from services.worker.compression.optim import OnebitAdam, OnebitLamb, dense_para
 
 __all__ = [
     "HOOK_NAMES",
+    "ActivationSparsifier",
     "CodecAverager",
     "CommStats",
     "OnebitAdam",
@@ -27,6 +33,8 @@ __all__ = [
     "allgather_bytes",
     "compressed_allreduce",
     "dense_parameters",
+    "kept_per_sample",
     "make_comm_hook",
     "padded_size",
+    "threshold_activations",
 ]

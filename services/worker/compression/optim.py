@@ -27,15 +27,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from services.common.codecs.quant import ONEBIT_EMBEDDING_REFUSAL
 from services.common.errors import ConfigError, InvalidArgument
 from services.worker.compression.collectives import CommStats, OnebitReducer, world_of
 
 __all__ = ["EMBEDDING_REFUSAL", "OnebitAdam", "OnebitLamb", "dense_parameters"]
 
-EMBEDDING_REFUSAL = (
-    "1-bit optimizers apply to dense parameters only: 1-bit compression cannot send exact "
-    "zeros (rows absent from a batch would still move) and rows never seen have zero "
-    "variance, so the frozen-variance update explodes; keep embeddings on the parameter server")
+EMBEDDING_REFUSAL = ONEBIT_EMBEDDING_REFUSAL
 
 
 def dense_parameters(params: nn.Module | Iterable[Any], who: str) -> Any:
@@ -60,8 +58,9 @@ class _OnebitOptimizer(Optimizer):
     """Shared machinery: parameter checks, warm-up all-reduce, compressed momentum, counters."""
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, freeze_step: int,
-                 process_group: Any) -> None:
+                 variance_floor: float, process_group: Any) -> None:
         who = type(self).__name__
+        self.variance_floor = _check_float(f"{who}: variance_floor", variance_floor, 0.0, 1.0)
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ConfigError(f"{who}: freeze_step must be a positive int, got {freeze_step!r}")
         b1, b2 = defaults["betas"]
@@ -144,6 +143,8 @@ class _OnebitOptimizer(Optimizer):
                 self._allreduce_([p.grad for p, _ in params if p.grad is not None])
                 self._warmup_step(params)
             else:
+                if self.step_count == self.freeze_step + 1:
+                    self._floor_variance(params)
                 self._compressed_step(params)
             for p, _ in params:
                 self.state[p]["step"] = self.step_count
@@ -153,6 +154,24 @@ class _OnebitOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         return self._run(closure)
+
+    def _floor_variance(self, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
+        """Raise each tensor's frozen v to at least ``variance_floor · mean(v)``.
+
+        Sign compression gives every coordinate the magnitude of the chunk's RMS, so a
+        coordinate whose warm-up gradients were tiny (or zero: a dead ReLU unit) would move
+        by ``lr · RMS / sqrt(v)`` per step and the model diverges after a short warm-up.
+        ``variance_floor=0`` is DeepSpeed's behaviour.
+        """
+        if not self.variance_floor:
+            return
+        for p, _ in params:
+            st = self._state(p)
+            if p.numel():
+                floor = self.variance_floor * float(st["exp_avg_sq"].mean())
+                st["exp_avg_sq"].clamp_(min=floor)
+                if "exp_avg_sq_fresh" in st:
+                    st["exp_avg_sq_fresh"].clamp_(min=floor)
 
     def _warmup_step(self, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
         raise NotImplementedError
@@ -173,15 +192,18 @@ class OnebitAdam(_OnebitOptimizer):
 
     ``weight_decay`` is decoupled (added to the update, as in DeepSpeed). ``bias_correction``
     (default on) divides m and v by ``1 − β^t`` as torch's Adam does; v's correction is frozen
-    with v.
+    with v. ``variance_floor`` (default 0.01; 0 = DeepSpeed) bounds the frozen v from below
+    per tensor, see :meth:`_floor_variance`.
     """
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, freeze_step: int = 100,
-                 bias_correction: bool = True, process_group: Any = None) -> None:
+                 bias_correction: bool = True, variance_floor: float = 0.01,
+                 process_group: Any = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "bias_correction": bool(bias_correction)}
-        super().__init__(params, defaults, freeze_step=freeze_step, process_group=process_group)
+        super().__init__(params, defaults, freeze_step=freeze_step,
+                         variance_floor=variance_floor, process_group=process_group)
 
     def _corrections(self, group: dict[str, Any], t: int) -> tuple[float, float]:
         if not group["bias_correction"]:
@@ -233,7 +255,7 @@ class OnebitLamb(_OnebitOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, freeze_step: int = 100,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                 process_group: Any = None) -> None:
+                 variance_floor: float = 0.01, process_group: Any = None) -> None:
         _check_float("OnebitLamb: min_coeff", min_coeff, 0.0, max_coeff, lo_open=True)
         _check_float("OnebitLamb: coeff_beta", coeff_beta, 0.0, 1.0)
         _check_float("OnebitLamb: factor_min", factor_min, 0.0, 1.0, lo_open=True)
@@ -241,7 +263,8 @@ class OnebitLamb(_OnebitOptimizer):
         _check_float("OnebitLamb: factor_threshold", factor_threshold, 0.0, 1.0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "max_coeff": max_coeff, "min_coeff": min_coeff}
-        super().__init__(params, defaults, freeze_step=freeze_step, process_group=process_group)
+        super().__init__(params, defaults, freeze_step=freeze_step,
+                         variance_floor=variance_floor, process_group=process_group)
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min = factor_max, factor_min
         self.factor_threshold = factor_threshold

@@ -160,3 +160,19 @@ async def test_bad_pooled_requests_get_clear_errors_and_change_nothing(cluster, 
             await ps.pooled_lookup("user", ids, [39])
         pooled = await ps.pooled_lookup("user", ids, [20, 20])  # the stream goes on
         assert pooled.shape == (2, 8)
+
+
+async def test_payload_bytes_counted_per_stream_and_codec(cluster):
+    ids = np.arange(300, dtype=np.uint64)
+    grads = np.random.default_rng(4).standard_normal((300, 8)).astype(np.float32)
+    async with PSClient(_addresses(cluster), rows_codec="int8", grads_codec="dct") as ps:
+        await ps.lookup_unique("user", ids)
+        await ps.push_unique("user", ids, grads)
+        await ps.pooled_lookup("user", ids, [300])
+        stats = ps.codec_stats
+    rows = stats.get("rows_down", "int8", "received")
+    assert rows.arrays == 2 and rows.raw_bytes == 300 * 8 * 4
+    assert rows.wire_bytes == 300 * 8 + 300 * 4  # one int8 per element, one scale per row
+    up = stats.get("grads_up", "dct", "sent")
+    assert up.raw_bytes == grads.nbytes and up.ratio > 10
+    assert stats.get("pooled_down", "int8", "received").arrays == 2

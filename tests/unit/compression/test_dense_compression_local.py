@@ -121,7 +121,8 @@ def test_optimizers_refuse_sparse_gradients_without_moving(cls):
     (OnebitAdam, {"freeze_step": 0}), (OnebitAdam, {"lr": -1.0}), (OnebitAdam, {"eps": 0.0}),
     (OnebitAdam, {"betas": (1.0, 0.9)}), (OnebitLamb, {"factor_min": 2.0}),
     (OnebitLamb, {"factor_max": 0.5}), (OnebitLamb, {"factor_threshold": 1.5}),
-    (OnebitLamb, {"min_coeff": 20.0}),
+    (OnebitLamb, {"min_coeff": 20.0}), (OnebitAdam, {"variance_floor": -0.1}),
+    (OnebitLamb, {"variance_floor": 2.0}),
 ])
 def test_optimizer_config_is_validated(cls, kwargs):
     with pytest.raises(ConfigError):
@@ -158,3 +159,21 @@ def test_lamb_compression_stage_bounds_its_factor_single_rank():
     f = np.array([1.0, *factors])
     assert len(factors) == 35
     assert f.min() >= 0.5 and f.max() <= 4 and np.abs(f[1:] / f[:-1] - 1).max() <= 0.1 + 1e-9
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
+def test_variance_floor_bounds_coordinates_quiet_during_warmup(cls):
+    """A coordinate with no gradient in warm-up (v = 0) gets ±RMS from sign compression
+    afterwards: without the floor it jumps by lr·RMS/eps; with it by at most ~10·lr."""
+    def largest_weight(floor: float) -> float:
+        p = nn.Parameter(torch.full((64,), 0.5))
+        opt = cls([p], lr=0.01, freeze_step=3, variance_floor=floor)
+        for step in range(6):
+            g = torch.linspace(0.5, 1.5, 64)
+            g[0] = 0.0 if step < 3 else 1.0
+            p.grad = g
+            opt.step()
+        return float(p.detach().abs().max())
+
+    assert largest_weight(0.0) > 100
+    assert largest_weight(0.01) < 2.0
