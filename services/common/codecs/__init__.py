@@ -42,6 +42,7 @@ __all__ = [
     "decoder",
     "get_codec",
     "register_codec",
+    "split_codec_name",
 ]
 
 CODECS: dict[str, type[Codec]] = {}
@@ -65,12 +66,43 @@ def available_codecs() -> list[str]:
     return sorted(CODECS)
 
 
+def _param_value(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def split_codec_name(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"dct:keep=0.005,refresh=100+zstd"`` → ``("dct+zstd", {"keep": 0.005, "refresh": 100})``.
+
+    Parameters after ``:`` (comma-separated ``key=value``; ints, floats, true/false/none,
+    else strings) let a flat config field carry them; they go to the first codec.
+    """
+    base, *wrappers = str(spec).split("+")
+    name, _, args = base.partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, args.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise InvalidArgument(f"codec {spec!r}: parameters are key=value pairs after ':', "
+                                  f"got {item!r}")
+        params[key.strip()] = _param_value(value.strip())
+    return "+".join([name, *wrappers]), params
+
+
 def get_codec(name: str, **params: Any) -> Codec:
     """A new codec instance; unknown names or parameters are an InvalidArgument.
 
     ``"<codec>+<wrapper>[+<wrapper>…]"`` wraps the codec in lossless compressors
-    (:data:`WRAPPERS`, at most :data:`MAX_WRAPPERS`); ``params`` go to the first codec.
+    (:data:`WRAPPERS`, at most :data:`MAX_WRAPPERS`); ``params``, and those spelled in the
+    name (:func:`split_codec_name`), go to the first codec.
     """
+    if ":" in str(name):
+        name, spelled = split_codec_name(name)
+        params = {**spelled, **params}
     base, *wrappers = str(name).split("+")
     cls = CODECS.get(base)
     if cls is None:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from services.common.codecs import CODECS, get_codec
+from services.common.codecs import CODECS, get_codec, split_codec_name
 from services.common.errors import InvalidArgument
 from services.worker.compression.collectives import (
     CodecAverager,
@@ -180,7 +180,10 @@ def powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 def make_comm_hook(name: str, *, process_group: Any = None,
                    **params: Any) -> tuple[Any, Any]:
-    """``(state, hook)`` for a hook name (see the module docstring); bad names or params raise."""
+    """``(state, hook)`` for a hook name (see the module docstring; parameters may be spelled
+    in it, ``"dct:keep=0.005"``); bad names or params raise."""
+    name, spelled = split_codec_name(name)
+    params = {**spelled, **params}
     try:
         if name == "none":
             return AllReduceHookState(process_group, **params), allreduce_hook

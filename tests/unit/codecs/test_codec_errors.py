@@ -132,3 +132,20 @@ def test_codec_spec_validates_at_config_time():
         CodecSpec(name="dct", params={"keep": 2.0})
     with pytest.raises(ConfigError, match="unknown codec"):
         CodecSpec.parse("dtc")
+
+
+def test_parameters_spelled_in_the_name():
+    from services.common.codecs import split_codec_name
+
+    assert split_codec_name("dct:keep=0.005,refresh=100,values=fp32+zstd") == (
+        "dct+zstd", {"keep": 0.005, "refresh": 100, "values": "fp32"})
+    codec = get_codec("qsgd:levels=127,bucket=0+lz4")
+    assert codec.name == "qsgd+lz4" and codec.levels == 127 and codec.bucket == 0
+    assert get_codec("dct:keep=0.1", keep=0.2).keep == 0.2  # keywords win
+
+
+@pytest.mark.parametrize(("name", "match"), [("dct:keep", "key=value"), ("dct:=1", "key=value"),
+                                             ("dct:nope=1", "nope"), ("topk:keep=2", "keep")])
+def test_bad_spelled_parameters_are_invalid_argument(name, match):
+    with pytest.raises(InvalidArgument, match=match):
+        get_codec(name)
