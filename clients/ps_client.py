@@ -33,6 +33,7 @@ from services.common.codecs import (
     get_codec,
 )
 from services.common.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -209,6 +210,14 @@ class PSClient:
     def _budget_s(self) -> float:
         return self.timeout + self.retry_s
 
+    async def _within(self, pending: Awaitable[T]) -> T:
+        """``pending`` within the call budget, else :class:`DeadlineExceeded`."""
+        try:
+            return await asyncio.wait_for(pending, self._budget_s)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"no reply from the PS within {self._budget_s:g} s "
+                                   "(timeout + retry_s)") from exc
+
     async def resolve(self) -> None:
         """Refresh ``addresses`` from the resolver (the shard count must not change)."""
         if self.resolver is None:
@@ -268,7 +277,7 @@ class PSClient:
         bodies = [self._shards[k].lookup.request(
             {"table": table, "ids": raw_array(uniq[pos]), "codec": self.rows_codec})
             for k, pos in enumerate(parts) if pos.size]
-        replies = await asyncio.wait_for(asyncio.gather(*bodies), self._budget_s)
+        replies = await self._within(asyncio.gather(*bodies))
         dim = self.dims.get(table)
         rows_by_shard = [self._received("rows_down", r["rows"]) for r in replies]
         if self.num_shards == 1 and rows_by_shard:
@@ -312,7 +321,7 @@ class PSClient:
             self._sent("grads_up", body, grads[pos])
             requests.append(shard.push.request({
                 "table": table, "ids": raw_array(ids), "grads": body}))
-        return _sum_acks(await asyncio.wait_for(asyncio.gather(*requests), self._budget_s))
+        return _sum_acks(await self._within(asyncio.gather(*requests)))
 
     # ---- DES-style partial pooling: each shard pools the rows it owns ---------------------
 
@@ -345,11 +354,11 @@ class PSClient:
         that have any; equal to pooling :meth:`lookup`'s rows up to float rounding."""
         _check_mode(mode)
         lengths, parts = self._pooled_parts(ids, lengths)
-        replies = await asyncio.wait_for(asyncio.gather(*(
+        replies = await self._within(asyncio.gather(*(
             self._shards[k].pooled_lookup.request({
                 "table": table, "ids": raw_array(ids_k), "lengths": raw_array(counts),
                 "codec": self.rows_codec})
-            for k, ids_k, _, counts in parts)), self._budget_s)
+            for k, ids_k, _, counts in parts)))
         dim = self.dims.get(table)
         if dim is None:
             dim = await self._dim(table)
@@ -383,7 +392,7 @@ class PSClient:
             requests.append(shard.pooled_push.request({
                 "table": table, "ids": raw_array(ids_k), "lengths": raw_array(counts),
                 "grads": body}))
-        return _sum_acks(await asyncio.wait_for(asyncio.gather(*requests), self._budget_s))
+        return _sum_acks(await self._within(asyncio.gather(*requests)))
 
     def _received(self, stream: str, body: Any) -> np.ndarray:
         arr = array_from_wire(body)

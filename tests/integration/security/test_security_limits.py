@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from clients.ps_client import PSClient
 from services.common.admin import make_admin_app
 from services.common.auth import ServerSecurity
+from services.common.errors import DeadlineExceeded
 from services.common.rpc import channel_options, generic_service, make_server, unary_handler
 from services.common.wire import decode_message, encode_message, raw_array
 from tests.conftest import eventually
@@ -148,3 +150,31 @@ async def test_admin_body_size_is_capped():
         big = await http.post("/v1/echo", json={"a": "x" * 2000})
     assert big.status_code == 413 and "exceeds the limit of 1000 bytes" in big.json()["message"]
     assert len(seen) == 1
+
+
+async def test_the_client_turns_a_missed_deadline_into_deadline_exceeded():
+    """A server that accepts streams but never answers: PSClient raises DeadlineExceeded."""
+    async def tables(raw: bytes, context) -> bytes:
+        return encode_message({"shard_id": 0, "num_shards": 1,
+                               "tables": [{"name": "user", "dim": 8}]})
+
+    async def silent(requests, context):
+        async for _ in requests:
+            pass
+        yield b""  # never reached while the client keeps the stream open
+
+    handlers = generic_service("persimmon.PS", {
+        "Tables": unary_handler(tables),
+        "Lookup": grpc.stream_stream_rpc_method_handler(silent),
+        "Push": grpc.stream_stream_rpc_method_handler(silent)})
+    server, port = make_server([handlers], "127.0.0.1", 0, security=ServerSecurity())
+    await server.start()
+    try:
+        async with PSClient([f"127.0.0.1:{port}"], timeout=0.3) as client:
+            with pytest.raises(DeadlineExceeded, match="within 0.3 s"):
+                await client.lookup("user", np.arange(3, dtype=np.uint64))
+            with pytest.raises(DeadlineExceeded):
+                await client.push("user", np.arange(3, dtype=np.uint64),
+                                  np.ones((3, 8), np.float32))
+    finally:
+        await server.stop(None)
