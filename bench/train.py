@@ -1,0 +1,154 @@
+"""``persimmon bench train``: training throughput of Persimmon against a one-process torch model.
+
+Same planted data, same DLRM, same batches, in one run:
+
+- ``local``: the baseline, one process: ``nn.EmbeddingBag`` tables (mean pooling, sparse
+  gradients, Adagrad) and the dense net under Adam. Ids are mapped to rows once, before the
+  clock starts (the favourable case for the baseline).
+- ``hybrid`` / ``sync``: one Persimmon worker (this process) against 2 PS shard processes,
+  embeddings looked up and pushed over gRPC, PERSIA's hybrid mode with S = 8, then sync mode.
+
+Keys: ``vs_local`` = hybrid / local samples/s (goal >= 0.75), ``hybrid_vs_sync`` (goal >= 1.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+from services.common.batch import Batch
+from services.common.scoring import auc
+
+__all__ = ["register_bench", "run"]
+
+console = Console()
+_PS_LR = 0.05
+_DENSE_LR = 3e-3
+
+
+def _local_baseline(train: Sequence[Batch], test: Sequence[Batch], features: list[str],
+                    dim: int, seed: int) -> dict[str, float]:
+    """Samples/s and test AUC of the one-process torch model."""
+    from services.worker.models import ModelConfig
+
+    vocab = {f: np.unique(np.concatenate([b.sparse[f].values for b in (*train, *test)]))
+             for f in features}
+
+    def inputs(batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        for f in features:
+            jag = batch.sparse[f]
+            rows = torch.from_numpy(np.searchsorted(vocab[f], jag.values).astype(np.int64))
+            offsets = np.zeros(jag.lengths.size, dtype=np.int64)
+            np.cumsum(jag.lengths[:-1], out=offsets[1:])
+            out[f] = (rows, torch.from_numpy(offsets))
+        return out
+
+    train_in = [(inputs(b), torch.tensor(b.dense), torch.tensor(b.labels)) for b in train]
+    torch.manual_seed(seed)
+    tables = torch.nn.ModuleDict({f: torch.nn.EmbeddingBag(vocab[f].size, dim, mode="mean",
+                                                           sparse=True) for f in features})
+    for t in tables.values():
+        torch.nn.init.uniform_(t.weight, -0.01, 0.01)  # the PS tables' default initializer
+    model = ModelConfig(name="dlrm").build(sparse_dims=dict.fromkeys(features, dim),
+                                           num_dense=train[0].num_dense)
+    sparse_opt = torch.optim.Adagrad(list(tables.parameters()), lr=_PS_LR)
+    dense_opt = torch.optim.Adam(model.parameters(), lr=_DENSE_LR)
+    started = time.perf_counter()
+    for ids, dense, labels in train_in:
+        pooled = {f: tables[f](*ids[f]) for f in features}
+        loss = F.binary_cross_entropy_with_logits(model(pooled, dense), labels)
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        loss.backward()
+        sparse_opt.step()
+        dense_opt.step()
+    seconds = time.perf_counter() - started
+    with torch.no_grad():
+        scores = [model({f: tables[f](*v) for f, v in inputs(b).items()},
+                        torch.tensor(b.dense)).numpy() for b in test]
+    labels = np.concatenate([b.labels for b in test])
+    return {"samples_per_s": sum(b.size for b in train) / seconds,
+            "auc": auc(labels, np.concatenate(scores))}
+
+
+def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str], dim: int,
+               seed: int, mode: str) -> dict[str, float]:
+    from services.demo import LocalPS
+    from services.worker.config import TrainerConfig, ps_table_configs
+    from services.worker.local import run_local_training
+    from services.worker.models import ModelConfig
+
+    tables = ps_table_configs(dict.fromkeys(features, dim), lr=_PS_LR)
+    config = TrainerConfig(mode=mode, staleness=8, lr=_DENSE_LR, pooling="mean", seed=seed)
+    with LocalPS(2, tables) as cluster:
+        summary = run_local_training(ps_addresses=cluster.addresses, train_batches=train,
+                                     eval_batches=test, model=ModelConfig(name="dlrm"),
+                                     config=config)
+    return {"samples_per_s": summary["samples_per_s"], "auc": summary["auc"],
+            "staleness_max": summary["staleness_max"]}
+
+
+def run(*, rows: int = 131072, batch_size: int = 512, dim: int = 16, seed: int = 0
+        ) -> dict[str, Any]:
+    """Train the three ways on the same batches; the figures and their ratios.
+
+    torch runs one intra-op thread in every run (2 cores: the PS processes need the other)."""
+    torch.set_num_threads(1)
+    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+
+    data = SyntheticDataset(SyntheticConfig(seed=seed))
+    features = data.config.sparse_names
+    train = list(data.batches(batch_size, rows))
+    test = list(data.batches(4096, 16384, "test"))
+    runs = {"local": _local_baseline(train, test, features, dim, seed),
+            "hybrid": _persimmon(train, test, features, dim, seed, "hybrid"),
+            "sync": _persimmon(train, test, features, dim, seed, "sync")}
+    return {"rows": rows, "batch_size": batch_size, "oracle_auc": data.oracle(16384)["auc"],
+            "runs": runs,
+            "vs_local": runs["hybrid"]["samples_per_s"] / runs["local"]["samples_per_s"],
+            "hybrid_vs_sync": runs["hybrid"]["samples_per_s"] / runs["sync"]["samples_per_s"]}
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"persimmon bench train ({result['rows']:,} planted rows, "
+                        f"batch {result['batch_size']}, DLRM)")
+    for column in ("run", "samples/s", "test AUC"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    names = {"local": "one process: nn.EmbeddingBag + sparse Adagrad (baseline)",
+             "hybrid": "Persimmon: 1 worker + 2 PS shards, hybrid S=8",
+             "sync": "Persimmon: 1 worker + 2 PS shards, sync"}
+    for key, name in names.items():
+        r = result["runs"][key]
+        table.add_row(name, f"{r['samples_per_s']:,.0f}", f"{r['auc']:.4f}")
+    console.print(table)
+    console.print(f"oracle AUC {result['oracle_auc']:.4f}   vs_local "
+                  f"{result['vs_local']:.2f} (goal >= 0.75)   hybrid_vs_sync "
+                  f"{result['hybrid_vs_sync']:.2f} (goal >= 1.5)")
+
+
+def _main(args: argparse.Namespace) -> int:
+    result = run(rows=args.rows, batch_size=args.batch_size, seed=args.seed)
+    _print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def register_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="worker + PS throughput vs one torch process")
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--rows", type=int, default=131072, help="planted training rows")
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_main)

@@ -1,0 +1,20 @@
+"""``persimmon bench train`` at tiny size: every figure is there and sane."""
+
+from __future__ import annotations
+
+import math
+
+from bench.train import run
+
+
+def test_bench_train_reports_both_ratios_from_its_own_runs() -> None:
+    result = run(rows=4096, batch_size=512)
+    runs = result["runs"]
+    assert set(runs) == {"local", "hybrid", "sync"}
+    for r in runs.values():
+        assert r["samples_per_s"] > 0 and 0.5 < r["auc"] <= 1.0
+    assert math.isclose(result["vs_local"],
+                        runs["hybrid"]["samples_per_s"] / runs["local"]["samples_per_s"])
+    assert math.isclose(result["hybrid_vs_sync"],
+                        runs["hybrid"]["samples_per_s"] / runs["sync"]["samples_per_s"])
+    assert runs["sync"]["staleness_max"] == 0 and runs["hybrid"]["staleness_max"] <= 8
