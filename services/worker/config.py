@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 
 from services.common.codecs import get_codec
 from services.common.errors import ConfigError, PersimmonError
+from services.worker.compression import HOOK_NAMES
 from services.worker.pooling import POOLING_MODES
+from services.worker.sync import STRATEGIES, SyncConfig
 
 __all__ = ["DENSE_OPTIMIZERS", "MODES", "TrainerConfig", "ps_table_configs"]
 
 MODES = ("sync", "hybrid", "async")
-DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
+DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd", "onebit_adam", "onebit_lamb")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,7 +34,14 @@ class TrainerConfig:
     mode: str = field(default="hybrid", metadata={"help": "sync, hybrid or async"})
     staleness: int = field(default=8, metadata={"help": "hybrid: batches in flight (S)"})
     prefetch: int = field(default=8, metadata={"help": "async: lookups ahead of compute"})
-    dense_optimizer: str = field(default="adam", metadata={"help": "adam, adagrad or sgd"})
+    dense_optimizer: str = field(default="adam", metadata={
+        "help": "adam, adagrad, sgd, onebit_adam or onebit_lamb (these all-reduce themselves)"})
+    onebit_freeze_step: int = field(default=100, metadata={
+        "help": "onebit_adam/onebit_lamb: fp32 warm-up steps before 1-bit compression"})
+    dense_codec: str = field(default="none", metadata={
+        "help": "dense all-reduce hook: none, fp16, dct, topk, qsgd, adaquant, onebit, powersgd"})
+    activation_keep: float = field(default=1.0, metadata={
+        "help": "DCT-MP: fraction of each sample's pooled activations kept (1: all)"})
     lr: float = field(default=1e-3, metadata={"help": "dense learning rate"})
     rows_codec: str = field(default="none", metadata={"help": "codec of rows PS -> worker"})
     grads_codec: str = field(default="none", metadata={"help": "codec of grads worker -> PS"})
@@ -41,10 +50,24 @@ class TrainerConfig:
     seed: int = field(default=0, metadata={"help": "seed of the dense model's init"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda (default: auto)"})
     timeout_s: float = field(default=30.0, metadata={"help": "PS request timeout"})
+    admin_port: int | None = field(default=None, metadata={
+        "help": "worker admin REST port; rank r serves port + r (0: any free; unset: off)"})
+    admin_host: str = field(default="127.0.0.1", metadata={"help": "admin REST bind address"})
     ps_retry_s: float = field(default=0.0, metadata={
         "help": "seconds a PS request keeps retrying while a shard is down (0: fail at once)"})
     registry: str | None = field(default=None, metadata={
         "help": "discover the PS shards at this registry (redis://HOST:PORT/DB?job=NAME)"})
+    sync: str = field(default="allreduce", metadata={
+        "help": f"dense sync strategy: {', '.join(STRATEGIES)}"})
+    sync_period: int | None = field(default=None, metadata={
+        "help": "sync every H steps (unset: 8 for local_sgd, 1 for the others)"})
+    sync_group_size: int = field(default=2, metadata={"help": "ds_sync: ranks per group"})
+    sync_schedule: str = field(default="hypercube", metadata={
+        "help": "ds_sync: regrouping schedule, hypercube or permutation"})
+    sync_elastic_alpha: float | None = field(default=None, metadata={
+        "help": "shadow: elastic averaging weight (unset: plain averaging)"})
+    gossip_topology: str = field(default="ring", metadata={
+        "help": "gossip: ring, exp or onepeer_exp"})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -64,14 +87,63 @@ class TrainerConfig:
                 get_codec(getattr(self, name))
             except PersimmonError as exc:
                 raise ConfigError(f"{name}: {exc.message}") from exc
+        self._check_compression()
         if self.pooling not in POOLING_MODES:
             raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        self._check_service()
         if self.ps_retry_s < 0:
             raise ConfigError(f"ps_retry_s must be >= 0, got {self.ps_retry_s}")
+        self._check_sync()
+
+    def sync_config(self) -> SyncConfig:
+        """The dense sync strategy these settings choose (``SyncConfig.build`` makes it)."""
+        return SyncConfig(name=self.sync, every=self.sync_period,
+                          group_size=self.sync_group_size, schedule=self.sync_schedule,
+                          elastic_alpha=self.sync_elastic_alpha, topology=self.gossip_topology)
+
+    def _check_sync(self) -> None:
+        self.sync_config()
+        if self.sync == "allreduce":
+            return
+        if self.dense_optimizer.startswith("onebit"):
+            raise ConfigError(f"{self.dense_optimizer} all-reduces the gradients itself; "
+                              f"it needs sync 'allreduce', got {self.sync!r}")
+        if self.dense_codec == "none":
+            return
+        if self.sync == "gossip":
+            raise ConfigError("gossip sends parameters to its neighbours uncompressed; "
+                              f"dense_codec must be 'none', got {self.dense_codec!r}")
+        try:   # parameter averaging goes through a codec (CodecAverager), not a DDP hook
+            get_codec(self.dense_codec)
+        except PersimmonError as exc:
+            raise ConfigError(f"sync {self.sync!r} averages parameters through a codec; "
+                              f"dense_codec {self.dense_codec!r} is not one: "
+                              f"{exc.message}") from exc
+
+    def _check_service(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
+            raise ConfigError(f"admin_port must be in [0, 65535], got {self.admin_port}")
+
+    def _check_compression(self) -> None:
+        if self.dense_codec not in HOOK_NAMES:
+            try:
+                get_codec(self.dense_codec)
+            except PersimmonError as exc:
+                raise ConfigError(f"dense_codec must be one of {HOOK_NAMES} or a codec name: "
+                                  f"{exc.message}") from exc
+        if self.dense_optimizer.startswith("onebit") and self.dense_codec != "none":
+            raise ConfigError(f"{self.dense_optimizer} compresses its own all-reduce; "
+                              f"dense_codec must be 'none', got {self.dense_codec!r}")
+        if isinstance(self.onebit_freeze_step, bool) \
+                or not isinstance(self.onebit_freeze_step, int) or self.onebit_freeze_step < 1:
+            raise ConfigError(f"onebit_freeze_step must be an int >= 1, "
+                              f"got {self.onebit_freeze_step!r}")
+        if not 0 < self.activation_keep <= 1:
+            raise ConfigError(f"activation_keep must be in (0, 1], got {self.activation_keep}")
 
     @property
     def window(self) -> int | None:

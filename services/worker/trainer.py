@@ -38,19 +38,46 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from clients.loader_client import LoaderClient
 from clients.ps_client import PSClient
+from services.common.admin import AdminServer
 from services.common.batch import Batch
+from services.common.config import config_to_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
+from services.worker.admin import WorkerProgress, make_worker_admin
+from services.worker.compression import (
+    ActivationSparsifier,
+    CodecAverager,
+    CommStats,
+    OnebitAdam,
+    OnebitLamb,
+    make_comm_hook,
+)
 from services.worker.config import TrainerConfig
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
 from services.worker.models import ModelConfig, pick_device
 from services.worker.pooling import BatchPlan, plan_batch, pool_batch
-from services.worker.sync import SyncStrategy, make_sync
+from services.worker.sync import SyncStrategy
 
 __all__ = ["Trainer"]
 
 Batches = AsyncIterable[Batch] | Iterable[Batch]
+ONEBIT_OPTIMIZERS: dict[str, type[OnebitAdam | OnebitLamb]] = {
+    "onebit_adam": OnebitAdam, "onebit_lamb": OnebitLamb}
 _DONE = object()
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _every_rank_has_a_batch(has_batch: bool) -> bool:
+    """Collective: True while every rank still has a batch (ranks may get uneven counts from a
+    loader; DDP needs all of them to stop at the same step)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 @dataclass(slots=True)
@@ -72,7 +99,11 @@ async def _iterate(batches: Batches) -> AsyncIterator[Batch]:
             yield b
 
 
-def _make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig) -> torch.optim.Optimizer:
+    lr = config.lr
+    if name in ONEBIT_OPTIMIZERS:  # they refuse embedding modules (ConfigError) and sparse grads
+        return ONEBIT_OPTIMIZERS[name](module, lr=lr, freeze_step=config.onebit_freeze_step)
+    params = [p for p in module.parameters() if p.requires_grad]
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     if name == "adagrad":
@@ -122,9 +153,22 @@ class Trainer:
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
         self._forward: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        if sync is not None and (self.config.dense_optimizer in ONEBIT_OPTIMIZERS
+                                 or self.config.dense_codec != "none"):
+            raise ConfigError("dense_codec and the 1-bit optimizers set up the dense all-reduce "
+                              "themselves; do not pass a sync strategy with them")
         self._sync = sync
+        self._dense_stats: CommStats | None = None  # bytes of the dense exchange we set up
+        self._report_loss: Callable[[float], Any] | None = None  # adaquant hook
+        self._activations = (ActivationSparsifier(self.config.activation_keep)
+                             if self.config.activation_keep < 1 else None)
         self.on_step = on_step
         self._connected = False
+        self._loader: LoaderClient | None = None  # acked once a batch's push is acknowledged
+        rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        self.progress = WorkerProgress(rank=rank, world_size=world)
+        self._admin: AdminServer | None = None
+        self.admin_port: int | None = None
         self._unacked = 0
         self.step = 0
         self.losses: list[float] = []          # training loss of every step
@@ -140,6 +184,13 @@ class Trainer:
             self._connected = True
             if self.tables is not None:
                 self._check_tables()
+        if self.config.admin_port is not None and self._admin is None:
+            app = make_worker_admin(self.progress, config=lambda: config_to_dict(self.config),
+                                    ready=lambda: self._connected)
+            port = self.config.admin_port  # ranks on one host: rank r serves port + r
+            port = port + self.progress.rank if port else 0
+            self._admin = AdminServer(app, self.config.admin_host, port)
+            self.admin_port = await self._admin.start()
         return self
 
     def _check_tables(self) -> None:
@@ -150,6 +201,9 @@ class Trainer:
                               f"the PS has {sorted(self.ps.dims)}")
 
     async def close(self) -> None:
+        if self._admin is not None:
+            await self._admin.close()
+            self._admin = None
         if self._connected:
             await self.ps.close()
             self._connected = False
@@ -185,12 +239,40 @@ class Trainer:
             assert isinstance(spec, ModelConfig)
             self.module = spec.build(sparse_dims=dims, num_dense=batch.num_dense)
         self.module.to(self.device)
-        if self._sync is None and dist.is_available() and dist.is_initialized() \
-                and dist.get_world_size() > 1:
-            self._sync = make_sync("allreduce")
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        onebit = self.config.dense_optimizer in ONEBIT_OPTIMIZERS
+        if self._sync is None and distributed and not onebit:
+            self._sync = self._configured_sync()
+        if distributed and onebit:  # no DDP: replicas must start equal
+            for p in self.module.parameters():
+                dist.broadcast(p.data, 0)
         self._forward = self._sync.prepare(self.module) if self._sync else self.module
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self._optimizer = _make_optimizer(self.config.dense_optimizer, params, self.config.lr)
+        self._optimizer = _make_optimizer(self.config.dense_optimizer, self.module, self.config)
+        if onebit:
+            self._dense_stats = getattr(self._optimizer, "stats", None)
+
+    def _configured_sync(self) -> SyncStrategy:
+        """``config.sync`` with ``dense_codec`` as its DDP comm hook (allreduce) or as the
+        averager of the parameters (the parameter-averaging strategies)."""
+        cfg = self.config
+        if cfg.sync == "allreduce":
+            state, hook = make_comm_hook(cfg.dense_codec)
+            self._dense_stats = state.stats
+            self._report_loss = getattr(state, "report_loss", None)
+            return cfg.sync_config().build(comm_hook=(state, hook))
+        averager = CodecAverager(cfg.dense_codec) if cfg.dense_codec != "none" else None
+        if averager is not None:
+            self._dense_stats = averager.stats
+            self._report_loss = averager.report_loss
+        return cfg.sync_config().build(averager=averager)
+
+    def sync_metrics(self) -> dict[str, Any]:
+        """The dense sync strategy's name and stats with the consensus distance (collective
+        with more than one rank: every rank calls it); empty before the model exists."""
+        if self._sync is None:
+            return {}
+        return {"name": self._sync.name, **self._sync.stats.as_dict(),
+                "consensus_distance": self._sync.consensus_distance()}
 
     async def build(self, batch: Batch) -> None:
         """Build the dense model from ``batch`` now, as the first training batch would."""
@@ -218,25 +300,33 @@ class Trainer:
     async def _lookup(self, batch: Batch) -> tuple[BatchPlan, dict[str, np.ndarray]]:
         plan = plan_batch(self._features(batch), table_of=self.tables)
         tables = list(plan.unique)
-        rows = await asyncio.gather(*(self.ps.lookup_unique(t, plan.unique[t]) for t in tables))
+        with self.progress.lookup_seconds.time():
+            rows = await asyncio.gather(*(self.ps.lookup_unique(t, plan.unique[t])
+                                          for t in tables))
         return plan, dict(zip(tables, rows, strict=True))
 
-    async def _push(self, plan: BatchPlan, grads: dict[str, np.ndarray],
+    async def _push(self, batch: Batch, plan: BatchPlan, grads: dict[str, np.ndarray],
                     slots: asyncio.Semaphore | None) -> None:
+        """Push a batch's row gradients; once the PS acknowledged them, ack the batch to the
+        loader (so its source offsets can be committed) and free its slot."""
         try:
-            await asyncio.gather(*(self.ps.push_unique(t, plan.unique[t], g)
-                                   for t, g in grads.items()))
+            with self.progress.push_seconds.time():
+                await asyncio.gather(*(self.ps.push_unique(t, plan.unique[t], g)
+                                       for t, g in grads.items()))
+            if self._loader is not None:
+                await self._loader.ack(batch)
         finally:
             self._unacked -= 1
             if slots is not None:
                 slots.release()
 
-    async def _produce(self, batches: Batches, steps: int | None,
+    async def _produce(self, batches: Batches | LoaderClient, steps: int | None,
                        slots: asyncio.Semaphore | None, queue: asyncio.Queue[Any]) -> None:
         """Look batches up ahead of compute, each after taking a slot."""
         try:
             taken = 0
-            async for batch in _iterate(batches):
+            feed = batches.batches() if isinstance(batches, LoaderClient) else batches
+            async for batch in _iterate(feed):
                 if steps is not None and taken >= steps:
                     break
                 if slots is not None:
@@ -256,8 +346,10 @@ class Trainer:
 
     def _inputs(self, item: _Prepared) -> tuple[Any, torch.Tensor, torch.Tensor]:
         pooled = pool_batch(item.plan, item.rows, mode=self.config.pooling, device=self.device)
-        dense = torch.from_numpy(item.batch.dense).to(self.device)
-        labels = torch.from_numpy(item.batch.labels).to(self.device)
+        if self._activations is not None:  # DCT-MP: gradients reach kept positions only
+            pooled.pooled = self._activations(pooled.pooled)
+        dense = torch.tensor(item.batch.dense).to(self.device)
+        labels = torch.tensor(item.batch.labels).to(self.device)
         return pooled, dense, labels
 
     def _train_step(self, item: _Prepared) -> tuple[float, np.ndarray, dict[str, np.ndarray]]:
@@ -266,6 +358,8 @@ class Trainer:
         self.module.train()
         logits = self._forward(pooled.pooled, dense)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
+        if self._report_loss is not None:
+            self._report_loss(float(loss.item()))
         self._optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self._sync is not None:
@@ -284,10 +378,14 @@ class Trainer:
 
     # ---- public API ----------------------------------------------------------------------
 
-    async def fit(self, batches: Batches, *, steps: int | None = None,
+    async def fit(self, batches: Batches | LoaderClient, *, steps: int | None = None,
                   eval_batches: Callable[[], Batches] | Sequence[Batch] | None = None
                   ) -> dict[str, Any]:
         """Train on ``batches`` (at most ``steps`` of them); returns the summary dict.
+
+        ``batches`` is an iterable, an async iterable or a :class:`LoaderClient`, whose
+        batches are acked to the loader once their push is acknowledged by the PS. With more
+        than one rank, training stops at the step where the first rank runs out of batches.
 
         ``eval_batches`` (a list, or a callable giving a fresh iterable) is evaluated every
         ``eval_every`` steps and at the end; the summary's ``auc``/``logloss`` are then the
@@ -300,6 +398,9 @@ class Trainer:
         slots = asyncio.Semaphore(window) if window is not None else None
         queue: asyncio.Queue[Any] = asyncio.Queue(
             maxsize=0 if window is not None else self.config.prefetch)
+        self._loader = batches if isinstance(batches, LoaderClient) else None
+        distributed = _distributed()
+        self.progress.training()
         producer = asyncio.create_task(self._produce(batches, steps, slots, queue))
         pushes: set[asyncio.Task[None]] = set()
         train_acc = EvalAccumulator()
@@ -308,18 +409,23 @@ class Trainer:
         try:
             while True:
                 item = await queue.get()
-                if item is _DONE:
-                    break
                 if isinstance(item, BaseException):
                     raise item
+                if distributed and not await asyncio.to_thread(_every_rank_has_a_batch,
+                                                               item is not _DONE):
+                    break
+                if item is _DONE:
+                    break
                 await self._ensure_model(item.batch)
                 loss, logits, grads = await asyncio.to_thread(self._train_step, item)
-                task = asyncio.create_task(self._push(item.plan, grads, slots))
+                task = asyncio.create_task(self._push(item.batch, item.plan, grads, slots))
                 pushes.add(task)
                 _prune_pushes(pushes)
                 train_acc.update(item.batch.labels, logits)
                 self.losses.append(loss)
                 self.staleness.append(item.staleness)
+                self.progress.record_step(samples=item.batch.size, loss=loss,
+                                          staleness=item.staleness)
                 self.step += 1
                 samples += item.batch.size
                 if self.on_step is not None:
@@ -334,6 +440,7 @@ class Trainer:
             producer.cancel()
             await asyncio.gather(producer, *pushes, return_exceptions=True)
         seconds = time.perf_counter() - started
+        self.progress.state = "done"
         steps_done = self.step - first_step
         summary: dict[str, Any] = {
             "mode": self.config.mode, "staleness": self.config.staleness,
@@ -354,6 +461,11 @@ class Trainer:
         else:
             summary.update(auc=train.auc, logloss=train.logloss)
         summary["wire_bytes"] = self.ps.wire_bytes()
+        summary["codec_bytes"] = self.ps.codec_stats.as_dict()  # rows/grads payloads per codec
+        summary["dense_bytes"] = self._dense_stats.as_dict() if self._dense_stats else {}
+        summary["activation_bytes"] = (self._activations.stats.as_dict()
+                                       if self._activations is not None else {})
+        summary["sync"] = await asyncio.to_thread(self.sync_metrics)
         summary["history"] = list(self.history)
         return summary
 
@@ -363,6 +475,7 @@ class Trainer:
         result = await self.evaluate(source)
         entry = {"step": self.step, **result}
         self.history.append(entry)
+        self.progress.record_eval(entry)
         return entry
 
     async def evaluate(self, batches: Batches) -> dict[str, float]:
