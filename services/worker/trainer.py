@@ -453,9 +453,12 @@ class Trainer:
         }
         train = gather_accumulator(train_acc).result()
         summary.update(train_auc=train.auc, train_logloss=train.logloss)
+        # the spread of the replicas as trained, then one model: their average
+        summary["sync"] = await asyncio.to_thread(self.sync_metrics)
+        averaged = self._sync is not None and await asyncio.to_thread(self._sync.finish)
         if eval_batches is not None:
             last = (self.history[-1] if self.history and self.history[-1]["step"] == self.step
-                    else await self._evaluate_into_history(eval_batches))
+                    and not averaged else await self._evaluate_into_history(eval_batches))
             summary.update(auc=last["auc"], logloss=last["logloss"],
                            eval_samples=last["samples"])
         else:
@@ -465,7 +468,6 @@ class Trainer:
         summary["dense_bytes"] = self._dense_stats.as_dict() if self._dense_stats else {}
         summary["activation_bytes"] = (self._activations.stats.as_dict()
                                        if self._activations is not None else {})
-        summary["sync"] = await asyncio.to_thread(self.sync_metrics)
         summary["history"] = list(self.history)
         return summary
 

@@ -117,3 +117,7 @@ class AllReduceSync(BaseSync):
 
     def _on_step(self, step: int) -> None:
         self.stats.syncs += 1
+
+    def finish(self) -> bool:
+        """Nothing to do: averaged gradients keep the replicas identical."""
+        return False

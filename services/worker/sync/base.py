@@ -8,9 +8,12 @@ A training step calls the strategy at two points::
         sync.after_backward(step)      # gradient-averaging strategies act here
         optimizer.step()
         sync.after_step(step)          # parameter-averaging strategies act here
+    sync.finish()                      # collective: every replica becomes the global average
     sync.close()                       # collective: every rank calls it
 
-``step`` is the 0-based index of the step just taken; a strategy with period ``every``
+``finish`` ends a run with one model: decentralised and periodic schemes leave replicas
+apart, and (as in their analyses) the model they produce is the average of the replicas.
+Training may go on after it. ``step`` is the 0-based index of the step just taken; a strategy with period ``every``
 acts after steps ``every - 1, 2 * every - 1, ...``. Without a process group, or with one
 rank, every strategy is a no-op. Only parameters with ``requires_grad`` take part (the dense
 network: embeddings live on the PS); they must share one dtype and device.
@@ -79,6 +82,7 @@ class SyncStrategy(Protocol):
     def after_backward(self, step: int) -> None: ...
     def after_step(self, step: int) -> None: ...
     def consensus_distance(self) -> float: ...
+    def finish(self) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -209,6 +213,13 @@ class BaseSync:
     def consensus_distance(self) -> float:
         """How far the replicas are apart (collective over all ranks)."""
         return consensus_distance(self.params) if self.active else 0.0
+
+    def finish(self) -> bool:
+        """Make every replica the global average (collective); True when that ran."""
+        if not (self.active and self.params):
+            return False
+        self._average_params(None, self.world_size)
+        return True
 
     def close(self) -> None:
         """Release what the strategy holds (collective for background strategies)."""

@@ -19,6 +19,7 @@ zero learning rate all replicas converge to their initial mean. Needs ``α·n <=
 
 ``close()`` is collective: ranks keep running rounds (flagged "stopping") until a round in
 which every rank is stopping; its result is applied, so with lr = 0 the replicas end equal.
+``finish()`` does the same, then averages the replicas and starts a new thread.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class ShadowSync(BaseSync):
                               f"centre, got {self.elastic_alpha} * {self.world_size}")
         self._group = dist.new_group(ranks=list(range(self.world_size)),
                                      timeout=timedelta(seconds=self.timeout_s))
+        self._start()
+
+    def _start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="persimmon-shadow-sync",
                                         daemon=True)
         self._thread.start()
@@ -149,12 +153,10 @@ class ShadowSync(BaseSync):
         """1 while a background round is running or waiting to be applied, else 0."""
         return int(self._busy)
 
-    def close(self) -> None:
-        """Finish the background rounds together with every other rank (collective)."""
-        if self._closed or self._thread is None:
-            self._closed = True
-            return
-        self._closed = True
+    def _drain(self) -> None:
+        """Run rounds flagged "stopping" until one where every rank stops (collective), apply
+        it and let the thread end."""
+        assert self._thread is not None
         t0 = time.perf_counter()
         final = False
         while not final:
@@ -165,3 +167,22 @@ class ShadowSync(BaseSync):
             final = self._collect()
         self._thread.join(timeout=self.timeout_s)
         self.stats.blocking_seconds += time.perf_counter() - t0
+
+    def finish(self) -> bool:
+        """Drain the background rounds, average every replica, restart the thread."""
+        if self._closed:
+            raise Internal("shadow: finish() called after close()")
+        if self._thread is None:
+            return False
+        self._drain()
+        super().finish()
+        self._start()
+        return True
+
+    def close(self) -> None:
+        """Finish the background rounds together with every other rank (collective)."""
+        if self._closed or self._thread is None:
+            self._closed = True
+            return
+        self._closed = True
+        self._drain()
