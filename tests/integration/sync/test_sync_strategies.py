@@ -103,6 +103,23 @@ def run_shadow(rank: int, syncs: int, **params: Any) -> dict[str, float]:
             "consensus": sync.consensus_distance(), "syncs": sync.stats.syncs}
 
 
+def run_finish(name: str, **params: Any) -> dict[str, Any]:
+    """Replicas apart, one step, then finish(): one model, the global mean; then go on."""
+    sync = make_sync(name, **params)
+    sync.prepare(tiny_model())
+    perturb(sync.params, dist.get_rank())
+    mean0 = global_mean(sync.params)
+    sync.after_step(0)
+    ran = sync.finish()
+    out = {"ran": ran, "consensus": sync.consensus_distance(),
+           "to_mean0": float((flatten(sync.params).double() - mean0).abs().max()),
+           "scale": float(mean0.abs().max())}
+    sync.after_step(1)                      # training may go on after finish
+    sync.close()
+    out["steps"] = sync.stats.steps
+    return out
+
+
 def config_error_at_prepare(name: str, **params: Any) -> str:
     try:
         make_sync(name, **params).prepare(tiny_model())
@@ -129,10 +146,14 @@ def four_rank_checks(rank: int, world: int) -> dict[str, Any]:
         "flat": train_and_compare(rank, world, use_ddp=False),
         "shadow": run_shadow(rank, 3),
         "shadow_elastic": run_shadow(rank, 80, elastic_alpha=0.25),
+        **{f"finish_{name}": run_finish(name) for name in FINISHING},
         "err_group": config_error_at_prepare("ds_sync", group_size=3),
         "err_alpha": config_error_at_prepare("shadow", elastic_alpha=0.5),
         "auc_all": (everyone.count, everyone.result().auc, *everyone.arrays()),
     }
+
+
+FINISHING = ("ds_sync", "local_sgd", "gossip", "shadow")
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +230,16 @@ def test_shadow_with_lr_zero_brings_replicas_to_their_initial_mean(
         assert r["syncs"] >= (3 if check == "shadow" else 80)
         assert r["to_mean0"] < 1e-4
         assert r["consensus"] < 1e-4
+
+
+@pytest.mark.parametrize("name", FINISHING)
+def test_finish_gives_every_replica_the_global_mean(four: list[dict[str, Any]],
+                                                   name: str) -> None:
+    for rank_result in four:
+        r = rank_result[f"finish_{name}"]
+        assert r["ran"] and r["steps"] == 2
+        assert r["consensus"] < 1e-5
+        assert r["to_mean0"] < TOL * max(r["scale"], 1.0)
 
 
 def test_bad_group_settings_fail_at_prepare_on_every_rank(four: list[dict[str, Any]]) -> None:

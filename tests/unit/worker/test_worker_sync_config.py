@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import numpy as np
 import pytest
 import torch
 
-from services.common.config import from_dict
+from services.common.config import add_flags, flag_values, from_dict, load_config
 from services.common.errors import ConfigError
+from services.worker.config import TrainerConfig
 from services.worker.distributed import init_distributed
 from services.worker.sync import (
     STRATEGIES,
+    DSSync,
+    GossipSync,
     SyncConfig,
     SyncStrategy,
     ds_rounds,
@@ -134,6 +138,7 @@ def test_single_process_strategies_are_no_ops(name: str) -> None:
         strategy.after_backward(step)
         strategy.after_step(step)
     assert strategy.consensus_distance() == 0.0
+    assert strategy.finish() is False
     strategy.close()
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, b)
@@ -155,3 +160,46 @@ def test_init_distributed_single_process_and_bad_env() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs CUDA"):
             init_distributed(backend="nccl", environ={})
+
+
+def test_trainer_config_chooses_the_strategy() -> None:
+    cfg = TrainerConfig(sync="ds_sync", sync_group_size=4, sync_period=2,
+                        sync_schedule="permutation")
+    strategy = cfg.sync_config().build()
+    assert isinstance(strategy, DSSync)
+    assert (strategy.group_size, strategy.every, strategy.schedule) == (4, 2, "permutation")
+    assert TrainerConfig().sync_config().build().name == "allreduce"
+    gossip = TrainerConfig(sync="gossip", gossip_topology="exp").sync_config().build()
+    assert isinstance(gossip, GossipSync) and gossip.topology == "exp"
+    # parameter averaging composes with a codec (the CodecAverager), not with a DDP-only hook
+    assert TrainerConfig(sync="shadow", dense_codec="qsgd").sync == "shadow"
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"sync": "allgather"}, "unknown sync strategy"),
+    ({"sync": "local_sgd", "sync_period": 0}, "every must be >= 1"),
+    ({"sync": "ds_sync", "sync_group_size": 1}, "group_size"),
+    ({"sync": "ds_sync", "sync_schedule": "spiral"}, "schedule"),
+    ({"sync": "gossip", "gossip_topology": "star"}, "topology"),
+    ({"sync": "shadow", "sync_elastic_alpha": 2.0}, "elastic_alpha"),
+    ({"sync": "local_sgd", "dense_optimizer": "onebit_adam"}, "needs sync 'allreduce'"),
+    ({"sync": "gossip", "dense_codec": "fp16"}, "uncompressed"),
+    ({"sync": "shadow", "dense_codec": "powersgd"}, "averages parameters through a codec"),
+])
+def test_bad_sync_settings_are_config_errors(settings: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        TrainerConfig(**settings)
+
+
+def test_sync_flags_and_env_reach_the_trainer_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, TrainerConfig)
+    args = parser.parse_args(["--sync", "gossip", "--gossip-topology", "onepeer_exp",
+                              "--sync-period", "3"])
+    cfg = load_config(TrainerConfig, flags=flag_values(TrainerConfig, args), environ={})
+    assert (cfg.sync, cfg.gossip_topology, cfg.sync_period) == ("gossip", "onepeer_exp", 3)
+    env = {"PERSIMMON_WORKER_SYNC": "shadow", "PERSIMMON_WORKER_SYNC_ELASTIC_ALPHA": "0.25"}
+    cfg = load_config(TrainerConfig, env_prefix="PERSIMMON_WORKER_", environ=env)
+    assert (cfg.sync, cfg.sync_elastic_alpha) == ("shadow", 0.25)
+    with pytest.raises(ConfigError, match="unknown sync strategy"):
+        load_config(TrainerConfig, flags={"sync": "nope"}, environ={})
