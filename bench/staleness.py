@@ -1,0 +1,152 @@
+"""``persimmon bench staleness``: embedding staleness S against throughput and AUC, one run.
+
+The same gloo workers (forked once) train a DLRM on the same planted batches against PS shard
+processes (:class:`services.demo.LocalPS`), once per staleness bound, on fresh tables each
+time: S = 0 is ``mode="sync"`` (the baseline: each lookup waits for every earlier push),
+S = 1, 2, ..., 32 is ``mode="hybrid"`` with ``staleness=S`` and "unbounded" is
+``mode="async"`` (lookups run ``prefetch`` batches ahead, pushes are never waited for).
+Dense gradients are all-reduced every step in every run, so only the embedding staleness
+changes. It reports samples/s (all workers), held-out AUC, the AUC gap to S = 0 and the
+largest staleness a lookup really saw, and plots throughput and AUC against S.
+
+``--data small`` (the default) is the planted data of :mod:`bench.sync`: a few dozen ids per
+feature, so every batch reads and writes the same hot rows, the worst case for staleness.
+``--data default`` is ``SyntheticConfig()``: long-tailed vocabularies whose rare rows are
+seldom in flight twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from dataclasses import replace
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.sync import PLANTED, TRAINING, train_configs
+from services.loader.synthetic import SyntheticConfig
+from services.worker.config import TrainerConfig
+
+__all__ = ["STALENESS", "register_bench", "run", "staleness_config"]
+
+console = Console(stderr=True)
+STALENESS: tuple[int | None, ...] = (0, 1, 2, 4, 8, 16, 32, None)   # None: unbounded
+DATA = {"small": PLANTED, "default": SyntheticConfig(seed=0)}
+_ASYNC_PREFETCH = 64
+
+
+def staleness_config(s: int | None, base: TrainerConfig = TRAINING) -> TrainerConfig:
+    """S = 0: sync mode; S >= 1: hybrid with bound S; None: async (unbounded)."""
+    base = replace(base, sync="allreduce")
+    if s is None:
+        return replace(base, mode="async", prefetch=_ASYNC_PREFETCH)
+    if s == 0:
+        return replace(base, mode="sync", staleness=0)
+    return replace(base, mode="hybrid", staleness=s)
+
+
+def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
+        workers: int = 4, data: str = "small",
+        staleness: tuple[int | None, ...] = STALENESS) -> dict[str, Any]:
+    """Every bound on the same data; the JSON-ready result (see the module docstring)."""
+    if data not in DATA:
+        raise SystemExit(f"unknown data {data!r}; available: {sorted(DATA)}")
+    configs = [staleness_config(s) for s in staleness]
+    summaries, oracle = train_configs(configs, rows=rows, batch_size=batch_size,
+                                      eval_rows=eval_rows, workers=workers, data=DATA[data])
+    base_auc = next((x["auc"] for s, x in zip(staleness, summaries, strict=True) if s == 0),
+                    None)
+    runs = [{"staleness": s, "mode": x["mode"], "samples_per_s": x["samples_per_s"],
+             "auc": x["auc"], "auc_gap": (base_auc - x["auc"]) if base_auc is not None else None,
+             "staleness_max": x["staleness_max"], "staleness_mean": x["staleness_mean"]}
+            for s, x in zip(staleness, summaries, strict=True)]
+    return {"workers": workers, "rows": rows, "batch_size": batch_size, "data": data,
+            "oracle_auc": oracle, "runs": runs}
+
+
+def _label(s: int | None) -> str:
+    return "unbounded" if s is None else str(s)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """samples/s and held-out AUC against S (evenly spaced, unbounded last)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    xs = list(range(len(runs)))
+    labels = [_label(r["staleness"]) for r in runs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(xs, [r["samples_per_s"] for r in runs], marker="o")
+    ax1.set(title="throughput", xlabel="embedding staleness S", ylabel="samples/s (all workers)")
+    ax2.plot(xs, [r["auc"] for r in runs], marker="o", label="held-out AUC")
+    ax2.axhline(result["oracle_auc"], color="gray", linestyle="--", label="oracle AUC")
+    ax2.set(title="final AUC", xlabel="embedding staleness S", ylabel="AUC")
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.set_xticks(xs, labels)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"persimmon bench staleness ({result['workers']} gloo workers, "
+                        f"{result['rows']:,} rows of '{result['data']}' planted data, "
+                        f"oracle AUC {result['oracle_auc']:.4f})")
+    for col in ("S", "mode", "samples/s", "vs S=0", "AUC", "gap to S=0", "max staleness seen"):
+        table.add_column(col, justify="right")
+    base = next((r for r in result["runs"] if r["staleness"] == 0), None)
+    for r in result["runs"]:
+        ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
+        gap = f"{r['auc_gap']:+.4f}" if r["auc_gap"] is not None else "-"
+        table.add_row(_label(r["staleness"]), r["mode"], f"{r['samples_per_s']:,.0f}", ratio,
+                      f"{r['auc']:.4f}", gap, str(r["staleness_max"]))
+    Console().print(table)
+
+
+def _staleness_list(text: str) -> tuple[int | None, ...]:
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part in ("unbounded", "inf", "async"):
+            out.append(None)
+        elif part.isdigit():
+            out.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"bad staleness {part!r}: an int >= 0 or 'unbounded'")
+    return tuple(out)
+
+
+def _main(args: argparse.Namespace) -> int:
+    result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
+                 workers=args.workers, data=args.data, staleness=args.staleness)
+    _print_table(result)
+    png = args.plot or os.path.join(tempfile.gettempdir(), "persimmon-bench-staleness.png")
+    plot(result, png)
+    console.print(f"samples/s and AUC against S: {png}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def register_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("staleness", help="embedding staleness S: throughput, AUC")
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--plot", help="PNG path (default: in the temp dir)")
+    parser.add_argument("--rows", type=int, default=65_536, help="planted training rows")
+    parser.add_argument("--eval-rows", type=int, default=16_384, help="held-out rows")
+    parser.add_argument("--batch-size", type=int, default=128, help="rows per worker step")
+    parser.add_argument("--workers", type=int, default=4, help="gloo worker processes")
+    parser.add_argument("--data", default="small", choices=sorted(DATA),
+                        help="planted data: small (hot rows) or default (long tail)")
+    parser.add_argument("--staleness", type=_staleness_list,
+                        default=STALENESS, help="comma-separated S values ('unbounded' too)")
+    parser.set_defaults(func=_main)

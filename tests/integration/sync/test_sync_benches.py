@@ -1,0 +1,61 @@
+"""Smoke runs of ``persimmon bench sync`` and ``persimmon bench staleness`` at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.staleness import STALENESS, _staleness_list, staleness_config
+from services.cli import main
+from services.worker.sync import STRATEGIES
+
+TINY = ["--rows", "2048", "--eval-rows", "2048", "--batch-size", "128", "--workers", "2"]
+
+
+def bench(tmp_path: Path, target: str, *extra: str) -> dict[str, Any]:
+    """``persimmon bench <target>`` in this process (its workers are forked from here)."""
+    out, png = tmp_path / f"{target}.json", tmp_path / f"{target}.png"
+    assert main(["--log-level", "WARNING", "bench", target, *TINY, *extra,
+                 "--json", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_bench_sync_reports_every_strategy(tmp_path: Path) -> None:
+    result = bench(tmp_path, "sync")
+    assert finite(result["oracle_auc"]) and 0.5 < result["oracle_auc"] < 1
+    assert [s["name"] for s in result["strategies"]] == list(STRATEGIES)
+    for s in result["strategies"]:
+        assert all(finite(s[k]) for k in ("samples_per_s", "bytes_per_step", "auc")), s
+        assert s["samples_per_s"] > 0 and s["bytes_per_step"] > 0 and 0 < s["auc"] < 1
+
+
+def test_bench_staleness_reports_every_bound(tmp_path: Path) -> None:
+    result = bench(tmp_path, "staleness", "--staleness", "0,2,unbounded")
+    assert finite(result["oracle_auc"])
+    runs = result["runs"]
+    assert [r["staleness"] for r in runs] == [0, 2, None]
+    assert [r["mode"] for r in runs] == ["sync", "hybrid", "async"]
+    for r in runs:
+        assert finite(r["samples_per_s"]) and r["samples_per_s"] > 0
+        assert finite(r["auc"]) and 0 < r["auc"] < 1
+    assert runs[0]["auc_gap"] == 0.0 and runs[0]["staleness_max"] == 0
+    assert runs[1]["staleness_max"] <= 2
+
+
+def test_staleness_bounds_map_to_trainer_modes() -> None:
+    assert STALENESS == (0, 1, 2, 4, 8, 16, 32, None)
+    assert (staleness_config(0).mode, staleness_config(0).window) == ("sync", 1)
+    assert (staleness_config(16).mode, staleness_config(16).window) == ("hybrid", 16)
+    assert staleness_config(None).mode == "async" and staleness_config(None).window is None
+    assert _staleness_list("0, 4,unbounded") == (0, 4, None)
+    with pytest.raises(Exception, match="bad staleness '-1'"):
+        _staleness_list("-1")
