@@ -45,7 +45,8 @@ class MultiplexedStream:
         self.retry_s = retry_s
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        # rid -> (future, the call it was written on): a call's end fails only its own
+        self._pending: dict[int, tuple[asyncio.Future[dict[str, Any]], Any]] = {}
         self._rids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self.bytes_out = 0
@@ -77,11 +78,11 @@ class MultiplexedStream:
     async def _request_once(self, body: dict[str, Any]) -> dict[str, Any]:
         rid = next(self._rids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = future
         raw = encode_message({**body, "rid": rid})
         try:
             async with self._write_lock:
                 call = self._ensure_open()
+                self._pending[rid] = (future, call)
                 await call.write(raw)
             self.bytes_out += len(raw)
             response = await future
@@ -115,9 +116,9 @@ class MultiplexedStream:
                     break
                 self.bytes_in += len(raw)
                 body = decode_message(raw)
-                future = self._pending.get(body.get("rid"))
-                if future is not None and not future.done():
-                    future.set_result(body)
+                entry = self._pending.get(body.get("rid"))
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(body)
         except grpc.aio.AioRpcError as exc:
             error = error_from_grpc(exc.code(), exc.details() or "")
         except PersimmonError as exc:
@@ -128,8 +129,8 @@ class MultiplexedStream:
         finally:
             if self._call is call:
                 self._call = None
-            for future in list(self._pending.values()):
-                if not future.done():
+            for future, on in list(self._pending.values()):
+                if on is call and not future.done():
                     future.set_exception(error or Unavailable(f"{self._method} stream failed"))
 
     async def close(self) -> None:

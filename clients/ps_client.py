@@ -134,7 +134,8 @@ class _ShardConnection:
     async def reconnect(self, failed: grpc.aio.Channel) -> grpc.aio.Channel:
         """A fresh channel to this shard's (re-resolved) address, once per failed channel."""
         async with self._reconnecting:
-            if failed is self.channel:
+            ready = failed.get_state() == grpc.ChannelConnectivity.READY
+            if failed is self.channel and not ready:  # a READY channel is kept: no cascade
                 await self.client.resolve()
                 self.address = self.client.addresses[self.index]
                 self.channel = self._open()
