@@ -25,7 +25,9 @@ from rich.progress import Progress, TextColumn
 from rich.table import Table
 
 from services.cluster.supervise import Supervisor
+from services.common.config import add_flags, flag_values, load_config
 from services.processes import free_port, stop_processes, wait_ready
+from services.worker.config import SYNC_FIELDS, TrainerConfig
 
 __all__ = ["LocalPS", "register_cli"]
 
@@ -158,14 +160,13 @@ def _progress(url: str, total_steps: int, done: threading.Event) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from services.launch import train_on_local_cluster
-    from services.worker.config import TrainerConfig
     from services.worker.models import ModelConfig
 
     total_steps = args.rows // args.batch_size // args.workers
     admin_port = _free_port_pair()
-    config = TrainerConfig(mode=args.mode, staleness=args.staleness, seed=args.seed,
-                           lr=args.lr, pooling="mean", admin_port=admin_port,
-                           eval_every=max(1, total_steps // 4))
+    config = load_config(TrainerConfig, flags={  # --mode, --staleness, --lr, --seed, --sync*
+        **flag_values(TrainerConfig, args), "pooling": "mean", "admin_port": admin_port,
+        "eval_every": max(1, total_steps // 4)})
     console.print(f"[bold]persimmon demo[/]: a loader, {args.shards} PS shards and "
                   f"{args.workers} workers (gloo) train a DLRM on {args.rows:,} planted rows, "
                   f"mode {args.mode}" + (f" S={args.staleness}" if args.mode == "hybrid" else ""))
@@ -220,4 +221,5 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", help="PNG of the loss and AUC curves (default demo.png)")
     parser.add_argument("--summary-json", help="write the summary to this JSON file")
+    add_flags(parser, TrainerConfig, only=SYNC_FIELDS)
     parser.set_defaults(func=_run)

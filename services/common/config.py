@@ -13,7 +13,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -112,10 +112,14 @@ def _env_values(cls: type, prefix: str, environ: Mapping[str, str]) -> dict[str,
     return out
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one ``--flag`` per scalar or list field of ``cls`` (default None: not given)."""
+def add_flags(parser: argparse.ArgumentParser, cls: type, *,
+              only: Collection[str] | None = None) -> None:
+    """Add one ``--flag`` per scalar or list field of ``cls`` (default None: not given);
+    ``only`` limits them to those fields."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         tp, _ = _unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(tp) or (
             typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0])

@@ -14,10 +14,13 @@ from services.worker.compression import HOOK_NAMES
 from services.worker.pooling import POOLING_MODES
 from services.worker.sync import STRATEGIES, SyncConfig
 
-__all__ = ["DENSE_OPTIMIZERS", "MODES", "TrainerConfig", "ps_table_configs"]
+__all__ = ["DENSE_OPTIMIZERS", "MODES", "SYNC_FIELDS", "TrainerConfig", "ps_table_configs"]
 
 MODES = ("sync", "hybrid", "async")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd", "onebit_adam", "onebit_lamb")
+# the fields that choose the dense sync strategy (``--sync`` and its parameters)
+SYNC_FIELDS = ("sync", "sync_period", "sync_group_size", "sync_schedule", "sync_elastic_alpha",
+               "gossip_topology")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.cli import build_parser
 from services.common.config import add_flags, flag_values, from_dict, load_config
 from services.common.errors import ConfigError
 from services.worker.config import TrainerConfig
@@ -203,3 +204,12 @@ def test_sync_flags_and_env_reach_the_trainer_config() -> None:
     assert (cfg.sync, cfg.sync_elastic_alpha) == ("shadow", 0.25)
     with pytest.raises(ConfigError, match="unknown sync strategy"):
         load_config(TrainerConfig, flags={"sync": "nope"}, environ={})
+
+
+@pytest.mark.parametrize("command", ["train", "worker", "demo"])
+def test_persimmon_commands_take_the_sync_flags(command: str) -> None:
+    args = build_parser().parse_args([command, "--sync", "ds_sync", "--sync-group-size", "4",
+                                      "--sync-period", "2", "--sync-schedule", "permutation"])
+    cfg = load_config(TrainerConfig, flags=flag_values(TrainerConfig, args), environ={})
+    assert cfg.sync_config().params() == {"group_size": 4, "schedule": "permutation",
+                                          "every": 2, "period": 8, "seed": 0}
