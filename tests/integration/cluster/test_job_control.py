@@ -1,0 +1,89 @@
+"""Job checkpoints while training (real PS shards, a real Trainer, real REST, a real SIGTERM):
+periodic every N steps, one requested over REST, a final one at SIGTERM; then a whole-job
+resume from the newest complete checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import torch
+
+from services.cluster.checkpoints import JobCheckpointer
+from services.cluster.job import JobControl, fit_with_checkpoints, resume_state
+from services.common.jobs import list_job_checkpoints
+from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.ps.config import PSConfig
+from services.ps.service import PSService
+from services.ps.tables import TableConfig
+from services.worker.trainer import Trainer
+from tests.conftest import free_port
+
+FEATURES = SyntheticConfig().sparse_names
+
+
+async def test_periodic_rest_and_sigterm_checkpoints_then_resume(tmp_path) -> None:
+    root = tmp_path / "ckpt"
+    shards = [PSService(PSConfig(shard_id=k, num_shards=2, grpc_port=0, admin_port=0,
+                                 checkpoint_dir=str(root),
+                                 tables=[TableConfig(name=f, dim=4) for f in FEATURES]))
+              for k in range(2)]
+    for s in shards:
+        await s.start()
+    batches = list(SyntheticDataset(SyntheticConfig()).batches(64, 64 * 40, "train"))
+    admin_port = free_port()
+    try:
+        trainer = Trainer(model="dlrm", ps_addresses=[s.address for s in shards],
+                          mode="sync", seed=3)
+        checkpointer = JobCheckpointer(root, admin_urls=[s.admin_url for s in shards],
+                                       every_steps=5)
+        control = JobControl(checkpointer, trainer.dense_state)
+
+        async def operator() -> None:
+            while control.step < 7:
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{admin_port}",
+                                         timeout=60) as http:
+                created = await http.post("/v1/job/checkpoints")
+                assert created.status_code == 201, created.text
+                listed = (await http.get("/v1/job/checkpoints")).json()
+            assert created.json()["checkpoint_id"] in [m["checkpoint_id"] for m in listed]
+            while control.step < 12:
+                await asyncio.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)   # handled: stop at the next step
+
+        async with trainer:
+            task = asyncio.create_task(operator())
+            summary, final = await fit_with_checkpoints(
+                trainer, batches, control, admin_port=admin_port, host="127.0.0.1")
+            await task
+            expected = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+
+        assert summary is None                       # stopped, not finished
+        assert 12 <= final["step"] < len(batches)
+        steps = [m["step"] for m in list_job_checkpoints(root)]
+        assert steps[0] == 5 and steps[-1] == final["step"] and len(steps) >= 3
+        assert steps == sorted(set(steps))
+        assert all(b - a <= 5 for a, b in zip(steps, steps[1:], strict=False))  # periodic
+
+        state = resume_state(root)
+        assert state["step"] == final["step"]
+        resumed = Trainer(model="dlrm", ps_addresses=[s.address for s in shards], mode="sync",
+                          seed=99)                   # another init: the state must replace it
+        async with resumed:
+            await resumed.build(batches[0])
+            resumed.load_dense_state(state)
+            assert resumed.step == final["step"]
+            for name, value in resumed.module.state_dict().items():
+                torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+            await resumed.fit(batches[resumed.step:resumed.step + 2])
+            assert resumed.step == final["step"] + 2
+    finally:
+        for s in shards:
+            await s.close()
+
+
+async def test_nothing_to_resume(tmp_path) -> None:
+    assert resume_state(tmp_path) is None
