@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import urllib.request
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -157,13 +158,15 @@ def _run_worker(args: argparse.Namespace) -> int:
     if not args.ps and not config.registry:
         raise ConfigError("give --ps (PS shard addresses in shard order) or --registry")
     train_spec, eval_spec = _data_specs(args)
+    if args.checkpoint_dir and not (args.ps_admin or config.registry):
+        raise ConfigError("--checkpoint-dir needs --ps-admin (PS admin URLs) or --registry")
     if args.check_config:
         return 0
     info = init_distributed()  # a process group when torchrun (or compose) set WORLD_SIZE
     rank, world = info.rank, info.world_size
     addresses = args.ps.split(",") if args.ps else []
 
-    async def main() -> dict[str, Any]:
+    async def main() -> dict[str, Any] | None:
         if args.loader:
             tables = None  # every sparse feature of the batches, table named like it
             test = await read_loader(args.eval_loader, rank, world) if args.eval_loader else None
@@ -173,17 +176,63 @@ def _run_worker(args: argparse.Namespace) -> int:
         async with Trainer(model=ModelConfig(name=args.model), ps_addresses=addresses,
                            tables=tables, config=config) as trainer:
             if not args.loader:
-                return await trainer.fit(train, eval_batches=test)
+                skip = await _resume(trainer, args, train[0]) if train else 0
+                return await _fit(trainer, train[skip:], test, args, config.registry, rank)
             credits = (config.window or config.prefetch) + 2
             async with LoaderClient(args.loader, rank=rank, world_size=world,
                                     credits=credits) as loader:
-                return await trainer.fit(loader, eval_batches=test)
+                return await _fit(trainer, loader, test, args, config.registry, rank)
 
     summary = asyncio.run(main())
+    if summary is None:
+        return 0  # stopped by SIGTERM after a final job checkpoint
     oracle = None if args.loader else _oracle(train_spec, eval_spec, args.data_seed)
     if oracle is not None:
         summary.update(oracle_auc=oracle["auc"], oracle_logloss=oracle["logloss"])
     return _finish(summary, args.summary_json)
+
+
+async def _resume(trainer: Any, args: argparse.Namespace, first: Any) -> int:
+    """With ``--resume``: load the newest complete job checkpoint's dense state; returns the
+    number of this rank's batches it already covered."""
+    if not (args.resume and args.checkpoint_dir):
+        return 0
+    from services.cluster.job import resume_state
+
+    state = resume_state(args.checkpoint_dir)
+    if state is None:
+        return 0
+    await trainer.build(first)
+    trainer.load_dense_state(state)
+    logging.getLogger("persimmon.worker").info("resumed at step %d", trainer.step)
+    return int(state["step"])
+
+
+async def _fit(trainer: Any, batches: Any, test: Any, args: argparse.Namespace,
+               registry_url: str | None, rank: int) -> dict[str, Any] | None:
+    """``trainer.fit``; on rank 0 with ``--checkpoint-dir``, under job checkpoints (periodic,
+    REST on ``--job-admin-port``, SIGTERM). None when stopped by SIGTERM."""
+    if not args.checkpoint_dir or rank != 0:
+        return await trainer.fit(batches, eval_batches=test)
+    from services.cluster.checkpoints import JobCheckpointer
+    from services.cluster.job import JobControl, fit_with_checkpoints
+    from services.common.registry import open_registry
+
+    registry = open_registry(registry_url) if registry_url else None
+    checkpointer = JobCheckpointer(
+        args.checkpoint_dir, admin_urls=args.ps_admin.split(",") if args.ps_admin else None,
+        registry=registry, every_steps=args.checkpoint_every_steps,
+        every_s=args.checkpoint_every_s)
+    try:
+        summary, manifest = await fit_with_checkpoints(
+            trainer, batches, JobControl(checkpointer, trainer.dense_state), eval_batches=test,
+            admin_port=args.job_admin_port)
+    finally:
+        if registry is not None:
+            await registry.close()
+    print(json.dumps({"job_checkpoint": manifest and manifest["checkpoint_id"],
+                      "step": manifest and manifest["step"]}))
+    return summary
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -227,6 +276,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument("--loader", help="host:port of the loader streaming training batches "
                         "(default: planted data generated in this process)")
     worker.add_argument("--eval-loader", help="host:port of a loader of held-out batches")
+    job = worker.add_argument_group("job checkpoints (rank 0)")
+    job.add_argument("--checkpoint-dir", help="job checkpoints go here (the PS shards' dir)")
+    job.add_argument("--checkpoint-every-steps", type=int, default=0, help="0: never")
+    job.add_argument("--checkpoint-every-s", type=float, default=0.0, help="0: never")
+    job.add_argument("--ps-admin", help="PS admin URLs http://host:port,... (or --registry)")
+    job.add_argument("--job-admin-port", type=int, default=None,
+                     help="serve POST/GET /v1/job/checkpoints on this port")
+    job.add_argument("--resume", action="store_true",
+                     help="start from the newest complete job checkpoint's dense state")
     worker.add_argument("--table-prefix", default="", help="PS table = prefix + feature "
                         "(in-memory planted data)")
     worker.set_defaults(func=_run_worker)
