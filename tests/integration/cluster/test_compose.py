@@ -75,9 +75,9 @@ def test_topology(model: dict[str, Any]) -> None:
         deps = services[name]["depends_on"]
         assert {k: v["condition"] for k, v in deps.items()} == {
             "ps-0": "service_healthy", "ps-1": "service_healthy", "loader": "service_healthy"}
-    published = sorted(p["published"] for n in ("ps-0", "ps-1", "loader")
+    published = sorted(p["published"] for n in ("ps-0", "ps-1", "loader", "worker-0")
                        for p in services[n]["ports"])
-    assert published == ["8081", "8082", "8091"]
+    assert published == ["8071", "8081", "8082", "8091"]
 
 
 def test_every_service_command_is_a_valid_persimmon_invocation(model: dict[str, Any]) -> None:
