@@ -108,7 +108,7 @@ def _print_table(result: dict[str, Any]) -> None:
         gap = f"{r['auc_gap']:+.4f}" if r["auc_gap"] is not None else "-"
         table.add_row(_label(r["staleness"]), r["mode"], f"{r['samples_per_s']:,.0f}", ratio,
                       f"{r['auc']:.4f}", gap, str(r["staleness_max"]))
-    Console().print(table)
+    Console(width=150).print(table)
 
 
 def _staleness_list(text: str) -> tuple[int | None, ...]:

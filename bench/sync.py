@@ -159,7 +159,7 @@ def _print_table(result: dict[str, Any]) -> None:
     table = Table(title=f"persimmon bench sync ({result['workers']} gloo workers, "
                         f"{result['rows']:,} rows, oracle AUC {result['oracle_auc']:.4f})")
     for col in ("strategy", "samples/s", "vs allreduce", "dense bytes/step", "AUC",
-                "gap to oracle", "consensus dist.", "blocking ms/step"):
+                "gap to oracle", "consensus dist.", "sync ms/step", "blocking ms/step"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     base = next((s for s in result["strategies"] if s["name"] == "allreduce"), None)
     for s in result["strategies"]:
@@ -168,8 +168,12 @@ def _print_table(result: dict[str, Any]) -> None:
                       f"{s['bytes_per_step']:,.0f}", f"{s['auc']:.4f}",
                       f"{result['oracle_auc'] - s['auc']:+.4f}",
                       f"{s['consensus_distance']:.2e}",
+                      f"{1000 * s['sync_time_per_step']:.2f}",
                       f"{1000 * s['blocking_time_per_step']:.2f}")
-    Console().print(table)
+    Console(width=150).print(table)
+    console.print("sync ms/step: time in communication (shadow: on its background thread); "
+                  "blocking ms/step: the training thread inside the strategy after backward "
+                  "and after the optimizer step (DDP's all-reduce waits inside backward).")
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from sklearn.metrics import roc_auc_score
 
 from services.common.errors import ConfigError
+from services.worker.compression import CodecAverager
 from services.worker.distributed import run_local_ranks
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
 from services.worker.sync import make_sync
@@ -103,6 +104,14 @@ def run_shadow(rank: int, syncs: int, **params: Any) -> dict[str, float]:
             "consensus": sync.consensus_distance(), "syncs": sync.stats.syncs}
 
 
+def run_with_codec(codec: str) -> dict[str, Any]:
+    """DS-Sync whose group averages go through a codec (the compression slot)."""
+    averager = CodecAverager(codec)
+    out = run_averaging("ds_sync", 2, group_size=2, averager=averager)
+    out["codec_wire_bytes"] = averager.wire_bytes
+    return out
+
+
 def run_finish(name: str, **params: Any) -> dict[str, Any]:
     """Replicas apart, one step, then finish(): one model, the global mean; then go on."""
     sync = make_sync(name, **params)
@@ -147,6 +156,7 @@ def four_rank_checks(rank: int, world: int) -> dict[str, Any]:
         "shadow": run_shadow(rank, 3),
         "shadow_elastic": run_shadow(rank, 80, elastic_alpha=0.25),
         **{f"finish_{name}": run_finish(name) for name in FINISHING},
+        "ds_fp16": run_with_codec("fp16"),
         "err_group": config_error_at_prepare("ds_sync", group_size=3),
         "err_alpha": config_error_at_prepare("shadow", elastic_alpha=0.5),
         "auc_all": (everyone.count, everyone.result().auc, *everyone.arrays()),
@@ -230,6 +240,14 @@ def test_shadow_with_lr_zero_brings_replicas_to_their_initial_mean(
         assert r["syncs"] >= (3 if check == "shadow" else 80)
         assert r["to_mean0"] < 1e-4
         assert r["consensus"] < 1e-4
+
+
+def test_ds_sync_composes_with_a_codec(four: list[dict[str, Any]]) -> None:
+    for rank_result in four:
+        r = rank_result["ds_fp16"]
+        assert r["stats"]["bytes_sent"] == r["codec_wire_bytes"] > 0   # the codec's bytes
+        assert r["dists"][-1] < 1e-2 * r["dists"][0]                   # mixed, up to fp16
+        assert max(r["mean_drift"]) <= 1e-2 * max(r["scale"], 1.0)
 
 
 @pytest.mark.parametrize("name", FINISHING)
