@@ -136,6 +136,8 @@ async def _measure(pid: int, addresses: list[str], *, seconds: float, clients: i
                                   seed=3000 + len(phases) * clients))
         samples.append(rss_mb(pid))
         done += chunk
+        console.log(f"{done:.0f} s: {phases[-1]['ops_per_s']:,.0f} ops/s, PS RSS "
+                    f"{samples[-1]:.1f} MiB ({samples[-1] - rss_start:+.1f})")
     load = _merge(phases)
     return {"ops_per_s": load["ops_per_s"], "p50_ms": load["p50_ms"], "p99_ms": load["p99_ms"],
             "rss_growth_mb": samples[-1] - rss_start, "rss_after_warmup_mb": rss_start,
