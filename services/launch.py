@@ -109,7 +109,7 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                        if eval_data else None)
         features = _sparse_features(loader.admin_url)
         tables = ps_table_configs({f: dim for f in features}, lr=ps_lr)
-        cluster = stack.enter_context(LocalPS(shards, tables))
+        cluster = stack.enter_context(LocalPS(shards, tables, registry=config.registry))
         if on_cluster is not None:
             on_cluster(cluster, [str(t["name"]) for t in tables])
         summary = run_local_training(
@@ -214,14 +214,17 @@ async def _fit(trainer: Any, batches: Any, test: Any, args: argparse.Namespace,
     REST on ``--job-admin-port``, SIGTERM). None when stopped by SIGTERM."""
     if not args.checkpoint_dir or rank != 0:
         return await trainer.fit(batches, eval_batches=test)
-    from services.cluster.checkpoints import JobCheckpointer
+    from services.cluster.checkpoints import JobCheckpointer, loader_offsets_part
     from services.cluster.job import JobControl, fit_with_checkpoints
     from services.common.registry import open_registry
 
     registry = open_registry(registry_url) if registry_url else None
+    loaders = await registry.members("loader") if registry is not None else []
+    parts = {"loader-offsets": loader_offsets_part(loaders[0].admin_url)} \
+        if loaders and loaders[0].admin_url else {}
     checkpointer = JobCheckpointer(
         args.checkpoint_dir, admin_urls=args.ps_admin.split(",") if args.ps_admin else None,
-        registry=registry, every_steps=args.checkpoint_every_steps,
+        registry=registry, parts=parts, every_steps=args.checkpoint_every_steps,
         every_s=args.checkpoint_every_s)
     try:
         summary, manifest = await fit_with_checkpoints(

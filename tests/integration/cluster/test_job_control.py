@@ -5,10 +5,12 @@ resume from the newest complete checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
 import httpx
+import pytest
 import torch
 
 from services.cluster.checkpoints import JobCheckpointer
@@ -87,3 +89,21 @@ async def test_periodic_rest_and_sigterm_checkpoints_then_resume(tmp_path) -> No
 
 async def test_nothing_to_resume(tmp_path) -> None:
     assert resume_state(tmp_path) is None
+
+
+async def test_loader_offsets_part_reads_the_loaders_committed_offsets(tmp_path) -> None:
+    from services.cluster.checkpoints import loader_offsets_part
+    from services.common.errors import NotFound
+    from services.loader.config import LoaderConfig
+    from services.loader.service import LoaderService
+
+    loader = LoaderService(LoaderConfig(source="synthetic:1000", grpc_port=0, admin_port=0))
+    await loader.start()
+    try:
+        data = await loader_offsets_part(loader.admin_url)()
+        async with httpx.AsyncClient(base_url=loader.admin_url) as http:
+            assert json.loads(data) == (await http.get("/v1/offsets")).json()
+        with pytest.raises(NotFound):
+            await loader_offsets_part(loader.admin_url + "/nowhere")()
+    finally:
+        await loader.close()
