@@ -116,7 +116,8 @@ class MultiplexedStream:
                     break
                 self.bytes_in += len(raw)
                 body = decode_message(raw)
-                entry = self._pending.get(body.get("rid"))
+                rid = body.get("rid")
+                entry = self._pending.get(rid) if isinstance(rid, int) else None
                 if entry is not None and not entry[0].done():
                     entry[0].set_result(body)
         except grpc.aio.AioRpcError as exc:

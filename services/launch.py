@@ -160,6 +160,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     train_spec, eval_spec = _data_specs(args)
     if args.checkpoint_dir and not (args.ps_admin or config.registry):
         raise ConfigError("--checkpoint-dir needs --ps-admin (PS admin URLs) or --registry")
+    if args.loader == "registry" and not config.registry:
+        raise ConfigError("--loader registry needs --registry")
     if args.check_config:
         return 0
     info = init_distributed()  # a process group when torchrun (or compose) set WORLD_SIZE
@@ -167,6 +169,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     addresses = args.ps.split(",") if args.ps else []
 
     async def main() -> dict[str, Any] | None:
+        if args.loader == "registry":
+            args.loader = await registered_loader(str(config.registry))
         if args.loader:
             tables = None  # every sparse feature of the batches, table named like it
             test = await read_loader(args.eval_loader, rank, world) if args.eval_loader else None
@@ -190,6 +194,26 @@ def _run_worker(args: argparse.Namespace) -> int:
     if oracle is not None:
         summary.update(oracle_auc=oracle["auc"], oracle_logloss=oracle["logloss"])
     return _finish(summary, args.summary_json)
+
+
+async def registered_loader(url: str, timeout_s: float = 60.0) -> str:
+    """The gRPC address of the first loader registered at ``url`` (``--loader registry``)."""
+    import asyncio
+    import time
+
+    from services.common.errors import Unavailable
+    from services.common.registry import open_registry
+
+    registry = open_registry(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not (loaders := await registry.members("loader")):
+            if time.monotonic() > deadline:
+                raise Unavailable(f"no loader registered at {url} within {timeout_s}s")
+            await asyncio.sleep(0.2)
+    finally:
+        await registry.close()
+    return loaders[0].address
 
 
 async def _resume(trainer: Any, args: argparse.Namespace, first: Any) -> int:
@@ -276,7 +300,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     _common(worker)
     worker.add_argument("--ps", help="PS shard addresses host:port,... in shard order "
                         "(or --registry)")
-    worker.add_argument("--loader", help="host:port of the loader streaming training batches "
+    worker.add_argument("--loader", help="host:port of the loader streaming training batches, "
+                        "or 'registry' for the one registered at --registry "
                         "(default: planted data generated in this process)")
     worker.add_argument("--eval-loader", help="host:port of a loader of held-out batches")
     job = worker.add_argument_group("job checkpoints (rank 0)")

@@ -158,3 +158,13 @@ async def test_loader_registers(redis_url) -> None:
         await service.close()
     assert await reg.members("loader") == []
     await reg.close()
+
+
+async def test_worker_finds_the_registered_loader() -> None:
+    from services.launch import registered_loader
+
+    url = f"memory://{uuid.uuid4().hex[:8]}"
+    with pytest.raises(Unavailable, match="no loader"):
+        await registered_loader(url, timeout_s=0.1)
+    await open_registry(url).register(Member(kind="loader", index=0, address="ld:50061"), 30)
+    assert await registered_loader(url) == "ld:50061"
