@@ -21,7 +21,7 @@ from services.ps.config import PSConfig
 from services.ps.service import PSService
 from services.ps.tables import TableConfig
 from services.worker.trainer import Trainer
-from tests.conftest import free_port
+from tests.conftest import eventually, free_port
 
 FEATURES = SyntheticConfig().sparse_names
 
@@ -100,8 +100,13 @@ async def test_loader_offsets_part_reads_the_loaders_committed_offsets(tmp_path)
     loader = LoaderService(LoaderConfig(source="synthetic:1000", grpc_port=0, admin_port=0))
     await loader.start()
     try:
-        data = await loader_offsets_part(loader.admin_url)()
         async with httpx.AsyncClient(base_url=loader.admin_url) as http:
+            async def read_everything() -> bool:  # then nothing moves: no worker acks
+                offsets = (await http.get("/v1/offsets")).json()
+                return bool(offsets) and all(o["read"] == 1000 for o in offsets.values())
+
+            await eventually(read_everything)
+            data = await loader_offsets_part(loader.admin_url)()
             assert json.loads(data) == (await http.get("/v1/offsets")).json()
         with pytest.raises(NotFound):
             await loader_offsets_part(loader.admin_url + "/nowhere")()
