@@ -157,6 +157,7 @@ class PowerSGDHookState(PowerSGDState):
     def __init__(self, process_group: Any = None, **params: Any) -> None:
         params.setdefault("matrix_approximation_rank", 1)
         params.setdefault("start_powerSGD_iter", 2)
+        params.setdefault("orthogonalization_epsilon", 1e-8)  # 0 turns zero columns into NaN
         super().__init__(process_group, **params)
         self.stats = CommStats()
 

@@ -155,6 +155,17 @@ class _OnebitOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         return self._run(closure)
 
+    def _momentum_scales(self, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
+        """Fix each tensor's ``scaling_coeff = mean_q RMS(m_q) / RMS(m_p)`` (1-bit LAMB's; also
+        used by 1-bit Adam): momenta are multiplied by it before the compressed all-reduce and
+        divided after, so one sign scale fits layers whose momenta differ by orders of
+        magnitude (else a quiet layer gets the loud ones' magnitude and diverges)."""
+        rms = [float(self.state[p]["exp_avg"].norm()) / math.sqrt(max(p.numel(), 1))
+               for p, _ in params]
+        united = sum(rms) / len(rms)
+        for (p, _), r in zip(params, rms, strict=True):
+            self.state[p]["scaling_coeff"] = united / r if r > 0 and united > 0 else 1.0
+
     def _floor_variance(self, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
         """Raise each tensor's frozen v to at least ``variance_floor · mean(v)``.
 
@@ -192,8 +203,10 @@ class OnebitAdam(_OnebitOptimizer):
 
     ``weight_decay`` is decoupled (added to the update, as in DeepSpeed). ``bias_correction``
     (default on) divides m and v by ``1 − β^t`` as torch's Adam does; v's correction is frozen
-    with v. ``variance_floor`` (default 0.01; 0 = DeepSpeed) bounds the frozen v from below
-    per tensor, see :meth:`_floor_variance`.
+    with v. Two safeguards for short warm-ups, beyond DeepSpeed: each tensor's momentum is
+    pre-scaled before the 1-bit all-reduce as 1-bit LAMB does (:meth:`_momentum_scales`), and
+    ``variance_floor`` (default 0.01; 0 = off) bounds the frozen v from below per tensor
+    (:meth:`_floor_variance`).
     """
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -227,15 +240,18 @@ class OnebitAdam(_OnebitOptimizer):
             self._apply(p, group, st["exp_avg"], st["exp_avg_sq"])
 
     def _compressed_step(self, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
+        if "scaling_coeff" not in self.state[params[0][0]]:
+            self._momentum_scales(params)
         momenta = []
         for p, group in params:
             st = self._state(p)
             b1 = group["betas"][0]
-            st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+            st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1).mul_(st["scaling_coeff"])
             momenta.append(st["exp_avg"])
         self._compressed_mean_(momenta)
         for p, group in params:
             st = self.state[p]
+            st["exp_avg"].div_(st["scaling_coeff"])
             self._apply(p, group, st["exp_avg"], st["exp_avg_sq"])
 
 
@@ -298,13 +314,6 @@ class OnebitLamb(_OnebitOptimizer):
                                       + (1 - self.coeff_beta) * coeff)
             self.last_coeffs.append(coeff)
             p.add_(update, alpha=-group["lr"] * coeff)
-
-    def _momentum_scales(self, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
-        rms = [float(self.state[p]["exp_avg"].norm()) / math.sqrt(max(p.numel(), 1))
-               for p, _ in params]
-        united = sum(rms) / len(rms)
-        for (p, _), r in zip(params, rms, strict=True):
-            self.state[p]["scaling_coeff"] = united / r if r > 0 and united > 0 else 1.0
 
     def _compressed_step(self, params: list[tuple[Tensor, dict[str, Any]]]) -> None:
         first = params[0][0]

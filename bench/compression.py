@@ -1,0 +1,276 @@
+"""``persimmon bench compression``: bytes saved and AUC lost by every codec, in one run.
+
+Two gloo workers (forked once) train a DLRM on planted synthetic data against two PS shard
+processes, once per setting, each on fresh PS tables, with the same batches, steps and seed
+(:func:`bench.sync.train_configs`). The uncompressed run (fp32 everywhere, Adam) is the
+baseline of every row, and it runs twice: the second run's ΔAUC is the noise floor.
+
+Rows, by stream:
+
+- PS traffic: rows down (fp16, bf16, int8), gradients up (fp16, dct with the residual kept
+  per id, qsgd, adaquant), then the best combination (the strongest rows codec and gradients
+  codec whose ΔAUC stayed within the goal). Bytes are the rows and gradient payloads as
+  encoded (``PSClient.codec_stats``); "PS msgs" adds ids, acks and framing (every byte on the
+  PS streams), which no codec here compresses.
+- dense all-reduce (DDP comm hooks): fp16, dct, qsgd, onebit, and torch's PowerSGD.
+- dense optimizer: 1-bit Adam and 1-bit LAMB against Adam (their bytes cover the whole run,
+  warm-up included).
+- activations: DCT-MP thresholding of the pooled embeddings per sample.
+
+Ratio = fp32 bytes / bytes sent; ΔAUC = baseline AUC − AUC (positive = worse). JSON keys
+with goals: ``dense_dct_ratio`` ≥ 100 with ``dense_dct_delta_auc`` ≤ 0.001,
+``embedding_best_ratio`` ≥ 8 with ``embedding_best_delta_auc`` ≤ 0.002, ``onebit_adam_ratio``
+≥ 5 with ``onebit_adam_delta_auc`` ≤ 0.001.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.sync import PLANTED, train_configs
+from services.worker.config import TrainerConfig
+from services.worker.models import ModelConfig
+
+__all__ = ["CASES", "GOALS", "register_bench", "run", "select"]
+
+console = Console(stderr=True)
+
+# A dense net of ~50k parameters: large enough that a 0.5 % DCT payload is not all framing.
+MODEL = ModelConfig(name="dlrm", bottom_mlp=[128, 16], top_mlp=[256, 128])
+DIM = 16  # embedding dimension of every table (train_configs' default)
+BASE = TrainerConfig(mode="sync", lr=1e-2, pooling="mean", seed=0)
+WARMUP = 0.15  # 1-bit optimizers: fp32 warm-up share of the steps (DeepSpeed: 15-25 %)
+EMBEDDING_GOAL = 0.002
+GOALS = {"dense_dct_ratio": (">=", 100.0), "dense_dct_delta_auc": ("<=", 0.001),
+         "embedding_best_ratio": (">=", 8.0), "embedding_best_delta_auc": ("<=", EMBEDDING_GOAL),
+         "onebit_adam_ratio": (">=", 5.0), "onebit_adam_delta_auc": ("<=", 0.001)}
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One row: its label, the stream it compresses and the TrainerConfig fields it changes."""
+
+    name: str
+    stream: str  # "baseline", "ps", "dense", "optimizer" or "activations"
+    settings: tuple[tuple[str, Any], ...] = ()
+    role: str = ""  # "rows" / "grads": candidate for the best PS combination
+
+
+def _case(name: str, stream: str, role: str = "", **settings: Any) -> Case:
+    return Case(name, stream, tuple(settings.items()), role)
+
+
+CASES = [
+    _case("fp32 (baseline)", "baseline"),
+    _case("fp32 (repeat: noise)", "baseline"),
+    _case("rows fp16", "ps", "rows", rows_codec="fp16"),
+    _case("rows bf16", "ps", "rows", rows_codec="bf16"),
+    _case("rows int8", "ps", "rows", rows_codec="int8"),
+    _case("rows qsgd s=15, norm per row", "ps", "rows", rows_codec=f"qsgd:levels=15,bucket={DIM}"),
+    _case("grads fp16", "ps", "grads", grads_codec="fp16"),
+    _case("grads dct 1% (residual per id)", "ps", "grads", grads_codec="dct"),
+    _case("grads qsgd s=15", "ps", "grads", grads_codec="qsgd"),
+    _case("grads adaquant", "ps", "grads", grads_codec="adaquant"),
+    _case("dense fp16", "dense", dense_codec="fp16"),
+    _case("dense dct 0.5%", "dense", dense_codec="dct:keep=0.005"),
+    _case("dense qsgd s=15", "dense", dense_codec="qsgd"),
+    _case("dense onebit (EF)", "dense", dense_codec="onebit"),
+    _case("dense PowerSGD r=1 (torch)", "dense", dense_codec="powersgd"),
+    _case("1-bit Adam", "optimizer", dense_optimizer="onebit_adam"),
+    _case("1-bit LAMB", "optimizer", dense_optimizer="onebit_lamb"),
+    _case("activations DCT-MP 25%", "activations", activation_keep=0.25),
+]
+
+
+def _payload(summary: dict[str, Any]) -> tuple[float, float]:
+    """(fp32 bytes, wire bytes) of the rows down and gradients up payloads."""
+    raw = wire = 0.0
+    stats = summary.get("codec_bytes", {})
+    for stream, direction in (("rows_down", "received"), ("grads_up", "sent")):
+        for per_dir in stats.get(stream, {}).values():
+            counts = per_dir.get(direction, {})
+            raw += counts.get("raw_bytes", 0)
+            wire += counts.get("wire_bytes", 0)
+    return raw, wire
+
+
+def _row(case: Case, s: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    steps = max(s["steps"], 1)
+    row: dict[str, Any] = {"name": case.name, "stream": case.stream,
+                           "settings": dict(case.settings), "auc": s["auc"],
+                           "delta_auc": base["auc"] - s["auc"], "steps": s["steps"]}
+    if case.stream == "activations":
+        stats = s["activation_bytes"]
+        row.update(bytes_per_step=stats["wire_bytes"] / steps, ratio=stats["ratio"])
+    elif case.stream in ("dense", "optimizer"):
+        stats = s["dense_bytes"]
+        row.update(bytes_per_step=stats["wire_bytes"] / steps, ratio=stats["ratio"])
+    else:
+        raw, wire = _payload(s)
+        msgs = sum(s["wire_bytes"].values()) / steps
+        base_msgs = sum(base["wire_bytes"].values()) / max(base["steps"], 1)
+        row.update(bytes_per_step=wire / steps, ratio=raw / wire if wire else 1.0,
+                   ps_msg_bytes_per_step=msgs, ps_msg_ratio=base_msgs / msgs)
+    return row
+
+
+def _best_combination(rows: list[dict[str, Any]]) -> Case | None:
+    """The rows codec and the gradients codec with the largest ratio within the AUC goal."""
+    picks = {}
+    for role in ("rows", "grads"):
+        fits = [(r["ratio"], c) for c, r in rows if c.role == role
+                and r["delta_auc"] <= EMBEDDING_GOAL]
+        if fits:
+            picks[role] = max(fits, key=lambda t: t[0])[1]
+    if len(picks) < 2:
+        return None
+    settings = dict(picks["rows"].settings) | dict(picks["grads"].settings)
+    label = f"best: {picks['rows'].name} + {picks['grads'].name}"
+    return Case(label, "ps", tuple(settings.items()), "best")
+
+
+def select(words: str | None) -> list[Case]:
+    """The baseline pair and the cases whose name contains any comma-separated word."""
+    if not words:
+        return list(CASES)
+    wanted = [w.strip().lower() for w in words.split(",") if w.strip()]
+    return CASES[:2] + [c for c in CASES[2:] if any(w in c.name.lower() for w in wanted)]
+
+
+def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
+        workers: int = 2, cases: list[Case] | None = None,
+        warmup: float = WARMUP) -> dict[str, Any]:
+    """Every case on the same data; the JSON-ready result (see the module docstring)."""
+    cases = list(cases or CASES)
+    steps = rows // batch_size // workers
+    base = replace(BASE, onebit_freeze_step=max(1, round(warmup * steps)))
+    configs = [replace(base, **dict(c.settings)) for c in cases]
+    console.log(f"{len(cases)} runs: {workers} gloo workers x {steps} steps of {batch_size} rows")
+    summaries, oracle = train_configs(configs, rows=rows, batch_size=batch_size,
+                                      eval_rows=eval_rows, workers=workers, data=PLANTED,
+                                      model=MODEL)
+    baseline = summaries[0]
+    pairs = [(c, _row(c, s, baseline)) for c, s in zip(cases, summaries, strict=True)]
+    best = _best_combination(pairs)
+    if best is not None:
+        console.log(f"best PS combination: {best.name}")
+        (summary,), _ = train_configs([replace(base, **dict(best.settings))], rows=rows,
+                                      batch_size=batch_size, eval_rows=eval_rows,
+                                      workers=workers, data=PLANTED, model=MODEL)
+        pairs.append((best, _row(best, summary, baseline)))
+    table = [r for _, r in pairs]
+    result = {"workers": workers, "rows": rows, "batch_size": batch_size, "steps": steps,
+              "oracle_auc": oracle, "baseline_auc": baseline["auc"],
+              "noise_delta_auc": table[1]["delta_auc"] if len(table) > 1 else 0.0,
+              "rows_table": table}
+    result.update(_summary_keys(pairs))
+    return result
+
+
+def _summary_keys(pairs: list[tuple[Case, dict[str, Any]]]) -> dict[str, Any]:
+    def find(name: str) -> dict[str, Any] | None:
+        return next((r for c, r in pairs if c.name == name), None)
+
+    out: dict[str, Any] = {}
+    for key, name in (("dense_dct", "dense dct 0.5%"), ("onebit_adam", "1-bit Adam"),
+                      ("onebit_lamb", "1-bit LAMB"), ("powersgd", "dense PowerSGD r=1 (torch)")):
+        row = find(name)
+        if row is not None:
+            out[f"{key}_ratio"], out[f"{key}_delta_auc"] = row["ratio"], row["delta_auc"]
+    best = next((r for c, r in pairs if c.role == "best"), None)
+    if best is None:  # no combination fitted the goal: report the best single PS row instead
+        ps = [r for c, r in pairs if c.stream == "ps"]
+        best = max(ps, key=lambda r: r["ratio"]) if ps else None
+    if best is not None:
+        out.update(embedding_best=best["name"], embedding_best_ratio=best["ratio"],
+                   embedding_best_delta_auc=best["delta_auc"],
+                   embedding_best_ps_msg_ratio=best["ps_msg_ratio"])
+    return out
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Compression ratio (log) against ΔAUC, one point per row, coloured by stream."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours = {"baseline": "black", "ps": "tab:blue", "dense": "tab:orange",
+               "optimizer": "tab:green", "activations": "tab:purple"}
+    for stream, colour in colours.items():
+        pts = [r for r in result["rows_table"] if r["stream"] == stream]
+        ax.scatter([r["ratio"] for r in pts], [r["delta_auc"] for r in pts], color=colour,
+                   label=stream)
+        for r in pts:
+            ax.annotate(r["name"], (r["ratio"], r["delta_auc"]), fontsize=6,
+                        xytext=(3, 2), textcoords="offset points")
+    ax.axhline(result["noise_delta_auc"], color="gray", linestyle=":", label="run-to-run noise")
+    ax.set_xscale("log")
+    ax.set(title=f"compression ratio vs AUC lost ({result['workers']} workers, "
+                 f"{result['steps']} steps)", xlabel="bytes ratio vs fp32 (log)",
+           ylabel="ΔAUC vs uncompressed (positive = worse)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"persimmon bench compression ({result['workers']} gloo workers x "
+                        f"{result['steps']} steps, baseline AUC {result['baseline_auc']:.4f}, "
+                        f"oracle {result['oracle_auc']:.4f})")
+    for col in ("stream", "setting", "bytes/step", "ratio vs fp32", "PS msgs ratio",
+                "test AUC", "ΔAUC"):
+        table.add_column(col, justify="left" if col in ("stream", "setting") else "right")
+    for r in result["rows_table"]:
+        msgs = f"{r['ps_msg_ratio']:.2f}x" if "ps_msg_ratio" in r else ""
+        table.add_row(r["stream"], r["name"], f"{r['bytes_per_step']:,.0f}",
+                      f"{r['ratio']:.1f}x", msgs, f"{r['auc']:.4f}", f"{r['delta_auc']:+.4f}")
+    Console().print(table)
+    goals = Table(title="goals")
+    for col in ("key", "measured", "goal", "met"):
+        goals.add_column(col)
+    for key, (op, goal) in GOALS.items():
+        value = result.get(key)
+        met = value is not None and (value >= goal if op == ">=" else value <= goal)
+        goals.add_row(key, "-" if value is None else f"{value:.4g}", f"{op} {goal:g}",
+                      "yes" if met else "NO")
+    Console().print(goals)
+
+
+def _main(args: argparse.Namespace) -> int:
+    result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
+                 workers=args.workers, cases=select(args.cases), warmup=args.warmup)
+    _print_table(result)
+    png = args.plot or os.path.join(tempfile.gettempdir(), "persimmon-bench-compression.png")
+    plot(result, png)
+    console.print(f"ratio against ΔAUC: {png}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def register_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("compression",
+                                   help="bytes and AUC of every codec on every stream")
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--plot", help="PNG path (default: in the temp dir)")
+    parser.add_argument("--rows", type=int, default=65_536, help="planted training rows")
+    parser.add_argument("--eval-rows", type=int, default=16_384, help="held-out rows")
+    parser.add_argument("--batch-size", type=int, default=128, help="rows per worker step")
+    parser.add_argument("--workers", type=int, default=2, help="gloo worker processes")
+    parser.add_argument("--warmup", type=float, default=WARMUP,
+                        help="1-bit optimizers: share of the steps in fp32 warm-up")
+    parser.add_argument("--cases", help="only rows whose name contains one of these "
+                                        "comma-separated words (the baseline always runs)")
+    parser.set_defaults(func=_main)
