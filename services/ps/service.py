@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from services.common.admin import AdminServer
+from services.common.errors import ConfigError
 from services.common.jobs import latest_complete
 from services.common.lifecycle import AsyncService
 from services.common.registry import Heartbeat, Member
@@ -49,8 +50,10 @@ class PSService(AsyncService):
 
     async def on_start(self) -> None:
         restore = self.config.restore
-        if restore == "job":
-            job = latest_complete(self.shard._checkpoint_root())
+        if restore == "job":  # the newest complete job checkpoint, if there is one yet
+            if not self.config.checkpoint_dir:
+                raise ConfigError("--restore job needs --checkpoint-dir")
+            job = latest_complete(self.config.checkpoint_dir)
             restore = job["checkpoint_id"] if job else None
         if restore:
             rows = await self.shard.restore(restore)

@@ -108,3 +108,12 @@ def _dense_bytes() -> bytes:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return dense_part({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                        "step": 6})
+
+
+async def test_restore_job_without_a_checkpoint_dir_is_refused() -> None:
+    from services.common.errors import ConfigError
+
+    service = PSService(PSConfig(grpc_port=0, admin_port=0, restore="job"))
+    with pytest.raises(ConfigError, match="--checkpoint-dir"):
+        await service.start()
+    await service.close()
