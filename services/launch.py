@@ -162,6 +162,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         raise ConfigError("--checkpoint-dir needs --ps-admin (PS admin URLs) or --registry")
     if args.loader == "registry" and not config.registry:
         raise ConfigError("--loader registry needs --registry")
+    if args.resume and (args.loader or not args.checkpoint_dir):
+        raise ConfigError("--resume needs --checkpoint-dir, and works with in-process data only "
+                          "for now (with --loader the dense state is not reloaded)")
     if args.check_config:
         return 0
     info = init_distributed()  # a process group when torchrun (or compose) set WORLD_SIZE

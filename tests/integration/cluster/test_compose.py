@@ -95,3 +95,14 @@ def test_every_service_command_is_a_valid_persimmon_invocation(model: dict[str, 
 def test_check_config_rejects_a_bad_command(capsys) -> None:
     assert main(["ps", "--shard-id", "2", "--num-shards", "2", "--check-config"]) != 0
     assert "shard_id" in capsys.readouterr().err
+
+
+def test_worker_job_flags_are_checked(capsys) -> None:
+    base = ["worker", "--ps", "a:1", "--check-config"]
+    assert main([*base, "--checkpoint-dir", "/c"]) != 0            # no PS admin URLs
+    assert "--ps-admin" in capsys.readouterr().err
+    assert main([*base, "--loader", "l:1", "--resume", "--checkpoint-dir", "/c",
+                 "--ps-admin", "http://a:2"]) != 0
+    assert "--resume" in capsys.readouterr().err
+    assert main([*base, "--loader", "registry"]) != 0
+    assert main([*base, "--checkpoint-dir", "/c", "--ps-admin", "http://a:2", "--resume"]) == 0
