@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -274,25 +274,7 @@ class PSClient:
 
     async def lookup_unique(self, table: str, uniq: np.ndarray) -> np.ndarray:
         """Rows of already-unique uint64 ids, in the order given."""
-        parts = split_by_shard(uniq, self.num_shards)
-        bodies = [self._shards[k].lookup.request(
-            {"table": table, "ids": raw_array(uniq[pos]), "codec": self.rows_codec})
-            for k, pos in enumerate(parts) if pos.size]
-        replies = await self._within(asyncio.gather(*bodies))
-        dim = self.dims.get(table)
-        rows_by_shard = [self._received("rows_down", r["rows"]) for r in replies]
-        if self.num_shards == 1 and rows_by_shard:
-            return rows_by_shard[0].astype(np.float32, copy=True)  # a writable copy, no scatter
-        if rows_by_shard:
-            dim = rows_by_shard[0].shape[1]
-            self.dims[table] = dim
-        if dim is None:
-            dim = await self._dim(table)
-        out = np.empty((uniq.size, dim), dtype=np.float32)
-        shards_with_ids = (pos for pos in parts if pos.size)
-        for pos, rows in zip(shards_with_ids, rows_by_shard, strict=True):
-            out[pos] = rows
-        return out
+        return (await self.lookup_tables({table: uniq}))[table]
 
     async def push(self, table: str, ids: Any, grads: Any) -> PushAck:
         """Send gradients; duplicate ids are summed here first. Returns the shards' counts."""
@@ -309,19 +291,55 @@ class PSClient:
         With an error-feedback grads codec (``dct``, ``topk``, ``onebit``) what an id's
         gradient loses to compression is kept per id and added the next time it is pushed.
         """
-        requests = []
-        for k, pos in enumerate(split_by_shard(uniq, self.num_shards)):
-            if not pos.size:
-                continue
-            shard = self._shards[k]
-            encoder = shard.grads_encoders.get(table)
-            if encoder is None:
-                encoder = shard.grads_encoders[table] = RowEncoder(self.grads_codec)
-            ids = uniq[pos]
-            body = encoder.to_wire(ids, grads[pos], key=table)
-            self._sent("grads_up", body, grads[pos])
-            requests.append(shard.push.request({
-                "table": table, "ids": raw_array(ids), "grads": body}))
+        return await self.push_tables({table: uniq}, {table: grads})
+
+    # ---- several tables per message: one request per shard for a worker's whole step ------
+
+    async def lookup_tables(self, uniq: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rows of already-unique ids of several tables (``{table: ids}``), with one Lookup
+        message per shard carrying every table's part."""
+        parts: list[list[dict[str, Any]]] = [[] for _ in range(self.num_shards)]
+        places: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(self.num_shards)]
+        for table, ids in uniq.items():
+            for k, pos in enumerate(split_by_shard(ids, self.num_shards)):
+                if pos.size:
+                    parts[k].append({"table": table, "ids": raw_array(ids[pos]),
+                                     "codec": self.rows_codec})
+                    places[k].append((table, pos))
+        shards = [k for k in range(self.num_shards) if parts[k]]
+        replies = await self._within(asyncio.gather(
+            *(self._shards[k].lookup.request({"parts": parts[k]}) for k in shards)))
+        out: dict[str, np.ndarray] = {}
+        for k, reply in zip(shards, replies, strict=True):
+            for (table, pos), part in zip(places[k], reply["parts"], strict=True):
+                rows = self._received("rows_down", part["rows"])
+                if table not in out:
+                    self.dims[table] = rows.shape[1]
+                    out[table] = np.empty((uniq[table].size, rows.shape[1]), dtype=np.float32)
+                out[table][pos] = rows
+        for table, ids in uniq.items():
+            if table not in out:  # no ids at all
+                out[table] = np.empty((ids.size, await self._dim(table)), dtype=np.float32)
+        return out
+
+    async def push_tables(self, uniq: Mapping[str, np.ndarray],
+                          grads: Mapping[str, np.ndarray]) -> PushAck:
+        """Gradients of already-unique ids of several tables, one Push message per shard
+        (error feedback per id as in :meth:`push_unique`)."""
+        parts: list[list[dict[str, Any]]] = [[] for _ in range(self.num_shards)]
+        for table, ids in uniq.items():
+            g = grads[table]
+            for k, pos in enumerate(split_by_shard(ids, self.num_shards)):
+                if not pos.size:
+                    continue
+                shard = self._shards[k]
+                encoder = shard.grads_encoders.get(table)
+                if encoder is None:
+                    encoder = shard.grads_encoders[table] = RowEncoder(self.grads_codec)
+                body = encoder.to_wire(ids[pos], g[pos], key=table)
+                self._sent("grads_up", body, g[pos])
+                parts[k].append({"table": table, "ids": raw_array(ids[pos]), "grads": body})
+        requests = [self._shards[k].push.request({"parts": p}) for k, p in enumerate(parts) if p]
         return _sum_acks(await self._within(asyncio.gather(*requests)))
 
     # ---- DES-style partial pooling: each shard pools the rows it owns ---------------------

@@ -17,6 +17,10 @@ Messages:
                                                      ← {rid, pooled: array (samples, dim)} | {rid, error}
     PooledPush   → {rid, table, ids, lengths, grads: array (samples, dim)}
                                                      ← as Push
+    Lookup  → {rid, parts: [{table, ids, codec}, ...]}       ← {rid, parts: [{rows}, ...]}
+    Push    → {rid, parts: [{table, ids, grads}, ...]}       ← {rid, applied, ...} (summed)
+              (several tables in one message: every part is checked before any is served
+              or applied; one error answers the whole message)
     Tables  → {}                                             ← {shard_id, num_shards, tables}
     Stats   → {table?}                                       ← {shard_id, tables: {name: stats}}
 """
@@ -115,6 +119,13 @@ class PSServicer:
             yield out
 
     async def _lookup(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
+        if "parts" in body:
+            parts = _parts(body, self.shard.config.max_tables)
+            wanted = [(_table_name(p), array_from_wire(p.get("ids"))) for p in parts]
+            reply_codecs = [_codec(p, codecs) for p in parts]
+            rows = await self.shard.lookup_many(wanted)
+            return {"parts": [{"rows": array_to_wire(r, c)}
+                              for r, c in zip(rows, reply_codecs, strict=True)]}
         table = _table_name(body)
         ids = array_from_wire(body.get("ids"))
         codec = _codec(body, codecs)
@@ -122,6 +133,11 @@ class PSServicer:
         return {"rows": array_to_wire(rows, codec)}
 
     async def _push(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
+        if "parts" in body:
+            parts = _parts(body, self.shard.config.max_tables)
+            return _ack(await self.shard.push_many(
+                [(_table_name(p), array_from_wire(p.get("ids")),
+                  _float32(array_from_wire(p.get("grads")))) for p in parts]))
         table = _table_name(body)
         ids = array_from_wire(body.get("ids"))
         grads = _float32(array_from_wire(body.get("grads")))
@@ -179,6 +195,17 @@ def _float32(grads: np.ndarray) -> np.ndarray:
 def _ack(result: PushResult) -> dict[str, Any]:
     return {"applied": result.applied, "dropped_nonfinite": result.dropped_nonfinite,
             "not_admitted": result.not_admitted}
+
+
+def _parts(body: dict[str, Any], max_parts: int) -> list[dict[str, Any]]:
+    """The per-table parts of a multi-table Lookup or Push: a list of request bodies."""
+    parts = body.get("parts")
+    if not isinstance(parts, list) or not parts \
+            or not all(isinstance(p, dict) for p in parts):
+        raise InvalidArgument("'parts' must be a non-empty list of {table, ids, ...} maps")
+    if len(parts) > max_parts:
+        raise InvalidArgument(f"{len(parts)} parts exceed the limit of {max_parts} tables")
+    return parts
 
 
 def _table_name(body: dict[str, Any]) -> str:

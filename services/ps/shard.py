@@ -124,6 +124,44 @@ class Shard:
     async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         return await asyncio.to_thread(self.lookup_sync, name, ids)
 
+    # Several tables in one request (a worker's whole step): every part is checked before
+    # any is served or applied, and the work takes one thread hop.
+
+    def _check_parts(self, parts: list[tuple[str, Any]]) -> None:
+        if not parts:
+            raise InvalidArgument("a multi-table request needs at least one part")
+        names = [name for name, *_ in parts]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"a multi-table request names a table twice: {names}")
+
+    def lookup_many_sync(self, parts: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        self._check_parts(parts)
+        for name, ids in parts:
+            self.table(name).validate_lookup(self.check_ids(ids))
+        out = []
+        for name, ids in parts:
+            with self._locks[name]:
+                out.append(self.table(name).lookup(ids))
+        return out
+
+    def push_many_sync(self, parts: list[tuple[str, np.ndarray, np.ndarray]]) -> PushResult:
+        self._check_parts(parts)
+        for name, ids, grads in parts:
+            self.table(name).validate_push(self.check_ids(ids), grads)
+        results = []
+        for name, ids, grads in parts:
+            with self._locks[name]:
+                results.append(self.table(name).push(ids, grads))
+        return PushResult(applied=sum(r.applied for r in results),
+                          dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
+                          not_admitted=sum(r.not_admitted for r in results))
+
+    async def lookup_many(self, parts: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        return await asyncio.to_thread(self.lookup_many_sync, parts)
+
+    async def push_many(self, parts: list[tuple[str, np.ndarray, np.ndarray]]) -> PushResult:
+        return await asyncio.to_thread(self.push_many_sync, parts)
+
     # DES-style partial pooling: the shard pools the rows it owns, per sample.
 
     def check_lengths(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -2,9 +2,9 @@
 
 One step of one batch::
 
-    plan_batch (dedup ids per table) → PSClient.lookup_unique per table (concurrently)
+    plan_batch (dedup ids per table) → PSClient.lookup_tables (one message per shard)
     → pool_batch → model forward/backward (BCE with logits) → dense sync + optimizer step
-    → PSClient.push_unique of the per-unique-row gradients per table (in the background)
+    → PSClient.push_tables of the per-unique-row gradients (in the background)
 
 Lookups run in a producer task ahead of compute; compute runs in a thread so the event loop
 keeps serving lookups and pushes meanwhile. The bound on staleness is a semaphore of
@@ -299,11 +299,9 @@ class Trainer:
 
     async def _lookup(self, batch: Batch) -> tuple[BatchPlan, dict[str, np.ndarray]]:
         plan = plan_batch(self._features(batch), table_of=self.tables)
-        tables = list(plan.unique)
         with self.progress.lookup_seconds.time():
-            rows = await asyncio.gather(*(self.ps.lookup_unique(t, plan.unique[t])
-                                          for t in tables))
-        return plan, dict(zip(tables, rows, strict=True))
+            rows = await self.ps.lookup_tables(plan.unique)
+        return plan, rows
 
     async def _push(self, batch: Batch, plan: BatchPlan, grads: dict[str, np.ndarray],
                     slots: asyncio.Semaphore | None) -> None:
@@ -311,8 +309,7 @@ class Trainer:
         loader (so its source offsets can be committed) and free its slot."""
         try:
             with self.progress.push_seconds.time():
-                await asyncio.gather(*(self.ps.push_unique(t, plan.unique[t], g)
-                                       for t, g in grads.items()))
+                await self.ps.push_tables(plan.unique, grads)
             if self._loader is not None:
                 await self._loader.ack(batch)
         finally:

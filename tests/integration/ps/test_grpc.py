@@ -213,3 +213,39 @@ async def test_unary_tables_and_stats(cluster):
         stats = await ps.stats("item")
     assert {t["name"] for t in tables} == {"user", "item"}
     assert sum(s["tables"]["item"]["rows"] for s in stats) == 10
+
+
+async def test_multi_table_messages_equal_one_table_at_a_time(cluster):
+    ids = {"user": np.arange(0, 40, dtype=np.uint64), "item": np.arange(7, 30, dtype=np.uint64)}
+    async with PSClient(addresses(cluster)) as ps:
+        together = await ps.lookup_tables(ids)
+        for table, table_ids in ids.items():
+            np.testing.assert_array_equal(together[table], await ps.lookup(table, table_ids))
+        grads = {t: np.full((i.size, together[t].shape[1]), 0.5, np.float32)
+                 for t, i in ids.items()}
+        ack = await ps.push_tables(ids, grads)
+        assert ack.applied == 40 + 23
+        after = await ps.lookup_tables(ids)
+    for table in ids:  # every part applied, on its own table (SGD lr 0.5 on item: see above)
+        assert not np.array_equal(after[table], together[table])
+
+
+@pytest.mark.parametrize("case", ["bad_last_part", "same_table_twice", "empty", "not_a_list"])
+async def test_multi_table_push_with_a_bad_part_changes_nothing(cluster, case):
+    async with PSClient(addresses(cluster)) as ps:
+        await ps.lookup_tables({"user": np.arange(30, dtype=np.uint64)})
+        state = digest(cluster)
+        ids = np.arange(20, dtype=np.uint64)
+        mine = ids[shard_of(ids, 2) == 0]
+        good = {"table": "user", "ids": raw_array(mine),
+                "grads": raw_array(np.ones((mine.size, 8), np.float32))}
+        parts = {"bad_last_part": [good, {"table": "item", "ids": raw_array(mine),
+                                          "grads": raw_array(np.ones((mine.size, 3), np.float32))}],
+                 "same_table_twice": [good, good], "empty": [], "not_a_list": {"a": good}}[case]
+        with pytest.raises(InvalidArgument) as info:
+            await ps._shards[0].push.request({"parts": parts})
+        assert info.value.message
+        assert digest(cluster) == state  # the good first part was not applied either
+        with pytest.raises(InvalidArgument):
+            await ps._shards[0].lookup.request({"parts": [{"table": "user", "ids": 5}]})
+        assert (await ps.lookup("user", ids)).shape == (20, 8)  # the stream goes on
