@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.sync import PLANTED, TRAINING, train_configs
+from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig
 from services.worker.config import TrainerConfig
 
@@ -54,7 +55,7 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
         staleness: tuple[int | None, ...] = STALENESS) -> dict[str, Any]:
     """Every bound on the same data; the JSON-ready result (see the module docstring)."""
     if data not in DATA:
-        raise SystemExit(f"unknown data {data!r}; available: {sorted(DATA)}")
+        raise ConfigError(f"unknown data {data!r}; available: {sorted(DATA)}")
     configs = [staleness_config(s) for s in staleness]
     summaries, oracle = train_configs(configs, rows=rows, batch_size=batch_size,
                                       eval_rows=eval_rows, workers=workers, data=DATA[data])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -9,8 +10,11 @@ from typing import Any
 
 import pytest
 
+import bench.staleness as staleness_bench
+import bench.sync as sync_bench
 from bench.staleness import STALENESS, _staleness_list, staleness_config
 from services.cli import main
+from services.common.errors import ConfigError
 from services.worker.sync import STRATEGIES
 
 TINY = ["--rows", "2048", "--eval-rows", "2048", "--batch-size", "128", "--workers", "2"]
@@ -57,5 +61,12 @@ def test_staleness_bounds_map_to_trainer_modes() -> None:
     assert (staleness_config(16).mode, staleness_config(16).window) == ("hybrid", 16)
     assert staleness_config(None).mode == "async" and staleness_config(None).window is None
     assert _staleness_list("0, 4,unbounded") == (0, 4, None)
-    with pytest.raises(Exception, match="bad staleness '-1'"):
+    with pytest.raises(argparse.ArgumentTypeError, match="bad staleness '-1'"):
         _staleness_list("-1")
+
+
+def test_benches_reject_unknown_choices_before_starting_anything() -> None:
+    with pytest.raises(ConfigError, match="unknown strategies \\['allgather'\\]"):
+        sync_bench.run(strategies=["allreduce", "allgather"])
+    with pytest.raises(ConfigError, match="unknown data 'criteo'"):
+        staleness_bench.run(data="criteo")
