@@ -19,7 +19,8 @@ _BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "ben
             "bench.staleness", "bench.load", "bench.recovery"]
 # Commands whose module is registered alone, so that a PS or loader process starts quickly
 # (without importing torch and the benchmarks): what a supervisor's restart waits for.
-_LIGHT = {"ps": "services.ps.__main__", "loader": "services.loader.__main__"}
+_LIGHT = {"ps": "services.ps.__main__", "loader": "services.loader.__main__",
+          "synth": "services.loader.__main__"}
 
 
 def _register(subparsers: argparse._SubParsersAction, modules: list[str], hook: str) -> None:
