@@ -1,5 +1,6 @@
 """``persimmon worker --checkpoint-dir`` as a real process: periodic job checkpoints found
-through the registry, and SIGTERM ends it cleanly after a final complete checkpoint."""
+through the registry, SIGTERM ends it cleanly after a final complete checkpoint, and
+``--resume`` carries on from that checkpoint's step."""
 
 from __future__ import annotations
 
@@ -17,17 +18,19 @@ from services.worker.config import ps_table_configs
 FEATURES = [f"C{i}" for i in range(1, 9)]
 
 
-def test_sigterm_writes_a_final_checkpoint_and_exits_cleanly(tmp_path, redis_url) -> None:
+def worker(registry: str, root, rows: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "worker",
+            "--registry", registry, "--train-data", f"synthetic:{rows}", "--batch-size", "64",
+            "--eval-rows", "512", "--checkpoint-dir", str(root), *extra]
+
+
+def test_sigterm_writes_a_final_checkpoint_then_resume(tmp_path, redis_url) -> None:
     root = tmp_path / "ckpt"
     registry = f"{redis_url}?job={uuid.uuid4().hex[:8]}"
     tables = ps_table_configs({f: 4 for f in FEATURES})
     with LocalPS(2, tables, checkpoint_dir=str(root), registry=registry):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "worker",
-             "--registry", registry, "--train-data", "synthetic:100000", "--batch-size", "64",
-             "--eval-rows", "512", "--checkpoint-dir", str(root),
-             "--checkpoint-every-steps", "20"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(worker(registry, root, 100000, "--checkpoint-every-steps", "20"),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 180
             while not list_job_checkpoints(root):      # a periodic one: training is on
@@ -39,9 +42,14 @@ def test_sigterm_writes_a_final_checkpoint_and_exits_cleanly(tmp_path, redis_url
         finally:
             if proc.poll() is None:
                 proc.kill()
+        stopped_at = latest_complete(root)["step"]
+        resumed = subprocess.run(worker(registry, root, (stopped_at + 5) * 64, "--resume"),
+                                 capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert latest_complete(root)["step"] == stopped_at + 5   # 5 more steps, not from 0
     assert proc.returncode == 0, out
     final = json.loads(next(line for line in out.splitlines() if "job_checkpoint" in line))
-    latest = latest_complete(root)
+    latest = next(m for m in list_job_checkpoints(root) if m["step"] == stopped_at)
     assert latest["checkpoint_id"] == final["job_checkpoint"]
     assert 20 <= latest["step"] < 100000 // 64        # stopped early, at a step boundary
     assert [m["step"] for m in list_job_checkpoints(root)][0] == 20
