@@ -397,7 +397,6 @@ class Trainer:
             maxsize=0 if window is not None else self.config.prefetch)
         self._loader = batches if isinstance(batches, LoaderClient) else None
         distributed = _distributed()
-        self.progress.training()
         producer = asyncio.create_task(self._produce(batches, steps, slots, queue))
         pushes: set[asyncio.Task[None]] = set()
         train_acc = EvalAccumulator()
@@ -413,7 +412,12 @@ class Trainer:
                     break
                 if item is _DONE:
                     break
-                await self._ensure_model(item.batch)
+                if self._forward is None:
+                    # the model is built at the first batch; that one-time cost (imports,
+                    # DDP set-up) is not training time
+                    await self._ensure_model(item.batch)
+                    started = time.perf_counter()
+                self.progress.training()
                 loss, logits, grads = await asyncio.to_thread(self._train_step, item)
                 task = asyncio.create_task(self._push(item.batch, item.plan, grads, slots))
                 pushes.add(task)
