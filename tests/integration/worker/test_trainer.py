@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import numpy as np
 import pytest
 
@@ -58,8 +59,17 @@ async def test_sync_mode_is_bit_reproducible(cluster: LocalPS, data: SyntheticDa
 async def test_hybrid_staleness_never_exceeds_bound(cluster: LocalPS,
                                                     data: SyntheticDataset) -> None:
     s = 2
-    async with trainer(cluster, "hy_", mode="hybrid", staleness=s) as t:
+    async with trainer(cluster, "hy_", mode="hybrid", staleness=s, admin_port=0) as t:
         summary = await t.fit(data.batches(128, 128 * 40))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{t.admin_port}") as http:
+            progress = (await http.get("/v1/progress")).json()
+            metrics = (await http.get("/metrics")).text
+    assert progress["step"] == 40 and progress["samples"] == 40 * 128
+    assert progress["state"] == "done" and progress["staleness_max"] == max(t.staleness)
+    assert progress["loss"] == pytest.approx(np.mean(t.losses[-40:]))
+    assert "persimmon_worker_samples_total 5120.0" in metrics
+    assert "persimmon_worker_lookup_seconds_count 40.0" in metrics
+    assert "persimmon_worker_push_seconds_count 40.0" in metrics
     assert summary["steps"] == 40 and len(t.staleness) == 40
     assert max(t.staleness) <= s and summary["staleness_max"] == max(t.staleness)
     assert max(t.staleness) >= 1  # lookups really ran ahead of pushes (pipelining)
