@@ -46,7 +46,7 @@ def numel(shape: tuple[int, ...]) -> int:
 def byte_view(x: np.ndarray) -> memoryview:
     """The bytes of ``x`` in C order as a flat memoryview (copies only a non-contiguous ``x``);
     works for 0-d and zero-size multi-dimensional arrays, which ``memoryview.cast`` refuses."""
-    return memoryview(np.ascontiguousarray(x).reshape(-1)).cast("B")
+    return np.ascontiguousarray(x).reshape(-1).data.cast("B")
 
 
 def nbytes_of(data: Any) -> int:
