@@ -74,17 +74,21 @@ async def _train_one(rank: int, world: int, addresses: list[str], tables: dict[s
         return _strip(await trainer.fit(train[rank::world], eval_batches=test[rank::world]))
 
 
-def _rank_runs(rank: int, world: int, addresses: list[str], features: list[str],
-               configs: list[TrainerConfig], model: ModelConfig, train: list[Batch],
-               test: list[Batch]) -> list[dict[str, Any]]:
-    """One rank: a short untimed warm-up (first-call costs of torch, gloo and the PS's
-    compiled loops), then every config in turn, each on fresh PS tables (prefix ``r<k>_``)."""
+async def _train_all(rank: int, world: int, addresses: list[str], features: list[str],
+                     configs: list[TrainerConfig], model: ModelConfig, train: list[Batch],
+                     test: list[Batch]) -> list[dict[str, Any]]:
     warm = train[:_WARMUP_STEPS * world]
-    asyncio.run(_train_one(rank, world, addresses, {f: f"warm_{f}" for f in features},
-                           TRAINING, model, warm, warm))
-    return [asyncio.run(_train_one(rank, world, addresses, {f: f"r{k}_{f}" for f in features},
-                                   config, model, train, test))
+    await _train_one(rank, world, addresses, {f: f"warm_{f}" for f in features}, TRAINING,
+                     model, warm, warm)
+    return [await _train_one(rank, world, addresses, {f: f"r{k}_{f}" for f in features},
+                             config, model, train, test)
             for k, config in enumerate(configs)]
+
+
+def _rank_runs(rank: int, world: int, *args: Any) -> list[dict[str, Any]]:
+    """One rank, one event loop: a short untimed warm-up (first-call costs of torch, gloo and
+    the PS's compiled loops), then every config in turn, each on fresh PS tables (``r<k>_``)."""
+    return asyncio.run(_train_all(rank, world, *args))
 
 
 def train_configs(configs: Sequence[TrainerConfig], *, rows: int, batch_size: int = 128,
