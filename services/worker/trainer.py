@@ -105,7 +105,7 @@ def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig) -> torc
         return ONEBIT_OPTIMIZERS[name](module, lr=lr, freeze_step=config.onebit_freeze_step)
     params = [p for p in module.parameters() if p.requires_grad]
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, fused=True)  # one kernel for every tensor
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
     return torch.optim.SGD(params, lr=lr)
