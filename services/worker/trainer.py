@@ -401,6 +401,7 @@ class Trainer:
         pushes: set[asyncio.Task[None]] = set()
         train_acc = EvalAccumulator()
         samples, first_step = 0, self.step
+        first = len(self.losses)  # this fit's entries (step may start past 0 after a restore)
         started = time.perf_counter()
         try:
             while True:
@@ -448,9 +449,9 @@ class Trainer:
             "steps": steps_done, "samples": samples, "seconds": seconds,
             "samples_per_s": samples / seconds if seconds > 0 else 0.0,
             "loss": float(np.mean(self.losses[-50:])) if steps_done else math.nan,
-            "staleness_max": max(self.staleness[first_step:], default=0),
-            "staleness_mean": float(np.mean(self.staleness[first_step:])) if steps_done else 0.0,
-            "losses": [float(x) for x in self.losses[first_step:]],
+            "staleness_max": max(self.staleness[first:], default=0),
+            "staleness_mean": float(np.mean(self.staleness[first:])) if steps_done else 0.0,
+            "losses": [float(x) for x in self.losses[first:]],
         }
         train = gather_accumulator(train_acc).result()
         summary.update(train_auc=train.auc, train_logloss=train.logloss)
