@@ -42,7 +42,7 @@ from services.common.errors import (
 )
 from services.common.registry import discover_shards, open_registry
 from services.common.rpc import open_channel
-from services.common.sharding import split_by_shard
+from services.common.sharding import split_by_shard, split_tables_by_shard
 from services.common.tls import ClientTLS
 from services.common.wire import (
     MAX_MESSAGE_BYTES,
@@ -300,8 +300,9 @@ class PSClient:
         message per shard carrying every table's part."""
         parts: list[list[dict[str, Any]]] = [[] for _ in range(self.num_shards)]
         places: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(self.num_shards)]
-        for table, ids in uniq.items():
-            for k, pos in enumerate(split_by_shard(ids, self.num_shards)):
+        for table, positions in split_tables_by_shard(uniq, self.num_shards).items():
+            ids = uniq[table]
+            for k, pos in enumerate(positions):
                 if pos.size:
                     parts[k].append({"table": table, "ids": raw_array(ids[pos]),
                                      "codec": self.rows_codec})
@@ -327,9 +328,9 @@ class PSClient:
         """Gradients of already-unique ids of several tables, one Push message per shard
         (error feedback per id as in :meth:`push_unique`)."""
         parts: list[list[dict[str, Any]]] = [[] for _ in range(self.num_shards)]
-        for table, ids in uniq.items():
-            g = grads[table]
-            for k, pos in enumerate(split_by_shard(ids, self.num_shards)):
+        for table, positions in split_tables_by_shard(uniq, self.num_shards).items():
+            ids, g = uniq[table], grads[table]
+            for k, pos in enumerate(positions):
                 if not pos.size:
                     continue
                 shard = self._shards[k]

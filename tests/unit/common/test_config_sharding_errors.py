@@ -19,7 +19,7 @@ from services.common.errors import (
     error_from_wire,
     error_to_wire,
 )
-from services.common.sharding import shard_of, split_by_shard
+from services.common.sharding import shard_of, split_by_shard, split_tables_by_shard
 
 
 class Colour(StrEnum):
@@ -114,6 +114,22 @@ def test_split_by_shard_partitions_positions():
     assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
     for k, pos in enumerate(parts):
         assert (shard_of(ids[pos], 3) == k).all()
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 5])
+def test_split_tables_by_shard_equals_one_table_at_a_time(num_shards):
+    rng = np.random.default_rng(num_shards)
+    tables = {f"t{i}": np.unique(rng.integers(0, 2**63, int(rng.integers(0, 60)),
+                                              dtype=np.uint64)) for i in range(6)}
+    tables["empty"] = np.empty(0, dtype=np.uint64)
+    together = split_tables_by_shard(tables, num_shards)
+    assert list(together) == list(tables)
+    for name, ids in tables.items():
+        alone = split_by_shard(ids, num_shards)
+        assert len(together[name]) == num_shards
+        for a, b in zip(together[name], alone, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert split_tables_by_shard({}, 2) == {}
 
 
 def test_error_mappings_are_consistent():
