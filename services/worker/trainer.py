@@ -42,6 +42,7 @@ from clients.loader_client import LoaderClient
 from clients.ps_client import PSClient
 from services.common.admin import AdminServer
 from services.common.batch import Batch
+from services.common.codecs import WireStatsCollector
 from services.common.config import config_to_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.worker.admin import WorkerProgress, make_worker_admin
@@ -167,6 +168,7 @@ class Trainer:
         self._loader: LoaderClient | None = None  # acked once a batch's push is acknowledged
         rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
         self.progress = WorkerProgress(rank=rank, world_size=world)
+        self.progress.registry.register(WireStatsCollector(self.codec_rows))
         self._admin: AdminServer | None = None
         self.admin_port: int | None = None
         self._unacked = 0
@@ -265,6 +267,20 @@ class Trainer:
             self._dense_stats = averager.stats
             self._report_loss = averager.report_loss
         return cfg.sync_config().build(averager=averager)
+
+    def codec_rows(self) -> list[dict[str, Any]]:
+        """Raw and wire bytes per stream and codec: the PS payloads, the dense exchange this
+        trainer set up and DCT-MP activations (exported as ``persimmon_codec_bytes_total``)."""
+        rows = self.ps.codec_stats.rows()
+        dense = (self.config.dense_optimizer if self.config.dense_optimizer in ONEBIT_OPTIMIZERS
+                 else self.config.dense_codec)
+        for stream, codec, stats in (("dense_allreduce", dense, self._dense_stats),
+                                     ("activations", "dct_mp", getattr(self._activations,
+                                                                       "stats", None))):
+            if stats is not None:
+                rows.append({"stream": stream, "codec": codec, "direction": "sent",
+                             "raw_bytes": stats.raw_bytes, "wire_bytes": stats.wire_bytes})
+        return rows
 
     def sync_metrics(self) -> dict[str, Any]:
         """The dense sync strategy's name and stats with the consensus distance (collective

@@ -23,7 +23,7 @@ from services.common.codecs.qsgd import AdaQuantCodec, QSGDCodec
 from services.common.codecs.quant import Int8Codec, OneBitCodec
 from services.common.codecs.rows import RowEncoder, RowResiduals, codec_without_feedback
 from services.common.codecs.sparse import DCTCodec, TopKCodec
-from services.common.codecs.streams import CodecSpec, StreamCodecs, WireStats
+from services.common.codecs.streams import CodecSpec, StreamCodecs, WireStats, WireStatsCollector
 from services.common.errors import InvalidArgument
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "RowResiduals",
     "StreamCodecs",
     "WireStats",
+    "WireStatsCollector",
     "available_codecs",
     "codec_without_feedback",
     "decoder",

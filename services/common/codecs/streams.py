@@ -9,7 +9,7 @@ received are counted per (stream, codec, direction) in :class:`WireStats`; servi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ import numpy as np
 from services.common.codecs.base import Codec, CodecStats
 from services.common.errors import ConfigError, InvalidArgument, MalformedMessage
 
-__all__ = ["CodecSpec", "StreamCodecs", "WireStats"]
+__all__ = ["CodecSpec", "StreamCodecs", "WireStats", "WireStatsCollector"]
 
 SENT = "sent"
 RECEIVED = "received"
@@ -150,3 +150,24 @@ class StreamCodecs:
         names = {s: spec.name for s, spec in self.specs.items()}
         names.update({s: c.name for s, c in self._codecs.items()})
         return {"codecs": dict(sorted(names.items())), "bytes": self.stats.as_dict()}
+
+
+class WireStatsCollector:
+    """Prometheus collector: ``persimmon_codec_bytes_total{stream, codec, direction, kind}``
+    (``kind`` ``raw``: as fp32; ``wire``: as sent) from records like :meth:`WireStats.rows`,
+    read at every scrape from ``source``."""
+
+    def __init__(self, source: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(
+            "persimmon_codec_bytes", "bytes per stream and codec: raw (as fp32) and on the wire",
+            labels=["stream", "codec", "direction", "kind"])
+        for row in self.source():
+            labels = [str(row["stream"]), str(row["codec"]), str(row["direction"])]
+            family.add_metric([*labels, "raw"], float(row["raw_bytes"]))
+            family.add_metric([*labels, "wire"], float(row["wire_bytes"]))
+        yield family

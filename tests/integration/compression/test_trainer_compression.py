@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 from torch import nn
 
 from services.common.errors import ConfigError
@@ -45,6 +46,13 @@ async def test_dct_mp_thresholds_activations_and_still_learns(cluster: LocalPS) 
     assert act["steps"] == 16 and act["raw_bytes"] == 16 * 8 * 128 * width
     assert act["ratio"] == pytest.approx(width / np.ceil(0.1 * width))
     assert np.mean(t.losses[-4:]) < np.mean(t.losses[:4])
+    scraped = generate_latest(t.progress.registry).decode()  # bytes exported per stream
+    for stream, codec, direction in (("rows_down", "none", "received"),
+                                     ("grads_up", "none", "sent"),
+                                     ("activations", "dct_mp", "sent")):
+        for kind in ("raw", "wire"):
+            assert (f'persimmon_codec_bytes_total{{codec="{codec}",direction="{direction}",'
+                    f'kind="{kind}",stream="{stream}"}}') in scraped
 
 
 async def test_onebit_adam_trains_and_counts_its_bytes(cluster: LocalPS) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
-from services.common.codecs import CodecSpec, StreamCodecs, WireStats
+from services.common.codecs import CodecSpec, StreamCodecs, WireStats, WireStatsCollector
 from services.common.config import from_dict
 from services.common.errors import ConfigError, MalformedMessage
 from services.common.wire import decode_message, encode_message
@@ -76,3 +77,14 @@ def test_codec_spec_from_config_mapping():
         CodecSpec.parse({"name": "qsgd", "params": {}, "levels": 3})
     with pytest.raises(ConfigError):
         CodecSpec.parse(42)
+
+
+def test_wire_stats_exported_as_prometheus_counters():
+    codecs = StreamCodecs({"grads_up": "fp16"})
+    codecs.encode("grads_up", np.ones((4, 8), np.float32))
+    registry = CollectorRegistry()
+    registry.register(WireStatsCollector(codecs.stats.rows))
+    text = generate_latest(registry).decode()
+    labels = 'codec="fp16",direction="sent",kind="{}",stream="grads_up"'
+    assert f"persimmon_codec_bytes_total{{{labels.format('raw')}}} 128.0" in text
+    assert f"persimmon_codec_bytes_total{{{labels.format('wire')}}} 64.0" in text
