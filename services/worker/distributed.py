@@ -177,19 +177,23 @@ def _stop(procs: list[Any]) -> None:
 
 
 def run_local_ranks(fn: Callable[..., T], world_size: int, *args: Any, backend: str = "gloo",
-                    timeout_s: float = 120.0, start_method: str = "fork",
+                    timeout_s: float = 120.0, start_method: str = "forkserver",
                     threads_per_rank: int = 1) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; results by rank.
 
     Each process joins a fresh process group (TCP rendezvous on a free 127.0.0.1 port) before
-    calling ``fn`` and leaves it afterwards. ``fork`` starts in milliseconds; use ``spawn``
-    when the parent holds CUDA or threads that must not be forked (``fn`` must then be
-    importable). A failing rank stops the others and raises :class:`Internal` with its
-    traceback; so does a rank that dies silently or the whole run passing ``timeout_s``.
+    calling ``fn`` and leaves it afterwards. Ranks are forked from a forkserver (a clean
+    process that has imported torch and the worker once), never from the caller: a caller
+    that ran gRPC, CUDA or other threads must not be forked. ``fn`` and ``args`` must
+    pickle (``fn`` a module-level function). A failing rank stops the others and raises
+    :class:`Internal` with its traceback; so does a rank that dies silently or the whole
+    run passing ``timeout_s``.
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     ctx: Any = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "services.worker.trainer"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
