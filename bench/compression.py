@@ -135,7 +135,7 @@ def _combination(rows: list[tuple[Case, dict[str, Any]]], *, within_goal: bool) 
     if len(picks) < 2:
         return None
     settings = dict(picks["rows"].settings) | dict(picks["grads"].settings)
-    kind = "best within ΔAUC goal" if within_goal else "max ratio"
+    kind = "strongest codecs within the goal" if within_goal else "max ratio"
     label = f"{kind}: {picks['rows'].name} + {picks['grads'].name}"
     return Case(label, "ps", tuple(settings.items()), "best" if within_goal else "max")
 
