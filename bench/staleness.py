@@ -1,7 +1,7 @@
 """``persimmon bench staleness``: embedding staleness S against throughput and AUC, one run.
 
 The same gloo workers (forked once) train a DLRM on the same planted batches against PS shard
-processes (:class:`services.demo.LocalPS`), once per staleness bound, on fresh tables each
+processes (:class:`services.processes.LocalPS`), once per staleness bound, on fresh tables each
 time: S = 0 is ``mode="sync"`` (the baseline: each lookup waits for every earlier push),
 S = 1, 2, ..., 32 is ``mode="hybrid"`` with ``staleness=S`` and "unbounded" is
 ``mode="async"`` (lookups run ``prefetch`` batches ahead, pushes are never waited for).

@@ -30,8 +30,8 @@ from rich.table import Table
 
 from services.common.batch import Batch
 from services.common.errors import ConfigError
-from services.demo import LocalPS
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.processes import LocalPS
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.distributed import run_local_ranks
 from services.worker.models import ModelConfig

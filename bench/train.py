@@ -95,7 +95,7 @@ def _local_baseline(train: Sequence[Batch], test: Sequence[Batch], features: lis
 
 def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str], dim: int,
                seed: int, mode: str) -> dict[str, float]:
-    from services.demo import LocalPS
+    from services.processes import LocalPS
     from services.worker.config import TrainerConfig, ps_table_configs
     from services.worker.local import run_local_training
     from services.worker.models import ModelConfig

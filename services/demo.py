@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import urllib.request
 from typing import Any
@@ -24,76 +20,13 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
-from services.cluster.supervise import Supervisor
 from services.common.config import add_flags, flag_values, load_config
-from services.processes import free_port, stop_processes, wait_ready
+from services.processes import free_port
 from services.worker.config import SYNC_FIELDS, TrainerConfig
 
-__all__ = ["LocalPS", "register_cli"]
+__all__ = ["register_cli"]
 
 console = Console()
-
-
-class LocalPS:
-    """``num_shards`` PS processes on loopback ports; a context manager that stops them.
-
-    ``registry``: the shards register there. ``supervise=True``: a shard that dies is started
-    again on the same ports from the newest complete job checkpoint in ``checkpoint_dir``
-    (``--restore job``); ``supervisor.restarts`` records each restart.
-    """
-
-    def __init__(self, num_shards: int, tables: list[dict[str, Any]],
-                 checkpoint_dir: str | None = None, *, registry: str | None = None,
-                 supervise: bool = False) -> None:
-        if supervise and not checkpoint_dir:
-            raise ValueError("supervise=True needs a checkpoint_dir to restart from")
-        self.num_shards = num_shards
-        self.tables = tables
-        self.checkpoint_dir = checkpoint_dir
-        self.registry = registry
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.commands: list[list[str]] = []
-        self.addresses: list[str] = []
-        self.admin_urls: list[str] = []
-        self.supervisor: Supervisor | None = None
-        self._supervise = supervise
-        self._tmp = tempfile.TemporaryDirectory(prefix="persimmon-demo-")
-
-    def __enter__(self) -> LocalPS:
-        import yaml
-
-        config = os.path.join(self._tmp.name, "ps.yaml")
-        with open(config, "w") as f:
-            yaml.safe_dump({"tables": self.tables}, f)
-        for k in range(self.num_shards):
-            grpc_port, admin_port = free_port(), free_port()
-            cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "ps",
-                   "--config", config, "--shard-id", str(k), "--num-shards", str(self.num_shards),
-                   "--grpc-port", str(grpc_port), "--admin-port", str(admin_port)]
-            if self.checkpoint_dir:
-                cmd += ["--checkpoint-dir", self.checkpoint_dir]
-            if self.registry:
-                cmd += ["--registry", self.registry]
-            self.commands.append(cmd)
-            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
-            self.addresses.append(f"127.0.0.1:{grpc_port}")
-            self.admin_urls.append(f"http://127.0.0.1:{admin_port}")
-        for proc, url in zip(self.procs, self.admin_urls, strict=True):
-            wait_ready(proc, url)
-        if self._supervise:
-            self.supervisor = Supervisor(self.procs, self._restart).start()
-        return self
-
-    def _restart(self, k: int) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([*self.commands[k], "--restore", "job"], stdout=subprocess.DEVNULL)
-        wait_ready(proc, self.admin_urls[k])
-        return proc
-
-    def __exit__(self, *exc: object) -> None:
-        if self.supervisor is not None:
-            self.supervisor.stop()
-        stop_processes(self.procs)
-        self._tmp.cleanup()
 
 
 def _plot(summary: dict[str, Any], path: str) -> None:

@@ -96,8 +96,7 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
 
     ``on_cluster(cluster, tables)`` runs once the PS is up, before training (the demo starts
     its progress bar there)."""
-    from services.demo import LocalPS
-    from services.processes import LocalLoader
+    from services.processes import LocalLoader, LocalPS
     from services.worker.local import run_local_training
 
     with ExitStack() as stack:

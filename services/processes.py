@@ -1,21 +1,30 @@
-"""Service processes on this machine's loopback ports, for the demo, ``train`` and benchmarks.
+"""Service processes on this machine's loopback ports, for the demo, ``train``, benchmarks
+and tests: :class:`LocalPS` (PS shard processes, optionally supervised) and
+:class:`LocalLoader` (one ``persimmon loader`` process).
 
-:func:`free_port` and :func:`wait_ready` are the two helpers every local launcher needs;
-:class:`LocalLoader` runs one ``persimmon loader`` process (the PS shards are
-:class:`services.demo.LocalPS`).
+Each process binds port 0 and writes the ports it got to a ready file
+(:func:`start_service`), so that concurrent launchers never race for a port one of them picked.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
 
-__all__ = ["LocalLoader", "free_port", "stop_processes", "wait_ready"]
+from services.cluster.supervise import Supervisor
+
+__all__ = ["LocalLoader", "LocalPS", "free_port", "start_service", "stop_processes",
+           "wait_ready"]
+
+_CLI = [sys.executable, "-m", "services.cli", "--log-level", "WARNING"]
 
 
 def free_port() -> int:
@@ -55,6 +64,99 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) 
             proc.wait()
 
 
+def start_service(command: list[str], ready_file: str, timeout: float = 60.0
+                  ) -> tuple[subprocess.Popen[bytes], int, int]:
+    """Start a ``persimmon ps|loader`` command on ports 0; wait for its ready file and its
+    ``/readyz``; return the process and its (gRPC, admin) ports."""
+    if os.path.exists(ready_file):
+        os.remove(ready_file)
+    proc = subprocess.Popen([*command, "--grpc-port", "0", "--admin-port", "0",
+                             "--ready-file", ready_file], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    try:
+        while not os.path.exists(ready_file):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(command[4:6])} exited with {proc.returncode} "
+                                   "before serving")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(command[4:6])} did not start within "
+                                   f"{timeout:.0f} s")
+            time.sleep(0.05)
+        with open(ready_file) as f:
+            ports = json.load(f)
+        wait_ready(proc, f"http://127.0.0.1:{ports['admin_port']}",
+                   max(deadline - time.monotonic(), 5.0))
+    except BaseException:
+        stop_processes([proc])
+        raise
+    return proc, int(ports["grpc_port"]), int(ports["admin_port"])
+
+
+class LocalPS:
+    """``num_shards`` PS processes on loopback ports; a context manager that stops them.
+
+    ``registry``: the shards register there. ``supervise=True``: a shard that dies is started
+    again on the same ports from the newest complete job checkpoint in ``checkpoint_dir``
+    (``--restore job``); ``supervisor.restarts`` records each restart.
+    """
+
+    def __init__(self, num_shards: int, tables: list[dict[str, Any]],
+                 checkpoint_dir: str | None = None, *, registry: str | None = None,
+                 supervise: bool = False) -> None:
+        if supervise and not checkpoint_dir:
+            raise ValueError("supervise=True needs a checkpoint_dir to restart from")
+        self.num_shards = num_shards
+        self.tables = tables
+        self.checkpoint_dir = checkpoint_dir
+        self.registry = registry
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.commands: list[list[str]] = []  # with the ports each shard got (for restarts)
+        self.addresses: list[str] = []
+        self.admin_urls: list[str] = []
+        self.supervisor: Supervisor | None = None
+        self._supervise = supervise
+        self._tmp = tempfile.TemporaryDirectory(prefix="persimmon-ps-")
+
+    def __enter__(self) -> LocalPS:
+        import yaml
+
+        config = os.path.join(self._tmp.name, "ps.yaml")
+        with open(config, "w") as f:
+            yaml.safe_dump({"tables": self.tables}, f)
+        try:
+            for k in range(self.num_shards):
+                cmd = [*_CLI, "ps", "--config", config, "--shard-id", str(k),
+                       "--num-shards", str(self.num_shards)]
+                if self.checkpoint_dir:
+                    cmd += ["--checkpoint-dir", self.checkpoint_dir]
+                if self.registry:
+                    cmd += ["--registry", self.registry]
+                proc, grpc_port, admin_port = start_service(
+                    cmd, os.path.join(self._tmp.name, f"shard-{k}.ready"))
+                self.procs.append(proc)
+                self.commands.append([*cmd, "--grpc-port", str(grpc_port),
+                                      "--admin-port", str(admin_port)])
+                self.addresses.append(f"127.0.0.1:{grpc_port}")
+                self.admin_urls.append(f"http://127.0.0.1:{admin_port}")
+        except BaseException:
+            self.__exit__()
+            raise
+        if self._supervise:
+            self.supervisor = Supervisor(self.procs, self._restart).start()
+        return self
+
+    def _restart(self, k: int) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([*self.commands[k], "--restore", "job"], stdout=subprocess.DEVNULL)
+        wait_ready(proc, self.admin_urls[k])
+        return proc
+
+    def __exit__(self, *exc: object) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        stop_processes(self.procs)
+        self._tmp.cleanup()
+
+
 class LocalLoader:
     """A ``persimmon loader`` process reading ``source`` (a loader spec such as
     ``synthetic:100000`` or ``criteo:data/*.gz``) for ``world_size`` worker ranks.
@@ -63,26 +165,23 @@ class LocalLoader:
 
     def __init__(self, source: str, *, batch_size: int, world_size: int, seed: int = 0,
                  epochs: int = 1, **settings: Any) -> None:
-        self.grpc_port, self.admin_port = free_port(), free_port()
-        self.address = f"127.0.0.1:{self.grpc_port}"
-        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         flags = {"source": source, "batch_size": batch_size, "world_size": world_size,
-                 "seed": seed, "epochs": epochs, "grpc_port": self.grpc_port,
-                 "admin_port": self.admin_port, **settings}
-        self.command = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "loader"]
+                 "seed": seed, "epochs": epochs, **settings}
+        self.command = [*_CLI, "loader"]
         for name, value in flags.items():
             self.command += [f"--{name.replace('_', '-')}", str(value)]
         self.proc: subprocess.Popen[bytes] | None = None
+        self.address = self.admin_url = ""
+        self._tmp = tempfile.TemporaryDirectory(prefix="persimmon-loader-")
 
     def __enter__(self) -> LocalLoader:
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL)
-        try:
-            wait_ready(self.proc, self.admin_url)
-        except BaseException:
-            stop_processes([self.proc])
-            raise
+        self.proc, grpc_port, admin_port = start_service(
+            self.command, os.path.join(self._tmp.name, "loader.ready"))
+        self.address = f"127.0.0.1:{grpc_port}"
+        self.admin_url = f"http://127.0.0.1:{admin_port}"
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
             stop_processes([self.proc])
+        self._tmp.cleanup()

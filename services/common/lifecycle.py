@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import signal
 from collections.abc import Coroutine
 from typing import Any
@@ -73,14 +75,29 @@ class AsyncService:
         await self.close()
 
 
-async def run_service(service: AsyncService) -> None:
-    """Start ``service``, run until SIGTERM/SIGINT (or until it closes itself), then close it."""
+def write_ready_file(path: str, service: AsyncService) -> None:
+    """Write the bound ports of a started service as JSON, atomically (a launcher that gave
+    port 0 polls for this file instead of racing for a port it picked itself)."""
+    ports = {name: getattr(service, name) for name in ("grpc_port", "admin_port")
+             if hasattr(service, name)}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(ports, f)
+    os.replace(tmp, path)
+
+
+async def run_service(service: AsyncService, *, ready_file: str | None = None) -> None:
+    """Start ``service``, run until SIGTERM/SIGINT (or until it closes itself), then close it.
+
+    ``ready_file``: where to write the bound ports once the service serves."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
         await service.start()
+        if ready_file:
+            write_ready_file(ready_file, service)
         waiter = asyncio.create_task(service.wait_closed())
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)

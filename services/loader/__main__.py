@@ -34,7 +34,7 @@ def _run(args: argparse.Namespace) -> int:
     print_config("loader", config)
     if args.check_config:
         return 0
-    asyncio.run(run_service(LoaderService(config)))
+    asyncio.run(run_service(LoaderService(config), ready_file=args.ready_file))
     return 0
 
 
@@ -72,6 +72,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     loader.add_argument("--config", help="YAML file with loader settings")
     loader.add_argument("--check-config", action="store_true",
                         help="print the effective config and exit")
+    loader.add_argument("--ready-file", help="write the bound ports here as JSON once serving "
+                        "(launchers that pass port 0 wait for it)")
     add_flags(loader, LoaderConfig)
     loader.set_defaults(func=_run)
     sub = loader.add_subparsers(dest="loader_command", required=False, metavar="produce")

@@ -25,7 +25,7 @@ def _run(args: argparse.Namespace) -> int:
     print_config("ps", config)
     if args.check_config:
         return 0
-    asyncio.run(run_service(PSService(config)))
+    asyncio.run(run_service(PSService(config), ready_file=args.ready_file))
     return 0
 
 
@@ -37,6 +37,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", help="YAML file with PS settings and tables")
     parser.add_argument("--check-config", action="store_true",
                         help="print the effective config and exit")
+    parser.add_argument("--ready-file", help="write the bound ports here as JSON once serving "
+                        "(launchers that pass port 0 wait for it)")
     add_flags(parser, PSConfig)
     parser.set_defaults(func=_run)
 

@@ -17,7 +17,7 @@ from services.common.errors import FailedPrecondition
 from services.common.jobs import latest_complete, list_job_checkpoints, read_part
 from services.common.registry import discover_shards, open_registry
 from services.common.sharding import shard_of
-from services.demo import LocalPS
+from services.processes import LocalPS
 from services.ps.config import PSConfig
 from services.ps.service import PSService
 from tests.conftest import eventually

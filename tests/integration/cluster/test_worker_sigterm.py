@@ -12,7 +12,7 @@ import time
 import uuid
 
 from services.common.jobs import latest_complete, list_job_checkpoints
-from services.demo import LocalPS
+from services.processes import LocalPS
 from services.worker.config import ps_table_configs
 
 FEATURES = [f"C{i}" for i in range(1, 9)]

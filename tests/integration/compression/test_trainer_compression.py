@@ -11,8 +11,8 @@ from prometheus_client import generate_latest
 from torch import nn
 
 from services.common.errors import ConfigError
-from services.demo import LocalPS
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.processes import LocalPS
 from services.ps.tables import OptimizerConfig
 from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig

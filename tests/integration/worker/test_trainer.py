@@ -10,8 +10,8 @@ import pytest
 
 from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument
-from services.demo import LocalPS
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.processes import LocalPS
 from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
