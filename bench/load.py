@@ -14,12 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +22,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench.ps import _free_port, _wait_port
 from clients.ps_client import PSClient
+from services.processes import LocalPS
 
 __all__ = ["register_bench", "run"]
 
@@ -85,36 +79,18 @@ async def _populate(addresses: list[str], universe: int) -> None:
                                                     dtype=np.uint64))
 
 
-def _start_ps(workdir: str) -> tuple[subprocess.Popen, str]:
-    config = os.path.join(workdir, "ps.yaml")
-    with open(config, "w") as f:
-        f.write(f"tables:\n  - {{name: emb, dim: {DIM}, optimizer: {{kind: adagrad, lr: 0.05}}}}\n")
-    port, admin = _free_port(), _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "ps", "--config", config,
-         "--grpc-port", str(port), "--admin-port", str(admin)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_port(admin, proc, "PS")
-    return proc, f"127.0.0.1:{port}"
-
-
 def run(*, seconds: float = 20.0, clients: int = 8, universe: int = 200_000, batch: int = 1024,
         warmup_s: float | None = None, baseline_s: float | None = None,
         sample_every_s: float | None = None) -> dict[str, Any]:
     """Warm up, run the baseline (1 client) and the load (``clients``); figures as a dict."""
     warmup_s = min(10.0, seconds / 4) if warmup_s is None else warmup_s
     baseline_s = min(5.0, seconds / 4) if baseline_s is None else baseline_s
-    workdir = tempfile.mkdtemp(prefix="persimmon-load-")
-    proc, address = _start_ps(workdir)
-    try:
+    table = {"name": "emb", "dim": DIM, "optimizer": {"kind": "adagrad", "lr": 0.05}}
+    with LocalPS(1, [table]) as cluster:
         result, single = asyncio.run(_measure(
-            proc.pid, [address], seconds=seconds, clients=clients, universe=universe,
-            batch=batch, warmup_s=warmup_s, baseline_s=baseline_s,
+            cluster.procs[0].pid, cluster.addresses, seconds=seconds, clients=clients,
+            universe=universe, batch=batch, warmup_s=warmup_s, baseline_s=baseline_s,
             sample_every_s=sample_every_s or seconds))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        shutil.rmtree(workdir, ignore_errors=True)
     _print_table(result, single)
     return result
 

@@ -13,12 +13,9 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -33,18 +30,13 @@ from bench.store import bench_store
 from clients.ps_client import PSClient
 from services.common.rpc import channel_options, generic_service, make_server
 from services.common.wire import decode_message, encode_message
+from services.processes import LocalPS, free_port
 
 __all__ = ["register_bench", "run"]
 
 DIM = 16
 BATCH = 65_536
 console = Console(stderr=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen | multiprocessing.Process, what: str) -> None:
@@ -87,21 +79,12 @@ def _batch_ids(i: int, universe: int, distinct: int = 16) -> np.ndarray:
 
 
 async def _bench_grpc_ps(seconds: float, universe: int) -> dict[str, float]:
-    workdir = tempfile.mkdtemp(prefix="persimmon-bench-")
-    config = os.path.join(workdir, "ps.yaml")
-    with open(config, "w") as f:
-        f.write(f"tables:\n  - {{name: emb, dim: {DIM}, optimizer: {{kind: adagrad, lr: 0.05}}}}\n")
-    port, admin = _free_port(), _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "ps", "--config", config,
-         "--grpc-port", str(port), "--admin-port", str(admin)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_port(admin, proc, "PS")
+    with LocalPS(1, [{"name": "emb", "dim": DIM,
+                      "optimizer": {"kind": "adagrad", "lr": 0.05}}]) as cluster:
         for i in range(16):
             _batch_ids(i, universe)
-        async with PSClient([f"127.0.0.1:{port}"], rows_codec="fp16", grads_codec="fp16") as ps, \
-                PSClient([f"127.0.0.1:{port}"]) as ps32:
+        async with PSClient(cluster.addresses, rows_codec="fp16", grads_codec="fp16") as ps, \
+                PSClient(cluster.addresses) as ps32:
             grads = np.random.default_rng(0).normal(size=(BATCH, DIM)).astype(np.float32)
             await ps.lookup_unique("emb", _batch_ids(0, universe))  # warm-up
 
@@ -132,10 +115,6 @@ async def _bench_grpc_ps(seconds: float, universe: int) -> dict[str, float]:
         return {"lookup_rows_per_s": lookup_rows / lookup_s, "push_rows_per_s": push_rows / push_s,
                 "fp16_bytes_per_s": moved / (lookup_s + push_s),
                 "bytes_per_s": moved32 / lookup32_s}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _bench_redis(seconds: float, universe: int) -> dict[str, float]:
@@ -145,7 +124,7 @@ def _bench_redis(seconds: float, universe: int) -> dict[str, float]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is needed for the Redis baseline")
-    port = _free_port()
+    port = free_port()
     workdir = tempfile.mkdtemp(prefix="persimmon-redis-")
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", workdir],
@@ -230,7 +209,7 @@ def _echo_server(port: int) -> None:
 async def _bench_echo(seconds: float) -> dict[str, float]:
     from clients._stream import MultiplexedStream
 
-    port = _free_port()
+    port = free_port()
     proc = multiprocessing.get_context("spawn").Process(target=_echo_server, args=(port,),
                                                         daemon=True)
     proc.start()

@@ -304,7 +304,8 @@ class PSClient:
             ids = uniq[table]
             for k, pos in enumerate(positions):
                 if pos.size:
-                    parts[k].append({"table": table, "ids": raw_array(ids[pos]),
+                    mine = ids if pos.size == ids.size else ids[pos]  # one shard has them all
+                    parts[k].append({"table": table, "ids": raw_array(mine),
                                      "codec": self.rows_codec})
                     places[k].append((table, pos))
         shards = [k for k in range(self.num_shards) if parts[k]]
@@ -314,8 +315,11 @@ class PSClient:
         for k, reply in zip(shards, replies, strict=True):
             for (table, pos), part in zip(places[k], reply["parts"], strict=True):
                 rows = self._received("rows_down", part["rows"])
+                self.dims[table] = rows.shape[1]
+                if pos.size == uniq[table].size:  # all from this shard, in order: no scatter
+                    out[table] = rows.astype(np.float32, copy=True)  # writable
+                    continue
                 if table not in out:
-                    self.dims[table] = rows.shape[1]
                     out[table] = np.empty((uniq[table].size, rows.shape[1]), dtype=np.float32)
                 out[table][pos] = rows
         for table, ids in uniq.items():
@@ -337,9 +341,11 @@ class PSClient:
                 encoder = shard.grads_encoders.get(table)
                 if encoder is None:
                     encoder = shard.grads_encoders[table] = RowEncoder(self.grads_codec)
-                body = encoder.to_wire(ids[pos], g[pos], key=table)
-                self._sent("grads_up", body, g[pos])
-                parts[k].append({"table": table, "ids": raw_array(ids[pos]), "grads": body})
+                full = pos.size == ids.size  # one shard has them all, in order
+                mine, mine_g = (ids, g) if full else (ids[pos], g[pos])
+                body = encoder.to_wire(mine, mine_g, key=table)
+                self._sent("grads_up", body, mine_g)
+                parts[k].append({"table": table, "ids": raw_array(mine), "grads": body})
         requests = [self._shards[k].push.request({"parts": p}) for k, p in enumerate(parts) if p]
         return _sum_acks(await self._within(asyncio.gather(*requests)))
 

@@ -52,6 +52,8 @@ def split_tables_by_shard(ids_by_table: Mapping[str, np.ndarray], num_shards: in
     np.cumsum(sizes, out=starts[1:])
     if not names or starts[-1] == 0:
         return {t: [np.empty(0, dtype=np.int64) for _ in range(num_shards)] for t in names}
+    if num_shards == 1:
+        return {t: [np.arange(n, dtype=np.int64)] for t, n in zip(names, sizes, strict=True)}
     ids = np.concatenate([np.asarray(ids_by_table[t], dtype=np.uint64) for t in names])
     key = np.repeat(np.arange(len(names), dtype=np.int64) * num_shards, sizes)
     key += shard_of(ids, num_shards)
