@@ -35,6 +35,43 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _coerce_dataclass(value: Any, tp: Any, where: str) -> Any:
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    return from_dict(tp, value, where=where)
+
+
+def _coerce_sequence(value: Any, tp: Any, where: str) -> Any:
+    (item_tp, *_) = typing.get_args(tp) or (Any,)
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v]
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
+    items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    return items if typing.get_origin(tp) is list else tuple(items)
+
+
+def _coerce_bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(value).lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{where}: expected a boolean, got {value!r}")
+
+
+def _coerce_scalar(value: Any, tp: Any, where: str) -> Any:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    try:
+        return tp(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from exc
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert ``value`` to the field type ``tp`` (strings from env/flags included)."""
     tp, optional = _unwrap_optional(tp)
@@ -44,38 +81,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(f"{where}: a value is required")
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return from_dict(tp, value, where=where)
+        return _coerce_dataclass(value, tp, where)
     if origin in (list, tuple):
-        (item_tp, *_) = typing.get_args(tp) or (Any,)
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-        return items if origin is list else tuple(items)
+        return _coerce_sequence(value, tp, where)
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(value).lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}: expected a boolean, got {value!r}")
+        return _coerce_bool(value, where)
     if tp in _SCALARS:
-        if isinstance(value, bool) and tp is not bool:
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
-        try:
-            return tp(value)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from exc
+        return _coerce_scalar(value, tp, where)
     if isinstance(tp, type) and issubclass(tp, str):  # str-valued enums
         try:
             return tp(value)

@@ -75,6 +75,11 @@ def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any
         """Change optimizer hyper-parameters (e.g. the learning rate); state is kept."""
         return config_to_dict(shard.set_optimizer(name, body))
 
+    _checkpoint_routes(app, shard)
+    return app
+
+
+def _checkpoint_routes(app: FastAPI, shard: Shard) -> None:
     @app.post("/v1/checkpoints", tags=["checkpoints"], status_code=201, responses=_ERRORS)
     async def create_checkpoint(body: Annotated[dict[str, Any] | None, Body(
             examples=[{"id": "step-1000", "incremental": False}])] = None) -> dict[str, Any]:
@@ -100,5 +105,3 @@ def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any
     async def restore_checkpoint(checkpoint_id: CheckpointId) -> dict[str, Any]:
         """Replace every table with the checkpoint's rows (resharded if the shard count changed)."""
         return {"checkpoint_id": checkpoint_id, "rows": await shard.restore(checkpoint_id)}
-
-    return app
