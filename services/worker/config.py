@@ -46,6 +46,8 @@ class TrainerConfig:
     activation_keep: float = field(default=1.0, metadata={
         "help": "DCT-MP: fraction of each sample's pooled activations kept (1: all)"})
     lr: float = field(default=1e-3, metadata={"help": "dense learning rate"})
+    momentum: float = field(default=0.0, metadata={
+        "help": "sgd: momentum (with --sync gossip: decentralised momentum SGD, DmSGD)"})
     rows_codec: str = field(default="none", metadata={"help": "codec of rows PS -> worker"})
     grads_codec: str = field(default="none", metadata={"help": "codec of grads worker -> PS"})
     pooling: str = field(default="sum", metadata={"help": "pooling per sample: sum or mean"})
@@ -126,6 +128,11 @@ class TrainerConfig:
                               f"{exc.message}") from exc
 
     def _check_service(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum and self.dense_optimizer != "sgd":
+            raise ConfigError(f"momentum is a setting of dense_optimizer 'sgd', not "
+                              f"{self.dense_optimizer!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.admin_port is not None and not 0 <= self.admin_port <= 65535:

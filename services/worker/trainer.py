@@ -109,7 +109,7 @@ def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig) -> torc
         return torch.optim.Adam(params, lr=lr, fused=True)  # one kernel for every tensor
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
-    return torch.optim.SGD(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr, momentum=config.momentum)
 
 
 class Trainer:

@@ -213,3 +213,18 @@ def test_persimmon_commands_take_the_sync_flags(command: str) -> None:
     cfg = load_config(TrainerConfig, flags=flag_values(TrainerConfig, args), environ={})
     assert cfg.sync_config().params() == {"group_size": 4, "schedule": "permutation",
                                           "every": 2, "period": 8, "seed": 0}
+
+
+def test_momentum_sgd_for_dmsgd_and_bad_momentum() -> None:
+    from torch import nn
+
+    from services.worker.trainer import _make_optimizer
+
+    config = TrainerConfig(dense_optimizer="sgd", momentum=0.9, lr=0.1, sync="gossip")
+    optimizer = _make_optimizer("sgd", nn.Linear(3, 1), config)
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert optimizer.param_groups[0]["momentum"] == 0.9
+    with pytest.raises(ConfigError, match="momentum must be in"):
+        TrainerConfig(dense_optimizer="sgd", momentum=1.0)
+    with pytest.raises(ConfigError, match="momentum is a setting of dense_optimizer 'sgd'"):
+        TrainerConfig(dense_optimizer="adam", momentum=0.9)
