@@ -17,6 +17,8 @@ from services.common.wire import decode_message, encode_message
 
 __all__ = ["MultiplexedStream", "Reconnect"]
 
+_CLOSE_TIMEOUT_S = 5.0  # a stream that cannot half-close in this long is cancelled
+
 log = logging.getLogger(__name__)
 
 # Given the channel that failed, returns the channel to use now (a new one, or the one another
@@ -137,8 +139,8 @@ class MultiplexedStream:
     async def close(self) -> None:
         call = self._call  # the reader may clear self._call while done_writing() is awaited
         if call is not None:
-            with contextlib.suppress(Exception):
-                await call.done_writing()
+            with contextlib.suppress(Exception):  # a half-close the peer never takes
+                await asyncio.wait_for(call.done_writing(), _CLOSE_TIMEOUT_S)  # must not hang
             call.cancel()
         if self._reader is not None:
             self._reader.cancel()
