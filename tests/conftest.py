@@ -45,7 +45,8 @@ def redis_url() -> Iterator[str]:
         return
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.skip("redis-server is not installed")
+        pytest.fail("redis-server is not installed: the Redis-backed tests need it "
+                    "(apt-get install redis-server, or set PERSIMMON_TEST_REDIS_URL)")
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="persimmon-redis-")
     proc = subprocess.Popen(
