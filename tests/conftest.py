@@ -14,11 +14,9 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
+from services.processes import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["eventually", "free_port"]
 
 
 async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.files import atomic_write
 
 __all__ = ["JOB_MANIFEST", "is_complete", "latest_complete", "list_job_checkpoints",
            "read_job_manifest", "read_part", "write_job_manifest", "write_part"]
@@ -38,34 +37,13 @@ def _check(value: str, pattern: re.Pattern[str], what: str) -> None:
                               "not starting with '.'")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
 def write_part(root: Path | str, checkpoint_id: str, name: str, data: bytes) -> dict[str, Any]:
     """Write one job part atomically; returns its manifest entry (file, sha256, bytes)."""
     _check(checkpoint_id, _ID_RE, "checkpoint id")
     _check(name, _NAME_RE, "part name")
     directory = Path(root) / checkpoint_id / "parts"
     directory.mkdir(parents=True, exist_ok=True)
-    _atomic_write(directory / name, data)
+    atomic_write(directory / name, data)
     return {"file": f"parts/{name}", "sha256": hashlib.sha256(data).hexdigest(),
             "bytes": len(data)}
 
@@ -112,7 +90,7 @@ def write_job_manifest(root: Path | str, checkpoint_id: str, *, step: int, num_s
         raise FailedPrecondition(f"job checkpoint {checkpoint_id!r} is already complete")
     manifest = {"checkpoint_id": checkpoint_id, "step": step, "num_shards": num_shards,
                 "created": time.time(), "parts": parts, **(extra or {})}
-    _atomic_write(ckpt_dir / JOB_MANIFEST, json.dumps(manifest, sort_keys=True).encode())
+    atomic_write(ckpt_dir / JOB_MANIFEST, json.dumps(manifest, sort_keys=True).encode())
     return manifest
 
 

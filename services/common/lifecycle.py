@@ -7,10 +7,10 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-__all__ = ["AsyncService", "run_service"]
+__all__ = ["AsyncService", "ServingService", "run_service", "serve_from_flags"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,31 @@ class AsyncService:
         await self.close()
 
 
+class ServingService(AsyncService):
+    """A service listening on a gRPC and an admin port. ``config`` has ``host``,
+    ``advertise``, ``grpc_port`` and ``admin_port``; ``grpc_port``/``admin_port`` here hold
+    the bound ports once started (port 0 in the config: any free one)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.grpc_port: int = config.grpc_port
+        self.admin_port: int = config.admin_port
+        self._admin: Any = None  # the AdminServer once started (its scheme: http or https)
+
+    @property
+    def address(self) -> str:
+        """The ``host:port`` others dial for gRPC."""
+        return self.config.advertise or f"{self.config.host}:{self.grpc_port}"
+
+    @property
+    def admin_url(self) -> str:
+        host = self.config.advertise.rpartition(":")[0] if self.config.advertise \
+            else self.config.host
+        scheme = self._admin.scheme if self._admin is not None else "http"
+        return f"{scheme}://{host}:{self.admin_port}"
+
+
 def write_ready_file(path: str, service: AsyncService) -> None:
     """Write the bound ports of a started service as JSON, atomically (a launcher that gave
     port 0 polls for this file instead of racing for a port it picked itself)."""
@@ -108,3 +133,16 @@ async def run_service(service: AsyncService, *, ready_file: str | None = None) -
         await service.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+def serve_from_flags(args: Any, name: str, config: Any,
+                     make_service: Callable[[Any], AsyncService]) -> int:
+    """The body of ``persimmon ps`` / ``persimmon loader``: print the effective ``config``,
+    stop there with ``--check-config``, else run the service until SIGTERM."""
+    from services.common.config import print_config
+
+    print_config(name, config)
+    if args.check_config:
+        return 0
+    asyncio.run(run_service(make_service(config), ready_file=args.ready_file))
+    return 0

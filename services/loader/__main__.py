@@ -15,8 +15,8 @@ import json
 import logging
 import sys
 
-from services.common.config import add_flags, flag_values, load_config, print_config
-from services.common.lifecycle import run_service
+from services.common.config import add_flags, flag_values, load_config
+from services.common.lifecycle import serve_from_flags
 from services.loader.config import LoaderConfig
 
 __all__ = ["load_loader_config", "register_cli"]
@@ -30,12 +30,7 @@ def load_loader_config(args: argparse.Namespace) -> LoaderConfig:
 def _run(args: argparse.Namespace) -> int:
     from services.loader.service import LoaderService
 
-    config = load_loader_config(args)
-    print_config("loader", config)
-    if args.check_config:
-        return 0
-    asyncio.run(run_service(LoaderService(config), ready_file=args.ready_file))
-    return 0
+    return serve_from_flags(args, "loader", load_loader_config(args), LoaderService)
 
 
 def _produce(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from services.common.admin import AdminServer
-from services.common.lifecycle import AsyncService
+from services.common.lifecycle import ServingService
 from services.common.registry import Heartbeat, Member
 from services.common.rpc import make_server
 from services.loader.admin import make_loader_admin
@@ -24,33 +24,18 @@ __all__ = ["LoaderService"]
 log = logging.getLogger("persimmon.loader")
 
 
-class LoaderService(AsyncService):
+class LoaderService(ServingService):
     """``source`` may be given (tests, embedded use); otherwise it comes from the config."""
 
     def __init__(self, config: LoaderConfig, source: Source | None = None) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.source = source or make_source(config)
         self.dispatcher = Dispatcher(config.prefetch_batches, config.world_size)
         self.pipeline = Pipeline(self.source, config, self.dispatcher,
                                  DeadLetters(config.dead_letter))
-        self.grpc_port = config.grpc_port
-        self.admin_port = config.admin_port
         self._grpc: grpc.aio.Server | None = None
-        self._admin: AdminServer | None = None
         self._source_started = False
         self._heartbeat: Heartbeat | None = None
-
-    @property
-    def address(self) -> str:
-        return self.config.advertise or f"{self.config.host}:{self.grpc_port}"
-
-    @property
-    def admin_url(self) -> str:
-        host = self.config.advertise.rpartition(":")[0] if self.config.advertise \
-            else self.config.host
-        scheme = self._admin.scheme if self._admin is not None else "http"
-        return f"{scheme}://{host}:{self.admin_port}"
 
     def ready(self) -> bool:
         task = self._tasks.get("producer")

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
-from services.common.config import add_flags, flag_values, load_config, print_config
-from services.common.lifecycle import run_service
+from services.common.config import add_flags, flag_values, load_config
+from services.common.lifecycle import serve_from_flags
 from services.ps.config import PSConfig
 
 __all__ = ["load_ps_config", "register_cli"]
@@ -21,12 +20,7 @@ def load_ps_config(args: argparse.Namespace) -> PSConfig:
 def _run(args: argparse.Namespace) -> int:
     from services.ps.service import PSService
 
-    config = load_ps_config(args)
-    print_config("ps", config)
-    if args.check_config:
-        return 0
-    asyncio.run(run_service(PSService(config), ready_file=args.ready_file))
-    return 0
+    return serve_from_flags(args, "ps", load_ps_config(args), PSService)
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:

@@ -38,6 +38,7 @@ from services.common.errors import (
     InvalidArgument,
     NotFound,
 )
+from services.common.files import fsync_dir
 from services.common.sharding import shard_of
 from services.ps.store import EmbeddingTable, TableSnapshot
 from services.ps.tables import TableConfig
@@ -58,14 +59,6 @@ def _check_id(checkpoint_id: str) -> None:
     if not isinstance(checkpoint_id, str) or not _ID_RE.fullmatch(checkpoint_id):
         raise InvalidArgument(f"checkpoint id {checkpoint_id!r} must be 1-128 characters of "
                               "letters, digits, '-', '_' or '.', not starting with '.'")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_array(directory: Path, name: str, array: np.ndarray) -> dict[str, Any]:
@@ -160,10 +153,10 @@ def write_checkpoint(root: Path | str, checkpoint_id: str, shard_id: int, num_sh
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, final)
-        _fsync_dir(ckpt_dir)
-        _fsync_dir(root)
+        fsync_dir(ckpt_dir)
+        fsync_dir(root)
     except BaseException:
         for name, snap in snaps.items():
             tables[name].requeue(snap)

@@ -8,7 +8,7 @@ import logging
 from services.common.admin import AdminServer
 from services.common.errors import ConfigError
 from services.common.jobs import latest_complete
-from services.common.lifecycle import AsyncService
+from services.common.lifecycle import ServingService
 from services.common.registry import Heartbeat, Member
 from services.common.rpc import make_server
 from services.ps.admin import make_ps_admin
@@ -22,31 +22,16 @@ __all__ = ["PSService"]
 log = logging.getLogger("persimmon.ps")
 
 
-class PSService(AsyncService):
+class PSService(ServingService):
     """Start with ``await service.start()``; ``grpc_port``/``admin_port`` hold the bound ports."""
 
     def __init__(self, config: PSConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.shard = Shard(config)
         self.metrics = PSMetrics(self.shard)
-        self.grpc_port = config.grpc_port
-        self.admin_port = config.admin_port
         self._ready = False
         self._grpc = None
-        self._admin: AdminServer | None = None
         self._heartbeat: Heartbeat | None = None
-
-    @property
-    def address(self) -> str:
-        return self.config.advertise or f"{self.config.host}:{self.grpc_port}"
-
-    @property
-    def admin_url(self) -> str:
-        host = self.config.advertise.rpartition(":")[0] if self.config.advertise \
-            else self.config.host
-        scheme = self._admin.scheme if self._admin is not None else "http"
-        return f"{scheme}://{host}:{self.admin_port}"
 
     async def on_start(self) -> None:
         restore = self.config.restore
