@@ -42,7 +42,7 @@ from services.common.errors import (
 )
 from services.common.registry import discover_shards, open_registry
 from services.common.rpc import open_channel
-from services.common.sharding import split_by_shard, split_tables_by_shard
+from services.common.sharding import ShardedIds, split_by_shard
 from services.common.tls import ClientTLS
 from services.common.wire import (
     MAX_MESSAGE_BYTES,
@@ -119,6 +119,8 @@ class _ShardConnection:
         self.lookup = self._stream("Lookup")
         self.push = self._stream("Push")
         self.grads_encoders: dict[str, RowEncoder] = {}  # per table: residuals per id
+        self.grads_encoder = RowEncoder(client.grads_codec)  # a whole message's, no residuals
+        self.grads_per_table = self.grads_encoder.feedback is not None
         self.pooled_lookup = self._stream("PooledLookup")
         self.pooled_push = self._stream("PooledPush")
         self.pooled_grads_codec: Codec | None = None
@@ -295,59 +297,102 @@ class PSClient:
 
     # ---- several tables per message: one request per shard for a worker's whole step ------
 
+    async def lookup_sharded(self, layout: ShardedIds) -> np.ndarray:
+        """Rows ``(len(layout.ids), dim)`` of a layout whose tables share one dim, aligned with
+        ``layout.ids``: one Lookup message per shard with ids."""
+        bounds = layout.bounds
+        shards = [k for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]]
+        tables = list(layout.tables)
+        replies = await self._within(asyncio.gather(*(
+            self._shards[k].lookup.request({
+                "tables": tables, "counts": layout.counts[k].tolist(),
+                "ids": raw_array(layout.ids[bounds[k]:bounds[k + 1]]),
+                "codec": self.rows_codec}) for k in shards)))
+        parts = [self._received("rows_down", reply["rows"]) for reply in replies]
+        if not parts:
+            return np.empty((0, await self._dim(tables[0])), dtype=np.float32)
+        rows = np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])  # writable
+        return rows if rows.dtype == np.float32 else rows.astype(np.float32)
+
+    async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushAck:
+        """Gradients ``(len(layout.ids), dim)`` of a layout's ids: one Push message per shard
+        (error feedback per id as in :meth:`push_unique`)."""
+        if grads.ndim != 2 or grads.shape[0] != layout.ids.size:
+            raise InvalidArgument(f"grads must be ({layout.ids.size}, dim), got {grads.shape}")
+        bounds = layout.bounds
+        requests = []
+        for k in range(layout.num_shards):
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            if hi > lo:
+                body = self._grads_body(k, layout, lo, grads)
+                requests.append(self._shards[k].push.request({
+                    "tables": list(layout.tables), "counts": layout.counts[k].tolist(),
+                    "ids": raw_array(layout.ids[lo:hi]), "grads": body}))
+        return _sum_acks(await self._within(asyncio.gather(*requests)))
+
+    def _grads_body(self, k: int, layout: ShardedIds, lo: int, grads: np.ndarray
+                    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Shard ``k``'s gradients on the wire: one array, or one per table when the codec
+        keeps a residual per id (and so per table)."""
+        shard = self._shards[k]
+        hi = lo + int(layout.counts[k].sum())
+        if not shard.grads_per_table:
+            body = shard.grads_encoder.to_wire(layout.ids[lo:hi], grads[lo:hi])
+            self._sent("grads_up", body, grads[lo:hi])
+            return body
+        bodies = []
+        for table, count in zip(layout.tables, layout.counts[k].tolist(), strict=True):
+            encoder = shard.grads_encoders.get(table)
+            if encoder is None:
+                encoder = shard.grads_encoders[table] = RowEncoder(self.grads_codec)
+            ids, g = layout.ids[lo:lo + count], grads[lo:lo + count]
+            body = encoder.to_wire(ids, g, key=table)
+            self._sent("grads_up", body, g)
+            bodies.append(body)
+            lo += count
+        return bodies
+
     async def lookup_tables(self, uniq: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Rows of already-unique ids of several tables (``{table: ids}``), with one Lookup
-        message per shard carrying every table's part."""
-        parts: list[list[dict[str, Any]]] = [[] for _ in range(self.num_shards)]
-        places: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(self.num_shards)]
-        for table, positions in split_tables_by_shard(uniq, self.num_shards).items():
-            ids = uniq[table]
-            for k, pos in enumerate(positions):
-                if pos.size:
-                    mine = ids if pos.size == ids.size else ids[pos]  # one shard has them all
-                    parts[k].append({"table": table, "ids": raw_array(mine),
-                                     "codec": self.rows_codec})
-                    places[k].append((table, pos))
-        shards = [k for k in range(self.num_shards) if parts[k]]
-        replies = await self._within(asyncio.gather(
-            *(self._shards[k].lookup.request({"parts": parts[k]}) for k in shards)))
+        message per shard and dim carrying every table's ids."""
         out: dict[str, np.ndarray] = {}
-        for k, reply in zip(shards, replies, strict=True):
-            for (table, pos), part in zip(places[k], reply["parts"], strict=True):
-                rows = self._received("rows_down", part["rows"])
-                self.dims[table] = rows.shape[1]
-                if pos.size == uniq[table].size:  # all from this shard, in order: no scatter
-                    out[table] = rows.astype(np.float32, copy=True)  # writable
-                    continue
-                if table not in out:
-                    out[table] = np.empty((uniq[table].size, rows.shape[1]), dtype=np.float32)
-                out[table][pos] = rows
-        for table, ids in uniq.items():
-            if table not in out:  # no ids at all
-                out[table] = np.empty((ids.size, await self._dim(table)), dtype=np.float32)
+        for tables in await self._by_dim(uniq):
+            layout, where = ShardedIds.of_tables({t: uniq[t] for t in tables}, self.num_shards)
+            rows = await self.lookup_sharded(layout)
+            out.update((t, rows[where[t]]) for t in tables)
         return out
 
     async def push_tables(self, uniq: Mapping[str, np.ndarray],
                           grads: Mapping[str, np.ndarray]) -> PushAck:
-        """Gradients of already-unique ids of several tables, one Push message per shard
-        (error feedback per id as in :meth:`push_unique`)."""
-        parts: list[list[dict[str, Any]]] = [[] for _ in range(self.num_shards)]
-        for table, positions in split_tables_by_shard(uniq, self.num_shards).items():
-            ids, g = uniq[table], grads[table]
-            for k, pos in enumerate(positions):
-                if not pos.size:
-                    continue
-                shard = self._shards[k]
-                encoder = shard.grads_encoders.get(table)
-                if encoder is None:
-                    encoder = shard.grads_encoders[table] = RowEncoder(self.grads_codec)
-                full = pos.size == ids.size  # one shard has them all, in order
-                mine, mine_g = (ids, g) if full else (ids[pos], g[pos])
-                body = encoder.to_wire(mine, mine_g, key=table)
-                self._sent("grads_up", body, mine_g)
-                parts[k].append({"table": table, "ids": raw_array(mine), "grads": body})
-        requests = [self._shards[k].push.request({"parts": p}) for k, p in enumerate(parts) if p]
-        return _sum_acks(await self._within(asyncio.gather(*requests)))
+        """Gradients of already-unique ids of several tables, one Push message per shard and
+        dim (error feedback per id as in :meth:`push_unique`)."""
+        ack = PushAck()
+        for tables in await self._by_dim(uniq):
+            layout, where = ShardedIds.of_tables({t: uniq[t] for t in tables}, self.num_shards)
+            if layout.ids.size != sum(np.size(uniq[t]) for t in tables):
+                raise InvalidArgument("push_tables needs unique ids per table; use push()")
+            fused = np.zeros((layout.ids.size, self.dims[tables[0]]), dtype=np.float32)
+            for t in tables:
+                g = np.asarray(grads[t], dtype=np.float32)
+                if g.shape != (np.size(uniq[t]), fused.shape[1]):
+                    raise InvalidArgument(f"grads of table {t!r} must be "
+                                          f"({np.size(uniq[t])}, {fused.shape[1]}), "
+                                          f"got {g.shape}")
+                fused[where[t]] = g
+            got = await self.push_sharded(layout, fused)
+            ack.applied += got.applied
+            ack.dropped_nonfinite += got.dropped_nonfinite
+            ack.not_admitted += got.not_admitted
+        return ack
+
+    async def _by_dim(self, uniq: Mapping[str, Any]) -> list[list[str]]:
+        """The tables of ``uniq`` grouped by their dim (unknown tables: NotFound)."""
+        groups: dict[int, list[str]] = {}
+        for table in uniq:
+            dim = self.dims.get(table)
+            groups.setdefault(dim if dim is not None else await self._dim(table),
+                              []).append(table)
+        return list(groups.values())
 
     # ---- DES-style partial pooling: each shard pools the rows it owns ---------------------
 

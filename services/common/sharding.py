@@ -1,15 +1,28 @@
-"""Placement of embedding ids on PS shards: the one function every service uses."""
+"""Placement of embedding ids on PS shards: the one function every service uses.
+
+:func:`shard_of` owns the rule (splitmix64 of the id, modulo the shard count).
+:class:`ShardedIds` is a worker's step laid out for the wire: the unique ids of several tables
+ordered by shard, then table, so that each shard's share is one contiguous slice and the rows
+that come back, concatenated in shard order, line up with the ids (:func:`place_ids` builds it
+in one hash pass, with the index of every id of the batch into the layout).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
-__all__ = ["mix64", "shard_of", "split_by_shard", "split_tables_by_shard"]
+__all__ = ["ShardedIds", "mix64", "mix64_scalar", "place_ids", "shard_of", "split_by_shard"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def mix64(ids: np.ndarray) -> np.ndarray:
@@ -42,22 +55,129 @@ def split_by_shard(ids: np.ndarray, num_shards: int) -> list[np.ndarray]:
     return [order[bounds[k]:bounds[k + 1]] for k in range(num_shards)]
 
 
-def split_tables_by_shard(ids_by_table: Mapping[str, np.ndarray], num_shards: int
-                          ) -> dict[str, list[np.ndarray]]:
-    """:func:`split_by_shard` of every table's ids at once (one placement pass and one sort
-    for a whole training step instead of one per table)."""
-    names = list(ids_by_table)
-    sizes = np.array([np.size(ids_by_table[t]) for t in names], dtype=np.int64)
-    starts = np.zeros(len(names) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=starts[1:])
-    if not names or starts[-1] == 0:
-        return {t: [np.empty(0, dtype=np.int64) for _ in range(num_shards)] for t in names}
-    if num_shards == 1:
-        return {t: [np.arange(n, dtype=np.int64)] for t, n in zip(names, sizes, strict=True)}
-    ids = np.concatenate([np.asarray(ids_by_table[t], dtype=np.uint64) for t in names])
-    key = np.repeat(np.arange(len(names), dtype=np.int64) * num_shards, sizes)
-    key += shard_of(ids, num_shards)
-    order = np.argsort(key, kind="stable")
-    bounds = np.searchsorted(key[order], np.arange(len(names) * num_shards + 1))
-    return {t: [order[bounds[i * num_shards + k]:bounds[i * num_shards + k + 1]] - starts[i]
-                for k in range(num_shards)] for i, t in enumerate(names)}
+@njit(cache=True, inline="always")
+def mix64_scalar(z):  # pragma: no cover - numba
+    """:func:`mix64` of one uint64 inside numba kernels (wrapping arithmetic)."""
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+@njit(cache=True, nogil=True)
+def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover - numba
+    """Dedup ``(owner table, id)`` pairs and order the unique ones by (shard, table, first
+    appearance). Segment ``s`` of ``values`` (``bounds[s]:bounds[s + 1]``) belongs to table
+    ``owner[s]``. Returns the ordered ids, the (shard, table) counts and, per value, its index
+    into the ordered ids."""
+    n = values.size
+    capacity = 16
+    while capacity < 2 * n:
+        capacity *= 2
+    mask = np.uint64(capacity - 1)
+    slot_table = np.full(capacity, -1, dtype=np.int64)
+    slot_id = np.empty(capacity, dtype=np.uint64)
+    slot_unique = np.empty(capacity, dtype=np.int64)
+    first = np.empty(n, dtype=np.int64)        # value -> unique index (first-appearance order)
+    unique_id = np.empty(n, dtype=np.uint64)
+    unique_key = np.empty(n, dtype=np.int64)   # shard * num_tables + table
+    count = 0
+    for s in range(owner.size):
+        table = owner[s]
+        salt = np.uint64(table) * _GOLDEN
+        for i in range(bounds[s], bounds[s + 1]):
+            v = values[i]
+            mixed = mix64_scalar(v)
+            h = (mixed ^ salt) & mask
+            while True:
+                j = np.int64(h)
+                if slot_table[j] == -1:
+                    slot_table[j] = table
+                    slot_id[j] = v
+                    slot_unique[j] = count
+                    unique_id[count] = v
+                    unique_key[count] = np.int64(mixed % np.uint64(num_shards)) * num_tables + table
+                    first[i] = count
+                    count += 1
+                    break
+                if slot_id[j] == v and slot_table[j] == table:
+                    first[i] = slot_unique[j]
+                    break
+                h = (h + np.uint64(1)) & mask
+    counts = np.zeros(num_shards * num_tables, dtype=np.int64)
+    for u in range(count):
+        counts[unique_key[u]] += 1
+    cursor = np.zeros(num_shards * num_tables, dtype=np.int64)
+    for k in range(1, counts.size):
+        cursor[k] = cursor[k - 1] + counts[k - 1]
+    position = np.empty(count, dtype=np.int64)
+    ids = np.empty(count, dtype=np.uint64)
+    for u in range(count):
+        p = cursor[unique_key[u]]
+        cursor[unique_key[u]] += 1
+        position[u] = p
+        ids[p] = unique_id[u]
+    inverse = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        inverse[i] = position[first[i]]
+    return ids, counts.reshape(num_shards, num_tables), inverse
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedIds:
+    """Unique ids of several tables ordered by shard, then table.
+
+    The ids of ``tables[j]`` on shard ``k`` are ``ids[start:start + counts[k, j]]``, shard
+    ``k``'s whole share is ``ids[bounds[k]:bounds[k + 1]]``.
+    """
+
+    tables: tuple[str, ...]
+    ids: np.ndarray     # uint64 (U,)
+    counts: np.ndarray  # int64 (num_shards, len(tables))
+
+    @property
+    def num_shards(self) -> int:
+        return int(self.counts.shape[0])
+
+    @property
+    def bounds(self) -> np.ndarray:
+        """``(num_shards + 1,)``: where each shard's share starts and ends."""
+        out = np.zeros(self.num_shards + 1, dtype=np.int64)
+        np.cumsum(self.counts.sum(axis=1), out=out[1:])
+        return out
+
+    def table_ids(self, table: str) -> np.ndarray:
+        """The ids of one table, shard by shard."""
+        j = self.tables.index(table)
+        starts = self.bounds[:-1] + self.counts[:, :j].sum(axis=1)
+        return np.concatenate([self.ids[s:s + c] for s, c in
+                               zip(starts, self.counts[:, j], strict=True)])
+
+    @classmethod
+    def of_tables(cls, ids_by_table: Mapping[str, np.ndarray], num_shards: int
+                  ) -> tuple[ShardedIds, dict[str, np.ndarray]]:
+        """The layout of already-unique ids per table, and for each table where its ids
+        went (``layout.ids[where[t]] == ids_by_table[t]``)."""
+        tables = list(ids_by_table)
+        parts = [np.asarray(ids_by_table[t], dtype=np.uint64).reshape(-1) for t in tables]
+        layout, inverse = place_ids(parts, list(range(len(tables))), tables, num_shards)
+        bounds = np.cumsum([0] + [p.size for p in parts])
+        return layout, {t: inverse[lo:hi] for t, lo, hi in
+                        zip(tables, bounds[:-1], bounds[1:], strict=True)}
+
+
+def place_ids(segments: Sequence[np.ndarray], owners: Sequence[int], tables: Sequence[str],
+              num_shards: int) -> tuple[ShardedIds, np.ndarray]:
+    """Dedup and lay out ids: segment ``s`` (uint64) holds ids of ``tables[owners[s]]``.
+
+    Returns the :class:`ShardedIds` and, for every id of the concatenated segments, its
+    index into ``layout.ids``. Ids that repeat within a table are placed once.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    values = (np.concatenate(segments) if len(segments) != 1 else segments[0]).astype(
+        np.uint64, copy=False)
+    bounds = np.zeros(len(segments) + 1, dtype=np.int64)
+    np.cumsum([s.size for s in segments], out=bounds[1:])
+    ids, counts, inverse = _place(values, bounds, np.asarray(owners, dtype=np.int64),
+                                  len(tables), num_shards)
+    return ShardedIds(tuple(tables), ids, counts), inverse

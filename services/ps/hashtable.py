@@ -20,16 +20,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from services.common.sharding import mix64_scalar as mix64
+
 __all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "dedup_slots", "gather_rows", "mix64",
            "mix64_int", "nonfinite_rows", "prefetch", "prefetch_row", "sum_rows_by_slot",
            "to_unit", "touch_slots", "unique_inverse"]
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 _S11 = np.uint64(11)
 _EMPTY = -1
 PREFETCH_DISTANCE = 8  # rows ahead: random rows cost a DRAM round trip each otherwise
@@ -73,14 +70,6 @@ def prefetch_row(array, row):  # pragma: no cover - numba
     step = max(1, 64 // array.itemsize)
     for col in range(0, array.shape[1], step):
         _prefetch(array, row, col)
-
-
-@njit(cache=True, inline="always")
-def mix64(z):  # pragma: no cover - numba
-    """The splitmix64 finalizer on a uint64 (wrapping arithmetic)."""
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
 
 
 def mix64_int(z: int) -> int:

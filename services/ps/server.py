@@ -17,10 +17,13 @@ Messages:
                                                      ← {rid, pooled: array (samples, dim)} | {rid, error}
     PooledPush   → {rid, table, ids, lengths, grads: array (samples, dim)}
                                                      ← as Push
-    Lookup  → {rid, parts: [{table, ids, codec}, ...]}       ← {rid, parts: [{rows}, ...]}
-    Push    → {rid, parts: [{table, ids, grads}, ...]}       ← {rid, applied, ...} (summed)
-              (several tables in one message: every part is checked before any is served
-              or applied; one error answers the whole message)
+    Lookup  → {rid, tables: [str], counts: [int], ids: array(uint64), codec}
+                                                     ← {rid, rows: array (sum(counts), dim)}
+    Push    → {rid, tables, counts, ids, grads: array (sum(counts), dim) | [array per table]}
+                                                     ← {rid, applied, ...} (summed)
+              (several tables of one dim in one message, their ids one table after the
+              other: every part is checked before any is served or applied; one error
+              answers the whole message)
     Tables  → {}                                             ← {shard_id, num_shards, tables}
     Stats   → {table?}                                       ← {shard_id, tables: {name: stats}}
 """
@@ -119,29 +122,24 @@ class PSServicer:
             yield out
 
     async def _lookup(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
-        if "parts" in body:
-            parts = _parts(body, self.shard.config.max_tables)
-            wanted = [(_table_name(p), array_from_wire(p.get("ids"))) for p in parts]
-            reply_codecs = [_codec(p, codecs) for p in parts]
-            rows = await self.shard.lookup_many(wanted)
-            return {"parts": [{"rows": array_to_wire(r, c)}
-                              for r, c in zip(rows, reply_codecs, strict=True)]}
-        table = _table_name(body)
-        ids = array_from_wire(body.get("ids"))
         codec = _codec(body, codecs)
-        rows = await self.shard.lookup(table, ids)
+        if "tables" in body:
+            tables, counts = _tables_and_counts(body, self.shard.config.max_tables)
+            rows = await self.shard.lookup_many(tables, counts, array_from_wire(body.get("ids")))
+        else:
+            rows = await self.shard.lookup(_table_name(body), array_from_wire(body.get("ids")))
         return {"rows": array_to_wire(rows, codec)}
 
     async def _push(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
-        if "parts" in body:
-            parts = _parts(body, self.shard.config.max_tables)
-            return _ack(await self.shard.push_many(
-                [(_table_name(p), array_from_wire(p.get("ids")),
-                  _float32(array_from_wire(p.get("grads")))) for p in parts]))
-        table = _table_name(body)
         ids = array_from_wire(body.get("ids"))
-        grads = _float32(array_from_wire(body.get("grads")))
-        return _ack(await self.shard.push(table, ids, grads))
+        grads = body.get("grads")
+        if "tables" in body:
+            tables, counts = _tables_and_counts(body, self.shard.config.max_tables)
+            decoded = ([_float32(array_from_wire(g)) for g in grads] if isinstance(grads, list)
+                       else _float32(array_from_wire(grads)))
+            return _ack(await self.shard.push_many(tables, counts, ids, decoded))
+        table = _table_name(body)
+        return _ack(await self.shard.push(table, ids, _float32(array_from_wire(grads))))
 
     async def _pooled_lookup(self, body: dict[str, Any],
                              codecs: dict[str, Codec]) -> dict[str, Any]:
@@ -197,15 +195,17 @@ def _ack(result: PushResult) -> dict[str, Any]:
             "not_admitted": result.not_admitted}
 
 
-def _parts(body: dict[str, Any], max_parts: int) -> list[dict[str, Any]]:
-    """The per-table parts of a multi-table Lookup or Push: a list of request bodies."""
-    parts = body.get("parts")
-    if not isinstance(parts, list) or not parts \
-            or not all(isinstance(p, dict) for p in parts):
-        raise InvalidArgument("'parts' must be a non-empty list of {table, ids, ...} maps")
-    if len(parts) > max_parts:
-        raise InvalidArgument(f"{len(parts)} parts exceed the limit of {max_parts} tables")
-    return parts
+def _tables_and_counts(body: dict[str, Any], max_tables: int) -> tuple[list[str], list[int]]:
+    """The ``tables`` and ``counts`` of a multi-table Lookup or Push."""
+    tables, counts = body.get("tables"), body.get("counts")
+    if not isinstance(tables, list) or not tables \
+            or not all(isinstance(t, str) and t for t in tables):
+        raise InvalidArgument("'tables' must be a non-empty list of table names")
+    if len(tables) > max_tables:
+        raise InvalidArgument(f"{len(tables)} tables exceed the limit of {max_tables}")
+    if not isinstance(counts, list) or not all(type(c) is int and c >= 0 for c in counts):
+        raise InvalidArgument("'counts' must be a list of non-negative ints, one per table")
+    return tables, counts
 
 
 def _table_name(body: dict[str, Any]) -> str:

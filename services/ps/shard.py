@@ -11,6 +11,7 @@ import asyncio
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,43 +125,71 @@ class Shard:
     async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         return await asyncio.to_thread(self.lookup_sync, name, ids)
 
-    # Several tables in one request (a worker's whole step): every part is checked before
-    # any is served or applied, and the work takes one thread hop.
+    # Several tables in one request (a worker's whole step): ``ids`` holds each table's ids
+    # one after the other (``counts`` per table). Every check is done before any part is
+    # served or applied, and the work takes one thread hop.
 
-    def _check_parts(self, parts: list[tuple[str, Any]]) -> None:
-        if not parts:
-            raise InvalidArgument("a multi-table request needs at least one part")
-        names = [name for name, *_ in parts]
-        if len(set(names)) != len(names):
-            raise InvalidArgument(f"a multi-table request names a table twice: {names}")
+    def _table_slices(self, tables: Sequence[str], counts: Sequence[int],
+                      ids: np.ndarray) -> tuple[list[tuple[str, np.ndarray]], int]:
+        """The (table, ids) parts of a multi-table request and the tables' common dim."""
+        if not tables:
+            raise InvalidArgument("a multi-table request needs at least one table")
+        if len(set(tables)) != len(tables):
+            raise InvalidArgument(f"a multi-table request names a table twice: {list(tables)}")
+        if len(counts) != len(tables):
+            raise InvalidArgument(f"{len(counts)} counts for {len(tables)} tables")
+        self.check_ids(ids)
+        if sum(counts) != ids.size:
+            raise InvalidArgument(f"the counts add up to {sum(counts)} but there are "
+                                  f"{ids.size} ids")
+        dims = {name: self.table(name).dim for name in tables}
+        if len(set(dims.values())) != 1:
+            raise InvalidArgument(f"the tables of one request must have one dim, got {dims}")
+        bounds = np.cumsum([0, *counts])
+        return ([(name, ids[lo:hi]) for name, lo, hi in
+                 zip(tables, bounds[:-1], bounds[1:], strict=True)], dims[tables[0]])
 
-    def lookup_many_sync(self, parts: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-        self._check_parts(parts)
-        for name, ids in parts:
-            self.table(name).validate_lookup(self.check_ids(ids))
-        out = []
-        for name, ids in parts:
+    def lookup_many_sync(self, tables: Sequence[str], counts: Sequence[int],
+                         ids: np.ndarray) -> np.ndarray:
+        """Rows ``(len(ids), dim)`` of several tables' ids, in request order."""
+        parts, dim = self._table_slices(tables, counts, ids)
+        out = np.empty((ids.size, dim), dtype=np.float32)
+        start = 0
+        for name, part in parts:
             with self._locks[name]:
-                out.append(self.table(name).lookup(ids))
+                out[start:start + part.size] = self.table(name).lookup(part)
+            start += part.size
         return out
 
-    def push_many_sync(self, parts: list[tuple[str, np.ndarray, np.ndarray]]) -> PushResult:
-        self._check_parts(parts)
-        for name, ids, grads in parts:
-            self.table(name).validate_push(self.check_ids(ids), grads)
+    def push_many_sync(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
+                       grads: np.ndarray | Sequence[np.ndarray]) -> PushResult:
+        """Apply several tables' gradients: one ``(len(ids), dim)`` array, or one array per
+        table."""
+        parts, _ = self._table_slices(tables, counts, ids)
+        if isinstance(grads, np.ndarray):
+            if grads.ndim != 2 or grads.shape[0] != ids.size:
+                raise InvalidArgument(f"grads must be ({ids.size}, dim), got {grads.shape}")
+            bounds = np.cumsum([0, *counts])
+            grads = [grads[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        elif len(grads) != len(parts):
+            raise InvalidArgument(f"{len(grads)} gradient arrays for {len(parts)} tables")
+        checked = [(name, *self.table(name).validate_push(part, g))
+                   for (name, part), g in zip(parts, grads, strict=True)]
         results = []
-        for name, ids, grads in parts:
+        for name, part, g in checked:
             with self._locks[name]:
-                results.append(self.table(name).push(ids, grads))
+                results.append(self.table(name).push(part, g))
         return PushResult(applied=sum(r.applied for r in results),
                           dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
                           not_admitted=sum(r.not_admitted for r in results))
 
-    async def lookup_many(self, parts: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-        return await asyncio.to_thread(self.lookup_many_sync, parts)
+    async def lookup_many(self, tables: Sequence[str], counts: Sequence[int],
+                          ids: np.ndarray) -> np.ndarray:
+        return await asyncio.to_thread(self.lookup_many_sync, tables, counts, ids)
 
-    async def push_many(self, parts: list[tuple[str, np.ndarray, np.ndarray]]) -> PushResult:
-        return await asyncio.to_thread(self.push_many_sync, parts)
+    async def push_many(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
+                        grads: np.ndarray | Sequence[np.ndarray]) -> PushResult:
+        return await asyncio.to_thread(self.push_many_sync, tables, counts, ids, grads)
 
     # DES-style partial pooling: the shard pools the rows it owns, per sample.
 

@@ -3,20 +3,22 @@
 A batch holds, per sparse feature, a jagged id list: ``values`` uint64 ``(total,)`` and
 ``lengths`` int ``(B,)`` (the KeyedJaggedTensor layout). The flow on a worker is:
 
-1. :func:`plan_batch` finds, per table, the unique ids (what to look up on the PS) and, per
-   feature, the index of every id into its table's unique ids (numpy, vectorised).
-2. The rows of the unique ids come back from the PS, ``(U, dim)`` per table.
-3. :func:`pool_batch` turns them into leaf tensors with ``requires_grad`` and pools them per
-   sample (``sum`` or ``mean``; a sample with no ids pools to zeros) with
-   ``torch.nn.functional.embedding_bag`` in offsets mode.
-4. After ``loss.backward()``, :meth:`PooledBatch.row_grads` gives ``(U, dim)`` per table: the
-   gradient of the loss w.r.t. each unique row, summed over every place it was used — exactly
-   what is pushed to the PS for those ids.
+1. :func:`plan_batch` dedups the ids per table in one hash pass (numba, GIL released) and lays
+   the unique ids of a *group* of tables (tables of one dim) out by shard, then table
+   (:class:`ShardedIds`): each shard's share is one slice, sent as one message.
+2. The rows come back from the shards, concatenated in shard order: ``(U, dim)`` per group,
+   aligned with the group's ids.
+3. :func:`pool_batch` makes each group's rows one leaf tensor and pools every feature of the
+   group per sample with a single ``embedding_bag`` (the features' bags end to end; ``sum`` or
+   ``mean``, an empty bag pools to zeros).
+4. After ``loss.backward()``, :meth:`PooledBatch.row_grads` gives ``(U, dim)`` per group: the
+   gradient of the loss w.r.t. each unique row, summed over every place it was used; each
+   shard's slice of it is what is pushed to that shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +28,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.common.errors import InvalidArgument
+from services.common.sharding import ShardedIds, place_ids
 
 __all__ = [
     "POOLING_MODES",
     "BatchPlan",
     "FeaturePlan",
+    "GroupPlan",
     "PooledBatch",
     "as_jagged",
     "plan_batch",
@@ -43,28 +47,45 @@ POOLING_MODES = ("sum", "mean")
 
 @dataclass(slots=True, frozen=True)
 class FeaturePlan:
-    """Where one feature's ids sit in its table's unique ids."""
+    """Where one feature's ids sit in its group's unique ids."""
 
     table: str
-    inverse: np.ndarray   # int64 (total,): index of each id into BatchPlan.unique[table]
+    group: int            # index into BatchPlan.groups
+    inverse: np.ndarray   # int64 (total,): index of each id into the group's layout.ids
     lengths: np.ndarray   # int64 (B,)
     offsets: np.ndarray   # int64 (B,): start of each sample's ids in ``inverse``
 
 
 @dataclass(slots=True, frozen=True)
+class GroupPlan:
+    """Tables looked up, pooled and pushed together: their unique ids by shard, then table,
+    and their features' bags end to end (``inverse`` and ``offsets`` feature after feature)."""
+
+    layout: ShardedIds
+    features: tuple[str, ...]
+    inverse: np.ndarray   # int64: every id of the group's features into layout.ids
+    offsets: np.ndarray   # int64 (len(features) * B,): bag starts into ``inverse``
+
+
+@dataclass(slots=True, frozen=True)
 class BatchPlan:
-    """Per table the unique ids to look up; per feature how to pool them back."""
+    """Per group of tables the unique ids to look up; per feature how to pool them back."""
 
     batch_size: int
-    unique: dict[str, np.ndarray]          # table -> uint64 (U,), sorted ascending
+    groups: list[GroupPlan]
     features: dict[str, FeaturePlan]
+
+    @property
+    def unique(self) -> dict[str, np.ndarray]:
+        """Each table's unique ids (shard by shard)."""
+        return {t: g.layout.table_ids(t) for g in self.groups for t in g.layout.tables}
 
     def num_ids(self) -> int:
         """Ids in the batch before dedup (for dedup-ratio metrics)."""
-        return int(sum(f.inverse.size for f in self.features.values()))
+        return int(sum(g.inverse.size for g in self.groups))
 
     def num_unique(self) -> int:
-        return int(sum(u.size for u in self.unique.values()))
+        return int(sum(g.layout.ids.size for g in self.groups))
 
 
 def as_jagged(feature: Any, name: str = "feature") -> tuple[np.ndarray, np.ndarray]:
@@ -93,12 +114,15 @@ def as_jagged(feature: Any, name: str = "feature") -> tuple[np.ndarray, np.ndarr
     return values.astype(np.uint64, copy=False), lengths.astype(np.int64, copy=False)
 
 
-def plan_batch(features: Mapping[str, Any], *,
-               table_of: Mapping[str, str] | None = None) -> BatchPlan:
-    """Dedup a batch's ids per table (features sharing a table are deduped together).
+def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | None = None,
+               num_shards: int = 1, groups: Sequence[Sequence[str]] | None = None
+               ) -> BatchPlan:
+    """Dedup a batch's ids per table (features sharing a table are deduped together) and lay
+    them out for ``num_shards`` PS shards.
 
     ``features`` maps a feature name to its jagged ids (see :func:`as_jagged`); ``table_of``
-    maps a feature to its table (default: the table has the feature's name).
+    maps a feature to its table (default: the table has the feature's name); ``groups`` lists
+    the tables pooled and sent together, tables of one dim (default: all in one group).
     """
     if not features:
         raise InvalidArgument("a batch needs at least one sparse feature")
@@ -110,26 +134,36 @@ def plan_batch(features: Mapping[str, Any], *,
     missing = sorted(set(jagged) - set(table_of)) if table_of else []
     if missing:
         raise InvalidArgument(f"table_of has no table for features {missing}")
-    by_table: dict[str, list[str]] = {}
-    for name in jagged:
-        by_table.setdefault(table_of.get(name, name), []).append(name)
-
-    unique: dict[str, np.ndarray] = {}
+    tables = list(dict.fromkeys(table_of.get(name, name) for name in jagged))
+    groups = [list(g) for g in groups] if groups is not None else [tables]
+    group_of = {t: i for i, g in enumerate(groups) for t in g}
+    ungrouped = sorted(set(tables) - set(group_of))
+    if ungrouped:
+        raise InvalidArgument(f"tables {ungrouped} are in no group")
+    batch_size = next(iter(sizes.values()))
     plans: dict[str, FeaturePlan] = {}
-    for table, names in by_table.items():
-        values = [jagged[n][0] for n in names]
-        allv = values[0] if len(values) == 1 else np.concatenate(values)
-        uniq, inverse = np.unique(allv, return_inverse=True)
-        unique[table] = uniq
-        inverse = inverse.reshape(-1).astype(np.int64, copy=False)
-        bounds = np.cumsum([0] + [v.size for v in values])
-        for n, lo, hi in zip(names, bounds[:-1], bounds[1:], strict=True):
-            lengths = jagged[n][1]
-            offsets = np.zeros(lengths.size, dtype=np.int64)
-            np.cumsum(lengths[:-1], out=offsets[1:])
-            plans[n] = FeaturePlan(table=table, inverse=inverse[lo:hi], lengths=lengths,
-                                   offsets=offsets)
-    return BatchPlan(batch_size=next(iter(sizes.values())), unique=unique, features=plans)
+    group_plans: list[GroupPlan] = []
+    for gi, group in enumerate(groups):
+        names = [n for n in jagged if group_of[table_of.get(n, n)] == gi]
+        group_tables = [t for t in group if t in tables]
+        if not names:
+            continue
+        owners = [group_tables.index(table_of.get(n, n)) for n in names]
+        layout, inverse = place_ids([jagged[n][0] for n in names], owners, group_tables,
+                                    num_shards)
+        lengths = np.concatenate([jagged[n][1] for n in names])
+        offsets = np.zeros(lengths.size, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        index = len(group_plans)
+        for k, n in enumerate(names):
+            bags = offsets[k * batch_size:(k + 1) * batch_size]
+            first = int(bags[0]) if batch_size else 0
+            plans[n] = FeaturePlan(table=table_of.get(n, n), group=index,
+                                   inverse=inverse[first:first + jagged[n][0].size],
+                                   lengths=jagged[n][1], offsets=bags - first)
+        group_plans.append(GroupPlan(layout=layout, features=tuple(names), inverse=inverse,
+                                     offsets=offsets))
+    return BatchPlan(batch_size=batch_size, groups=group_plans, features=plans)
 
 
 def pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str = "sum") -> Tensor:
@@ -142,7 +176,7 @@ def pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str = "sum") -> T
     return F.embedding_bag(inverse, rows, offsets, mode=mode)
 
 
-def _rows_tensor(table: str, arr: np.ndarray | Tensor, n_unique: int,
+def _rows_tensor(group: int, arr: np.ndarray | Tensor, n_unique: int,
                  device: torch.device, dtype: torch.dtype) -> Tensor:
     """A fresh leaf (never aliasing the caller's buffer) of ``(n_unique, dim)`` rows."""
     if isinstance(arr, Tensor):
@@ -150,54 +184,60 @@ def _rows_tensor(table: str, arr: np.ndarray | Tensor, n_unique: int,
     else:
         a = np.asarray(arr)
         if not np.issubdtype(a.dtype, np.floating):
-            raise InvalidArgument(f"rows of table {table!r} must be floats, got {a.dtype}")
+            raise InvalidArgument(f"rows of group {group} must be floats, got {a.dtype}")
         t = torch.tensor(a).to(device=device, dtype=dtype)
     if t.dim() != 2 or t.shape[0] != n_unique:
-        raise InvalidArgument(f"rows of table {table!r} must be ({n_unique}, dim), "
+        raise InvalidArgument(f"rows of group {group} must be ({n_unique}, dim), "
                               f"got {tuple(t.shape)}")
     return t.requires_grad_(True)
 
 
 @dataclass(slots=True)
 class PooledBatch:
-    """Leaf row tensors per table and the pooled ``(B, dim)`` tensors per feature."""
+    """Leaf row tensors per group and the pooled ``(B, dim)`` tensors per feature."""
 
     plan: BatchPlan
-    rows: dict[str, Tensor]       # table -> (U, dim) leaf, requires_grad
+    rows: list[Tensor]            # per group: (U, dim) leaf, requires_grad
     pooled: dict[str, Tensor]     # feature -> (B, dim)
 
-    def row_grads(self) -> dict[str, np.ndarray]:
-        """Per table the float32 ``(U, dim)`` gradient of each unique row (after backward);
-        zeros for a table the loss did not reach."""
-        out: dict[str, np.ndarray] = {}
-        for table, t in self.rows.items():
-            g = t.grad
-            out[table] = (np.zeros(tuple(t.shape), dtype=np.float32) if g is None
-                          else g.detach().to("cpu", torch.float32).numpy())
-        return out
+    def row_grads(self) -> list[np.ndarray]:
+        """Per group the float32 ``(U, dim)`` gradient of each unique row (after backward);
+        zeros for a group the loss did not reach."""
+        return [np.zeros(tuple(t.shape), dtype=np.float32) if t.grad is None
+                else t.grad.detach().to("cpu", torch.float32).numpy() for t in self.rows]
 
 
-def pool_batch(plan: BatchPlan, rows: Mapping[str, np.ndarray | Tensor], *,
+def pool_batch(plan: BatchPlan, rows: Sequence[np.ndarray | Tensor], *,
                mode: str | Mapping[str, str] = "sum", device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32) -> PooledBatch:
-    """Pool the looked-up ``rows`` (per table, aligned with ``plan.unique``) per feature.
+    """Pool the looked-up ``rows`` (per group, aligned with its ``layout.ids``) per feature.
 
-    ``mode`` is one mode for every feature or a per-feature mapping (default ``sum``).
-    The row tensors are fresh leaves, so their ``.grad`` after backward is the push gradient.
+    ``mode`` is one mode for every feature or a per-feature mapping (default ``sum``). The
+    features of a group that share a mode are pooled by one ``embedding_bag`` call. The row
+    tensors are fresh leaves, so their ``.grad`` after backward is the push gradient.
     """
     device = torch.device(device)
-    missing = sorted(set(plan.unique) - set(rows))
-    if missing:
-        raise InvalidArgument(f"rows are missing for tables {missing}")
+    if len(rows) != len(plan.groups):
+        raise InvalidArgument(f"rows are needed for {len(plan.groups)} groups, "
+                              f"got {len(rows)}")
     modes = {f: (mode if isinstance(mode, str) else mode.get(f, "sum")) for f in plan.features}
     bad = {f: m for f, m in modes.items() if m not in POOLING_MODES}
     if bad:
         raise InvalidArgument(f"pooling modes must be one of {POOLING_MODES}, got {bad}")
-    leaves = {table: _rows_tensor(table, rows[table], plan.unique[table].size, device, dtype)
-              for table in plan.unique}
+    leaves = [_rows_tensor(i, r, g.layout.ids.size, device, dtype)
+              for i, (g, r) in enumerate(zip(plan.groups, rows, strict=True))]
+    batch = plan.batch_size
     pooled: dict[str, Tensor] = {}
-    for fname, fp in plan.features.items():
-        inverse = torch.from_numpy(fp.inverse).to(device)
-        offsets = torch.from_numpy(fp.offsets).to(device)
-        pooled[fname] = pool(leaves[fp.table], inverse, offsets, modes[fname])
+    for group, leaf in zip(plan.groups, leaves, strict=True):
+        group_modes = {modes[f] for f in group.features}
+        if len(group_modes) == 1:  # every bag of the group in one call
+            out = pool(leaf, torch.from_numpy(group.inverse).to(device),
+                       torch.from_numpy(group.offsets).to(device), group_modes.pop())
+            for k, f in enumerate(group.features):
+                pooled[f] = out[k * batch:(k + 1) * batch]
+            continue
+        for f in group.features:
+            fp = plan.features[f]
+            pooled[f] = pool(leaf, torch.from_numpy(fp.inverse).to(device),
+                             torch.from_numpy(fp.offsets).to(device), modes[f])
     return PooledBatch(plan=plan, rows=leaves, pooled=pooled)

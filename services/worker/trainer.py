@@ -2,9 +2,10 @@
 
 One step of one batch::
 
-    plan_batch (dedup ids per table) → PSClient.lookup_tables (one message per shard)
-    → pool_batch → model forward/backward (BCE with logits) → dense sync + optimizer step
-    → PSClient.push_tables of the per-unique-row gradients (in the background)
+    plan_batch (dedup ids per table, laid out by shard) → PSClient.lookup_sharded (one
+    message per shard) → pool_batch → model forward/backward (BCE with logits) → dense sync
+    + optimizer step → PSClient.push_sharded of the per-unique-row gradients (in the
+    background)
 
 Lookups run in a producer task ahead of compute; compute runs in a thread so the event loop
 keeps serving lookups and pushes meanwhile. The bound on staleness is a semaphore of
@@ -87,7 +88,7 @@ class _Prepared:
 
     batch: Batch
     plan: BatchPlan
-    rows: dict[str, np.ndarray]
+    rows: list[np.ndarray]  # per group of tables, aligned with its layout's ids
     staleness: int
 
 
@@ -171,6 +172,7 @@ class Trainer:
         self.progress.registry.register(WireStatsCollector(self.codec_rows))
         self._admin: AdminServer | None = None
         self.admin_port: int | None = None
+        self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._unacked = 0
         self.step = 0
         self.losses: list[float] = []          # training loss of every step
@@ -313,19 +315,40 @@ class Trainer:
 
     # ---- PS round trips ------------------------------------------------------------------
 
-    async def _lookup(self, batch: Batch) -> tuple[BatchPlan, dict[str, np.ndarray]]:
-        plan = plan_batch(self._features(batch), table_of=self.tables)
-        with self.progress.lookup_seconds.time():
-            rows = await self.ps.lookup_tables(plan.unique)
-        return plan, rows
+    def _table_groups(self) -> list[list[str]]:
+        """The tables pooled and sent together: those of one dim."""
+        assert self.tables is not None
+        by_dim: dict[int, list[str]] = {}
+        for table in dict.fromkeys(self.tables.values()):
+            by_dim.setdefault(self.ps.dims[table], []).append(table)
+        return list(by_dim.values())
 
-    async def _push(self, batch: Batch, plan: BatchPlan, grads: dict[str, np.ndarray],
+    async def _lookup(self, batch: Batch) -> tuple[BatchPlan, list[np.ndarray]]:
+        features = self._features(batch)
+        if self._groups is None:
+            await self._ensure_dims()
+            self._groups = self._table_groups()
+        plan = plan_batch(features, table_of=self.tables, num_shards=self.ps.num_shards,
+                          groups=self._groups)
+        with self.progress.lookup_seconds.time():
+            rows = await asyncio.gather(*(self.ps.lookup_sharded(g.layout)
+                                          for g in plan.groups))
+        return plan, list(rows)
+
+    async def _ensure_dims(self) -> None:
+        assert self.tables is not None
+        if any(t not in self.ps.dims for t in self.tables.values()):
+            await self.ps.tables()
+            self._check_tables()
+
+    async def _push(self, batch: Batch, plan: BatchPlan, grads: list[np.ndarray],
                     slots: asyncio.Semaphore | None) -> None:
         """Push a batch's row gradients; once the PS acknowledged them, ack the batch to the
         loader (so its source offsets can be committed) and free its slot."""
         try:
             with self.progress.push_seconds.time():
-                await self.ps.push_tables(plan.unique, grads)
+                await asyncio.gather(*(self.ps.push_sharded(g.layout, grad)
+                                       for g, grad in zip(plan.groups, grads, strict=True)))
             if self._loader is not None:
                 await self._loader.ack(batch)
         finally:
@@ -365,7 +388,7 @@ class Trainer:
         labels = torch.tensor(item.batch.labels).to(self.device)
         return pooled, dense, labels
 
-    def _train_step(self, item: _Prepared) -> tuple[float, np.ndarray, dict[str, np.ndarray]]:
+    def _train_step(self, item: _Prepared) -> tuple[float, np.ndarray, list[np.ndarray]]:
         assert self._forward is not None and self._optimizer is not None and self.module
         pooled, dense, labels = self._inputs(item)
         self.module.train()
@@ -506,7 +529,7 @@ class Trainer:
         iterator = _iterate(batches).__aiter__()
         pending: asyncio.Task[Any] | None = None
 
-        async def fetch() -> tuple[Batch, BatchPlan, dict[str, np.ndarray]] | None:
+        async def fetch() -> tuple[Batch, BatchPlan, list[np.ndarray]] | None:
             try:
                 batch = await iterator.__anext__()
             except StopAsyncIteration:

@@ -81,11 +81,11 @@ def _jagged(rng, batch: int, universe: int) -> tuple[np.ndarray, np.ndarray]:
 
 async def _plain_step(ps, table, ids, lengths, grad_out, mode):
     """The worker's plain path: unique lookup, embedding_bag, backward, per-row push."""
-    plan = plan_batch({"f": (ids, lengths)}, table_of={"f": table})
-    rows = {table: await ps.lookup_unique(table, plan.unique[table])}
-    pooled = pool_batch(plan, rows, mode=mode)
+    plan = plan_batch({"f": (ids, lengths)}, table_of={"f": table}, num_shards=ps.num_shards)
+    layout = plan.groups[0].layout
+    pooled = pool_batch(plan, [await ps.lookup_sharded(layout)], mode=mode)
     pooled.pooled["f"].backward(torch.from_numpy(grad_out))
-    await ps.push_unique(table, plan.unique[table], pooled.row_grads()[table])
+    await ps.push_sharded(layout, pooled.row_grads()[0])
     return pooled.pooled["f"].detach().numpy()
 
 

@@ -15,7 +15,7 @@ from services.common.errors import (
     ProtocolMismatch,
     WrongShard,
 )
-from services.common.sharding import shard_of
+from services.common.sharding import ShardedIds, shard_of
 from services.common.wire import encode_message, raw_array
 from tests.integration.ps.conftest import digest
 
@@ -230,22 +230,55 @@ async def test_multi_table_messages_equal_one_table_at_a_time(cluster):
         assert not np.array_equal(after[table], together[table])
 
 
-@pytest.mark.parametrize("case", ["bad_last_part", "same_table_twice", "empty", "not_a_list"])
+async def test_multi_table_message_is_one_request_per_shard_in_layout_order(cluster):
+    ids = {"user": np.arange(0, 40, dtype=np.uint64), "item": np.arange(7, 30, dtype=np.uint64)}
+    layout, where = ShardedIds.of_tables({"user": ids["user"]}, 2)
+    async with PSClient(addresses(cluster)) as ps:
+        rows = await ps.lookup_sharded(layout)
+        np.testing.assert_array_equal(rows[where["user"]], await ps.lookup("user", ids["user"]))
+        sent = sum(s.lookup.bytes_out for s in ps._shards)
+        await ps.lookup_sharded(layout)
+        assert sum(s.lookup.bytes_out for s in ps._shards) > sent
+        ack = await ps.push_sharded(layout, np.ones((layout.ids.size, 8), np.float32))
+        with pytest.raises(InvalidArgument, match="grads must be"):
+            await ps.push_sharded(layout, np.ones((3, 8), np.float32))
+    assert ack.applied == 40
+
+
+_MINE = np.arange(20, dtype=np.uint64)[shard_of(np.arange(20, dtype=np.uint64), 2) == 0]
+
+
+def _push_body(case: str) -> dict:
+    n = _MINE.size
+    both = np.r_[_MINE, _MINE]
+    body = {"tables": ["user"], "counts": [n], "ids": raw_array(_MINE),
+            "grads": raw_array(np.ones((n, 8), np.float32))}
+    changes = {
+        "two_dims": {"tables": ["user", "item"], "counts": [n, n], "ids": raw_array(both),
+                     "grads": [raw_array(np.ones((n, 8), np.float32)),
+                               raw_array(np.ones((n, 4), np.float32))]},
+        "same_table_twice": {"tables": ["user", "user"], "counts": [n, n], "ids": raw_array(both),
+                             "grads": raw_array(np.ones((2 * n, 8), np.float32))},
+        "no_tables": {"tables": []},
+        "counts_do_not_add_up": {"counts": [n + 1]},
+        "negative_count": {"counts": [-1]},
+        "grads_per_table_short": {"grads": []},
+        "grads_wrong_rows": {"grads": raw_array(np.ones((n + 1, 8), np.float32))},
+    }
+    return {**body, **changes[case]}
+
+
+@pytest.mark.parametrize("case", ["two_dims", "same_table_twice", "no_tables",
+                                  "counts_do_not_add_up", "negative_count",
+                                  "grads_per_table_short", "grads_wrong_rows"])
 async def test_multi_table_push_with_a_bad_part_changes_nothing(cluster, case):
     async with PSClient(addresses(cluster)) as ps:
         await ps.lookup_tables({"user": np.arange(30, dtype=np.uint64)})
         state = digest(cluster)
-        ids = np.arange(20, dtype=np.uint64)
-        mine = ids[shard_of(ids, 2) == 0]
-        good = {"table": "user", "ids": raw_array(mine),
-                "grads": raw_array(np.ones((mine.size, 8), np.float32))}
-        parts = {"bad_last_part": [good, {"table": "item", "ids": raw_array(mine),
-                                          "grads": raw_array(np.ones((mine.size, 3), np.float32))}],
-                 "same_table_twice": [good, good], "empty": [], "not_a_list": {"a": good}}[case]
         with pytest.raises(InvalidArgument) as info:
-            await ps._shards[0].push.request({"parts": parts})
+            await ps._shards[0].push.request(_push_body(case))
         assert info.value.message
-        assert digest(cluster) == state  # the good first part was not applied either
+        assert digest(cluster) == state  # no part was applied
         with pytest.raises(InvalidArgument):
-            await ps._shards[0].lookup.request({"parts": [{"table": "user", "ids": 5}]})
-        assert (await ps.lookup("user", ids)).shape == (20, 8)  # the stream goes on
+            await ps._shards[0].lookup.request({"tables": ["user"], "counts": [1], "ids": 5})
+        assert (await ps.lookup("user", _MINE)).shape == (_MINE.size, 8)  # the stream goes on

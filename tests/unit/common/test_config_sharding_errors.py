@@ -19,7 +19,14 @@ from services.common.errors import (
     error_from_wire,
     error_to_wire,
 )
-from services.common.sharding import shard_of, split_by_shard, split_tables_by_shard
+from services.common.sharding import (
+    ShardedIds,
+    mix64,
+    mix64_scalar,
+    place_ids,
+    shard_of,
+    split_by_shard,
+)
 
 
 class Colour(StrEnum):
@@ -117,19 +124,44 @@ def test_split_by_shard_partitions_positions():
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 5])
-def test_split_tables_by_shard_equals_one_table_at_a_time(num_shards):
+def test_place_ids_dedups_per_table_and_groups_by_shard_then_table(num_shards):
     rng = np.random.default_rng(num_shards)
-    tables = {f"t{i}": np.unique(rng.integers(0, 2**63, int(rng.integers(0, 60)),
-                                              dtype=np.uint64)) for i in range(6)}
-    tables["empty"] = np.empty(0, dtype=np.uint64)
-    together = split_tables_by_shard(tables, num_shards)
-    assert list(together) == list(tables)
-    for name, ids in tables.items():
-        alone = split_by_shard(ids, num_shards)
-        assert len(together[name]) == num_shards
-        for a, b in zip(together[name], alone, strict=True):
-            np.testing.assert_array_equal(a, b)
-    assert split_tables_by_shard({}, 2) == {}
+    shared = rng.integers(0, 2**64 - 1, 40, dtype=np.uint64)  # the same ids in both tables
+    segments = [rng.choice(shared, 300), rng.choice(shared, 200), shared[:7],
+                np.empty(0, dtype=np.uint64)]
+    owners = [0, 1, 0, 1]
+    layout, inverse = place_ids(segments, owners, ["a", "b"], num_shards)
+    values = np.concatenate(segments)
+    np.testing.assert_array_equal(layout.ids[inverse], values)  # every id finds itself
+    assert layout.counts.shape == (num_shards, 2)
+    bounds = layout.bounds
+    start = 0
+    for k in range(num_shards):
+        assert bounds[k] == start
+        for j, table in enumerate(("a", "b")):
+            part = layout.ids[start:start + layout.counts[k, j]]
+            assert (shard_of(part, num_shards) == k).all()
+            assert np.unique(part).size == part.size  # deduped within the table
+            start += part.size
+    for j, table in enumerate(("a", "b")):
+        mine = np.concatenate([s for s, o in zip(segments, owners, strict=True) if o == j])
+        assert sorted(layout.table_ids(table).tolist()) == sorted(set(mine.tolist()))
+
+
+def test_sharded_ids_of_tables_puts_every_id_back():
+    tables = {"x": np.array([9, 4, 2**63], np.uint64), "y": np.array([4], np.uint64),
+              "none": np.empty(0, np.uint64)}
+    layout, where = ShardedIds.of_tables(tables, 2)
+    assert layout.ids.size == 4 and layout.tables == ("x", "y", "none")
+    for table, ids in tables.items():
+        np.testing.assert_array_equal(layout.ids[where[table]], ids)
+    with pytest.raises(ValueError):
+        place_ids([np.array([1], np.uint64)], [0], ["t"], 0)
+
+
+def test_numba_mixer_equals_numpy_mixer():
+    ids = np.array([0, 1, 2**63, 2**64 - 1, 12345], dtype=np.uint64)
+    assert [int(mix64_scalar(np.uint64(i))) for i in ids] == mix64(ids).tolist()
 
 
 def test_error_mappings_are_consistent():
