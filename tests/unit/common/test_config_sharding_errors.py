@@ -138,7 +138,7 @@ def test_place_ids_dedups_per_table_and_groups_by_shard_then_table(num_shards):
     start = 0
     for k in range(num_shards):
         assert bounds[k] == start
-        for j, table in enumerate(("a", "b")):
+        for j in range(2):
             part = layout.ids[start:start + layout.counts[k, j]]
             assert (shard_of(part, num_shards) == k).all()
             assert np.unique(part).size == part.size  # deduped within the table
