@@ -43,6 +43,7 @@ class PSService(ServingService):
         if restore:
             rows = await self.shard.restore(restore)
             log.info("restored checkpoint %s: %s", restore, rows)
+        await asyncio.to_thread(self.shard.warm_up)
         servicer = PSServicer(self.shard, self.metrics)
         self._grpc, self.grpc_port = make_server(
             [servicer.handlers()], self.config.host, self.config.grpc_port,

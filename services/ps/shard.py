@@ -2,7 +2,8 @@
 
 Transport-free: the gRPC servicer and the admin REST API both call this. Every method
 validates first and mutates after, so a rejected request changes nothing. Table work runs
-in worker threads (``asyncio.to_thread``) under one lock per table.
+under one lock per table: on the event loop for requests of at most ``INLINE_IDS`` ids whose
+tables are free, in worker threads (``asyncio.to_thread``) otherwise.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,10 +30,13 @@ from services.common.errors import (
 from services.common.sharding import shard_of
 from services.ps.checkpoint import list_checkpoints, read_checkpoint, write_checkpoint
 from services.ps.config import PSConfig
-from services.ps.store import EmbeddingTable, PushResult
+from services.ps.store import EmbeddingTable, PushResult, warm_up
 from services.ps.tables import OptimizerConfig, TableConfig
 
-__all__ = ["Shard"]
+__all__ = ["INLINE_IDS", "Shard"]
+
+T = TypeVar("T")
+INLINE_IDS = 16_384  # requests up to this many ids: served on the event loop (~0.2 ms)
 
 
 class Shard:
@@ -41,7 +45,7 @@ class Shard:
     def __init__(self, config: PSConfig) -> None:
         self.config = config
         self.tables: dict[str, EmbeddingTable] = {}
-        self._locks: dict[str, threading.Lock] = {}
+        self._locks: dict[str, threading.RLock] = {}  # re-entered by work served inline
         self._ckpt_lock = asyncio.Lock()
         self._last_checkpoint: str | None = None
         for table_config in config.tables:
@@ -56,6 +60,11 @@ class Shard:
             raise NotFound(f"table {name!r} does not exist on shard {self.config.shard_id}; "
                            f"tables: {sorted(self.tables)}") from None
 
+    def warm_up(self) -> None:
+        """Load the compiled kernels of every table's kind before the first request."""
+        for table in self.tables.values():
+            warm_up(table.config)
+
     def create_table(self, table_config: TableConfig | dict[str, Any]) -> EmbeddingTable:
         if isinstance(table_config, dict):
             table_config = from_dict(TableConfig, table_config, where="table")
@@ -64,7 +73,7 @@ class Shard:
         if len(self.tables) >= self.config.max_tables:
             raise ResourceExhausted(f"shard holds the maximum of {self.config.max_tables} tables")
         table = EmbeddingTable(table_config)
-        self._locks[table_config.name] = threading.Lock()
+        self._locks[table_config.name] = threading.RLock()
         self.tables[table_config.name] = table
         return table
 
@@ -123,11 +132,32 @@ class Shard:
             return table.push(ids, grads)
 
     async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
-        return await asyncio.to_thread(self.lookup_sync, name, ids)
+        return await self._serve([name], ids, self.lookup_sync, name, ids)
+
+    async def _serve(self, tables: Sequence[str], ids: Any, work: Callable[..., T],
+                     *args: Any) -> T:
+        """``work(*args)`` on the event loop when the request is small and no table it touches
+        is busy (a checkpoint holds them): a thread hop costs more than such a request. Else
+        in a worker thread, so that the loop goes on serving."""
+        if np.size(ids) <= INLINE_IDS:
+            taken: list[threading.RLock] = []
+            try:
+                for name in dict.fromkeys(tables):
+                    lock = self._locks.get(name)
+                    if lock is not None:
+                        if not lock.acquire(blocking=False):
+                            break
+                        taken.append(lock)
+                else:
+                    return work(*args)
+            finally:
+                for lock in reversed(taken):
+                    lock.release()
+        return await asyncio.to_thread(work, *args)
 
     # Several tables in one request (a worker's whole step): ``ids`` holds each table's ids
     # one after the other (``counts`` per table). Every check is done before any part is
-    # served or applied, and the work takes one thread hop.
+    # served or applied.
 
     def _table_slices(self, tables: Sequence[str], counts: Sequence[int],
                       ids: np.ndarray) -> tuple[list[tuple[str, np.ndarray]], int]:
@@ -185,11 +215,11 @@ class Shard:
 
     async def lookup_many(self, tables: Sequence[str], counts: Sequence[int],
                           ids: np.ndarray) -> np.ndarray:
-        return await asyncio.to_thread(self.lookup_many_sync, tables, counts, ids)
+        return await self._serve(tables, ids, self.lookup_many_sync, tables, counts, ids)
 
     async def push_many(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
                         grads: np.ndarray | Sequence[np.ndarray]) -> PushResult:
-        return await asyncio.to_thread(self.push_many_sync, tables, counts, ids, grads)
+        return await self._serve(tables, ids, self.push_many_sync, tables, counts, ids, grads)
 
     # DES-style partial pooling: the shard pools the rows it owns, per sample.
 
@@ -237,14 +267,15 @@ class Shard:
             return table.push(ids, expanded)
 
     async def pooled_lookup(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        return await asyncio.to_thread(self.pooled_lookup_sync, name, ids, lengths)
+        return await self._serve([name], ids, self.pooled_lookup_sync, name, ids, lengths)
 
     async def pooled_push(self, name: str, ids: np.ndarray, lengths: np.ndarray,
                           grads: np.ndarray) -> PushResult:
-        return await asyncio.to_thread(self.pooled_push_sync, name, ids, lengths, grads)
+        return await self._serve([name], ids, self.pooled_push_sync, name, ids, lengths,
+                                 grads)
 
     async def push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
-        return await asyncio.to_thread(self.push_sync, name, ids, grads)
+        return await self._serve([name], ids, self.push_sync, name, ids, grads)
 
     def peek(self, name: str, row_id: int) -> dict[str, Any]:
         if not 0 <= row_id < 2**64:
@@ -323,7 +354,7 @@ class Shard:
                     table.restore(snap)
                 fresh[name] = table
             self.tables = fresh
-            self._locks = {name: threading.Lock() for name in fresh}
+            self._locks = {name: threading.RLock() for name in fresh}
             self._last_checkpoint = checkpoint_id
         return {name: table.num_rows for name, table in fresh.items()}
 

@@ -44,7 +44,7 @@ from services.ps.tables import (
     initial_rows,
 )
 
-__all__ = ["EmbeddingTable", "PushResult", "TableSnapshot"]
+__all__ = ["EmbeddingTable", "PushResult", "TableSnapshot", "warm_up"]
 
 _COUNTERS = ("lookups", "pushes", "ids_looked_up", "ids_pushed", "misses", "evictions",
              "expired", "deleted", "dropped_nonfinite", "not_admitted")
@@ -543,3 +543,14 @@ class EmbeddingTable:
                 "pending_admission": len(self._pending),
                 **self._counters,
             }
+
+
+def warm_up(config: TableConfig) -> None:
+    """Look up and push a few ids on a scratch table of ``config``, twice, so that numba loads
+    (or compiles) every kernel a table of this kind runs now, not during the first training
+    steps; the scratch table is dropped."""
+    table = EmbeddingTable(replace(config, initial_capacity=16))
+    ids = np.arange(4, dtype=np.uint64)
+    for _ in range(2):
+        table.lookup(ids)
+        table.push(ids, np.zeros((ids.size, config.dim), dtype=np.float32))
