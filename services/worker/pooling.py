@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import njit
 from torch import Tensor
 
 from services.common.errors import InvalidArgument
@@ -166,13 +167,71 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
     return BatchPlan(batch_size=batch_size, groups=group_plans, features=plans)
 
 
+@njit(cache=True, nogil=True)
+def _bags_forward(rows, inverse, offsets, mean, out):  # pragma: no cover - numba
+    """``out[b]`` = sum (or mean) of ``rows[inverse[i]]`` over bag ``b``'s ids."""
+    n = inverse.size
+    for b in range(offsets.size):
+        lo = offsets[b]
+        hi = offsets[b + 1] if b + 1 < offsets.size else n
+        for i in range(lo, hi):
+            r = inverse[i]
+            for d in range(rows.shape[1]):
+                out[b, d] += rows[r, d]
+        if mean and hi > lo:
+            scale = np.float32(1.0) / np.float32(hi - lo)
+            for d in range(rows.shape[1]):
+                out[b, d] *= scale
+
+
+@njit(cache=True, nogil=True)
+def _bags_backward(grad_out, inverse, offsets, mean, grad_rows):  # pragma: no cover - numba
+    """``grad_rows[inverse[i]] += grad_out[b]`` (divided by the bag's size for mean)."""
+    n = inverse.size
+    for b in range(offsets.size):
+        lo = offsets[b]
+        hi = offsets[b + 1] if b + 1 < offsets.size else n
+        if hi == lo:
+            continue
+        scale = np.float32(1.0) / np.float32(hi - lo) if mean else np.float32(1.0)
+        for i in range(lo, hi):
+            r = inverse[i]
+            for d in range(grad_rows.shape[1]):
+                grad_rows[r, d] += grad_out[b, d] * scale
+
+
+class _PoolBags(torch.autograd.Function):
+    """Bag pooling on CPU float32 tensors with numba kernels (GIL released): several times
+    faster than ``embedding_bag``'s CPU kernels here, whose backward sorts every id."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, inverse: Tensor, offsets: Tensor, mean: bool) -> Tensor:
+        out = torch.zeros((offsets.numel(), rows.shape[1]), dtype=rows.dtype)
+        _bags_forward(rows.detach().numpy(), inverse.numpy(), offsets.numpy(), mean, out.numpy())
+        ctx.save_for_backward(inverse, offsets)
+        ctx.mean, ctx.num_rows = mean, rows.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+        inverse, offsets = ctx.saved_tensors
+        grad = torch.zeros((ctx.num_rows, grad_out.shape[1]), dtype=grad_out.dtype)
+        _bags_backward(grad_out.contiguous().numpy(), inverse.numpy(), offsets.numpy(),
+                       ctx.mean, grad.numpy())
+        return grad, None, None, None
+
+
 def pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str = "sum") -> Tensor:
     """Pool ``rows[inverse]`` per sample (bags start at ``offsets``): ``(B, dim)``.
 
     Empty bags give zeros in both modes. The gradient w.r.t. ``rows`` is dense ``(U, dim)``.
+    CPU float32 rows take numba kernels, other devices and dtypes ``embedding_bag``.
     """
     if mode not in POOLING_MODES:
         raise InvalidArgument(f"pooling mode must be one of {POOLING_MODES}, got {mode!r}")
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 \
+            and inverse.dtype == offsets.dtype == torch.int64:
+        return _PoolBags.apply(rows, inverse.contiguous(), offsets.contiguous(), mode == "mean")
     return F.embedding_bag(inverse, rows, offsets, mode=mode)
 
 
