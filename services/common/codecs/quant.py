@@ -10,7 +10,10 @@ code of b bits per element, packed back to back (:mod:`.bits`); the code ``c`` d
 and codes are rounded to nearest (deterministic, so biased: meant for values that are used,
 like rows read by the forward pass, not for gradients that are summed), so every element is
 within ``s / 2 ≤ (1 + 2^-7) · max|row| / (2q)`` of its input (``max|row| / 14.0`` at 4 bits)
-for any row whose ``max|row| / q`` is a normal bfloat16; NaN/Inf rows as for int8.
+for any row whose ``max|row| / q`` is a normal bfloat16; NaN/Inf rows as for int8. For
+gradients, ``error_feedback=True`` adds the residual kept per ``key`` (as onebit does, and
+per id through :class:`~services.common.codecs.rows.RowEncoder`): the bias then never
+accumulates, ``Σ sent = Σ input − residual``.
 
 onebit wire: one float32 scale per chunk of ``chunk`` elements (the chunk's RMS,
 ``||c|| / sqrt(len c)``), then one sign bit per element (see :mod:`.bits`). Error feedback
@@ -114,24 +117,40 @@ class UniformCodec(Codec):
     """``bits``-bit symmetric uniform quantization per row, nearest rounding, bf16 scale.
 
     Bound (tested): each element within half the row's scale, ``s / 2`` with ``s`` ≤
-    ``(1 + 2^-7) · max|row| / (2^(bits−1) − 1)``. Stateless and deterministic.
+    ``(1 + 2^-7) · max|row| / (2^(bits−1) − 1)`` (of the input plus residual with
+    ``error_feedback``). Deterministic; stateless unless ``error_feedback``.
     """
 
     name = "uniform"
 
-    def __init__(self, *, bits: int = 4) -> None:
+    def __init__(self, *, bits: int = 4, error_feedback: bool = False) -> None:
         super().__init__()
         if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
             raise ConfigError(f"uniform bits must be an int in [2, 8], got {bits!r}")
+        if not isinstance(error_feedback, bool):
+            raise ConfigError(f"uniform error_feedback must be true or false, "
+                              f"got {error_feedback!r}")
         self.bits = bits
+        self.error_feedback = error_feedback
+        self.feedback = ErrorFeedback()
+        setattr(self, "stateful", error_feedback)  # noqa: B010
 
     def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
         flat = float_input(x, self.name)
         rows, width = _rows(x.shape)
         if rows == 0:
             return b"", {"bits": self.bits}
+        feedback = self.error_feedback and all_finite(flat)  # a NaN push keeps the residual
+        a = self.feedback.add(key, flat) if feedback else flat
+        data = self._quantize(a.reshape(rows, width))
+        if feedback:
+            sent = self.decode(data, {"bits": self.bits}, np.dtype(np.float32), x.shape)
+            self.feedback.keep(key, a, sent.reshape(-1))
+        return data, {"bits": self.bits}
+
+    def _quantize(self, x2: np.ndarray) -> Any:
+        rows = x2.shape[0]
         q = (1 << (self.bits - 1)) - 1
-        x2 = flat.reshape(rows, width)
         bits = _bf16_scales(np.max(np.abs(x2), axis=1), q)
         scale = bf16_to_float32(bits)
         ok = np.isfinite(scale) & (scale > 0)
@@ -142,7 +161,7 @@ class UniformCodec(Codec):
         out = np.empty(2 * rows + packed.size, dtype=np.uint8)
         out[: 2 * rows] = bits.astype("<u2").view(np.uint8)
         out[2 * rows:] = packed
-        return out.data, {"bits": self.bits}
+        return out.data
 
     def decode(self, data, meta, dtype, shape):
         if dtype.kind != "f":
@@ -162,6 +181,14 @@ class UniformCodec(Codec):
             raise MalformedMessage(f"uniform code above {2 * q} for {b} bits")
         values = (codes.astype(np.float32) - np.float32(q)).reshape(rows, width) * scale[:, None]
         return values.astype(dtype).reshape(shape)
+
+    def residual(self, key: Any = None) -> np.ndarray | None:
+        """What error feedback still owes for ``key`` (None before the first encode)."""
+        return self.feedback.residual(key)
+
+    def reset(self) -> None:
+        """Forget every residual."""
+        self.feedback.reset()
 
 
 def chunk_rms(x: np.ndarray, chunk: int) -> np.ndarray:

@@ -34,6 +34,7 @@ def test_wrapper_alone_gets_a_hint():
     ("topk", {"keep": 0}), ("topk", {"keep": 1.5}), ("dct", {"refresh": 0}),
     ("dct", {"threshold": -1.0}), ("dct", {"drift": 0.5}), ("dct", {"values": "int4"}),
     ("uniform", {"bits": 1}), ("uniform", {"bits": 9}), ("uniform", {"bits": True}),
+    ("uniform", {"error_feedback": 1}),
     ("onebit", {"chunk": 0}), ("qsgd", {"levels": 0}), ("qsgd", {"levels": 1 << 20}),
     ("adaquant", {"s_min": 8, "s_max": 4}), ("qsgd", {"bogus": 1}), ("fp16+zstd", {"keep": 0.1}),
 ])

@@ -89,3 +89,33 @@ def test_bad_input_changes_nothing():
     assert codec.stats.arrays == 0 and codec.stats.wire_bytes == 0
     with pytest.raises(MalformedMessage, match="dtype"):
         codec.decode(b"", {"bits": 4}, np.dtype(np.int32), (0, 4))
+
+
+def test_error_feedback_identity_per_key():
+    """With error feedback: Σ sent = Σ input − residual, for each key apart."""
+    codec = get_codec("uniform", bits=2, error_feedback=True)
+    rng = np.random.default_rng(3)
+    totals = {k: [np.zeros((5, 16)), np.zeros((5, 16))] for k in ("a", "b")}
+    for step in range(40):
+        key = "ab"[step % 2]
+        x = rng.standard_normal((5, 16)).astype(np.float32)
+        y = codec.decode(*codec.encode(x, key=key), np.dtype(np.float32), x.shape)
+        totals[key][0] += x
+        totals[key][1] += y
+    for key, (pushed, sent) in totals.items():
+        residual = codec.residual(key).reshape(5, 16)
+        np.testing.assert_allclose(sent, pushed - residual, atol=1e-4)
+        assert np.abs(residual).max() <= np.abs(pushed).max()  # bounded, not accumulating
+    codec.reset()
+    assert codec.residual("a") is None
+
+
+def test_error_feedback_skips_a_nonfinite_push():
+    codec = get_codec("uniform", error_feedback=True)
+    x = _rows(4, (2, 8))
+    codec.encode(x, key="g")
+    before = codec.residual("g").copy()
+    x[0, 0] = np.nan
+    y = codec.decode(*codec.encode(x, key="g"), np.dtype(np.float32), x.shape)
+    assert np.all(np.isnan(y[0])) and not np.isnan(y[1]).any()
+    np.testing.assert_array_equal(codec.residual("g"), before)
