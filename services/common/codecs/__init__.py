@@ -4,7 +4,7 @@
 ``decoder("fp16")`` returns a shared stateless instance for receivers. Codecs whose
 optional backend is missing are left out of the registry.
 
-Names: ``none``, ``fp16``, ``bf16``, ``int8``, ``onebit``, ``topk``, ``dct``, ``qsgd``,
+Names: ``none``, ``fp16``, ``bf16``, ``int8``, ``uniform``, ``onebit``, ``topk``, ``dct``, ``qsgd``,
 ``adaquant``; any of them followed by lossless wrappers, e.g. ``"fp16+zstd"`` or
 ``"dct+lz4"`` (parameters go to the first codec). :class:`StreamCodecs` holds one codec
 per stream and counts bytes per stream and codec; :class:`RowEncoder` encodes rows pushed by
@@ -20,7 +20,7 @@ from services.common.codecs.base import Codec, CodecStats, ErrorFeedback
 from services.common.codecs.floats import BF16Codec, FP16Codec, NoneCodec
 from services.common.codecs.lossless import WRAPPERS, LosslessCodec
 from services.common.codecs.qsgd import AdaQuantCodec, QSGDCodec
-from services.common.codecs.quant import Int8Codec, OneBitCodec
+from services.common.codecs.quant import Int8Codec, OneBitCodec, UniformCodec
 from services.common.codecs.rows import RowEncoder, RowResiduals, codec_without_feedback
 from services.common.codecs.sparse import DCTCodec, TopKCodec
 from services.common.codecs.streams import CodecSpec, StreamCodecs, WireStats, WireStatsCollector
@@ -58,8 +58,8 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-for _cls in (NoneCodec, FP16Codec, BF16Codec, Int8Codec, OneBitCodec, TopKCodec, DCTCodec,
-             QSGDCodec, AdaQuantCodec):
+for _cls in (NoneCodec, FP16Codec, BF16Codec, Int8Codec, UniformCodec, OneBitCodec, TopKCodec,
+             DCTCodec, QSGDCodec, AdaQuantCodec):
     register_codec(_cls)
 
 

@@ -1,8 +1,19 @@
-"""Fixed-rate quantizers: ``int8`` (per-row scale) and ``onebit`` (sign + per-chunk scale).
+"""Fixed-rate quantizers: ``int8`` and ``uniform`` (per-row scale), ``onebit`` (sign + per-chunk scale).
 
 int8 wire: ``rows`` float32 scales, then one int8 per element (rows = the last axis).
 Each element is within ``max|row| / 254`` of its input. A row holding NaN/Inf travels as
 a NaN scale and decodes as all-NaN, so the receiver's NaN check still sees it.
+
+uniform wire (``bits`` b in [2, 8], default 4): ``rows`` bfloat16 scales ``s``, then one
+code of b bits per element, packed back to back (:mod:`.bits`); the code ``c`` decodes as
+``(c − q) · s`` with ``q = 2^(b−1) − 1``. ``s`` is the smallest bfloat16 ≥ ``max|row| / q``
+and codes are rounded to nearest (deterministic, so biased: meant for values that are used,
+like rows read by the forward pass, not for gradients that are summed), so every element is
+within ``s / 2 ≤ (1 + 2^-7) · max|row| / (2q)`` of its input (``max|row| / 14.0`` at 4 bits)
+for any row whose ``max|row| / q`` is a normal bfloat16; NaN/Inf rows as for int8. For
+gradients, ``error_feedback=True`` adds the residual kept per ``key`` (as onebit does, and
+per id through :class:`~services.common.codecs.rows.RowEncoder`): the bias then never
+accumulates, ``Σ sent = Σ input − residual``.
 
 onebit wire: one float32 scale per chunk of ``chunk`` elements (the chunk's RMS,
 ``||c|| / sqrt(len c)``), then one sign bit per element (see :mod:`.bits`). Error feedback
@@ -26,11 +37,15 @@ from services.common.codecs.bits import (
     meta_int,
     numel,
     pack_signs,
+    pack_uint,
     unpack_signs,
+    unpack_uint,
 )
+from services.common.codecs.floats import bf16_to_float32, float32_to_bf16
 from services.common.errors import ConfigError, MalformedMessage
 
-__all__ = ["ONEBIT_EMBEDDING_REFUSAL", "Int8Codec", "OneBitCodec", "chunk_rms", "onebit_values"]
+__all__ = ["ONEBIT_EMBEDDING_REFUSAL", "Int8Codec", "OneBitCodec", "UniformCodec", "chunk_rms",
+           "onebit_values"]
 
 MAX_CHUNK = 1 << 24
 
@@ -86,6 +101,94 @@ class Int8Codec(Codec):
         scale = np.frombuffer(data, dtype="<f4", count=rows)
         q = np.frombuffer(data, dtype=np.int8, offset=4 * rows).reshape(rows, width)
         return (q * scale[:, None]).astype(dtype).reshape(shape)
+
+
+def _bf16_scales(amax: np.ndarray, q: int) -> np.ndarray:
+    """Bit patterns of the smallest bfloat16 ≥ ``amax / q`` per row (NaN for NaN/Inf rows)."""
+    wanted = amax.astype(np.float64) / q
+    bits = float32_to_bf16(wanted.astype(np.float32))
+    short = bf16_to_float32(bits).astype(np.float64) * q < amax  # rounded down: one ulp up
+    bits[short] += 1
+    bits[~np.isfinite(bf16_to_float32(bits))] = 0x7FC0  # NaN/Inf row, or a scale past bf16 max
+    return bits
+
+
+class UniformCodec(Codec):
+    """``bits``-bit symmetric uniform quantization per row, nearest rounding, bf16 scale.
+
+    Bound (tested): each element within half the row's scale, ``s / 2`` with ``s`` ≤
+    ``(1 + 2^-7) · max|row| / (2^(bits−1) − 1)`` (of the input plus residual with
+    ``error_feedback``). Deterministic; stateless unless ``error_feedback``.
+    """
+
+    name = "uniform"
+
+    def __init__(self, *, bits: int = 4, error_feedback: bool = False) -> None:
+        super().__init__()
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+            raise ConfigError(f"uniform bits must be an int in [2, 8], got {bits!r}")
+        if not isinstance(error_feedback, bool):
+            raise ConfigError(f"uniform error_feedback must be true or false, "
+                              f"got {error_feedback!r}")
+        self.bits = bits
+        self.error_feedback = error_feedback
+        self.feedback = ErrorFeedback()
+        setattr(self, "stateful", error_feedback)  # noqa: B010
+
+    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
+        flat = float_input(x, self.name)
+        rows, width = _rows(x.shape)
+        if rows == 0:
+            return b"", {"bits": self.bits}
+        feedback = self.error_feedback and all_finite(flat)  # a NaN push keeps the residual
+        a = self.feedback.add(key, flat) if feedback else flat
+        data = self._quantize(a.reshape(rows, width))
+        if feedback:
+            sent = self.decode(data, {"bits": self.bits}, np.dtype(np.float32), x.shape)
+            self.feedback.keep(key, a, sent.reshape(-1))
+        return data, {"bits": self.bits}
+
+    def _quantize(self, x2: np.ndarray) -> Any:
+        rows = x2.shape[0]
+        q = (1 << (self.bits - 1)) - 1
+        bits = _bf16_scales(np.max(np.abs(x2), axis=1), q)
+        scale = bf16_to_float32(bits)
+        ok = np.isfinite(scale) & (scale > 0)
+        codes = np.rint(x2 / np.where(ok, scale, np.float32(1.0))[:, None])
+        codes[~ok] = 0
+        np.clip(codes, -q, q, out=codes)
+        packed = pack_uint((codes + q).astype(np.uint8), self.bits)
+        out = np.empty(2 * rows + packed.size, dtype=np.uint8)
+        out[: 2 * rows] = bits.astype("<u2").view(np.uint8)
+        out[2 * rows:] = packed
+        return out.data
+
+    def decode(self, data, meta, dtype, shape):
+        if dtype.kind != "f":
+            raise MalformedMessage(f"uniform cannot decode to dtype {dtype}")
+        b = meta_int(meta, "bits", 2, 8, self.name)
+        rows, width = _rows(shape)
+        n = rows * width
+        expect_nbytes(data, 2 * rows + -(-n * b // 8), f"uniform array of shape {list(shape)}")
+        if rows == 0:
+            return np.zeros(shape, dtype=dtype)
+        scale = bf16_to_float32(np.frombuffer(data, dtype="<u2", count=rows))
+        if np.any(scale < 0) or np.any(np.isinf(scale)):
+            raise MalformedMessage("uniform scales must be finite and ≥ 0 (or NaN)")
+        q = (1 << (b - 1)) - 1
+        codes = unpack_uint(np.frombuffer(data, dtype=np.uint8, offset=2 * rows), n, b)
+        if n and codes.max() > 2 * q:
+            raise MalformedMessage(f"uniform code above {2 * q} for {b} bits")
+        values = (codes.astype(np.float32) - np.float32(q)).reshape(rows, width) * scale[:, None]
+        return values.astype(dtype).reshape(shape)
+
+    def residual(self, key: Any = None) -> np.ndarray | None:
+        """What error feedback still owes for ``key`` (None before the first encode)."""
+        return self.feedback.residual(key)
+
+    def reset(self) -> None:
+        """Forget every residual."""
+        self.feedback.reset()
 
 
 def chunk_rms(x: np.ndarray, chunk: int) -> np.ndarray:

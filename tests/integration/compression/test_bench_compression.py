@@ -9,7 +9,7 @@ import math
 import subprocess
 import sys
 
-from bench.compression import GOALS, select
+from bench.compression import EMBEDDING_PAIR, GOALS, select
 
 
 def test_bench_compression_smoke(tmp_path) -> None:
@@ -19,7 +19,8 @@ def test_bench_compression_smoke(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "bench", "compression", "--rows", "1024",
          "--batch-size", "64", "--eval-rows", "1024", "--warmup", "0.5",
-         "--cases", "rows int8,dense dct,1-bit adam", "--json", str(out), "--plot", str(png)],
+         "--cases", "rows int8,dense dct,1-bit adam,embedding pair", "--seeds", "2",
+         "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert png.stat().st_size > 0 and "dense_dct_ratio" in proc.stdout
@@ -28,8 +29,14 @@ def test_bench_compression_smoke(tmp_path) -> None:
         assert isinstance(result[key], float) and math.isfinite(result[key]), key
     names = [r["name"] for r in result["rows_table"]]
     assert names[:2] == ["fp32 (baseline)", "fp32 (repeat: noise)"]
-    assert names[2:] == ["rows int8", "dense dct 0.5%", "1-bit Adam"]  # no grads: no combination
-    assert result["embedding_best"] == "rows int8"
+    # no grads codec alone: no max-ratio pair; the declared pair ran over two seeds
+    assert names[2:] == ["rows int8", EMBEDDING_PAIR.name, "dense dct 0.5%", "1-bit Adam"]
+    assert result["embedding_best"] == EMBEDDING_PAIR.name and result["seeds"] == 2
+    seeds = result["embedding_best_seeds"]
+    assert [s["seed"] for s in seeds] == [0, 1]
+    assert math.isclose(result["embedding_best_delta_auc"],
+                        (seeds[0]["delta_auc"] + seeds[1]["delta_auc"]) / 2)
+    assert math.isfinite(result["embedding_best_delta_auc_std"])
     for row in result["rows_table"]:
         assert row["steps"] == 1024 // 64 // 2 and 0.0 < row["auc"] <= 1.0
         assert row["bytes_per_step"] > 0 and row["ratio"] > 0

@@ -29,7 +29,7 @@ def _addresses(services) -> list[str]:
     return [s.address for s in services]
 
 
-@pytest.mark.parametrize("codec", ["topk", "dct"])
+@pytest.mark.parametrize("codec", ["topk", "dct", "uniform:bits=2,error_feedback=true"])
 async def test_grads_residual_kept_per_id_through_the_ps(cluster, codec):
     """SGD applies exactly what was sent: per id, Σ applied = lr·(Σ pushed − residual)."""
     rng = np.random.default_rng(0)
@@ -68,6 +68,23 @@ async def test_quantized_grads_are_decoded_on_the_ps_before_its_optimizer(cluste
         assert np.abs(steps).max() <= levels + 1e-3
         assert np.all(np.abs(applied[mine] - grads[mine]) <= norm / levels * (1 + 1e-4))
     assert not np.allclose(applied, grads, atol=1e-3)  # quantized, not raw
+
+
+async def test_uniform_rows_down_within_half_a_step(cluster):
+    """Rows encoded by the PS with the codec the lookup names (parameters in the name)."""
+    ids = np.arange(300, dtype=np.uint64)
+    async with PSClient(_addresses(cluster)) as plain, \
+            PSClient(_addresses(cluster), rows_codec="uniform:bits=3") as small:
+        exact = await plain.lookup("item", ids)
+        rows = await small.lookup("item", ids)
+        stats = small.codec_stats.as_dict()
+    bound = np.abs(exact).max(axis=1, keepdims=True) * (1 + 2.0**-7) / (2 * 3)
+    assert np.all(np.abs(rows - exact) <= bound * (1 + 1e-5))
+    assert not np.array_equal(rows, exact)
+    wire = stats["rows_down"]["uniform"]["received"]
+    # a bf16 scale and 4 codes of 3 bits a row (a padded byte at most per shard's message)
+    assert wire["raw_bytes"] == 300 * 4 * 4
+    assert 300 * 3.5 <= wire["wire_bytes"] <= 300 * 3.5 + 4
 
 
 def _jagged(rng, batch: int, universe: int) -> tuple[np.ndarray, np.ndarray]:

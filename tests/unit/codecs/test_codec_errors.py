@@ -9,7 +9,7 @@ from services.common.codecs import decoder, get_codec
 from services.common.errors import ConfigError, InvalidArgument, MalformedMessage
 from services.common.wire import array_from_wire, decode_message, encode_message
 
-LOSSY = ["int8", "onebit", "topk", "dct", "qsgd", "adaquant", "fp16+zstd", "int8+lz4", "dct+zstd"]
+LOSSY = ["int8", "uniform", "onebit", "topk", "dct", "qsgd", "adaquant", "fp16+zstd", "int8+lz4", "dct+zstd"]
 
 
 def _body(name: str, **params) -> dict:
@@ -33,6 +33,8 @@ def test_wrapper_alone_gets_a_hint():
 @pytest.mark.parametrize(("name", "params"), [
     ("topk", {"keep": 0}), ("topk", {"keep": 1.5}), ("dct", {"refresh": 0}),
     ("dct", {"threshold": -1.0}), ("dct", {"drift": 0.5}), ("dct", {"values": "int4"}),
+    ("uniform", {"bits": 1}), ("uniform", {"bits": 9}), ("uniform", {"bits": True}),
+    ("uniform", {"error_feedback": 1}),
     ("onebit", {"chunk": 0}), ("qsgd", {"levels": 0}), ("qsgd", {"levels": 1 << 20}),
     ("adaquant", {"s_min": 8, "s_max": 4}), ("qsgd", {"bogus": 1}), ("fp16+zstd", {"keep": 0.1}),
 ])
@@ -67,7 +69,8 @@ def test_corrupted_buffer_is_malformed(name, damage):
 @pytest.mark.parametrize(("name", "key", "value"), [
     ("onebit", "chunk", 0), ("onebit", "chunk", "64"), ("topk", "mode", "weird"),
     ("topk", "k", -1), ("topk", "k", 10**9), ("topk", "v", "fp8"), ("qsgd", "s", 0),
-    ("qsgd", "b", 0), ("adaquant", "s", True), ("fp16+zstd", "n", 10**12), ("fp16+zstd", "m", 3),
+    ("qsgd", "b", 0), ("adaquant", "s", True), ("uniform", "bits", 9), ("uniform", "bits", "4"),
+    ("uniform", "bits", None), ("fp16+zstd", "n", 10**12), ("fp16+zstd", "m", 3),
 ])
 def test_corrupted_meta_is_malformed(name, key, value):
     body = _body(name)

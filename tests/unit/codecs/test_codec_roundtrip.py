@@ -9,7 +9,7 @@ from services.common.codecs import available_codecs, decoder, get_codec
 from services.common.codecs.bits import pack_signs, pack_uint, unpack_signs, unpack_uint
 from services.common.wire import array_from_wire, decode_message, encode_message
 
-ALL = ["none", "fp16", "bf16", "int8", "onebit", "topk", "dct", "qsgd", "adaquant"]
+ALL = ["none", "fp16", "bf16", "int8", "uniform", "onebit", "topk", "dct", "qsgd", "adaquant"]
 WRAPPED = [f"{name}+{w}" for name in ALL for w in ("zstd", "lz4")] + ["dct+zstd+lz4"]
 
 
@@ -29,6 +29,10 @@ def _check_tolerance(name: str, x: np.ndarray, y: np.ndarray, codec) -> None:
         assert np.all(np.abs(y - x) <= np.abs(x) * 2.0**-8)
     elif base == "int8":
         bound = np.abs(x).max(axis=-1, keepdims=True) / 254
+        assert np.all(np.abs(y - x) <= bound * (1 + 1e-5))
+    elif base == "uniform":  # half a step; the bf16 step is at most 2^-7 above max|row| / q
+        q = 2 ** (codec.bits - 1) - 1
+        bound = np.abs(x).max(axis=-1, keepdims=True) * (1 + 2.0**-7) / (2 * q)
         assert np.all(np.abs(y - x) <= bound * (1 + 1e-5))
     elif base == "onebit":
         flat, out = x.reshape(-1), y.reshape(-1)
@@ -107,6 +111,8 @@ def test_expected_wire_sizes():
     x = _data((10, 1000))  # 10_000 elements, 40_000 raw bytes
     n = x.size
     assert len(get_codec("int8").encode(x)[0]) == 10 * 4 + n
+    assert len(get_codec("uniform").encode(x)[0]) == 10 * 2 + n // 2
+    assert len(get_codec("uniform", bits=3).encode(x)[0]) == 10 * 2 + n * 3 // 8
     assert len(get_codec("onebit", chunk=1000).encode(x)[0]) == 10 * 4 + n // 8
     assert len(get_codec("topk", keep=0.01).encode(x)[0]) == 100 * 6  # int32 + fp16 per kept
     assert len(get_codec("qsgd", levels=15, bucket=1000).encode(x)[0]) == 10 * 4 + n * 5 // 8

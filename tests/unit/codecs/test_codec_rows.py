@@ -17,7 +17,8 @@ def _push(enc: RowEncoder, ids, rows) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("name", "params"), [("topk", {"keep": 0.1}), ("dct", {"keep": 0.1}),
-                                              ("onebit", {"chunk": 8}), ("dct+zstd", {})])
+                                              ("onebit", {"chunk": 8}), ("dct+zstd", {}),
+                                              ("uniform", {"bits": 2, "error_feedback": True})])
 def test_per_id_identity_over_changing_id_sets(name, params):
     """For every id: Σ sent = Σ pushed − residual, although each push names other ids."""
     rng = np.random.default_rng(0)
