@@ -90,8 +90,9 @@ class BatchPlan:
 
 
 def as_jagged(feature: Any, name: str = "feature") -> tuple[np.ndarray, np.ndarray]:
-    """``(values uint64, lengths int64)`` from a ``(values, lengths)`` pair or an object with
-    ``.values``/``.lengths``; checks dtypes, signs and that the lengths add up."""
+    """``(values uint64, lengths)`` from a ``(values, lengths)`` pair or an object with
+    ``.values``/``.lengths``; checks kinds and shapes (:func:`plan_batch` checks the counts
+    of every feature at once)."""
     if isinstance(feature, tuple | list) and len(feature) == 2:
         values, lengths = feature
     elif hasattr(feature, "values") and hasattr(feature, "lengths"):
@@ -100,19 +101,32 @@ def as_jagged(feature: Any, name: str = "feature") -> tuple[np.ndarray, np.ndarr
         raise InvalidArgument(f"{name}: expected (values, lengths), got {type(feature).__name__}")
     values = np.asarray(values)
     lengths = np.asarray(lengths)
-    if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+    if values.ndim != 1 or values.dtype.kind not in "iu":
         raise InvalidArgument(f"{name}: values must be a 1-D integer array, "
                               f"got {values.dtype} {values.shape}")
-    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
         raise InvalidArgument(f"{name}: lengths must be a 1-D integer array, "
                               f"got {lengths.dtype} {lengths.shape}")
+    return values.astype(np.uint64, copy=False), lengths
+
+
+def _check_counts(jagged: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Every feature's lengths end to end (int64), after checking in one pass that they are
+    non-negative and add up to the feature's number of values."""
+    names = list(jagged)
+    lengths = np.concatenate([jagged[n][1] for n in names]).astype(np.int64, copy=False)
+    sizes = [jagged[n][1].size for n in names]
     if lengths.size and int(lengths.min()) < 0:
-        raise InvalidArgument(f"{name}: lengths must be >= 0")
-    total = int(lengths.sum())
-    if total != values.size:
-        raise InvalidArgument(f"{name}: lengths add up to {total} but there are "
-                              f"{values.size} values")
-    return values.astype(np.uint64, copy=False), lengths.astype(np.int64, copy=False)
+        bad = next(n for n in names if jagged[n][1].size and int(jagged[n][1].min()) < 0)
+        raise InvalidArgument(f"{bad}: lengths must be >= 0")
+    totals = np.add.reduceat(lengths, np.cumsum([0] + sizes[:-1])) if lengths.size \
+        else np.zeros(len(names), dtype=np.int64)
+    for n, size, total in zip(names, sizes, totals.tolist(), strict=True):
+        total = total if size else 0  # reduceat gives the next element for an empty run
+        if total != jagged[n][0].size:
+            raise InvalidArgument(f"{n}: lengths add up to {total} but there are "
+                                  f"{jagged[n][0].size} values")
+    return lengths
 
 
 def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | None = None,
@@ -131,6 +145,7 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
     sizes = {name: lengths.size for name, (_, lengths) in jagged.items()}
     if len(set(sizes.values())) != 1:
         raise InvalidArgument(f"every feature needs the same batch size, got {sizes}")
+    all_lengths = _check_counts(jagged)
     table_of = dict(table_of or {})
     missing = sorted(set(jagged) - set(table_of)) if table_of else []
     if missing:
@@ -142,6 +157,7 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
     if ungrouped:
         raise InvalidArgument(f"tables {ungrouped} are in no group")
     batch_size = next(iter(sizes.values()))
+    position = {n: k for k, n in enumerate(jagged)}  # where a feature's bags sit in all_lengths
     plans: dict[str, FeaturePlan] = {}
     group_plans: list[GroupPlan] = []
     for gi, group in enumerate(groups):
@@ -152,7 +168,9 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
         owners = [group_tables.index(table_of.get(n, n)) for n in names]
         layout, inverse = place_ids([jagged[n][0] for n in names], owners, group_tables,
                                     num_shards)
-        lengths = np.concatenate([jagged[n][1] for n in names])
+        lengths = (all_lengths if len(names) == len(jagged) else np.concatenate(
+            [all_lengths[position[n] * batch_size:(position[n] + 1) * batch_size]
+             for n in names]))
         offsets = np.zeros(lengths.size, dtype=np.int64)
         np.cumsum(lengths[:-1], out=offsets[1:])
         index = len(group_plans)
@@ -161,7 +179,8 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
             first = int(bags[0]) if batch_size else 0
             plans[n] = FeaturePlan(table=table_of.get(n, n), group=index,
                                    inverse=inverse[first:first + jagged[n][0].size],
-                                   lengths=jagged[n][1], offsets=bags - first)
+                                   lengths=lengths[k * batch_size:(k + 1) * batch_size],
+                                   offsets=bags - first)
         group_plans.append(GroupPlan(layout=layout, features=tuple(names), inverse=inverse,
                                      offsets=offsets))
     return BatchPlan(batch_size=batch_size, groups=group_plans, features=plans)

@@ -323,17 +323,20 @@ class Trainer:
             by_dim.setdefault(self.ps.dims[table], []).append(table)
         return list(by_dim.values())
 
-    async def _lookup(self, batch: Batch) -> tuple[BatchPlan, list[np.ndarray]]:
+    async def _plan(self, batch: Batch) -> BatchPlan:
+        """Dedup and lay out the batch's ids (it needs no PS state, so it runs ahead of the
+        staleness slot)."""
         features = self._features(batch)
         if self._groups is None:
             await self._ensure_dims()
             self._groups = self._table_groups()
-        plan = plan_batch(features, table_of=self.tables, num_shards=self.ps.num_shards,
+        return plan_batch(features, table_of=self.tables, num_shards=self.ps.num_shards,
                           groups=self._groups)
+
+    async def _lookup(self, plan: BatchPlan) -> list[np.ndarray]:
         with self.progress.lookup_seconds.time():
-            rows = await asyncio.gather(*(self.ps.lookup_sharded(g.layout)
-                                          for g in plan.groups))
-        return plan, list(rows)
+            return list(await asyncio.gather(*(self.ps.lookup_sharded(g.layout)
+                                               for g in plan.groups)))
 
     async def _ensure_dims(self) -> None:
         assert self.tables is not None
@@ -365,11 +368,12 @@ class Trainer:
             async for batch in _iterate(feed):
                 if steps is not None and taken >= steps:
                     break
+                plan = await self._plan(batch)
                 if slots is not None:
                     await slots.acquire()
                 staleness = self._unacked
                 self._unacked += 1
-                plan, rows = await self._lookup(batch)
+                rows = await self._lookup(plan)
                 await queue.put(_Prepared(batch, plan, rows, staleness))
                 taken += 1
             await queue.put(_DONE)
@@ -534,7 +538,8 @@ class Trainer:
                 batch = await iterator.__anext__()
             except StopAsyncIteration:
                 return None
-            return (batch, *await self._lookup(batch))
+            plan = await self._plan(batch)
+            return batch, plan, await self._lookup(plan)
 
         pending = asyncio.create_task(fetch())
         try:
