@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import queue
+import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -111,6 +113,67 @@ def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig) -> torc
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
     return torch.optim.SGD(params, lr=lr, momentum=config.momentum)
+
+
+class _ComputeThread:
+    """Training steps in one thread, taken straight from a thread-safe feed, so that the event
+    loop never paces compute; each step's result goes back to the loop as it comes.
+
+    With ``eval_every``, the thread waits after every ``eval_every``-th step until the loop
+    has evaluated (``resume``). With ``room`` (async mode), at most that many looked-up batches
+    wait in the feed. With more than one rank, every rank stops at the step where the first
+    one runs out of batches (one tiny all-reduce per step).
+    """
+
+    def __init__(self, trainer: Trainer, *, room: int | None, eval_every: int) -> None:
+        self.trainer = trainer
+        self.loop = asyncio.get_running_loop()
+        self.feed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.results: asyncio.Queue[Any] = asyncio.Queue()
+        self.resume = threading.Event()
+        self.started = time.perf_counter()  # reset once the model is built
+        self._room = asyncio.Semaphore(room) if room is not None else None
+        self._eval_every = eval_every
+        self._stopping = False
+        self._distributed = _distributed()
+
+    async def put(self, item: Any) -> None:
+        if self._room is not None and isinstance(item, _Prepared):
+            await self._room.acquire()
+        self.feed.put(item)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.feed.put(_DONE)
+        self.resume.set()
+
+    def _report(self, result: Any) -> None:
+        self.loop.call_soon_threadsafe(self.results.put_nowait, result)
+
+    def run(self, step: int) -> None:
+        while not self._stopping:
+            item = self.feed.get()
+            if self._stopping:
+                return
+            if self._distributed and not _every_rank_has_a_batch(isinstance(item, _Prepared)):
+                item = _DONE
+            if not isinstance(item, _Prepared):
+                self._report(item)
+                return
+            if self._room is not None:
+                self.loop.call_soon_threadsafe(self._room.release)
+            try:
+                result = self.trainer._train_step(item)
+            except BaseException as exc:  # raised by the loop
+                self._report(exc)
+                return
+            step += 1
+            pause = bool(self._eval_every) and step % self._eval_every == 0
+            if pause:
+                self.resume.clear()
+            self._report((item, result))
+            if pause:
+                self.resume.wait()
 
 
 class Trainer:
@@ -360,8 +423,9 @@ class Trainer:
                 slots.release()
 
     async def _produce(self, batches: Batches | LoaderClient, steps: int | None,
-                       slots: asyncio.Semaphore | None, queue: asyncio.Queue[Any]) -> None:
-        """Look batches up ahead of compute, each after taking a slot."""
+                       slots: asyncio.Semaphore | None, compute: _ComputeThread) -> None:
+        """Look batches up ahead of compute, each after taking a slot; the first batch builds
+        the model (that one-time cost is not training time: the clock starts after it)."""
         try:
             taken = 0
             feed = batches.batches() if isinstance(batches, LoaderClient) else batches
@@ -369,16 +433,19 @@ class Trainer:
                 if steps is not None and taken >= steps:
                     break
                 plan = await self._plan(batch)
+                if self._forward is None:
+                    await self._ensure_model(batch)
+                    compute.started = time.perf_counter()
                 if slots is not None:
                     await slots.acquire()
                 staleness = self._unacked
                 self._unacked += 1
                 rows = await self._lookup(plan)
-                await queue.put(_Prepared(batch, plan, rows, staleness))
+                await compute.put(_Prepared(batch, plan, rows, staleness))
                 taken += 1
-            await queue.put(_DONE)
+            await compute.put(_DONE)
         except BaseException as exc:  # handed to the consumer, which raises it
-            await queue.put(exc)
+            compute.results.put_nowait(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
@@ -436,33 +503,22 @@ class Trainer:
         await self.start()
         window = self.config.window
         slots = asyncio.Semaphore(window) if window is not None else None
-        queue: asyncio.Queue[Any] = asyncio.Queue(
-            maxsize=0 if window is not None else self.config.prefetch)
+        every = self.config.eval_every if eval_batches is not None else 0
+        compute = _ComputeThread(self, room=None if window is not None else self.config.prefetch,
+                                 eval_every=every)
         self._loader = batches if isinstance(batches, LoaderClient) else None
-        distributed = _distributed()
-        producer = asyncio.create_task(self._produce(batches, steps, slots, queue))
+        producer = asyncio.create_task(self._produce(batches, steps, slots, compute))
+        runner = asyncio.create_task(asyncio.to_thread(compute.run, self.step))
         pushes: set[asyncio.Task[None]] = set()
         train_acc = EvalAccumulator()
         samples, first_step = 0, self.step
         first = len(self.losses)  # this fit's entries (step may start past 0 after a restore)
-        started = time.perf_counter()
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if distributed and not await asyncio.to_thread(_every_rank_has_a_batch,
-                                                               item is not _DONE):
-                    break
-                if item is _DONE:
-                    break
-                if self._forward is None:
-                    # the model is built at the first batch; that one-time cost (imports,
-                    # DDP set-up) is not training time
-                    await self._ensure_model(item.batch)
-                    started = time.perf_counter()
+            while (got := await compute.results.get()) is not _DONE:
+                if isinstance(got, BaseException):
+                    raise got
+                item, (loss, logits, grads) = got
                 self.progress.training()
-                loss, logits, grads = await asyncio.to_thread(self._train_step, item)
                 task = asyncio.create_task(self._push(item.batch, item.plan, grads, slots))
                 pushes.add(task)
                 _prune_pushes(pushes)
@@ -475,15 +531,17 @@ class Trainer:
                 samples += item.batch.size
                 if self.on_step is not None:
                     self.on_step({"step": self.step, "loss": loss, "staleness": item.staleness,
-                                  "samples": samples,
-                                  "samples_per_s": samples / (time.perf_counter() - started)})
-                if self.config.eval_every and eval_batches is not None \
-                        and self.step % self.config.eval_every == 0:
-                    await self._evaluate_into_history(eval_batches)
+                                  "samples": samples, "samples_per_s":
+                                  samples / (time.perf_counter() - compute.started)})
+                if every and self.step % every == 0:  # the compute thread waits for it
+                    await self._evaluate_into_history(eval_batches)  # type: ignore[arg-type]
+                    compute.resume.set()
             await asyncio.gather(*pushes)
         finally:
             producer.cancel()
-            await asyncio.gather(producer, *pushes, return_exceptions=True)
+            compute.stop()
+            await asyncio.gather(producer, runner, *pushes, return_exceptions=True)
+        started = compute.started
         seconds = time.perf_counter() - started
         self.progress.state = "done"
         steps_done = self.step - first_step
