@@ -13,6 +13,7 @@ def test_bench_train_reports_both_ratios_from_its_own_runs() -> None:
     assert set(runs) == {"local", "hybrid", "sync"}
     for r in runs.values():
         assert r["samples_per_s"] > 0 and 0.5 < r["auc"] <= 1.0
+        assert math.isclose(r["ms_per_step"], 1e3 * 512 / r["samples_per_s"])
     assert math.isclose(result["vs_local"],
                         runs["hybrid"]["samples_per_s"] / runs["local"]["samples_per_s"])
     assert math.isclose(result["hybrid_vs_sync"],
