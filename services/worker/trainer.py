@@ -151,6 +151,12 @@ class _ComputeThread:
         self.loop.call_soon_threadsafe(self.results.put_nowait, result)
 
     def run(self, step: int) -> None:
+        try:
+            self._steps(step)
+        except BaseException as exc:  # raised by the loop, which awaits results only
+            self._report(exc)
+
+    def _steps(self, step: int) -> None:
         while not self._stopping:
             item = self.feed.get()
             if self._stopping:
@@ -162,11 +168,7 @@ class _ComputeThread:
                 return
             if self._room is not None:
                 self.loop.call_soon_threadsafe(self._room.release)
-            try:
-                result = self.trainer._train_step(item)
-            except BaseException as exc:  # raised by the loop
-                self._report(exc)
-                return
+            result = self.trainer._train_step(item)
             step += 1
             pause = bool(self._eval_every) and step % self._eval_every == 0
             if pause:

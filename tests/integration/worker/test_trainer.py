@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument
@@ -121,3 +123,30 @@ async def test_bad_settings_and_inputs_are_clear_errors(cluster: LocalPS,
         assert t.step == 0 and t.losses == []
         stats = await t.ps.stats("bad_C1")
         assert sum(s["tables"]["bad_C1"]["rows"] for s in stats) == 0  # nothing was pushed
+
+
+class _FailsAtThirdStep(torch.nn.Module):
+    """A model whose forward raises at its third call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.calls = 0
+
+    def forward(self, pooled: dict, dense: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("forward failed at step 3")
+        return self.linear(dense).squeeze(-1) + sum(p.sum(-1) for p in pooled.values())
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync"])
+async def test_an_error_in_a_training_step_ends_fit_with_that_error(
+        cluster: LocalPS, data: SyntheticDataset, mode: str) -> None:
+    batches = list(data.batches(64, 64 * 8))
+    t = Trainer(model=_FailsAtThirdStep(), ps_addresses=cluster.addresses,
+                tables=tables_of("bad_"), mode=mode)
+    async with t:
+        with pytest.raises(RuntimeError, match="forward failed at step 3"):
+            await asyncio.wait_for(t.fit(batches), 60)  # raised, never a hang
+    assert t.step == 2 and len(t.losses) == 2
