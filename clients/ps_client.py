@@ -301,34 +301,65 @@ class PSClient:
         """Rows ``(len(layout.ids), dim)`` of a layout whose tables share one dim, aligned with
         ``layout.ids``: one Lookup message per shard with ids."""
         bounds = layout.bounds
-        shards = [k for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]]
-        tables = list(layout.tables)
         replies = await self._within(asyncio.gather(*(
-            self._shards[k].lookup.request({
-                "tables": tables, "counts": layout.counts[k].tolist(),
-                "ids": raw_array(layout.ids[bounds[k]:bounds[k + 1]]),
-                "codec": self.rows_codec}) for k in shards)))
-        parts = [self._received("rows_down", reply["rows"]) for reply in replies]
-        if not parts:
-            return np.empty((0, await self._dim(tables[0])), dtype=np.float32)
-        rows = np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])  # writable
-        return rows if rows.dtype == np.float32 else rows.astype(np.float32)
+            self._shards[k].lookup.request(self._lookup_body(k, layout))
+            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k])))
+        return await self._rows_of(replies, layout)
 
     async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushAck:
         """Gradients ``(len(layout.ids), dim)`` of a layout's ids: one Push message per shard
         (error feedback per id as in :meth:`push_unique`)."""
+        self._check_grads(layout, grads)
+        bounds = layout.bounds
+        return _sum_acks(await self._within(asyncio.gather(*(
+            self._shards[k].push.request(self._push_body(k, layout, grads))
+            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
+
+    async def push_then_lookup(self, layout: ShardedIds, grads: np.ndarray,
+                               then: ShardedIds) -> tuple[PushAck, np.ndarray]:
+        """:meth:`push_sharded` of ``layout``, then :meth:`lookup_sharded` of ``then``, in one
+        message per shard that has ids of both: each shard applies the push before it looks
+        up, so the rows include it (half the messages of a training step)."""
+        self._check_grads(layout, grads)
+        pushed, asked = layout.bounds, then.bounds
+        requests = []
+        for k in range(self.num_shards):
+            lookup = self._lookup_body(k, then) if asked[k + 1] > asked[k] else None
+            if pushed[k + 1] > pushed[k]:
+                body = self._push_body(k, layout, grads)
+                if lookup is not None:
+                    body["lookup"] = lookup
+                requests.append(self._shards[k].push.request(body))
+            elif lookup is not None:
+                requests.append(self._shards[k].lookup.request(lookup))
+        replies = await self._within(asyncio.gather(*requests))
+        return (_sum_acks([r for r in replies if "applied" in r]),
+                await self._rows_of([r for r in replies if "rows" in r], then))
+
+    def _lookup_body(self, k: int, layout: ShardedIds) -> dict[str, Any]:
+        lo, hi = layout.bounds[k], layout.bounds[k + 1]
+        return {"tables": list(layout.tables), "counts": layout.counts[k].tolist(),
+                "ids": raw_array(layout.ids[lo:hi]), "codec": self.rows_codec}
+
+    def _push_body(self, k: int, layout: ShardedIds, grads: np.ndarray) -> dict[str, Any]:
+        lo, hi = int(layout.bounds[k]), int(layout.bounds[k + 1])
+        return {"tables": list(layout.tables), "counts": layout.counts[k].tolist(),
+                "ids": raw_array(layout.ids[lo:hi]),
+                "grads": self._grads_body(k, layout, lo, grads)}
+
+    async def _rows_of(self, replies: Sequence[dict[str, Any]], layout: ShardedIds
+                       ) -> np.ndarray:
+        """The rows of the replies (in shard order) as one writable float32 array."""
+        parts = [self._received("rows_down", reply["rows"]) for reply in replies]
+        if not parts:
+            return np.empty((0, await self._dim(layout.tables[0])), dtype=np.float32)
+        rows = np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])  # writable
+        return rows if rows.dtype == np.float32 else rows.astype(np.float32)
+
+    @staticmethod
+    def _check_grads(layout: ShardedIds, grads: np.ndarray) -> None:
         if grads.ndim != 2 or grads.shape[0] != layout.ids.size:
             raise InvalidArgument(f"grads must be ({layout.ids.size}, dim), got {grads.shape}")
-        bounds = layout.bounds
-        requests = []
-        for k in range(layout.num_shards):
-            lo, hi = int(bounds[k]), int(bounds[k + 1])
-            if hi > lo:
-                body = self._grads_body(k, layout, lo, grads)
-                requests.append(self._shards[k].push.request({
-                    "tables": list(layout.tables), "counts": layout.counts[k].tolist(),
-                    "ids": raw_array(layout.ids[lo:hi]), "grads": body}))
-        return _sum_acks(await self._within(asyncio.gather(*requests)))
 
     def _grads_body(self, k: int, layout: ShardedIds, lo: int, grads: np.ndarray
                     ) -> dict[str, Any] | list[dict[str, Any]]:

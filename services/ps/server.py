@@ -24,6 +24,9 @@ Messages:
               (several tables of one dim in one message, their ids one table after the
               other: every part is checked before any is served or applied; one error
               answers the whole message)
+    Push    → {..., lookup: {tables, counts, ids, codec}}    ← {rid, applied, ..., rows}
+              (the push, then a lookup that sees it: a worker's next batch rides on the
+              push that frees its staleness slot; both parts checked before either is done)
     Tables  → {}                                             ← {shard_id, num_shards, tables}
     Stats   → {table?}                                       ← {shard_id, tables: {name: stats}}
 """
@@ -137,7 +140,16 @@ class PSServicer:
             tables, counts = _tables_and_counts(body, self.shard.config.max_tables)
             decoded = ([_float32(array_from_wire(g)) for g in grads] if isinstance(grads, list)
                        else _float32(array_from_wire(grads)))
-            return _ack(await self.shard.push_many(tables, counts, ids, decoded))
+            ask = body.get("lookup")
+            if ask is None:
+                return _ack(await self.shard.push_many(tables, counts, ids, decoded))
+            if not isinstance(ask, dict):
+                raise InvalidArgument("'lookup' must be a map {tables, counts, ids, codec}")
+            asked, asked_counts = _tables_and_counts(ask, self.shard.config.max_tables)
+            result, rows = await self.shard.push_then_lookup(
+                (tables, counts, ids, decoded),
+                (asked, asked_counts, array_from_wire(ask.get("ids"))))
+            return {**_ack(result), "rows": array_to_wire(rows, _codec(ask, codecs))}
         table = _table_name(body)
         return _ack(await self.shard.push(table, ids, _float32(array_from_wire(grads))))
 

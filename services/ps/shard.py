@@ -36,6 +36,8 @@ from services.ps.tables import OptimizerConfig, TableConfig
 __all__ = ["INLINE_IDS", "Shard"]
 
 T = TypeVar("T")
+LookupParts = tuple[Sequence[str], Sequence[int], np.ndarray]  # tables, counts, ids
+PushParts = tuple[Sequence[str], Sequence[int], np.ndarray, Any]  # ... and the grads
 INLINE_IDS = 16_384  # requests up to this many ids: served on the event loop (~0.2 ms)
 
 
@@ -132,14 +134,14 @@ class Shard:
             return table.push(ids, grads)
 
     async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
-        return await self._serve([name], ids, self.lookup_sync, name, ids)
+        return await self._serve([name], np.size(ids), self.lookup_sync, name, ids)
 
-    async def _serve(self, tables: Sequence[str], ids: Any, work: Callable[..., T],
+    async def _serve(self, tables: Sequence[str], num_ids: int, work: Callable[..., T],
                      *args: Any) -> T:
         """``work(*args)`` on the event loop when the request is small and no table it touches
         is busy (a checkpoint holds them): a thread hop costs more than such a request. Else
         in a worker thread, so that the loop goes on serving."""
-        if np.size(ids) <= INLINE_IDS:
+        if num_ids <= INLINE_IDS:
             taken: list[threading.RLock] = []
             try:
                 for name in dict.fromkeys(tables):
@@ -213,13 +215,25 @@ class Shard:
                           dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
                           not_admitted=sum(r.not_admitted for r in results))
 
+    def push_then_lookup_sync(self, push: PushParts, lookup: LookupParts
+                              ) -> tuple[PushResult, np.ndarray]:
+        """Apply a multi-table push, then serve a multi-table lookup (its rows include the
+        push): both parts are checked before the push is applied."""
+        self._table_slices(*lookup)
+        return self.push_many_sync(*push), self.lookup_many_sync(*lookup)
+
+    async def push_then_lookup(self, push: PushParts, lookup: LookupParts
+                               ) -> tuple[PushResult, np.ndarray]:
+        return await self._serve([*push[0], *lookup[0]], np.size(push[2]) + np.size(lookup[2]),
+                                 self.push_then_lookup_sync, push, lookup)
+
     async def lookup_many(self, tables: Sequence[str], counts: Sequence[int],
                           ids: np.ndarray) -> np.ndarray:
-        return await self._serve(tables, ids, self.lookup_many_sync, tables, counts, ids)
+        return await self._serve(tables, np.size(ids), self.lookup_many_sync, tables, counts, ids)
 
     async def push_many(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
                         grads: np.ndarray | Sequence[np.ndarray]) -> PushResult:
-        return await self._serve(tables, ids, self.push_many_sync, tables, counts, ids, grads)
+        return await self._serve(tables, np.size(ids), self.push_many_sync, tables, counts, ids, grads)
 
     # DES-style partial pooling: the shard pools the rows it owns, per sample.
 
@@ -267,15 +281,15 @@ class Shard:
             return table.push(ids, expanded)
 
     async def pooled_lookup(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        return await self._serve([name], ids, self.pooled_lookup_sync, name, ids, lengths)
+        return await self._serve([name], np.size(ids), self.pooled_lookup_sync, name, ids, lengths)
 
     async def pooled_push(self, name: str, ids: np.ndarray, lengths: np.ndarray,
                           grads: np.ndarray) -> PushResult:
-        return await self._serve([name], ids, self.pooled_push_sync, name, ids, lengths,
+        return await self._serve([name], np.size(ids), self.pooled_push_sync, name, ids, lengths,
                                  grads)
 
     async def push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
-        return await self._serve([name], ids, self.push_sync, name, ids, grads)
+        return await self._serve([name], np.size(ids), self.push_sync, name, ids, grads)
 
     def peek(self, name: str, row_id: int) -> dict[str, Any]:
         if not 0 <= row_id < 2**64:

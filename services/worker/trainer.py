@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import queue
 import threading
@@ -47,7 +48,7 @@ from services.common.admin import AdminServer
 from services.common.batch import Batch
 from services.common.codecs import WireStatsCollector
 from services.common.config import config_to_dict
-from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
+from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
 from services.worker.admin import WorkerProgress, make_worker_admin
 from services.worker.compression import (
     ActivationSparsifier,
@@ -82,6 +83,14 @@ def _every_rank_has_a_batch(has_batch: bool) -> bool:
     flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+@dataclass(slots=True)
+class _Rider:
+    """A planned batch waiting for a staleness slot: the push that frees one looks it up."""
+
+    plan: BatchPlan
+    future: asyncio.Future[tuple[list[np.ndarray] | None, int]]
 
 
 @dataclass(slots=True)
@@ -238,6 +247,7 @@ class Trainer:
         self._admin: AdminServer | None = None
         self.admin_port: int | None = None
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
+        self._riders: collections.deque[_Rider] = collections.deque()
         self._unacked = 0
         self.step = 0
         self.losses: list[float] = []          # training loss of every step
@@ -412,17 +422,50 @@ class Trainer:
     async def _push(self, batch: Batch, plan: BatchPlan, grads: list[np.ndarray],
                     slots: asyncio.Semaphore | None) -> None:
         """Push a batch's row gradients; once the PS acknowledged them, ack the batch to the
-        loader (so its source offsets can be committed) and free its slot."""
+        loader (so its source offsets can be committed) and free its slot.
+
+        A batch waiting for a slot (a rider) rides on the push: its lookup travels in the same
+        message per shard, after the gradients, and the slot passes straight to it."""
+        rider = self._riders.popleft() if self._riders else None
+        rows: list[np.ndarray] | None = None
         try:
-            with self.progress.push_seconds.time():
+            started = time.perf_counter()
+            if rider is None:
                 await asyncio.gather(*(self.ps.push_sharded(g.layout, grad)
                                        for g, grad in zip(plan.groups, grads, strict=True)))
+            else:
+                rows = await self._push_then_lookup(plan, grads, rider.plan)
+                self.progress.lookup_seconds.observe(time.perf_counter() - started)
+            self.progress.push_seconds.observe(time.perf_counter() - started)
             if self._loader is not None:
                 await self._loader.ack(batch)
+        except BaseException as exc:
+            if rider is not None and not rider.future.done():
+                rider.future.set_exception(exc if isinstance(exc, Exception)
+                                           else Unavailable("the push it rode on was cancelled"))
+            raise
         finally:
             self._unacked -= 1
-            if slots is not None:
+            if rider is None and self._riders:  # it came after this push left: slot only
+                rider = self._riders.popleft()
+            if rider is not None and not rider.future.done():
+                rider.future.set_result((rows, self._unacked))
+                self._unacked += 1
+            elif slots is not None:
                 slots.release()
+
+    async def _push_then_lookup(self, plan: BatchPlan, grads: list[np.ndarray],
+                                then: BatchPlan) -> list[np.ndarray]:
+        """Push ``plan``'s gradients and look ``then`` up, one message per shard and group."""
+        pairs = list(zip(plan.groups, grads, then.groups, strict=False))
+        if len(plan.groups) != len(then.groups) or any(
+                g.layout.tables != h.layout.tables for g, _, h in pairs):
+            await asyncio.gather(*(self.ps.push_sharded(g.layout, grad)
+                                   for g, grad in zip(plan.groups, grads, strict=True)))
+            return await self._lookup(then)
+        done = await asyncio.gather(*(self.ps.push_then_lookup(g.layout, grad, h.layout)
+                                      for g, grad, h in pairs))
+        return [rows for _, rows in done]
 
     async def _produce(self, batches: Batches | LoaderClient, steps: int | None,
                        slots: asyncio.Semaphore | None, compute: _ComputeThread) -> None:
@@ -438,11 +481,18 @@ class Trainer:
                 if self._forward is None:
                     await self._ensure_model(batch)
                     compute.started = time.perf_counter()
-                if slots is not None:
-                    await slots.acquire()
-                staleness = self._unacked
-                self._unacked += 1
-                rows = await self._lookup(plan)
+                if slots is not None and slots.locked():  # ride on the push that frees one
+                    rider = _Rider(plan, asyncio.get_running_loop().create_future())
+                    self._riders.append(rider)
+                    rows, staleness = await rider.future
+                    if rows is None:  # handed the slot only
+                        rows = await self._lookup(plan)
+                else:
+                    if slots is not None:
+                        await slots.acquire()
+                    staleness = self._unacked
+                    self._unacked += 1
+                    rows = await self._lookup(plan)
                 await compute.put(_Prepared(batch, plan, rows, staleness))
                 taken += 1
             await compute.put(_DONE)
@@ -543,6 +593,7 @@ class Trainer:
             producer.cancel()
             compute.stop()
             await asyncio.gather(producer, runner, *pushes, return_exceptions=True)
+            self._riders.clear()
         started = compute.started
         seconds = time.perf_counter() - started
         self.progress.state = "done"

@@ -282,3 +282,39 @@ async def test_multi_table_push_with_a_bad_part_changes_nothing(cluster, case):
         with pytest.raises(InvalidArgument):
             await ps._shards[0].lookup.request({"tables": ["user"], "counts": [1], "ids": 5})
         assert (await ps.lookup("user", _MINE)).shape == (_MINE.size, 8)  # the stream goes on
+
+
+async def test_push_then_lookup_rows_include_the_push(cluster):
+    """One message per shard pushes one layout and looks another up after it; the rows equal
+    those a separate push then lookup give."""
+    pushed, _ = ShardedIds.of_tables({"user": np.arange(100, 140, dtype=np.uint64)}, 2)
+    asked, where = ShardedIds.of_tables({"user": np.arange(120, 170, dtype=np.uint64)}, 2)
+    grads = np.full((pushed.ids.size, 8), 0.25, np.float32)
+    async with PSClient(addresses(cluster)) as ps:
+        before = await ps.lookup_sharded(asked)
+        ack, rows = await ps.push_then_lookup(pushed, grads, asked)
+        after = await ps.lookup_sharded(asked)
+        only_lookup, _ = ShardedIds.of_tables({"user": np.array([5000], np.uint64)}, 2)
+        empty = ShardedIds.of_tables({"user": np.empty(0, np.uint64)}, 2)[0]
+        ack2, rows2 = await ps.push_then_lookup(empty, np.zeros((0, 8), np.float32), only_lookup)
+    assert ack.applied == 40 and ack2.applied == 0 and rows2.shape == (1, 8)
+    np.testing.assert_array_equal(rows, after)  # the lookup saw the push
+    changed = np.isin(asked.ids, pushed.ids)
+    assert not np.allclose(rows[changed], before[changed])
+    np.testing.assert_array_equal(rows[~changed], before[~changed])
+    assert rows[where["user"]].shape == (50, 8)
+
+
+async def test_push_with_a_bad_lookup_part_applies_nothing(cluster):
+    async with PSClient(addresses(cluster)) as ps:
+        await ps.lookup_tables({"user": np.arange(30, dtype=np.uint64)})
+        state = digest(cluster)
+        for lookup in ({"tables": ["nope"], "counts": [_MINE.size], "ids": raw_array(_MINE)},
+                       {"tables": ["user"], "counts": [_MINE.size + 1], "ids": raw_array(_MINE)},
+                       ["not", "a", "map"]):
+            with pytest.raises((InvalidArgument, NotFound)):
+                await ps._shards[0].push.request({**_push_body("grads_wrong_rows"),
+                                                  "grads": raw_array(np.ones((_MINE.size, 8),
+                                                                             np.float32)),
+                                                  "lookup": lookup})
+        assert digest(cluster) == state  # the push was not applied either
