@@ -56,7 +56,8 @@ class JobControl:
             raise StopTraining(f"stop requested at step {self.step}")
         if self._requests or self.checkpointer.due(self.step):
             waiting, self._requests = self._requests, []
-            task = asyncio.get_running_loop().create_task(self.checkpoint_now())
+            task = asyncio.get_running_loop().create_task(self.checkpointer.checkpoint(
+                self.step, parts=self._parts()))  # the state now, between two steps
             self._writes.add(task)
             task.add_done_callback(lambda t: self._finish(t, waiting))
 
@@ -73,10 +74,12 @@ class JobControl:
             else:
                 future.set_result(task.result())
 
+    def _parts(self) -> dict[str, bytes]:
+        return {"dense": dense_part(self._dense_state())}
+
     async def checkpoint_now(self) -> dict[str, Any]:
         """Write a job checkpoint of the current step (call between steps)."""
-        parts = {"dense": dense_part(self._dense_state())}
-        return await self.checkpointer.checkpoint(self.step, parts=parts)
+        return await self.checkpointer.checkpoint(self.step, parts=self._parts())
 
     async def requested(self) -> dict[str, Any]:
         """A checkpoint at the next step boundary; returns its manifest once complete."""

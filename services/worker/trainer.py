@@ -129,12 +129,14 @@ class _ComputeThread:
     loop never paces compute; each step's result goes back to the loop as it comes.
 
     With ``eval_every``, the thread waits after every ``eval_every``-th step until the loop
-    has evaluated (``resume``). With ``room`` (async mode), at most that many looked-up batches
+    has evaluated (``resume``); with ``pause_each_step`` (an ``on_step`` callback is set) it
+    waits after every step, so that the callback sees the model at that step. With ``room`` (async mode), at most that many looked-up batches
     wait in the feed. With more than one rank, every rank stops at the step where the first
     one runs out of batches (one tiny all-reduce per step).
     """
 
-    def __init__(self, trainer: Trainer, *, room: int | None, eval_every: int) -> None:
+    def __init__(self, trainer: Trainer, *, room: int | None, eval_every: int,
+                 pause_each_step: bool) -> None:
         self.trainer = trainer
         self.loop = asyncio.get_running_loop()
         self.feed: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -143,6 +145,7 @@ class _ComputeThread:
         self.started = time.perf_counter()  # reset once the model is built
         self._room = asyncio.Semaphore(room) if room is not None else None
         self._eval_every = eval_every
+        self._pause_each_step = pause_each_step
         self._stopping = False
         self._distributed = _distributed()
 
@@ -155,6 +158,10 @@ class _ComputeThread:
         self._stopping = True
         self.feed.put(_DONE)
         self.resume.set()
+
+    def pauses_after(self, step: int) -> bool:
+        """Whether the thread waits for ``resume`` after ``step``."""
+        return self._pause_each_step or bool(self._eval_every) and step % self._eval_every == 0
 
     def _report(self, result: Any) -> None:
         self.loop.call_soon_threadsafe(self.results.put_nowait, result)
@@ -179,7 +186,7 @@ class _ComputeThread:
                 self.loop.call_soon_threadsafe(self._room.release)
             result = self.trainer._train_step(item)
             step += 1
-            pause = bool(self._eval_every) and step % self._eval_every == 0
+            pause = self.pauses_after(step)
             if pause:
                 self.resume.clear()
             self._report((item, result))
@@ -546,6 +553,7 @@ class Trainer:
         batches are acked to the loader once their push is acknowledged by the PS. With more
         than one rank, training stops at the step where the first rank runs out of batches.
 
+        ``on_step`` runs between steps (the model is at that step; training waits for it).
         ``eval_batches`` (a list, or a callable giving a fresh iterable) is evaluated every
         ``eval_every`` steps and at the end; the summary's ``auc``/``logloss`` are then the
         final held-out figures, else the progressive (pre-update) training figures.
@@ -557,7 +565,7 @@ class Trainer:
         slots = asyncio.Semaphore(window) if window is not None else None
         every = self.config.eval_every if eval_batches is not None else 0
         compute = _ComputeThread(self, room=None if window is not None else self.config.prefetch,
-                                 eval_every=every)
+                                 eval_every=every, pause_each_step=self.on_step is not None)
         self._loader = batches if isinstance(batches, LoaderClient) else None
         producer = asyncio.create_task(self._produce(batches, steps, slots, compute))
         runner = asyncio.create_task(asyncio.to_thread(compute.run, self.step))
@@ -585,8 +593,9 @@ class Trainer:
                     self.on_step({"step": self.step, "loss": loss, "staleness": item.staleness,
                                   "samples": samples, "samples_per_s":
                                   samples / (time.perf_counter() - compute.started)})
-                if every and self.step % every == 0:  # the compute thread waits for it
+                if every and self.step % every == 0:
                     await self._evaluate_into_history(eval_batches)  # type: ignore[arg-type]
+                if compute.pauses_after(self.step):  # the thread waited for on_step / eval
                     compute.resume.set()
             await asyncio.gather(*pushes)
         finally:
