@@ -14,6 +14,8 @@ The default batch is 2048 rows, a small one for recommendation training; every s
 Persimmon two messages per shard whatever its size, so smaller batches lower ``vs_local``
 (``--batch-size 512`` shows it). ``ms_per_step`` of each run is in the JSON: sync mode's step
 minus hybrid's is what the PS round trips cost sync mode, the most hybrid mode can win back.
+Persimmon runs also report their compute thread's mean ``step_wall_ms`` and ``step_cpu_ms``
+(the difference: waiting for a core or the GIL) and ``batch_wait_ms`` (waiting for a batch).
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
                                      eval_batches=test, model=ModelConfig(name="dlrm"),
                                      config=config)
     return {"samples_per_s": summary["samples_per_s"], "auc": summary["auc"],
-            "staleness_max": summary["staleness_max"]}
+            "staleness_max": summary["staleness_max"],
+            **{k: summary[k] for k in ("step_wall_ms", "step_cpu_ms", "batch_wait_ms")}}
 
 
 def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int = 0
@@ -152,6 +155,11 @@ def _print_table(result: dict[str, Any]) -> None:
         table.add_row(name, f"{r['samples_per_s']:,.0f}", f"{r['ms_per_step']:.2f}",
                       f"{r['auc']:.4f}")
     console.print(table)
+    for key in ("hybrid", "sync"):
+        r = result["runs"][key]
+        console.print(f"{key}: compute thread per step {r['step_wall_ms']:.2f} ms wall, "
+                      f"{r['step_cpu_ms']:.2f} ms CPU; {r['batch_wait_ms']:.2f} ms waiting "
+                      "for a batch")
     console.print(f"oracle AUC {result['oracle_auc']:.4f}   vs_local "
                   f"{result['vs_local']:.2f} (goal >= 0.75)   hybrid_vs_sync "
                   f"{result['hybrid_vs_sync']:.2f} (goal >= 1.5)")

@@ -147,6 +147,8 @@ class _ComputeThread:
         self._eval_every = eval_every
         self._pause_each_step = pause_each_step
         self._stopping = False
+        self._wall = self._cpu = self._wait = 0.0  # seconds, over the steps done
+        self._steps_done = 0
         self._distributed = _distributed()
 
     async def put(self, item: Any) -> None:
@@ -172,9 +174,19 @@ class _ComputeThread:
         except BaseException as exc:  # raised by the loop, which awaits results only
             self._report(exc)
 
+    def timing(self) -> dict[str, float]:
+        """Mean ms per step: ``step_wall_ms`` and ``step_cpu_ms`` of this thread's training
+        steps (wall beyond CPU is time spent waiting for a core or for the GIL), and
+        ``batch_wait_ms``, the wait for the next looked-up batch."""
+        n = max(self._steps_done, 1)
+        return {"step_wall_ms": 1e3 * self._wall / n, "step_cpu_ms": 1e3 * self._cpu / n,
+                "batch_wait_ms": 1e3 * self._wait / n}
+
     def _steps(self, step: int) -> None:
         while not self._stopping:
+            waited = time.perf_counter()
             item = self.feed.get()
+            self._wait += time.perf_counter() - waited
             if self._stopping:
                 return
             if self._distributed and not _every_rank_has_a_batch(isinstance(item, _Prepared)):
@@ -184,7 +196,11 @@ class _ComputeThread:
                 return
             if self._room is not None:
                 self.loop.call_soon_threadsafe(self._room.release)
+            wall, cpu = time.perf_counter(), time.thread_time()
             result = self.trainer._train_step(item)
+            self._wall += time.perf_counter() - wall
+            self._cpu += time.thread_time() - cpu
+            self._steps_done += 1
             step += 1
             pause = self.pauses_after(step)
             if pause:
@@ -615,6 +631,7 @@ class Trainer:
             "staleness_max": max(self.staleness[first:], default=0),
             "staleness_mean": float(np.mean(self.staleness[first:])) if steps_done else 0.0,
             "losses": [float(x) for x in self.losses[first:]],
+            **compute.timing(),
         }
         train = gather_accumulator(train_acc).result()
         summary.update(train_auc=train.auc, train_logloss=train.logloss)

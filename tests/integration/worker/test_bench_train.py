@@ -18,4 +18,7 @@ def test_bench_train_reports_both_ratios_from_its_own_runs() -> None:
                         runs["hybrid"]["samples_per_s"] / runs["local"]["samples_per_s"])
     assert math.isclose(result["hybrid_vs_sync"],
                         runs["hybrid"]["samples_per_s"] / runs["sync"]["samples_per_s"])
+    for key in ("hybrid", "sync"):
+        assert 0 < runs[key]["step_cpu_ms"] <= 1.2 * runs[key]["step_wall_ms"]
+        assert runs[key]["batch_wait_ms"] >= 0
     assert runs["sync"]["staleness_max"] == 0 and runs["hybrid"]["staleness_max"] <= 8

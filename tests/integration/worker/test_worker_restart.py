@@ -64,7 +64,7 @@ async def test_killed_worker_restarts_and_finishes_without_corrupting_the_ps(tmp
         summary = json.loads((tmp_path / "second.json").read_text())
         # the restarted worker trained on exactly the batches the killed one left unacked
         acked = acked_before["ranks"]["0"]["acked"]
-        assert 20 <= acked < ROWS // BATCH
+        assert 20 - 8 <= acked < ROWS // BATCH  # 20 steps seen, at most S = 8 pushes unacked
         assert summary["steps"] == ROWS // BATCH - acked
         after = _get(f"{loader.admin_url}/v1/workers")["ranks"]["0"]
         assert after["acked"] == ROWS // BATCH and after["redelivered"] >= 1
