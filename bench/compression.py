@@ -30,16 +30,14 @@ with goals: ``dense_dct_ratio`` ≥ 100 with ``dense_dct_delta_auc`` ≤ 0.001,
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass, replace
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from bench import save_plot, write_json
 from bench.sync import PLANTED, train_configs
 from services.common.errors import ConfigError
 from services.worker.config import TrainerConfig
@@ -314,12 +312,9 @@ def _main(args: argparse.Namespace) -> int:
                  workers=args.workers, cases=select(args.cases), warmup=args.warmup,
                  seeds=args.seeds)
     _print_table(result)
-    png = args.plot or os.path.join(tempfile.gettempdir(), "persimmon-bench-compression.png")
-    plot(result, png)
+    png = save_plot(plot, result, args.plot, "compression")
     console.print(f"ratio against ΔAUC: {png}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from bench import write_json
 from clients.ps_client import PSClient
 from services.processes import LocalPS
 
@@ -150,9 +150,7 @@ def _main(args: argparse.Namespace) -> int:
         result = run(seconds=args.seconds or 1800.0, clients=args.clients, sample_every_s=60.0)
     else:
         result = run(seconds=args.seconds or 20.0, clients=args.clients)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0
 
 

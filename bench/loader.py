@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import tempfile
 import time
@@ -33,6 +32,7 @@ import pyarrow.csv as pacsv
 from rich.console import Console
 from rich.table import Table
 
+from bench import write_json
 from services.common.batch import Jagged
 from services.loader.arrow import hash_column
 from services.loader.batching import Batcher, Rows
@@ -226,9 +226,7 @@ def _print_table(r: dict[str, Any]) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, repeat=args.repeat)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import shutil
 import socket
@@ -26,6 +25,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from bench import write_json
 from bench.store import bench_store
 from clients.ps_client import PSClient
 from services.common.rpc import channel_options, generic_service, make_server
@@ -284,9 +284,7 @@ def _print_table(r: dict[str, Any]) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     result = run(seconds=args.seconds, store_ids=args.store_ids)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import tempfile
@@ -30,6 +29,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from bench import write_json
 from services.cluster.checkpoints import JobCheckpointer, dense_part
 from services.common.sharding import shard_of
 
@@ -168,9 +168,7 @@ def _print(result: dict[str, Any]) -> None:
 def _main(args: argparse.Namespace) -> int:
     result = run(args)
     _print(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0 if result["recovered"] and result["lost_acked_updates"] == 0 else 1
 
 

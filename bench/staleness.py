@@ -18,15 +18,13 @@ every batch reads and writes the same hot rows.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from bench import save_plot, write_json
 from bench.sync import PLANTED, TRAINING, train_configs
 from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig
@@ -129,12 +127,9 @@ def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
                  workers=args.workers, data=args.data, staleness=args.staleness)
     _print_table(result)
-    png = args.plot or os.path.join(tempfile.gettempdir(), "persimmon-bench-staleness.png")
-    plot(result, png)
+    png = save_plot(plot, result, args.plot, "staleness")
     console.print(f"samples/s and AUC against S: {png}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0
 
 

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -28,6 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from bench import save_plot, write_json
 from services.common.batch import Batch
 from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
@@ -189,12 +187,9 @@ def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
                  workers=args.workers, strategies=args.strategies.split(","))
     _print_table(result)
-    png = args.plot or os.path.join(tempfile.gettempdir(), "persimmon-bench-sync.png")
-    plot(result, png)
+    png = save_plot(plot, result, args.plot, "sync")
     console.print(f"AUC against samples seen: {png}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0
 
 

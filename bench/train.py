@@ -21,7 +21,6 @@ Persimmon runs also report their compute thread's mean ``step_wall_ms`` and ``st
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from bench import write_json
 from services.common.batch import Batch
 from services.common.scoring import auc
 
@@ -168,9 +168,7 @@ def _print_table(result: dict[str, Any]) -> None:
 def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, seed=args.seed)
     _print_table(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0
 
 

@@ -366,7 +366,7 @@ class PSClient:
         """Shard ``k``'s gradients on the wire: one array, or one per table when the codec
         keeps a residual per id (and so per table)."""
         shard = self._shards[k]
-        hi = lo + int(layout.counts[k].sum())
+        hi = int(layout.bounds[k + 1])
         if not shard.grads_per_table:
             body = shard.grads_encoder.to_wire(layout.ids[lo:hi], grads[lo:hi])
             self._sent("grads_up", body, grads[lo:hi])

@@ -10,7 +10,7 @@ in one hash pass, with the index of every id of the batch into the layout).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import njit
@@ -133,17 +133,16 @@ class ShardedIds:
     tables: tuple[str, ...]
     ids: np.ndarray     # uint64 (U,)
     counts: np.ndarray  # int64 (num_shards, len(tables))
+    bounds: np.ndarray = field(init=False)  # (num_shards + 1,): each shard's share, lo to hi
+
+    def __post_init__(self) -> None:
+        bounds = np.zeros(self.counts.shape[0] + 1, dtype=np.int64)
+        np.cumsum(self.counts.sum(axis=1), out=bounds[1:])
+        object.__setattr__(self, "bounds", bounds)
 
     @property
     def num_shards(self) -> int:
         return int(self.counts.shape[0])
-
-    @property
-    def bounds(self) -> np.ndarray:
-        """``(num_shards + 1,)``: where each shard's share starts and ends."""
-        out = np.zeros(self.num_shards + 1, dtype=np.int64)
-        np.cumsum(self.counts.sum(axis=1), out=out[1:])
-        return out
 
     def table_ids(self, table: str) -> np.ndarray:
         """The ids of one table, shard by shard."""

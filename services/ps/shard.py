@@ -184,8 +184,11 @@ class Shard:
     def lookup_many_sync(self, tables: Sequence[str], counts: Sequence[int],
                          ids: np.ndarray) -> np.ndarray:
         """Rows ``(len(ids), dim)`` of several tables' ids, in request order."""
-        parts, dim = self._table_slices(tables, counts, ids)
-        out = np.empty((ids.size, dim), dtype=np.float32)
+        return self._lookup_slices(*self._table_slices(tables, counts, ids), ids.size)
+
+    def _lookup_slices(self, parts: list[tuple[str, np.ndarray]], dim: int,
+                       num_ids: int) -> np.ndarray:
+        out = np.empty((num_ids, dim), dtype=np.float32)
         start = 0
         for name, part in parts:
             with self._locks[name]:
@@ -219,8 +222,8 @@ class Shard:
                               ) -> tuple[PushResult, np.ndarray]:
         """Apply a multi-table push, then serve a multi-table lookup (its rows include the
         push): both parts are checked before the push is applied."""
-        self._table_slices(*lookup)
-        return self.push_many_sync(*push), self.lookup_many_sync(*lookup)
+        parts, dim = self._table_slices(*lookup)
+        return self.push_many_sync(*push), self._lookup_slices(parts, dim, lookup[2].size)
 
     async def push_then_lookup(self, push: PushParts, lookup: LookupParts
                                ) -> tuple[PushResult, np.ndarray]:

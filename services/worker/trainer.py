@@ -479,15 +479,11 @@ class Trainer:
 
     async def _push_then_lookup(self, plan: BatchPlan, grads: list[np.ndarray],
                                 then: BatchPlan) -> list[np.ndarray]:
-        """Push ``plan``'s gradients and look ``then`` up, one message per shard and group."""
-        pairs = list(zip(plan.groups, grads, then.groups, strict=False))
-        if len(plan.groups) != len(then.groups) or any(
-                g.layout.tables != h.layout.tables for g, _, h in pairs):
-            await asyncio.gather(*(self.ps.push_sharded(g.layout, grad)
-                                   for g, grad in zip(plan.groups, grads, strict=True)))
-            return await self._lookup(then)
+        """Push ``plan``'s gradients and look ``then`` up, one message per shard and group
+        (every batch has the trainer's features, so both plans have the same groups)."""
         done = await asyncio.gather(*(self.ps.push_then_lookup(g.layout, grad, h.layout)
-                                      for g, grad, h in pairs))
+                                      for g, grad, h in zip(plan.groups, grads, then.groups,
+                                                            strict=True)))
         return [rows for _, rows in done]
 
     async def _produce(self, batches: Batches | LoaderClient, steps: int | None,
