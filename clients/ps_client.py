@@ -17,7 +17,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -397,7 +397,7 @@ class PSClient:
                           grads: Mapping[str, np.ndarray]) -> PushAck:
         """Gradients of already-unique ids of several tables, one Push message per shard and
         dim (error feedback per id as in :meth:`push_unique`)."""
-        ack = PushAck()
+        acks: list[dict[str, Any]] = []
         for tables in await self._by_dim(uniq):
             layout, where = ShardedIds.of_tables({t: uniq[t] for t in tables}, self.num_shards)
             if layout.ids.size != sum(np.size(uniq[t]) for t in tables):
@@ -410,11 +410,8 @@ class PSClient:
                                           f"({np.size(uniq[t])}, {fused.shape[1]}), "
                                           f"got {g.shape}")
                 fused[where[t]] = g
-            got = await self.push_sharded(layout, fused)
-            ack.applied += got.applied
-            ack.dropped_nonfinite += got.dropped_nonfinite
-            ack.not_admitted += got.not_admitted
-        return ack
+            acks.append(asdict(await self.push_sharded(layout, fused)))
+        return _sum_acks(acks)
 
     async def _by_dim(self, uniq: Mapping[str, Any]) -> list[list[str]]:
         """The tables of ``uniq`` grouped by their dim (unknown tables: NotFound)."""

@@ -64,14 +64,16 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) 
             proc.wait()
 
 
-def start_service(command: list[str], ready_file: str, timeout: float = 60.0
-                  ) -> tuple[subprocess.Popen[bytes], int, int]:
-    """Start a ``persimmon ps|loader`` command on ports 0; wait for its ready file and its
-    ``/readyz``; return the process and its (gRPC, admin) ports."""
+def start_service(command: list[str], ready_file: str, timeout: float = 60.0, *,
+                  nice: int = 0) -> tuple[subprocess.Popen[bytes], int, int]:
+    """Start a ``persimmon ps|loader`` command on ports 0 (at ``nice``, see :func:`renice`);
+    wait for its ready file and its ``/readyz``; return the process and its (gRPC, admin)
+    ports."""
     if os.path.exists(ready_file):
         os.remove(ready_file)
     proc = subprocess.Popen([*command, "--grpc-port", "0", "--admin-port", "0",
                              "--ready-file", ready_file], stdout=subprocess.DEVNULL)
+    renice(proc, nice)
     deadline = time.monotonic() + timeout
     try:
         while not os.path.exists(ready_file):
@@ -92,17 +94,27 @@ def start_service(command: list[str], ready_file: str, timeout: float = 60.0
     return proc, int(ports["grpc_port"]), int(ports["admin_port"])
 
 
+def renice(proc: subprocess.Popen[bytes], nice: int) -> None:
+    """Lower ``proc``'s scheduling priority by ``nice`` (0: leave it): background services
+    beside a trainer then take the cores its compute does not use (no-op where the OS has no
+    ``setpriority``)."""
+    if nice and hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, proc.pid,
+                       min(os.getpriority(os.PRIO_PROCESS, proc.pid) + nice, 19))
+
+
 class LocalPS:
     """``num_shards`` PS processes on loopback ports; a context manager that stops them.
 
     ``registry``: the shards register there. ``supervise=True``: a shard that dies is started
     again on the same ports from the newest complete job checkpoint in ``checkpoint_dir``
-    (``--restore job``); ``supervisor.restarts`` records each restart.
+    (``--restore job``); ``supervisor.restarts`` records each restart. ``nice``: the shards
+    run at that lower priority (beside a trainer whose compute should keep its core).
     """
 
     def __init__(self, num_shards: int, tables: list[dict[str, Any]],
                  checkpoint_dir: str | None = None, *, registry: str | None = None,
-                 supervise: bool = False) -> None:
+                 supervise: bool = False, nice: int = 0) -> None:
         if supervise and not checkpoint_dir:
             raise ValueError("supervise=True needs a checkpoint_dir to restart from")
         self.num_shards = num_shards
@@ -115,6 +127,7 @@ class LocalPS:
         self.admin_urls: list[str] = []
         self.supervisor: Supervisor | None = None
         self._supervise = supervise
+        self._nice = nice
         self._tmp = tempfile.TemporaryDirectory(prefix="persimmon-ps-")
 
     def __enter__(self) -> LocalPS:
@@ -132,7 +145,7 @@ class LocalPS:
                 if self.registry:
                     cmd += ["--registry", self.registry]
                 proc, grpc_port, admin_port = start_service(
-                    cmd, os.path.join(self._tmp.name, f"shard-{k}.ready"))
+                    cmd, os.path.join(self._tmp.name, f"shard-{k}.ready"), nice=self._nice)
                 self.procs.append(proc)
                 self.commands.append([*cmd, "--grpc-port", str(grpc_port),
                                       "--admin-port", str(admin_port)])
@@ -147,6 +160,7 @@ class LocalPS:
 
     def _restart(self, k: int) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen([*self.commands[k], "--restore", "job"], stdout=subprocess.DEVNULL)
+        renice(proc, self._nice)
         wait_ready(proc, self.admin_urls[k])
         return proc
 

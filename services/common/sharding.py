@@ -15,26 +15,24 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
-__all__ = ["ShardedIds", "mix64", "mix64_scalar", "place_ids", "shard_of", "split_by_shard"]
+__all__ = ["GOLDEN", "ShardedIds", "mix64", "mix64_scalar", "place_ids", "shard_of",
+           "split_by_shard"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: salts and strides
 
 
 def mix64(ids: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer: a bijection on uint64 that spreads sequential ids evenly."""
-    z = np.asarray(ids, dtype=np.uint64).copy()
-    with np.errstate(over="ignore"):
-        z ^= z >> np.uint64(30)
-        z *= _M1
-        z ^= z >> np.uint64(27)
-        z *= _M2
-        z ^= z >> np.uint64(31)
-    return z
+    """The splitmix64 finalizer (:func:`mix64_scalar`) of every id: a bijection on uint64 that
+    spreads sequential ids evenly."""
+    z = np.asarray(ids, dtype=np.uint64)
+    out = np.empty(z.size, dtype=np.uint64)
+    _mix64_all(np.ascontiguousarray(z).reshape(-1), out)
+    return out.reshape(z.shape)
 
 
 def shard_of(ids: np.ndarray | int, num_shards: int) -> np.ndarray:
@@ -64,6 +62,12 @@ def mix64_scalar(z):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
+def _mix64_all(ids, out):  # pragma: no cover - numba
+    for i in range(ids.size):
+        out[i] = mix64_scalar(ids[i])
+
+
+@njit(cache=True, nogil=True)
 def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover - numba
     """Dedup ``(owner table, id)`` pairs and order the unique ones by (shard, table, first
     appearance). Segment ``s`` of ``values`` (``bounds[s]:bounds[s + 1]``) belongs to table
@@ -83,7 +87,7 @@ def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover -
     count = 0
     for s in range(owner.size):
         table = owner[s]
-        salt = np.uint64(table) * _GOLDEN
+        salt = np.uint64(table) * GOLDEN
         for i in range(bounds[s], bounds[s + 1]):
             v = values[i]
             mixed = mix64_scalar(v)

@@ -20,13 +20,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
 
 __all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "dedup_slots", "gather_rows", "mix64",
            "mix64_int", "nonfinite_rows", "prefetch", "prefetch_row", "sum_rows_by_slot",
            "to_unit", "touch_slots", "unique_inverse"]
 
-GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _S11 = np.uint64(11)
 _EMPTY = -1
 PREFETCH_DISTANCE = 8  # rows ahead: random rows cost a DRAM round trip each otherwise
@@ -73,12 +73,8 @@ def prefetch_row(array, row):  # pragma: no cover - numba
 
 
 def mix64_int(z: int) -> int:
-    """:func:`mix64` on a Python int, for seeds computed outside numba."""
-    mask = (1 << 64) - 1
-    z &= mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return z ^ (z >> 31)
+    """:func:`mix64` on a Python int (taken modulo 2^64), for seeds computed outside numba."""
+    return int(mix64(np.uint64(z & 0xFFFFFFFFFFFFFFFF)))
 
 
 @njit(cache=True, inline="always")

@@ -60,6 +60,9 @@ class TrainerConfig:
     admin_host: str = field(default="127.0.0.1", metadata={"help": "admin REST bind address"})
     ps_retry_s: float = field(default=0.0, metadata={
         "help": "seconds a PS request keeps retrying while a shard is down (0: fail at once)"})
+    ps_process: bool = field(default=False, metadata={
+        "help": "the training steps' PS traffic in a child process (PERSIA's embedding "
+                "worker), so that it never holds the GIL the dense compute needs"})
     registry: str | None = field(default=None, metadata={
         "help": "discover the PS shards at this registry (redis://HOST:PORT/DB?job=NAME)"})
     sync: str = field(default="allreduce", metadata={

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from services.common.errors import ConfigError, InvalidArgument
+from services.worker.kernels import PairwiseDots
 
 __all__ = [
     "CrossLayerV2",
@@ -72,7 +73,10 @@ def mlp(in_dim: int, sizes: Sequence[int], *, out_dim: int | None = None) -> nn.
 
 
 def dot_interaction(t: Tensor, li: Tensor, lj: Tensor) -> Tensor:
-    """DLRM's pairwise dots of the vectors ``t`` ``(B, n, D)`` at index pairs ``(li, lj)``."""
+    """DLRM's pairwise dots of the vectors ``t`` ``(B, n, D)`` at index pairs ``(li, lj)``:
+    ``(B, len(li))``; a numba kernel for CPU float32, ``bmm`` otherwise."""
+    if t.device.type == "cpu" and t.dtype == torch.float32:
+        return PairwiseDots.apply(t, li, lj)
     return torch.bmm(t, t.transpose(1, 2))[:, li, lj]
 
 

@@ -9,8 +9,8 @@ A batch holds, per sparse feature, a jagged id list: ``values`` uint64 ``(total,
 2. The rows come back from the shards, concatenated in shard order: ``(U, dim)`` per group,
    aligned with the group's ids.
 3. :func:`pool_batch` makes each group's rows one leaf tensor and pools every feature of the
-   group per sample with a single ``embedding_bag`` (the features' bags end to end; ``sum`` or
-   ``mean``, an empty bag pools to zeros).
+   group per sample in one call (the features' bags end to end; numba kernels on CPU,
+   ``embedding_bag`` elsewhere; ``sum`` or ``mean``, an empty bag pools to zeros).
 4. After ``loss.backward()``, :meth:`PooledBatch.row_grads` gives ``(U, dim)`` per group: the
    gradient of the loss w.r.t. each unique row, summed over every place it was used; each
    shard's slice of it is what is pushed to that shard.
@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import njit
 from torch import Tensor
 
 from services.common.errors import InvalidArgument
 from services.common.sharding import ShardedIds, place_ids
+from services.worker.kernels import PoolBags
 
 __all__ = [
     "POOLING_MODES",
@@ -186,60 +186,6 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
     return BatchPlan(batch_size=batch_size, groups=group_plans, features=plans)
 
 
-@njit(cache=True, nogil=True)
-def _bags_forward(rows, inverse, offsets, mean, out):  # pragma: no cover - numba
-    """``out[b]`` = sum (or mean) of ``rows[inverse[i]]`` over bag ``b``'s ids."""
-    n = inverse.size
-    for b in range(offsets.size):
-        lo = offsets[b]
-        hi = offsets[b + 1] if b + 1 < offsets.size else n
-        for i in range(lo, hi):
-            r = inverse[i]
-            for d in range(rows.shape[1]):
-                out[b, d] += rows[r, d]
-        if mean and hi > lo:
-            scale = np.float32(1.0) / np.float32(hi - lo)
-            for d in range(rows.shape[1]):
-                out[b, d] *= scale
-
-
-@njit(cache=True, nogil=True)
-def _bags_backward(grad_out, inverse, offsets, mean, grad_rows):  # pragma: no cover - numba
-    """``grad_rows[inverse[i]] += grad_out[b]`` (divided by the bag's size for mean)."""
-    n = inverse.size
-    for b in range(offsets.size):
-        lo = offsets[b]
-        hi = offsets[b + 1] if b + 1 < offsets.size else n
-        if hi == lo:
-            continue
-        scale = np.float32(1.0) / np.float32(hi - lo) if mean else np.float32(1.0)
-        for i in range(lo, hi):
-            r = inverse[i]
-            for d in range(grad_rows.shape[1]):
-                grad_rows[r, d] += grad_out[b, d] * scale
-
-
-class _PoolBags(torch.autograd.Function):
-    """Bag pooling on CPU float32 tensors with numba kernels (GIL released): several times
-    faster than ``embedding_bag``'s CPU kernels here, whose backward sorts every id."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: Tensor, inverse: Tensor, offsets: Tensor, mean: bool) -> Tensor:
-        out = torch.zeros((offsets.numel(), rows.shape[1]), dtype=rows.dtype)
-        _bags_forward(rows.detach().numpy(), inverse.numpy(), offsets.numpy(), mean, out.numpy())
-        ctx.save_for_backward(inverse, offsets)
-        ctx.mean, ctx.num_rows = mean, rows.shape[0]
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
-        inverse, offsets = ctx.saved_tensors
-        grad = torch.zeros((ctx.num_rows, grad_out.shape[1]), dtype=grad_out.dtype)
-        _bags_backward(grad_out.contiguous().numpy(), inverse.numpy(), offsets.numpy(),
-                       ctx.mean, grad.numpy())
-        return grad, None, None, None
-
-
 def pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str = "sum") -> Tensor:
     """Pool ``rows[inverse]`` per sample (bags start at ``offsets``): ``(B, dim)``.
 
@@ -250,7 +196,7 @@ def pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str = "sum") -> T
         raise InvalidArgument(f"pooling mode must be one of {POOLING_MODES}, got {mode!r}")
     if rows.device.type == "cpu" and rows.dtype == torch.float32 \
             and inverse.dtype == offsets.dtype == torch.int64:
-        return _PoolBags.apply(rows, inverse.contiguous(), offsets.contiguous(), mode == "mean")
+        return PoolBags.apply(rows, inverse.contiguous(), offsets.contiguous(), mode == "mean")
     return F.embedding_bag(inverse, rows, offsets, mode=mode)
 
 
@@ -291,7 +237,7 @@ def pool_batch(plan: BatchPlan, rows: Sequence[np.ndarray | Tensor], *,
     """Pool the looked-up ``rows`` (per group, aligned with its ``layout.ids``) per feature.
 
     ``mode`` is one mode for every feature or a per-feature mapping (default ``sum``). The
-    features of a group that share a mode are pooled by one ``embedding_bag`` call. The row
+    features of a group that share a mode are pooled by one :func:`pool` call. The row
     tensors are fresh leaves, so their ``.grad`` after backward is the push gradient.
     """
     device = torch.device(device)
@@ -311,8 +257,9 @@ def pool_batch(plan: BatchPlan, rows: Sequence[np.ndarray | Tensor], *,
         if len(group_modes) == 1:  # every bag of the group in one call
             out = pool(leaf, torch.from_numpy(group.inverse).to(device),
                        torch.from_numpy(group.offsets).to(device), group_modes.pop())
-            for k, f in enumerate(group.features):
-                pooled[f] = out[k * batch:(k + 1) * batch]
+            # unbind, not slices: its backward stacks the features' gradients in one copy
+            views = out.view(len(group.features), batch, -1).unbind(0)
+            pooled.update(zip(group.features, views, strict=True))
             continue
         for f in group.features:
             fp = plan.features[f]

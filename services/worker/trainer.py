@@ -7,12 +7,16 @@ One step of one batch::
     + optimizer step → PSClient.push_sharded of the per-unique-row gradients (in the
     background)
 
-Lookups run in a producer task ahead of compute; compute runs in a thread so the event loop
-keeps serving lookups and pushes meanwhile. The bound on staleness is a semaphore of
-``TrainerConfig.window`` slots: taken before a batch's lookup, freed when its push is
-acknowledged (``sync``: 1 slot, so a lookup waits for every earlier push; ``hybrid``:
-``max(S, 1)``; ``async``: none). The staleness of a batch is the number of earlier batches
-whose push is not yet acknowledged when its lookup starts; ``fit`` reports the maximum.
+Lookups run ahead of compute, as many at once as the staleness slots allow; once the slots
+are taken, the next batches ride on the pushes that free them (one message per shard per
+step). Compute runs in a thread so the event loop keeps serving lookups and pushes meanwhile;
+with ``ps_process`` the PS traffic itself runs in a child process (:mod:`clients.ps_process`).
+
+The bound on staleness is a semaphore of ``TrainerConfig.window`` slots: taken before a
+batch's lookup, freed when its push is acknowledged (``sync``: 1 slot, so a lookup waits for
+every earlier push; ``hybrid``: ``max(S, 1)``; ``async``: none). The staleness of a batch
+is the number of earlier batches whose push is not yet acknowledged when its lookup starts;
+``fit`` reports the maximum.
 
 Dense replicas synchronise through a :mod:`services.worker.sync` strategy (DDP all-reduce by
 default) when a torch.distributed group of more than one rank is initialised.
@@ -44,6 +48,7 @@ from torch import nn
 
 from clients.loader_client import LoaderClient
 from clients.ps_client import PSClient
+from clients.ps_process import PSClientProcess
 from services.common.admin import AdminServer
 from services.common.batch import Batch
 from services.common.codecs import WireStatsCollector
@@ -94,6 +99,15 @@ class _Rider:
 
 
 @dataclass(slots=True)
+class _Ahead:
+    """A batch on its way to compute: its rows and staleness, once looked up."""
+
+    batch: Batch
+    plan: BatchPlan
+    looked_up: asyncio.Task[tuple[list[np.ndarray], int]]
+
+
+@dataclass(slots=True)
 class _Prepared:
     """A batch whose rows came back from the PS, ready for compute."""
 
@@ -130,9 +144,10 @@ class _ComputeThread:
 
     With ``eval_every``, the thread waits after every ``eval_every``-th step until the loop
     has evaluated (``resume``); with ``pause_each_step`` (an ``on_step`` callback is set) it
-    waits after every step, so that the callback sees the model at that step. With ``room`` (async mode), at most that many looked-up batches
-    wait in the feed. With more than one rank, every rank stops at the step where the first
-    one runs out of batches (one tiny all-reduce per step).
+    waits after every step, so that the callback sees the model at that step. With ``room``
+    (async mode), at most that many looked-up batches wait in the feed. With more than one
+    rank, every rank stops at the step where the first one runs out of batches (one tiny
+    all-reduce per step).
     """
 
     def __init__(self, trainer: Trainer, *, room: int | None, eval_every: int,
@@ -143,6 +158,7 @@ class _ComputeThread:
         self.results: asyncio.Queue[Any] = asyncio.Queue()
         self.resume = threading.Event()
         self.started = time.perf_counter()  # reset once the model is built
+        self.started_cpu = 0.0  # the worker's CPU seconds at ``started`` (Trainer._cpu_seconds)
         self._room = asyncio.Semaphore(room) if room is not None else None
         self._eval_every = eval_every
         self._pause_each_step = pause_each_step
@@ -242,11 +258,13 @@ class Trainer:
         self.tables: dict[str, str] | None = dict(tables) if tables is not None else None
         if self.tables is not None and not self.tables:
             raise ConfigError("tables must map at least one feature to a PS table")
-        ps_options: dict[str, Any] = dict(
+        self._ps_options: dict[str, Any] = dict(
             rows_codec=self.config.rows_codec, timeout=self.config.timeout_s,
             grads_codec=self.config.grads_codec, retry_s=self.config.ps_retry_s)
-        self.ps = (PSClient.from_registry(self.config.registry, **ps_options)
-                   if self.config.registry else PSClient(list(ps_addresses), **ps_options))
+        self.ps = (PSClient.from_registry(self.config.registry, **self._ps_options)
+                   if self.config.registry else PSClient(list(ps_addresses), **self._ps_options))
+        # the rows and gradients of steps and evaluations go through this one
+        self._rows_client: PSClient | PSClientProcess = self.ps
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -283,6 +301,10 @@ class Trainer:
         """Connect to the PS (idempotent)."""
         if not self._connected:
             await self.ps.connect()
+            if self.config.ps_process:
+                self._rows_client = await PSClientProcess(
+                    self.ps.addresses, registry=self.config.registry,
+                    **self._ps_options).connect()
             self._connected = True
             if self.tables is not None:
                 self._check_tables()
@@ -307,6 +329,9 @@ class Trainer:
             await self._admin.close()
             self._admin = None
         if self._connected:
+            if self._rows_client is not self.ps:
+                await self._rows_client.close()
+                self._rows_client = self.ps
             await self.ps.close()
             self._connected = False
         if self._sync is not None and self._forward is not None:
@@ -371,7 +396,7 @@ class Trainer:
     def codec_rows(self) -> list[dict[str, Any]]:
         """Raw and wire bytes per stream and codec: the PS payloads, the dense exchange this
         trainer set up and DCT-MP activations (exported as ``persimmon_codec_bytes_total``)."""
-        rows = self.ps.codec_stats.rows()
+        rows = self._rows_client.codec_stats.rows()
         dense = (self.config.dense_optimizer if self.config.dense_optimizer in ONEBIT_OPTIMIZERS
                  else self.config.dense_codec)
         for stream, codec, stats in (("dense_allreduce", dense, self._dense_stats),
@@ -411,6 +436,12 @@ class Trainer:
         self._optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
 
+    async def _cpu_seconds(self) -> float:
+        """CPU seconds used so far by this process and its PS-client process, if any."""
+        child = self._rows_client
+        return time.process_time() + (await child.cpu_seconds()
+                                      if isinstance(child, PSClientProcess) else 0.0)
+
     # ---- PS round trips ------------------------------------------------------------------
 
     def _table_groups(self) -> list[list[str]]:
@@ -433,7 +464,7 @@ class Trainer:
 
     async def _lookup(self, plan: BatchPlan) -> list[np.ndarray]:
         with self.progress.lookup_seconds.time():
-            return list(await asyncio.gather(*(self.ps.lookup_sharded(g.layout)
+            return list(await asyncio.gather(*(self._rows_client.lookup_sharded(g.layout)
                                                for g in plan.groups)))
 
     async def _ensure_dims(self) -> None:
@@ -454,7 +485,7 @@ class Trainer:
         try:
             started = time.perf_counter()
             if rider is None:
-                await asyncio.gather(*(self.ps.push_sharded(g.layout, grad)
+                await asyncio.gather(*(self._rows_client.push_sharded(g.layout, grad)
                                        for g, grad in zip(plan.groups, grads, strict=True)))
             else:
                 rows = await self._push_then_lookup(plan, grads, rider.plan)
@@ -481,15 +512,23 @@ class Trainer:
                                 then: BatchPlan) -> list[np.ndarray]:
         """Push ``plan``'s gradients and look ``then`` up, one message per shard and group
         (every batch has the trainer's features, so both plans have the same groups)."""
-        done = await asyncio.gather(*(self.ps.push_then_lookup(g.layout, grad, h.layout)
+        done = await asyncio.gather(*(self._rows_client.push_then_lookup(g.layout, grad,
+                                                                          h.layout)
                                       for g, grad, h in zip(plan.groups, grads, then.groups,
                                                             strict=True)))
         return [rows for _, rows in done]
 
     async def _produce(self, batches: Batches | LoaderClient, steps: int | None,
                        slots: asyncio.Semaphore | None, compute: _ComputeThread) -> None:
-        """Look batches up ahead of compute, each after taking a slot; the first batch builds
-        the model (that one-time cost is not training time: the clock starts after it)."""
+        """Plan batches and start their lookups ahead of compute, each after taking a slot, so
+        that as many lookups are in flight as there are slots (``prefetch`` in async mode).
+        Once every slot is taken, batches queue as riders (as many as there are slots), so
+        that each push finds one waiting. :meth:`_feed` hands them to compute in order. The
+        first batch builds the model (that one-time cost is not training time: the clock
+        starts after it)."""
+        ahead: asyncio.Queue[_Ahead | None] = asyncio.Queue(
+            maxsize=self.config.window or self.config.prefetch)
+        feeder = asyncio.create_task(self._feed(ahead, compute))
         try:
             taken = 0
             feed = batches.batches() if isinstance(batches, LoaderClient) else batches
@@ -500,25 +539,51 @@ class Trainer:
                 if self._forward is None:
                     await self._ensure_model(batch)
                     compute.started = time.perf_counter()
+                    compute.started_cpu = await self._cpu_seconds()
                 if slots is not None and slots.locked():  # ride on the push that frees one
                     rider = _Rider(plan, asyncio.get_running_loop().create_future())
                     self._riders.append(rider)
-                    rows, staleness = await rider.future
-                    if rows is None:  # handed the slot only
-                        rows = await self._lookup(plan)
+                    looked_up = asyncio.create_task(self._ride(rider))
                 else:
                     if slots is not None:
                         await slots.acquire()
-                    staleness = self._unacked
+                    looked_up = asyncio.create_task(self._look_up(plan, self._unacked))
                     self._unacked += 1
-                    rows = await self._lookup(plan)
-                await compute.put(_Prepared(batch, plan, rows, staleness))
+                await ahead.put(_Ahead(batch, plan, looked_up))
                 taken += 1
-            await compute.put(_DONE)
+            await ahead.put(None)
+            await feeder
         except BaseException as exc:  # handed to the consumer, which raises it
+            feeder.cancel()
+            while not ahead.empty():
+                if (item := ahead.get_nowait()) is not None:
+                    item.looked_up.cancel()
+                    if item.looked_up.done() and not item.looked_up.cancelled():
+                        item.looked_up.exception()  # retrieved: the feeder never awaits it
+            await asyncio.gather(feeder, return_exceptions=True)
             compute.results.put_nowait(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
+
+    async def _look_up(self, plan: BatchPlan, staleness: int
+                       ) -> tuple[list[np.ndarray], int]:
+        return await self._lookup(plan), staleness
+
+    async def _ride(self, rider: _Rider) -> tuple[list[np.ndarray], int]:
+        """A rider's rows: from the push it rode on, or its own lookup when it was handed the
+        slot only (it came after that push had left)."""
+        rows, staleness = await rider.future
+        return (rows if rows is not None else await self._lookup(rider.plan)), staleness
+
+    async def _feed(self, ahead: asyncio.Queue[_Ahead | None], compute: _ComputeThread) -> None:
+        """Hand the batches to compute in their order, each once its rows have arrived."""
+        try:
+            while (item := await ahead.get()) is not None:
+                rows, staleness = await item.looked_up
+                await compute.put(_Prepared(item.batch, item.plan, rows, staleness))
+            await compute.put(_DONE)
+        except Exception as exc:  # a failed lookup: the consumer raises it
+            compute.results.put_nowait(exc)
 
     # ---- compute (runs in a thread) ------------------------------------------------------
 
@@ -533,7 +598,8 @@ class Trainer:
     def _train_step(self, item: _Prepared) -> tuple[float, np.ndarray, list[np.ndarray]]:
         assert self._forward is not None and self._optimizer is not None and self.module
         pooled, dense, labels = self._inputs(item)
-        self.module.train()
+        if not self.module.training:  # after an evaluation (a walk over every submodule)
+            self.module.train()
         logits = self._forward(pooled.pooled, dense)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         if self._report_loss is not None:
@@ -579,6 +645,7 @@ class Trainer:
         compute = _ComputeThread(self, room=None if window is not None else self.config.prefetch,
                                  eval_every=every, pause_each_step=self.on_step is not None)
         self._loader = batches if isinstance(batches, LoaderClient) else None
+        compute.started_cpu = await self._cpu_seconds()  # reset if this fit builds the model
         producer = asyncio.create_task(self._produce(batches, steps, slots, compute))
         runner = asyncio.create_task(asyncio.to_thread(compute.run, self.step))
         pushes: set[asyncio.Task[None]] = set()
@@ -610,6 +677,7 @@ class Trainer:
                 if compute.pauses_after(self.step):  # the thread waited for on_step / eval
                     compute.resume.set()
             await asyncio.gather(*pushes)
+            cpu_seconds = await self._cpu_seconds() - compute.started_cpu
         finally:
             producer.cancel()
             compute.stop()
@@ -628,6 +696,7 @@ class Trainer:
             "staleness_mean": float(np.mean(self.staleness[first:])) if steps_done else 0.0,
             "losses": [float(x) for x in self.losses[first:]],
             **compute.timing(),
+            "worker_cpu_ms_per_step": 1e3 * cpu_seconds / steps_done if steps_done else 0.0,
         }
         train = gather_accumulator(train_acc).result()
         summary.update(train_auc=train.auc, train_logloss=train.logloss)
@@ -641,8 +710,8 @@ class Trainer:
                            eval_samples=last["samples"])
         else:
             summary.update(auc=train.auc, logloss=train.logloss)
-        summary["wire_bytes"] = self.ps.wire_bytes()
-        summary["codec_bytes"] = self.ps.codec_stats.as_dict()  # rows/grads payloads per codec
+        summary["wire_bytes"] = self._rows_client.wire_bytes()
+        summary["codec_bytes"] = self._rows_client.codec_stats.as_dict()  # payloads per codec
         summary["dense_bytes"] = self._dense_stats.as_dict() if self._dense_stats else {}
         summary["activation_bytes"] = (self._activations.stats.as_dict()
                                        if self._activations is not None else {})

@@ -141,6 +141,31 @@ async def test_ps_shards_register_and_leave(redis_url, tmp_path) -> None:
 
 
 
+async def test_ps_client_process_finds_the_shards_in_the_registry(redis_url) -> None:
+    import numpy as np
+
+    from clients.ps_process import PSClientProcess
+    from services.common.sharding import ShardedIds
+    from services.ps.tables import TableConfig
+
+    url = f"{redis_url}?job={uuid.uuid4().hex[:8]}"
+    services = []
+    try:
+        for k in (0, 1):
+            service = PSService(PSConfig(shard_id=k, num_shards=2, grpc_port=0, admin_port=0,
+                                         registry=url, heartbeat_ttl_s=5,
+                                         tables=[TableConfig(name="user", dim=4)]))
+            await service.start()
+            services.append(service)
+        layout, _ = ShardedIds.of_tables({"user": np.arange(40, dtype=np.uint64)}, 2)
+        async with PSClientProcess(registry=url) as child:
+            assert child.addresses == [s.address for s in services]
+            assert (await child.lookup_sharded(layout)).shape == (40, 4)
+    finally:
+        for s in services:
+            await s.close()
+
+
 async def test_loader_registers(redis_url) -> None:
     from services.loader.config import LoaderConfig
     from services.loader.service import LoaderService

@@ -20,7 +20,7 @@ from services.worker.trainer import Trainer
 
 DATA = SyntheticConfig(seed=3)
 FEATURES = DATA.sparse_names
-PREFIXES = ("sa_", "sb_", "hy_", "as_", "le_", "bad_")
+PREFIXES = ("sa_", "sb_", "pa_", "pb_", "hy_", "as_", "le_", "bad_")
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,22 @@ async def test_sync_mode_is_bit_reproducible(cluster: LocalPS, data: SyntheticDa
     assert losses[0] == losses[1]
     assert all(np.isfinite(losses[0])) and len(set(losses[0])) > 1
     assert np.mean(losses[0][-4:]) < np.mean(losses[0][:4])  # it learns
+
+
+async def test_ps_client_process_trains_exactly_as_in_process(cluster: LocalPS,
+                                                              data: SyntheticDataset) -> None:
+    """ps_process moves the steps' PS traffic into a child process and changes nothing else:
+    sync mode gives the same losses bit for bit, and the summary counts the child's bytes."""
+    batches = list(data.batches(256, 256 * 8))
+    runs = {}
+    for prefix, ps_process in (("pa_", False), ("pb_", True)):
+        async with trainer(cluster, prefix, mode="sync", seed=7, ps_process=ps_process) as t:
+            runs[ps_process] = (await t.fit(batches), list(t.losses))
+    assert runs[True][1] == runs[False][1] and len(runs[True][1]) == 8
+    summary = runs[True][0]
+    assert summary["wire_bytes"] == runs[False][0]["wire_bytes"]  # the same messages
+    assert summary["codec_bytes"] == runs[False][0]["codec_bytes"]
+    assert summary["worker_cpu_ms_per_step"] > 0
 
 
 async def test_hybrid_staleness_never_exceeds_bound(cluster: LocalPS,
