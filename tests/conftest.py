@@ -34,6 +34,16 @@ async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
         await asyncio.sleep(interval)
 
 
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.settimeout(0.5)
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A redis:// URL: PERSIMMON_TEST_REDIS_URL if set, else a redis-server of our own."""
@@ -52,15 +62,11 @@ def redis_url() -> Iterator[str]:
          "--dir", workdir],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("redis-server did not start") from None
-            time.sleep(0.05)
+    while not _answers_ping(port):  # our redis-server, not whatever else took the port
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"redis-server did not start on port {port}")
+        time.sleep(0.05)
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:

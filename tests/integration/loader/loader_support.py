@@ -16,11 +16,14 @@ MOCK_PARTITIONS = 4  # partitions of a topic the Kafka mock cluster creates on f
 
 
 async def drain(address: str, *, rank: int = 0, world_size: int = 1, credits: int = 4,
-                limit: int | None = None, ack: bool = True) -> list[Batch]:
-    """Read a rank's batches (until the end marker or ``limit``), acknowledging each."""
+                limit: int | None = None, ack: bool = True, timeout: float = 60.0
+                ) -> list[Batch]:
+    """Read a rank's batches (until the end marker or ``limit``), acknowledging each; fail
+    after ``timeout`` seconds."""
     out: list[Batch] = []
-    async with LoaderClient(address, rank=rank, world_size=world_size, credits=credits,
-                            reconnect_timeout_s=5) as client:
+    async with asyncio.timeout(timeout), LoaderClient(
+            address, rank=rank, world_size=world_size, credits=credits,
+            reconnect_timeout_s=5) as client:
         stream = client.batches()
         with contextlib.suppress(StopAsyncIteration):
             while limit is None or len(out) < limit:
