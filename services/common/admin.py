@@ -131,6 +131,9 @@ def make_admin_app(*, title: str, registry: CollectorRegistry, config: Callable[
     return app
 
 
+_SHUTDOWN_GRACE_S = 5.0  # then close() cancels requests still running
+
+
 class AdminServer:
     """Serve a FastAPI app with uvicorn inside the running event loop (HTTPS when
     ``security.tls`` is set; ``security`` None reads ``PERSIMMON_TLS_*``)."""
@@ -145,7 +148,7 @@ class AdminServer:
         self.scheme = "https" if tls else "http"
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-            **tls))
+            timeout_graceful_shutdown=_SHUTDOWN_GRACE_S, **tls))
         # signals belong to the service (run_service), not to uvicorn
         self._server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self._task: asyncio.Task[None] | None = None
