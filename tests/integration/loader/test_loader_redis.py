@@ -23,8 +23,7 @@ def line(i: int) -> bytes:
 @pytest.fixture
 async def stream(redis_url):
     """(redis client, stream name, spec prefix) for a fresh stream; deleted afterwards."""
-    client = aioredis.Redis.from_url(redis_url, socket_timeout=10,
-                                     socket_connect_timeout=10)
+    client = aioredis.Redis.from_url(redis_url)
     name = f"events-{uuid.uuid4().hex[:8]}"
     yield client, name, f"redis://{urlsplit(redis_url).netloc}/{name}"
     await client.delete(name)
