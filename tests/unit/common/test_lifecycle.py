@@ -4,6 +4,9 @@ import asyncio
 import os
 import signal
 
+from fastapi import FastAPI
+
+from services.common import admin
 from services.common.lifecycle import AsyncService, run_service
 
 
@@ -43,3 +46,29 @@ async def test_sigterm_closes_the_service():
     os.kill(os.getpid(), signal.SIGTERM)
     await asyncio.wait_for(runner, 10)
     assert service.events[-1] == "closed"
+
+
+async def test_admin_server_close_cancels_a_request_that_never_ends(monkeypatch):
+    """close() gives running requests the shutdown grace, then cancels them: a hung
+    request cannot keep a service from closing."""
+    monkeypatch.setattr(admin, "_SHUTDOWN_GRACE_S", 0.5)
+    app = FastAPI()
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    @app.get("/hang")
+    async def hang() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+
+    server = admin.AdminServer(app, "127.0.0.1", 0)
+    port = await server.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /hang HTTP/1.1\r\nHost: test\r\n\r\n")
+    await writer.drain()
+    await asyncio.wait_for(started.wait(), 10)
+    await asyncio.wait_for(server.close(), 20)
+    assert cancelled.is_set()
+    writer.close()
