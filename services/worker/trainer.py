@@ -661,7 +661,7 @@ class Trainer:
                 task = asyncio.create_task(self._push(item.batch, item.plan, grads, slots))
                 pushes.add(task)
                 _prune_pushes(pushes)
-                train_acc.update(item.batch.labels, logits)
+                train_acc.add_step(item.batch.labels, logits, loss)
                 self.losses.append(loss)
                 self.staleness.append(item.staleness)
                 self.progress.record_step(samples=item.batch.size, loss=loss,

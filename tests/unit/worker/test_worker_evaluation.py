@@ -101,3 +101,35 @@ def test_bad_input_is_rejected_and_leaves_the_accumulator_unchanged(labels, scor
 def test_logloss_rejects_non_probabilities() -> None:
     with pytest.raises(InvalidArgument, match="\\[0, 1\\]"):
         logloss([0, 1], [0.5, 1.5])
+
+
+def test_add_step_with_the_steps_loss_equals_update() -> None:
+    rng = np.random.default_rng(4)
+    y = (rng.random(2048) < 0.3).astype(np.float32)
+    z = (rng.standard_normal(2048) + y).astype(np.float32)
+    checked, stepped = EvalAccumulator(), EvalAccumulator()
+    for lo in range(0, 2048, 512):
+        yb, zb = y[lo:lo + 512], z[lo:lo + 512]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            torch.from_numpy(zb), torch.from_numpy(yb))
+        checked.update(yb, zb)
+        stepped.add_step(yb, zb, float(loss))
+    a, b = checked.result(), stepped.result()
+    assert b.count == a.count == 2048
+    assert b.auc == a.auc
+    assert b.logloss == pytest.approx(a.logloss, rel=1e-6)
+    assert b.positive_rate == pytest.approx(a.positive_rate)
+
+
+@pytest.mark.parametrize("labels, logits, loss, match", [
+    ([0, 2], [0.1, 0.2], 0.5, "0 or 1"),
+    ([0, 1], [0.1, 0.2], float("nan"), "diverged"),
+    ([0, 1], [0.1], 0.5, "differ"),
+])
+def test_add_step_rejects_bad_input_and_changes_nothing(labels, logits, loss, match) -> None:
+    acc = EvalAccumulator()
+    acc.add_step(np.array([0, 1], np.float32), np.array([0.0, 1.0], np.float32), 0.5)
+    with pytest.raises(InvalidArgument, match=match):
+        acc.add_step(np.array(labels, np.float32), np.array(logits, np.float32), loss)
+    assert acc.count == 2
+    assert acc.result().auc == 1.0
