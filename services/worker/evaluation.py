@@ -52,12 +52,11 @@ class EvalAccumulator:
         self._scores: list[np.ndarray] = []
         self._bce_sum = 0.0
         self._count = 0
-        self._positives = 0.0
 
     def reset(self) -> None:
         """Forget everything collected."""
         self._labels, self._scores = [], []
-        self._bce_sum, self._count, self._positives = 0.0, 0, 0.0
+        self._bce_sum, self._count = 0.0, 0
 
     def update(self, labels: np.ndarray | torch.Tensor | list[float],
                logits: np.ndarray | torch.Tensor | list[float]) -> None:
@@ -67,23 +66,20 @@ class EvalAccumulator:
         self._scores.append(z.astype(np.float32))
         self._bce_sum += bce_sum_from_logits(y, z)
         self._count += y.size
-        self._positives += float(y.sum())
 
     def add_step(self, labels: np.ndarray, logits: np.ndarray, mean_bce: float) -> None:
         """Add a training step's float32 ``labels`` and ``logits`` with the mean BCE the step
-        computed as its loss: the cheap path for every step (no float64 copies, no second
-        BCE pass); the labels must still be 0 or 1 and the loss finite."""
+        computed as its loss: the event loop's path for every step, with no pass over the
+        arrays (each numpy pass there hands the GIL to compute and back). The labels are
+        checked by :meth:`result`, which raises if one is not 0 or 1."""
         if not math.isfinite(mean_bce):
             raise InvalidArgument(f"the training loss is {mean_bce}: the model diverged")
-        if not np.all((labels == 0) | (labels == 1)):
-            raise InvalidArgument("labels must be 0 or 1")
         if labels.shape != logits.shape:
             raise InvalidArgument(f"labels {labels.shape} and logits {logits.shape} differ")
         self._labels.append(labels.copy())  # not a view that keeps a whole message alive
         self._scores.append(logits)
         self._bce_sum += mean_bce * labels.size
         self._count += labels.size
-        self._positives += float(labels.sum())
 
     def merge(self, other: EvalAccumulator) -> None:
         """Add everything ``other`` collected."""
@@ -91,7 +87,6 @@ class EvalAccumulator:
         self._scores += other._scores
         self._bce_sum += other._bce_sum
         self._count += other._count
-        self._positives += other._positives
 
     @property
     def count(self) -> int:
@@ -107,7 +102,7 @@ class EvalAccumulator:
         y, z = self.arrays()
         n = self._count
         return EvalResult(auc=auc(y, z), logloss=self._bce_sum / n if n else math.nan,
-                          count=n, positive_rate=self._positives / n if n else math.nan)
+                          count=n, positive_rate=float(y.sum()) / n if n else math.nan)
 
 
 def gather_accumulator(acc: EvalAccumulator, group: object | None = None) -> EvalAccumulator:
@@ -130,5 +125,4 @@ def gather_accumulator(acc: EvalAccumulator, group: object | None = None) -> Eva
             merged._scores.append(pz)
         merged._bce_sum += bce
         merged._count += py.size
-        merged._positives += float(py.sum())
     return merged
