@@ -173,14 +173,15 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
              for n in names]))
         offsets = np.zeros(lengths.size, dtype=np.int64)
         np.cumsum(lengths[:-1], out=offsets[1:])
+        firsts = offsets[::batch_size] if batch_size else np.zeros(len(names), np.int64)
+        # each feature's bag starts from its own first id, for all features in one pass
+        own = offsets - np.repeat(firsts, batch_size)
         index = len(group_plans)
-        for k, n in enumerate(names):
-            bags = offsets[k * batch_size:(k + 1) * batch_size]
-            first = int(bags[0]) if batch_size else 0
+        for k, (n, first) in enumerate(zip(names, firsts.tolist(), strict=True)):
             plans[n] = FeaturePlan(table=table_of.get(n, n), group=index,
                                    inverse=inverse[first:first + jagged[n][0].size],
                                    lengths=lengths[k * batch_size:(k + 1) * batch_size],
-                                   offsets=bags - first)
+                                   offsets=own[k * batch_size:(k + 1) * batch_size])
         group_plans.append(GroupPlan(layout=layout, features=tuple(names), inverse=inverse,
                                      offsets=offsets))
     return BatchPlan(batch_size=batch_size, groups=group_plans, features=plans)
