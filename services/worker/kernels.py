@@ -1,7 +1,8 @@
 """CPU kernels (numba, GIL released) with exact gradients, as torch autograd Functions.
 
 torch's CPU kernels for these shapes are slow: ``embedding_bag``'s backward sorts every id,
-and DLRM's interaction as ``bmm`` of ``(n, D) @ (D, n)`` per sample runs at a few GFLOP/s.
+and DLRM's interaction as ``bmm`` of ``(n, D) @ (D, n)`` per sample runs at a few GFLOP/s
+(and needs the vectors stacked, then concatenated again with the bottom MLP's output).
 Each Function takes CPU float32 tensors; callers keep torch's ops for other devices.
 """
 
@@ -14,7 +15,7 @@ import torch
 from numba import njit
 from torch import Tensor
 
-__all__ = ["PairwiseDots", "PoolBags"]
+__all__ = ["DotInteraction", "PoolBags"]
 
 
 @njit(cache=True, nogil=True)
@@ -75,48 +76,83 @@ class PoolBags(torch.autograd.Function):
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _dots_forward(t, li, lj, out):  # pragma: no cover - numba
-    """``out[b, p] = <t[b, li[p]], t[b, lj[p]]>``."""
-    for b in range(t.shape[0]):
-        tb = t[b]
-        for p in range(li.size):
-            x, y = tb[li[p]], tb[lj[p]]
-            s = np.float32(0.0)
-            for d in range(x.size):
-                s += x[d] * y[d]
-            out[b, p] = s
+def _interaction_forward(vecs, keep_first, out):  # pragma: no cover - numba
+    """Row ``b`` of ``out``: ``vecs[0][b]`` if ``keep_first``, then ``<vecs[i][b], vecs[j][b]>``
+    for ``i > j`` in ``tril_indices`` order. Each sample's vectors are copied to a small
+    buffer first, so that the dots run over contiguous memory."""
+    n = len(vecs)
+    size, dim = vecs[0].shape
+    tb = np.empty((n, dim), dtype=np.float32)
+    first = dim if keep_first else 0
+    for b in range(size):
+        for i in range(n):
+            v = vecs[i]
+            for d in range(dim):
+                tb[i, d] = v[b, d]
+        for d in range(first):
+            out[b, d] = tb[0, d]
+        col = first
+        for i in range(1, n):
+            for j in range(i):
+                s = np.float32(0.0)
+                for d in range(dim):
+                    s += tb[i, d] * tb[j, d]
+                out[b, col] = s
+                col += 1
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _dots_backward(grad_out, t, li, lj, grad_t):  # pragma: no cover - numba
-    """``grad_t[b, li[p]] += grad_out[b, p] * t[b, lj[p]]`` and symmetrically (``grad_t`` is
-    written whole: it may come uninitialised)."""
-    for b in range(t.shape[0]):
-        tb, gb = t[b], grad_t[b]
-        gb[:] = 0.0
-        for p in range(li.size):
-            w = grad_out[b, p]
-            x, y, gx, gy = tb[li[p]], tb[lj[p]], gb[li[p]], gb[lj[p]]
-            for d in range(x.size):
-                gx[d] += w * y[d]
-                gy[d] += w * x[d]
+def _interaction_backward(grad_out, vecs, keep_first, grads):  # pragma: no cover - numba
+    """``grads[i, b]``: the gradient w.r.t. ``vecs[i][b]`` (written whole)."""
+    n = len(vecs)
+    size, dim = vecs[0].shape
+    tb = np.empty((n, dim), dtype=np.float32)
+    gb = np.empty((n, dim), dtype=np.float32)
+    first = dim if keep_first else 0
+    for b in range(size):
+        for i in range(n):
+            v = vecs[i]
+            for d in range(dim):
+                tb[i, d] = v[b, d]
+                gb[i, d] = 0.0
+        for d in range(first):
+            gb[0, d] = grad_out[b, d]
+        col = first
+        for i in range(1, n):
+            for j in range(i):
+                w = grad_out[b, col]
+                col += 1
+                for d in range(dim):
+                    gb[i, d] += w * tb[j, d]
+                    gb[j, d] += w * tb[i, d]
+        for i in range(n):
+            for d in range(dim):
+                grads[i, b, d] = gb[i, d]
 
 
-class PairwiseDots(torch.autograd.Function):
-    """``(B, P)`` dots of the vectors ``t`` ``(B, n, D)`` at index pairs ``(li, lj)`` (int64)."""
+class DotInteraction(torch.autograd.Function):
+    """DLRM's interaction of ``n`` vectors ``(B, D)`` (CPU float32) in one kernel each way:
+    ``(B, [D +] n(n-1)/2)``, the first vector itself when ``keep_first``, then the pairwise
+    dots in ``tril_indices(n, n, -1)`` order. No ``(B, n, D)`` stack and no concatenation
+    with the first vector is made in either direction."""
 
     @staticmethod
-    def forward(ctx: Any, t: Tensor, li: Tensor, lj: Tensor) -> Tensor:
-        t = t.detach().contiguous()
-        out = torch.empty((t.shape[0], li.numel()), dtype=t.dtype)
-        _dots_forward(t.numpy(), li.numpy(), lj.numpy(), out.numpy())
-        ctx.save_for_backward(t, li, lj)
+    def forward(ctx: Any, keep_first: bool, *vecs: Tensor) -> Tensor:
+        arrays = tuple(v.detach().contiguous().numpy() for v in vecs)
+        size, dim = arrays[0].shape
+        n = len(arrays)
+        out = torch.empty((size, (dim if keep_first else 0) + n * (n - 1) // 2),
+                          dtype=torch.float32)
+        _interaction_forward(arrays, keep_first, out.numpy())
+        ctx.save_for_backward(*vecs)
+        ctx.keep_first = keep_first
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
-        t, li, lj = ctx.saved_tensors
-        grad = torch.empty_like(t)
-        _dots_backward(grad_out.contiguous().numpy(), t.numpy(), li.numpy(), lj.numpy(),
-                       grad.numpy())
-        return grad, None, None
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        vecs = ctx.saved_tensors
+        grads = torch.empty((len(vecs), *vecs[0].shape), dtype=torch.float32)
+        _interaction_backward(grad_out.contiguous().numpy(),
+                              tuple(v.detach().contiguous().numpy() for v in vecs),
+                              ctx.keep_first, grads.numpy())
+        return (None, *grads.unbind(0))

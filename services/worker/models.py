@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from services.common.errors import ConfigError, InvalidArgument
-from services.worker.kernels import PairwiseDots
+from services.worker.kernels import DotInteraction
 
 __all__ = [
     "CrossLayerV2",
@@ -72,12 +72,16 @@ def mlp(in_dim: int, sizes: Sequence[int], *, out_dim: int | None = None) -> nn.
     return nn.Sequential(*layers)
 
 
-def dot_interaction(t: Tensor, li: Tensor, lj: Tensor) -> Tensor:
-    """DLRM's pairwise dots of the vectors ``t`` ``(B, n, D)`` at index pairs ``(li, lj)``:
-    ``(B, len(li))``; a numba kernel for CPU float32, ``bmm`` otherwise."""
-    if t.device.type == "cpu" and t.dtype == torch.float32:
-        return PairwiseDots.apply(t, li, lj)
-    return torch.bmm(t, t.transpose(1, 2))[:, li, lj]
+def dot_interaction(vecs: Sequence[Tensor], *, keep_first: bool = False) -> Tensor:
+    """DLRM's interaction of ``n`` vectors ``(B, D)``: ``(B, n(n-1)/2)`` pairwise dots in
+    ``tril_indices(n, n, -1)`` order, after ``vecs[0]`` itself when ``keep_first``
+    (``(B, D + n(n-1)/2)``). A numba kernel for CPU float32, ``bmm`` otherwise."""
+    if all(v.device.type == "cpu" and v.dtype == torch.float32 for v in vecs):
+        return DotInteraction.apply(keep_first, *vecs)
+    t = torch.stack(list(vecs), dim=1)  # (B, n, D)
+    li, lj = torch.tril_indices(len(vecs), len(vecs), offset=-1, device=t.device)
+    z = torch.bmm(t, t.transpose(1, 2))[:, li, lj]
+    return torch.cat([vecs[0], z], dim=1) if keep_first else z
 
 
 def fm_second_order(v: Tensor) -> Tensor:
@@ -155,11 +159,6 @@ class DLRM(_RecModel):
         self.bottom = mlp(num_dense, bottom) if num_dense else None
         self.proj = self._projections(dim)
         n_vec = len(self.feature_names) + (1 if num_dense else 0)
-        self._li: Tensor
-        self._lj: Tensor
-        li, lj = torch.tril_indices(n_vec, n_vec, offset=-1)
-        self.register_buffer("_li", li, persistent=False)
-        self.register_buffer("_lj", lj, persistent=False)
         n_pairs = n_vec * (n_vec - 1) // 2
         self.top = mlp(n_pairs + (dim if num_dense else 0), top, out_dim=1)
 
@@ -168,9 +167,7 @@ class DLRM(_RecModel):
         if self.bottom is not None:
             x = self.bottom(dense)
             vecs = [x, *vecs]
-        t = torch.stack(vecs, dim=1)                    # (B, n_vec, D)
-        z = dot_interaction(t, self._li, self._lj)
-        top_in = torch.cat([vecs[0], z], dim=1) if self.bottom is not None else z
+        top_in = dot_interaction(vecs, keep_first=self.bottom is not None)
         return self.top(top_in).squeeze(1)
 
 

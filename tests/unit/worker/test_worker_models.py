@@ -74,32 +74,38 @@ def test_models_learn_a_planted_signal(name: str) -> None:
     assert loss.item() < 0.7 * first
 
 
-def test_dot_interaction_matches_pairwise_loop() -> None:
-    t = torch.randn(3, 5, 4)
-    li, lj = torch.tril_indices(5, 5, offset=-1)
-    z = dot_interaction(t, li, lj)
-    expected = torch.stack([torch.stack([t[b, i] @ t[b, j] for i, j in zip(li, lj, strict=True)])
-                            for b in range(3)])
+@pytest.mark.parametrize("keep_first", [False, True])
+def test_dot_interaction_matches_pairwise_loop(keep_first: bool) -> None:
+    vecs = list(torch.randn(5, 3, 4).unbind(0))  # 5 vectors, batch 3, dim 4
+    z = dot_interaction(vecs, keep_first=keep_first)
+    pairs = [(i, j) for i in range(5) for j in range(i)]  # tril_indices(5, 5, -1) order
+    dots = torch.stack([torch.stack([vecs[i][b] @ vecs[j][b] for i, j in pairs])
+                        for b in range(3)])
+    expected = torch.cat([vecs[0], dots], dim=1) if keep_first else dots
     torch.testing.assert_close(z, expected)
 
 
+@pytest.mark.parametrize("keep_first", [False, True])
 @pytest.mark.parametrize("shape", [(1, 2, 1), (7, 5, 3), (64, 27, 16)])
-def test_interaction_kernel_matches_bmm_forward_and_backward(shape: tuple[int, int, int]) -> None:
+def test_interaction_kernel_matches_bmm_forward_and_backward(
+        shape: tuple[int, int, int], keep_first: bool) -> None:
     """The CPU float32 kernel against torch's bmm path (taken for float64): values and the
-    gradient w.r.t. every vector, also for a non-contiguous input."""
+    gradient w.r.t. every vector, also for non-contiguous inputs."""
     batch, n, dim = shape
     g = torch.Generator().manual_seed(sum(shape))
-    wide = torch.randn(batch, n, 2 * dim, generator=g, dtype=torch.float64)
-    li, lj = torch.tril_indices(n, n, offset=-1)
-    upstream = torch.randn(batch, li.numel(), generator=g, dtype=torch.float64)
-    t64 = wide[..., :dim].clone().requires_grad_(True)
-    t32 = wide.float()[..., :dim].requires_grad_(True)  # a strided leaf
-    assert not t32.is_contiguous()
-    z64, z32 = dot_interaction(t64, li, lj), dot_interaction(t32, li, lj)
+    wide = torch.randn(n, batch, 2 * dim, generator=g, dtype=torch.float64)
+    width = (dim if keep_first else 0) + n * (n - 1) // 2
+    upstream = torch.randn(batch, width, generator=g, dtype=torch.float64)
+    v64 = [w[:, :dim].clone().requires_grad_(True) for w in wide]
+    v32 = [w.float()[:, :dim].requires_grad_(True) for w in wide]  # strided leaves
+    assert batch == 1 or not v32[0].is_contiguous()
+    z64 = dot_interaction(v64, keep_first=keep_first)
+    z32 = dot_interaction(v32, keep_first=keep_first)
     (z64 * upstream).sum().backward()
     (z32 * upstream.float()).sum().backward()
     torch.testing.assert_close(z32.double(), z64.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(t32.grad.double(), t64.grad, rtol=1e-5, atol=1e-5)
+    for a, b in zip(v32, v64, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_fm_second_order_matches_pairwise_sum() -> None:
