@@ -19,60 +19,78 @@ __all__ = ["DotInteraction", "PoolBags"]
 
 
 @njit(cache=True, nogil=True)
-def _bags_forward(rows, inverse, offsets, mean, out):  # pragma: no cover - numba
-    """``out[b]`` = sum (or mean) of ``rows[inverse[i]]`` over bag ``b``'s ids (``out`` is
-    written whole: it may come uninitialised)."""
+def _bags_forward(rows, inverse, offsets, mean, outs):  # pragma: no cover - numba
+    """Bag ``k * B + b`` (``B`` rows per output) pools into ``outs[k][b]``: the sum (or mean)
+    of ``rows[inverse[i]]`` over its ids (``outs`` are written whole)."""
     n = inverse.size
-    for b in range(offsets.size):
-        lo = offsets[b]
-        hi = offsets[b + 1] if b + 1 < offsets.size else n
-        for d in range(rows.shape[1]):
-            out[b, d] = 0.0
-        for i in range(lo, hi):
-            r = inverse[i]
+    size = offsets.size // len(outs)
+    for k in range(len(outs)):
+        out = outs[k]
+        for b in range(size):
+            bag = k * size + b
+            lo = offsets[bag]
+            hi = offsets[bag + 1] if bag + 1 < offsets.size else n
             for d in range(rows.shape[1]):
-                out[b, d] += rows[r, d]
-        if mean and hi > lo:
-            scale = np.float32(1.0) / np.float32(hi - lo)
-            for d in range(rows.shape[1]):
-                out[b, d] *= scale
+                out[b, d] = 0.0
+            for i in range(lo, hi):
+                r = inverse[i]
+                for d in range(rows.shape[1]):
+                    out[b, d] += rows[r, d]
+            if mean and hi > lo:
+                scale = np.float32(1.0) / np.float32(hi - lo)
+                for d in range(rows.shape[1]):
+                    out[b, d] *= scale
 
 
 @njit(cache=True, nogil=True)
-def _bags_backward(grad_out, inverse, offsets, mean, grad_rows):  # pragma: no cover - numba
-    """``grad_rows[inverse[i]] += grad_out[b]`` (divided by the bag's size for mean)."""
+def _bags_backward(grads, inverse, offsets, mean, grad_rows):  # pragma: no cover - numba
+    """``grad_rows[inverse[i]] += grads[k][b]`` over bag ``k * B + b``'s ids (divided by the
+    bag's size for mean)."""
     n = inverse.size
-    for b in range(offsets.size):
-        lo = offsets[b]
-        hi = offsets[b + 1] if b + 1 < offsets.size else n
-        if hi == lo:
-            continue
-        scale = np.float32(1.0) / np.float32(hi - lo) if mean else np.float32(1.0)
-        for i in range(lo, hi):
-            r = inverse[i]
-            for d in range(grad_rows.shape[1]):
-                grad_rows[r, d] += grad_out[b, d] * scale
+    size = offsets.size // len(grads)
+    for k in range(len(grads)):
+        grad = grads[k]
+        for b in range(size):
+            bag = k * size + b
+            lo = offsets[bag]
+            hi = offsets[bag + 1] if bag + 1 < offsets.size else n
+            if hi == lo:
+                continue
+            scale = np.float32(1.0) / np.float32(hi - lo) if mean else np.float32(1.0)
+            for i in range(lo, hi):
+                r = inverse[i]
+                for d in range(grad_rows.shape[1]):
+                    grad_rows[r, d] += grad[b, d] * scale
 
 
 class PoolBags(torch.autograd.Function):
     """Bag pooling on CPU float32 tensors with numba kernels (GIL released): several times
-    faster than ``embedding_bag``'s CPU kernels here, whose backward sorts every id."""
+    faster than ``embedding_bag``'s CPU kernels here, whose backward sorts every id.
+
+    The bags split into ``parts`` outputs of equal size (one per feature pooled from the
+    rows), each a tensor of its own: their gradients reach the backward kernel as they come,
+    never stacked into one."""
 
     @staticmethod
-    def forward(ctx: Any, rows: Tensor, inverse: Tensor, offsets: Tensor, mean: bool) -> Tensor:
-        out = torch.empty((offsets.numel(), rows.shape[1]), dtype=rows.dtype)
-        _bags_forward(rows.detach().numpy(), inverse.numpy(), offsets.numpy(), mean, out.numpy())
+    def forward(ctx: Any, rows: Tensor, inverse: Tensor, offsets: Tensor, mean: bool,
+                parts: int) -> tuple[Tensor, ...]:
+        if offsets.numel() % parts:
+            raise ValueError(f"{offsets.numel()} bags do not split into {parts} parts")
+        outs = tuple(torch.empty((offsets.numel() // parts, rows.shape[1]), dtype=rows.dtype)
+                     for _ in range(parts))
+        _bags_forward(rows.detach().numpy(), inverse.numpy(), offsets.numpy(), mean,
+                      tuple(o.numpy() for o in outs))
         ctx.save_for_backward(inverse, offsets)
         ctx.mean, ctx.num_rows = mean, rows.shape[0]
-        return out
+        return outs
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         inverse, offsets = ctx.saved_tensors
-        grad = torch.zeros((ctx.num_rows, grad_out.shape[1]), dtype=grad_out.dtype)
-        _bags_backward(grad_out.contiguous().numpy(), inverse.numpy(), offsets.numpy(),
-                       ctx.mean, grad.numpy())
-        return grad, None, None, None
+        grad = torch.zeros((ctx.num_rows, grads[0].shape[1]), dtype=grads[0].dtype)
+        _bags_backward(tuple(g.contiguous().numpy() for g in grads), inverse.numpy(),
+                       offsets.numpy(), ctx.mean, grad.numpy())
+        return grad, None, None, None, None
 
 
 @njit(cache=True, nogil=True, fastmath=True)

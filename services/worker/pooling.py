@@ -187,8 +187,11 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
     return BatchPlan(batch_size=batch_size, groups=group_plans, features=plans)
 
 
-def pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str = "sum") -> Tensor:
-    """Pool ``rows[inverse]`` per sample (bags start at ``offsets``): ``(B, dim)``.
+def pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str = "sum", *,
+         parts: int = 1) -> tuple[Tensor, ...]:
+    """Pool ``rows[inverse]`` per bag (bags start at ``offsets``), split into ``parts``
+    tensors ``(bags / parts, dim)`` (one per feature when several features' bags are end
+    to end).
 
     Empty bags give zeros in both modes. The gradient w.r.t. ``rows`` is dense ``(U, dim)``.
     CPU float32 rows take numba kernels, other devices and dtypes ``embedding_bag``.
@@ -197,8 +200,10 @@ def pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str = "sum") -> T
         raise InvalidArgument(f"pooling mode must be one of {POOLING_MODES}, got {mode!r}")
     if rows.device.type == "cpu" and rows.dtype == torch.float32 \
             and inverse.dtype == offsets.dtype == torch.int64:
-        return PoolBags.apply(rows, inverse.contiguous(), offsets.contiguous(), mode == "mean")
-    return F.embedding_bag(inverse, rows, offsets, mode=mode)
+        return PoolBags.apply(rows, inverse.contiguous(), offsets.contiguous(), mode == "mean",
+                              parts)
+    out = F.embedding_bag(inverse, rows, offsets, mode=mode)
+    return out.view(parts, -1, out.shape[1]).unbind(0)
 
 
 def _rows_tensor(group: int, arr: np.ndarray | Tensor, n_unique: int,
@@ -251,19 +256,17 @@ def pool_batch(plan: BatchPlan, rows: Sequence[np.ndarray | Tensor], *,
         raise InvalidArgument(f"pooling modes must be one of {POOLING_MODES}, got {bad}")
     leaves = [_rows_tensor(i, r, g.layout.ids.size, device, dtype)
               for i, (g, r) in enumerate(zip(plan.groups, rows, strict=True))]
-    batch = plan.batch_size
     pooled: dict[str, Tensor] = {}
     for group, leaf in zip(plan.groups, leaves, strict=True):
         group_modes = {modes[f] for f in group.features}
         if len(group_modes) == 1:  # every bag of the group in one call
-            out = pool(leaf, torch.from_numpy(group.inverse).to(device),
-                       torch.from_numpy(group.offsets).to(device), group_modes.pop())
-            # unbind, not slices: its backward stacks the features' gradients in one copy
-            views = out.view(len(group.features), batch, -1).unbind(0)
-            pooled.update(zip(group.features, views, strict=True))
+            outs = pool(leaf, torch.from_numpy(group.inverse).to(device),
+                        torch.from_numpy(group.offsets).to(device), group_modes.pop(),
+                        parts=len(group.features))
+            pooled.update(zip(group.features, outs, strict=True))
             continue
         for f in group.features:
             fp = plan.features[f]
-            pooled[f] = pool(leaf, torch.from_numpy(fp.inverse).to(device),
-                             torch.from_numpy(fp.offsets).to(device), modes[f])
+            (pooled[f],) = pool(leaf, torch.from_numpy(fp.inverse).to(device),
+                                torch.from_numpy(fp.offsets).to(device), modes[f])
     return PooledBatch(plan=plan, rows=leaves, pooled=pooled)

@@ -127,6 +127,31 @@ def test_forward_and_row_grads_equal_embedding_bag(batch: int, max_len: int, voc
     assert np.all(weight.grad.numpy()[untouched] == 0)
 
 
+def test_features_pooled_in_one_call_are_separate_tensors_with_exact_grads() -> None:
+    """Three features of one group pool in one call into three tensors; a feature the loss
+    never uses passes no gradient to the rows."""
+    rng = np.random.default_rng(3)
+    features = {f: _jagged(rng, 6, 4, 12) for f in ("a", "b", "c")}
+    table = rng.standard_normal((12, 4)).astype(np.float32)
+    plan = plan_batch(features, table_of=dict.fromkeys(features, "t"), num_shards=2)
+    pb = pool_batch(plan, _group_rows(plan, {"t": table}), mode="mean")
+    assert len({t.data_ptr() for t in pb.pooled.values()}) == 3
+    assert all(t.shape == (6, 4) and t.is_contiguous() for t in pb.pooled.values())
+    (pb.pooled["a"] * 2 + pb.pooled["c"]).sum().backward()
+
+    weight = torch.from_numpy(table).requires_grad_(True)
+    ref = {}
+    for f, (values, lengths) in features.items():
+        offsets = torch.from_numpy(np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64))
+        ref[f] = F.embedding_bag(torch.from_numpy(values.astype(np.int64)), weight, offsets,
+                                 mode="mean")
+        torch.testing.assert_close(pb.pooled[f].detach(), ref[f].detach())
+    (ref["a"] * 2 + ref["c"]).sum().backward()
+    uniq = plan.groups[0].layout.ids.astype(np.int64)
+    np.testing.assert_allclose(pb.row_grads()[0], weight.grad.numpy()[uniq], rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_row_grads_are_leaves_and_zero_for_unreached_groups() -> None:
     plan = plan_batch({"a": (np.array([5, 5, 7], np.uint64), np.array([2, 1])),
                        "b": (np.array([1], np.uint64), np.array([1, 0]))}, groups=[["a"], ["b"]])
