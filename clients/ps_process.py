@@ -37,6 +37,7 @@ import numpy as np
 from clients.ps_client import PSClient, PushAck
 from services.common.codecs import WireStats
 from services.common.errors import InvalidArgument, PersimmonError, Unavailable
+from services.common.lifecycle import freeze_startup_objects
 from services.common.sharding import ShardedIds
 
 __all__ = ["PSClientProcess"]
@@ -72,6 +73,7 @@ async def _serve(sock: socket.socket) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         await _send(writer, ("failed", exc))
         return
+    freeze_startup_objects()
     await _send(writer, ("ready", client.addresses))
     write_lock = asyncio.Lock()
     tasks: set[asyncio.Task[None]] = set()
