@@ -24,9 +24,10 @@ Persimmon runs also report their compute thread's mean ``step_wall_ms`` and ``st
 (the difference: waiting for a core or the GIL), ``batch_wait_ms`` (waiting for a batch) and
 the CPU spent per training step (``cpu_ms_per_step``: the worker with its child, the PS).
 
-Machines drift (a shared 2-core VM by 10-20 % within a minute), so the runs are repeated in
-turn (``--repeats``, default 5): the table shows each way's median run, and each ratio is the
-median of that ratio within each repeat (whose runs shared the machine's state).
+Machines drift (a shared 2-core VM by 10-30 % within a minute), so the runs are repeated in
+turn (``--repeats``, default 9; every other repeat in reverse order): the table shows each
+way's median run, and each ratio is the median of that ratio within each repeat (whose runs
+shared the machine's state).
 
 ``hybrid_vs_sync_ceiling`` is the most hybrid mode could gain here, from the work measured: a
 hybrid step cannot be shorter than the hybrid run's CPU per step over all processes divided by
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from rich.progress import track
 from rich.table import Table
 
 from bench import write_json
@@ -184,7 +186,7 @@ def hybrid_ceiling(hybrid: dict[str, Any], sync_ms_per_step: float, cores: int) 
 
 
 def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int = 0,
-        repeats: int = 5) -> dict[str, Any]:
+        repeats: int = 9) -> dict[str, Any]:
     """Train every way of :data:`RUNS` on the same batches, ``repeats`` times in turn; the
     median run of each way and the median of each ratio within a repeat.
 
@@ -200,10 +202,13 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
     train = list(data.batches(batch_size, rows))
     test = list(data.batches(4096, 16384, "test"))
     every: dict[str, list[dict[str, Any]]] = {key: [] for key in RUNS}
-    for _ in range(repeats):
-        every["local"].append(_local_baseline(train, test, features, dim, seed))
-        for key, (mode, ps_process) in _PERSIMMON_RUNS.items():
-            every[key].append(_persimmon(train, test, features, dim, seed, mode, ps_process))
+    for repeat in track(range(repeats), description="bench train repeats", console=console):
+        # every other repeat in reverse order: a drift of the machine's speed within a repeat
+        # favours neither side of a ratio over the whole run
+        for key in (RUNS if repeat % 2 == 0 else reversed(RUNS)):
+            every[key].append(
+                _local_baseline(train, test, features, dim, seed) if key == "local" else
+                _persimmon(train, test, features, dim, seed, *_PERSIMMON_RUNS[key]))
     runs = {key: _median_run(values) for key, values in every.items()}
     for r in runs.values():
         r["ms_per_step"] = 1e3 * batch_size / r["samples_per_s"]
@@ -274,6 +279,6 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rows", type=int, default=524288, help="planted training rows")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--repeats", type=int, default=9,
                         help="runs of each way, in turn; the median is reported")
     parser.set_defaults(func=_main)
