@@ -18,6 +18,12 @@ from torch import Tensor
 __all__ = ["DotInteraction", "PoolBags"]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _bag_bounds(offsets, bag, n):  # pragma: no cover - numba
+    """``[lo, hi)``: where bag ``bag``'s ids sit among the ``n`` ids."""
+    return offsets[bag], offsets[bag + 1] if bag + 1 < offsets.size else n
+
+
 @njit(cache=True, nogil=True)
 def _bags_forward(rows, inverse, offsets, mean, outs):  # pragma: no cover - numba
     """Bag ``k * B + b`` (``B`` rows per output) pools into ``outs[k][b]``: the sum (or mean)
@@ -27,9 +33,7 @@ def _bags_forward(rows, inverse, offsets, mean, outs):  # pragma: no cover - num
     for k in range(len(outs)):
         out = outs[k]
         for b in range(size):
-            bag = k * size + b
-            lo = offsets[bag]
-            hi = offsets[bag + 1] if bag + 1 < offsets.size else n
+            lo, hi = _bag_bounds(offsets, k * size + b, n)
             for d in range(rows.shape[1]):
                 out[b, d] = 0.0
             for i in range(lo, hi):
@@ -51,9 +55,7 @@ def _bags_backward(grads, inverse, offsets, mean, grad_rows):  # pragma: no cove
     for k in range(len(grads)):
         grad = grads[k]
         for b in range(size):
-            bag = k * size + b
-            lo = offsets[bag]
-            hi = offsets[bag + 1] if bag + 1 < offsets.size else n
+            lo, hi = _bag_bounds(offsets, k * size + b, n)
             if hi == lo:
                 continue
             scale = np.float32(1.0) / np.float32(hi - lo) if mean else np.float32(1.0)
