@@ -95,6 +95,15 @@ class PoolBags(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _load_sample(vecs, b, buffer):  # pragma: no cover - numba
+    """``buffer[i] = vecs[i][b]`` for every vector: one sample's vectors, contiguous."""
+    for i in range(len(vecs)):
+        v = vecs[i]
+        for d in range(buffer.shape[1]):
+            buffer[i, d] = v[b, d]
+
+
 @njit(cache=True, nogil=True, fastmath=True)
 def _interaction_forward(vecs, keep_first, out):  # pragma: no cover - numba
     """Row ``b`` of ``out``: ``vecs[0][b]`` if ``keep_first``, then ``<vecs[i][b], vecs[j][b]>``
@@ -105,10 +114,7 @@ def _interaction_forward(vecs, keep_first, out):  # pragma: no cover - numba
     tb = np.empty((n, dim), dtype=np.float32)
     first = dim if keep_first else 0
     for b in range(size):
-        for i in range(n):
-            v = vecs[i]
-            for d in range(dim):
-                tb[i, d] = v[b, d]
+        _load_sample(vecs, b, tb)
         for d in range(first):
             out[b, d] = tb[0, d]
         col = first
@@ -130,11 +136,8 @@ def _interaction_backward(grad_out, vecs, keep_first, grads):  # pragma: no cove
     gb = np.empty((n, dim), dtype=np.float32)
     first = dim if keep_first else 0
     for b in range(size):
-        for i in range(n):
-            v = vecs[i]
-            for d in range(dim):
-                tb[i, d] = v[b, d]
-                gb[i, d] = 0.0
+        _load_sample(vecs, b, tb)
+        gb[:] = 0.0
         for d in range(first):
             gb[0, d] = grad_out[b, d]
         col = first
