@@ -131,7 +131,7 @@ def make_admin_app(*, title: str, registry: CollectorRegistry, config: Callable[
     return app
 
 
-_SHUTDOWN_GRACE_S = 5.0  # then close() cancels requests still running
+_SHUTDOWN_GRACE_S = 5  # seconds (uvicorn takes an int); then close() cancels requests still running
 
 
 class AdminServer:

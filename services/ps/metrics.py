@@ -40,10 +40,10 @@ class _TableCollector(Collector):
                 fam.add_metric([name], float(value))
             yield fam
         for key, doc in _COUNTERS.items():
-            fam = CounterMetricFamily(f"persimmon_ps_table_{key}", doc, labels=["table"])
+            counter = CounterMetricFamily(f"persimmon_ps_table_{key}", doc, labels=["table"])
             for name, s in stats.items():
-                fam.add_metric([name], float(s[key]))
-            yield fam
+                counter.add_metric([name], float(s[key]))
+            yield counter
 
 
 class PSMetrics:

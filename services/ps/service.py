@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
+
 from services.common.admin import AdminServer
 from services.common.errors import ConfigError
 from services.common.jobs import latest_complete
@@ -30,7 +32,7 @@ class PSService(ServingService):
         self.shard = Shard(config)
         self.metrics = PSMetrics(self.shard)
         self._ready = False
-        self._grpc = None
+        self._grpc: grpc.aio.Server | None = None
         self._heartbeat: Heartbeat | None = None
 
     async def on_start(self) -> None:
