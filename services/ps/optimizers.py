@@ -1,4 +1,4 @@
-"""Server-side optimizers for embedding rows: SGD, Adagrad, lazy Adam, FTRL-Proximal.
+"""Server-side optimizers for embedding rows: SGD, Adagrad, row-wise Adagrad, lazy Adam, FTRL.
 
 Each optimizer updates a batch of *unique* rows in place, one compiled loop over the rows of
 the batch, with float32 math (rows stored as float16 are widened by the caller first).
@@ -7,6 +7,9 @@ State lives per row next to the arena, in arrays indexed by slot:
 =========  ==========================================================================
 sgd        none
 adagrad    ``accum`` (per element, starts at ``initial_accumulator``)
+rowwise_   ``accum`` (one per row, starts at ``initial_accumulator``): TorchRec's default
+adagrad    embedding optimizer; it adds the mean of the row's squared gradient, so the
+           row moves by ``lr·g / (sqrt(accum) + eps)`` with one shared scale (1/dim the state)
 adam       ``m``, ``v`` (per element) and ``step`` (per row: lazy Adam bias-corrects each
            row by the number of updates *it* received)
 ftrl       ``z``, ``n`` (per element); the weight is a function of (z, n). ``z`` starts
@@ -18,6 +21,8 @@ FTRL-Proximal (McMahan et al. 2013), with ``alpha = lr``::
     sigma = (sqrt(n + g²) - sqrt(n)) / alpha;  z += g - sigma·w;  n += g²
     w = 0 if |z| <= l1 else -(z - sign(z)·l1) / ((beta + sqrt(n)) / alpha + l2)
 
+``weight_decay`` (SGD, both Adagrads, Adam) adds ``weight_decay·w`` to a pushed row's gradient
+before its update (L2 as TorchRec/FBGEMM apply it: lazily, only rows a push touches).
 ``weight_bound`` clips every updated weight of every kind to ``[-bound, bound]``.
 """
 
@@ -40,6 +45,8 @@ def state_layout(config: OptimizerConfig, dim: int) -> dict[str, tuple[tuple[int
     per_elem = ((dim,), np.dtype(np.float32))
     if config.kind is OptimizerKind.ADAGRAD:
         return {"accum": per_elem}
+    if config.kind is OptimizerKind.ROWWISE_ADAGRAD:
+        return {"accum": ((), np.dtype(np.float32))}
     if config.kind is OptimizerKind.ADAM:
         return {"m": per_elem, "v": per_elem, "step": ((), np.dtype(np.int64))}
     if config.kind is OptimizerKind.FTRL:
@@ -50,7 +57,7 @@ def state_layout(config: OptimizerConfig, dim: int) -> dict[str, tuple[tuple[int
 def init_state(config: OptimizerConfig, state: dict[str, np.ndarray], slots: np.ndarray,
                rows: np.ndarray) -> None:
     """Set the state of freshly created rows ``slots`` whose float32 values are ``rows``."""
-    if config.kind is OptimizerKind.ADAGRAD:
+    if config.kind in (OptimizerKind.ADAGRAD, OptimizerKind.ROWWISE_ADAGRAD):
         state["accum"][slots] = _F32(config.initial_accumulator)
     elif config.kind is OptimizerKind.ADAM:
         state["m"][slots] = 0.0
@@ -68,18 +75,18 @@ def _clip(w, bound):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def _sgd(W, wi, G, lr, bound):  # pragma: no cover - numba
+def _sgd(W, wi, G, lr, wd, bound):  # pragma: no cover - numba
     n = G.shape[0]
     for k in range(n):
         if k + AHEAD < n:
             prefetch_row(W, wi[k + AHEAD])
         r = wi[k]
         for c in range(G.shape[1]):
-            W[r, c] = _clip(W[r, c] - lr * G[k, c], bound)
+            W[r, c] = _clip(W[r, c] - lr * (G[k, c] + wd * W[r, c]), bound)
 
 
 @njit(cache=True, nogil=True)
-def _adagrad(W, wi, A, si, G, lr, eps, bound):  # pragma: no cover - numba
+def _adagrad(W, wi, A, si, G, lr, eps, wd, bound):  # pragma: no cover - numba
     n = G.shape[0]
     for k in range(n):
         if k + AHEAD < n:
@@ -88,14 +95,35 @@ def _adagrad(W, wi, A, si, G, lr, eps, bound):  # pragma: no cover - numba
         r = wi[k]
         s = si[k]
         for c in range(G.shape[1]):
-            g = G[k, c]
+            g = G[k, c] + wd * W[r, c]
             a = A[s, c] + g * g
             A[s, c] = a
             W[r, c] = _clip(W[r, c] - lr * g / (np.sqrt(a) + eps), bound)
 
 
 @njit(cache=True, nogil=True)
-def _adam(W, wi, M, V, T, si, G, lr, b1, b2, eps, bound):  # pragma: no cover - numba
+def _rowwise_adagrad(W, wi, A, si, G, lr, eps, wd, bound):  # pragma: no cover - numba
+    n = G.shape[0]
+    dim = G.shape[1]
+    for k in range(n):
+        if k + AHEAD < n:
+            prefetch_row(W, wi[k + AHEAD])
+            prefetch(A, si[k + AHEAD])
+        r = wi[k]
+        s = si[k]
+        sq = np.float32(0.0)
+        for c in range(dim):
+            g = G[k, c] + wd * W[r, c]
+            sq += g * g
+        a = A[s] + sq / np.float32(dim)
+        A[s] = a
+        scale = lr / (np.sqrt(a) + eps)
+        for c in range(dim):
+            W[r, c] = _clip(W[r, c] - scale * (G[k, c] + wd * W[r, c]), bound)
+
+
+@njit(cache=True, nogil=True)
+def _adam(W, wi, M, V, T, si, G, lr, b1, b2, eps, wd, bound):  # pragma: no cover - numba
     one = np.float32(1.0)
     b1d = np.float64(b1)
     b2d = np.float64(b2)
@@ -113,7 +141,7 @@ def _adam(W, wi, M, V, T, si, G, lr, b1, b2, eps, bound):  # pragma: no cover - 
         bc1 = np.float32(1.0 - b1d ** t)
         bc2 = np.float32(1.0 - b2d ** t)
         for c in range(G.shape[1]):
-            g = G[k, c]
+            g = G[k, c] + wd * W[r, c]
             m = b1 * M[s, c] + (one - b1) * g
             v = b2 * V[s, c] + (one - b2) * g * g
             M[s, c] = m
@@ -158,14 +186,17 @@ def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.
     si = np.ascontiguousarray(slots, dtype=np.int64)
     grads = np.ascontiguousarray(grads, dtype=np.float32)
     bound = _F32(np.inf if config.weight_bound is None else config.weight_bound)
-    lr = _F32(config.lr)
+    lr, wd = _F32(config.lr), _F32(config.weight_decay)
     if config.kind is OptimizerKind.SGD:
-        _sgd(weights, wi, grads, lr, bound)
+        _sgd(weights, wi, grads, lr, wd, bound)
     elif config.kind is OptimizerKind.ADAGRAD:
-        _adagrad(weights, wi, state["accum"], si, grads, lr, _F32(config.eps), bound)
+        _adagrad(weights, wi, state["accum"], si, grads, lr, _F32(config.eps), wd, bound)
+    elif config.kind is OptimizerKind.ROWWISE_ADAGRAD:
+        _rowwise_adagrad(weights, wi, state["accum"], si, grads, lr, _F32(config.eps), wd,
+                         bound)
     elif config.kind is OptimizerKind.ADAM:
         _adam(weights, wi, state["m"], state["v"], state["step"], si, grads, lr,
-              _F32(config.beta1), _F32(config.beta2), _F32(config.eps), bound)
+              _F32(config.beta1), _F32(config.beta2), _F32(config.eps), wd, bound)
     else:
         _ftrl(weights, wi, state["z"], state["n"], si, grads, lr, _F32(config.ftrl_beta),
               _F32(config.ftrl_l1), _F32(config.ftrl_l2), bound)

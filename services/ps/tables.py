@@ -49,6 +49,7 @@ class Initializer(StrEnum):
 class OptimizerKind(StrEnum):
     SGD = "sgd"
     ADAGRAD = "adagrad"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
     ADAM = "adam"
     FTRL = "ftrl"
 
@@ -93,8 +94,11 @@ class OptimizerConfig:
     """The server-side optimizer of one table.
 
     ``lr`` is the step size of every kind; for FTRL-Proximal it is ``alpha``, and
-    ``ftrl_beta``, ``ftrl_l1``, ``ftrl_l2`` are its other parameters. ``weight_bound``
-    clips every updated weight to ``[-weight_bound, weight_bound]``.
+    ``ftrl_beta``, ``ftrl_l1``, ``ftrl_l2`` are its other parameters. ``initial_accumulator``
+    starts both Adagrads' accumulators (0 makes every element's first step ``±lr`` whatever
+    the gradient's size). ``weight_decay`` is L2 added to a pushed row's gradient (not FTRL:
+    use ``ftrl_l2``). ``weight_bound`` clips every updated weight to
+    ``[-weight_bound, weight_bound]``.
     """
 
     kind: OptimizerKind = OptimizerKind.ADAGRAD
@@ -103,6 +107,7 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     initial_accumulator: float = 0.0
+    weight_decay: float = 0.0
     ftrl_beta: float = 1.0
     ftrl_l1: float = 0.0
     ftrl_l2: float = 0.0
@@ -119,6 +124,9 @@ class OptimizerConfig:
         self.beta2 = _number(self.beta2, "optimizer.beta2", low=0.0, high=1.0, high_open=True)
         self.initial_accumulator = _number(self.initial_accumulator,
                                            "optimizer.initial_accumulator", low=0.0)
+        self.weight_decay = _number(self.weight_decay, "optimizer.weight_decay", low=0.0)
+        if self.weight_decay and self.kind is OptimizerKind.FTRL:
+            raise ConfigError("optimizer.weight_decay does not apply to ftrl: set ftrl_l2")
         self.ftrl_beta = _number(self.ftrl_beta, "optimizer.ftrl_beta", low=0.0, low_open=True)
         self.ftrl_l1 = _number(self.ftrl_l1, "optimizer.ftrl_l1", low=0.0)
         self.ftrl_l2 = _number(self.ftrl_l2, "optimizer.ftrl_l2", low=0.0)

@@ -42,7 +42,7 @@ def answers(table: EmbeddingTable, ids: np.ndarray = UNIVERSE) -> tuple[bytes, b
     return rows.tobytes(), present.tobytes()
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "adam", "ftrl"])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_snapshot_restore_is_identical_and_continues_identically(kind, dtype):
     table = make(kind=kind, dtype=dtype)

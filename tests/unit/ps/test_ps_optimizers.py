@@ -28,10 +28,14 @@ class Reference:
     def step(self, i: int, w: np.ndarray, g: np.ndarray) -> np.ndarray:
         c = self.cfg
         st = self.s.setdefault(i, {})
+        g = g + c.weight_decay * w  # L2, on the rows a push touches
         if c.kind == "sgd":
             w = w - c.lr * g
         elif c.kind == "adagrad":
             st["a"] = st.get("a", c.initial_accumulator) + g * g
+            w = w - c.lr * g / (np.sqrt(st["a"]) + c.eps)
+        elif c.kind == "rowwise_adagrad":  # one accumulator per row: the mean square
+            st["a"] = st.get("a", c.initial_accumulator) + np.mean(g * g)
             w = w - c.lr * g / (np.sqrt(st["a"]) + c.eps)
         elif c.kind == "adam":
             st["t"] = st.get("t", 0) + 1
@@ -64,6 +68,11 @@ CONFIGS = [
     OptimizerConfig(kind="ftrl", lr=0.5, ftrl_beta=1.0, ftrl_l1=0.01, ftrl_l2=0.1),
     OptimizerConfig(kind="ftrl", lr=0.5, ftrl_l1=2.0),  # strong l1: weights snap to 0
     OptimizerConfig(kind="adagrad", lr=1.0, weight_bound=0.05),
+    OptimizerConfig(kind="rowwise_adagrad", lr=0.2, initial_accumulator=0.1),
+    OptimizerConfig(kind="rowwise_adagrad", lr=0.2, weight_decay=0.3),
+    OptimizerConfig(kind="sgd", lr=0.3, weight_decay=0.5),
+    OptimizerConfig(kind="adagrad", lr=0.2, weight_decay=0.2),
+    OptimizerConfig(kind="adam", lr=0.05, weight_decay=0.1),
 ]
 
 
@@ -109,7 +118,7 @@ def test_duplicates_are_summed_before_the_update():
 
 def test_ftrl_and_every_kind_start_from_the_initial_row():
     ids = np.arange(50, dtype=np.uint64)
-    for kind in ("sgd", "adagrad", "adam", "ftrl"):
+    for kind in ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"):
         table = EmbeddingTable(TableConfig(name="t", dim=4, initializer="normal", init_std=0.3,
                                            optimizer=OptimizerConfig(kind=kind)))
         zeros = np.zeros((ids.size, 4), dtype=np.float32)
@@ -138,3 +147,57 @@ def test_set_optimizer_changes_lr_and_keeps_state():
     with pytest.raises(ConfigError):
         table.set_optimizer(momentum=0.9)
     assert table.config.optimizer.lr == 1.0
+
+
+def _two_updates(opt: OptimizerConfig, first: list[float], second: list[float]) -> np.ndarray:
+    """A zero-initialised row's value after two pushes (rows ``first`` then ``second``)."""
+    table = EmbeddingTable(TableConfig(name="t", dim=len(first), initializer="zeros",
+                                       optimizer=opt))
+    one = np.array([3], dtype=np.uint64)
+    out = []
+    for g in (first, second):
+        table.push(one, np.array([g], dtype=np.float32))
+        out.append(table.peek(one)[0][0].copy())
+    return np.stack(out)
+
+
+def test_adagrad_first_steps_are_pinned():
+    # no initial accumulator: the first step of an element is -lr·sign(g) whatever |g| is
+    got = _two_updates(OptimizerConfig(kind="adagrad", lr=0.1, eps=1e-12), [4.0, -0.01],
+                       [3.0, 0.0])
+    np.testing.assert_allclose(got[0], [-0.1, 0.1], rtol=1e-5)
+    np.testing.assert_allclose(got[1], [-0.1 - 0.1 * 3 / 5, 0.1], rtol=1e-5)  # sqrt(16+9)
+    # an initial accumulator of 9 scales the first step by |g| / sqrt(9 + g²)
+    got = _two_updates(OptimizerConfig(kind="adagrad", lr=0.1, eps=1e-12,
+                                       initial_accumulator=9.0), [4.0, 0.0], [0.0, 0.0])
+    np.testing.assert_allclose(got[0], [-0.1 * 4 / 5, 0.0], rtol=1e-5)
+
+
+def test_rowwise_adagrad_first_steps_are_pinned():
+    # one accumulator per row: mean(g²) = (9 + 16) / 2 = 12.5 for g = (3, 4)
+    got = _two_updates(OptimizerConfig(kind="rowwise_adagrad", lr=0.5, eps=1e-12,
+                                       initial_accumulator=0.0), [3.0, 4.0], [1.0, 1.0])
+    np.testing.assert_allclose(got[0], [-0.5 * 3 / 12.5 ** 0.5, -0.5 * 4 / 12.5 ** 0.5],
+                               rtol=1e-5)
+    step2 = 0.5 / 13.5 ** 0.5  # 12.5 + mean(1, 1)
+    np.testing.assert_allclose(got[1], got[0] - step2, rtol=1e-5)
+    # a per-element Adagrad would move the two elements by the same first step: not row-wise
+    assert not np.isclose(got[0][0], got[0][1])
+
+
+def test_adam_bias_correction_is_per_row_and_weight_decay_is_l2():
+    # with bias correction the first Adam step is -lr·sign(g) (m̂ = g, v̂ = g²)
+    got = _two_updates(OptimizerConfig(kind="adam", lr=0.01, eps=1e-12), [5.0, -0.2],
+                       [5.0, -0.2])
+    np.testing.assert_allclose(got[0], [-0.01, 0.01], rtol=1e-4)
+    np.testing.assert_allclose(got[1], [-0.02, 0.02], rtol=1e-4)  # same g: same step again
+    # SGD with weight decay 0.5, lr 0.1 on a row at 0 then at -0.1: g + 0.5·w
+    got = _two_updates(OptimizerConfig(kind="sgd", lr=0.1, weight_decay=0.5), [1.0], [0.0])
+    np.testing.assert_allclose(got[:, 0], [-0.1, -0.1 - 0.1 * 0.5 * -0.1], rtol=1e-5)
+
+
+def test_weight_decay_is_refused_where_it_does_not_apply():
+    with pytest.raises(ConfigError, match="ftrl_l2"):
+        OptimizerConfig(kind="ftrl", weight_decay=0.1)
+    with pytest.raises(ConfigError, match="weight_decay"):
+        OptimizerConfig(kind="adagrad", weight_decay=-1.0)
