@@ -33,7 +33,7 @@ _PARAMS: dict[str, set[str]] = {
     "csv": {"schema"},
     "kafka": {"group", "dead_letter", *_TEXT_PARAMS},
     "redis": {"group", "consumer", "field", "db", *_TEXT_PARAMS},
-    "synthetic": {"split"},
+    "synthetic": {"split", "profile", "max_vocab", "zipf"},
 }
 
 

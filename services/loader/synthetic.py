@@ -1,12 +1,16 @@
 """Planted synthetic click data whose best possible AUC and logloss are known.
 
-Each sample has ``num_dense`` count features and ``len(vocab_sizes)`` categorical features
-(the last ``num_multi_hot`` of them multi-hot, 1 + Poisson ids each). Ids are Zipf-distributed
-over each feature's vocabulary. The label is drawn from a known *teacher*::
+Each sample has ``num_dense`` count features (feature ``d`` missing with probability
+``dense_missing[d]``) and ``len(vocab_sizes)`` categorical features (the last
+``num_multi_hot`` of them multi-hot, 1 + Poisson ids each). Ids are Zipf-distributed over each
+feature's vocabulary. Two profiles: ``toy`` (the defaults: 8 small vocabularies, learnable at
+demo size) and ``criteo`` (:func:`synthetic_profile`: Criteo Kaggle's 26 vocabulary sizes
+capped at ``max_vocab``, Zipf 1.1, 13 counts with Criteo's missing rates). The label is drawn
+from a known *teacher*::
 
     logit = bias + Σ_f mean_{i ∈ ids_f} w_f[i]                       (per-id weights)
                  + Σ_{f<g} <mean u_f[ids_f], mean u_g[ids_g]>          (low-rank interactions)
-                 + Σ_d β_d (log1p(x_d) − μ)                             (dense term)
+                 + Σ_d β_d (log1p(x_d) − μ)     (dense term; a missing x_d counts as 0)
     label ~ Bernoulli(sigmoid(logit))
 
 so the teacher's own probabilities give the oracle AUC/logloss on a test split. Rows come in
@@ -37,11 +41,20 @@ from services.loader.batching import Batcher, Rows
 from services.loader.hashing import DenseTransform, hash_hex_ids
 from services.loader.schema import TextLayout, criteo_layout
 
-__all__ = ["CHUNK_ROWS", "SyntheticConfig", "SyntheticDataset", "TeacherRows", "format_criteo"]
+__all__ = ["CHUNK_ROWS", "CRITEO_KAGGLE_VOCAB", "PROFILES", "SyntheticConfig",
+           "SyntheticDataset", "TeacherRows", "format_criteo", "synthetic_profile"]
 
 CHUNK_ROWS = 8192
 _SPLITS = {"train": 0, "test": 1}
 _DENSE_MU = 1.5
+# Distinct values of C1..C26 in Criteo's Kaggle (Display Advertising Challenge) training set
+CRITEO_KAGGLE_VOCAB = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683,
+                       8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15,
+                       286181, 105, 142572)
+# Share of empty fields of I1..I13 in that set (rounded)
+CRITEO_KAGGLE_DENSE_MISSING = (0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0005, 0.04, 0.45,
+                               0.04, 0.77, 0.22)
+PROFILES = ("toy", "criteo")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +80,8 @@ class SyntheticConfig:
     interaction_scale: float = 0.2
     dense_scale: float = 0.5
     bias: float = -1.0
+    dense_missing: list[float] = field(default_factory=list)
+    center_weights: bool = False  # each feature's mean w and u over its Zipf draws are 0
 
     def __post_init__(self) -> None:
         if not self.vocab_sizes or any(v < 2 or v > 2**32 for v in self.vocab_sizes):
@@ -76,10 +91,14 @@ class SyntheticConfig:
             raise ConfigError(f"num_multi_hot must be in [0, {len(self.vocab_sizes)}]")
         if self.num_dense < 0 or self.interaction_rank < 1:
             raise ConfigError("num_dense must be >= 0 and interaction_rank >= 1")
-        if self.zipf_exponent <= 0:
+        if not 0 < self.zipf_exponent < math.inf:
             raise ConfigError(f"zipf_exponent must be > 0, got {self.zipf_exponent}")
         if not 1.0 <= self.mean_multi_hot_length <= self.max_multi_hot_length:
             raise ConfigError("need 1 <= mean_multi_hot_length <= max_multi_hot_length")
+        if self.dense_missing and (len(self.dense_missing) != self.num_dense
+                                   or not all(0 <= r < 1 for r in self.dense_missing)):
+            raise ConfigError(f"dense_missing must give a rate in [0, 1) for each of the "
+                              f"{self.num_dense} dense features, got {self.dense_missing}")
         for name in ("weight_scale", "interaction_scale", "dense_scale"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0")
@@ -93,12 +112,33 @@ class SyntheticConfig:
         return [f"I{i + 1}" for i in range(self.num_dense)]
 
 
+def synthetic_profile(name: str, *, seed: int = 0, max_vocab: int = 1_000_000,
+                      zipf: float | None = None) -> SyntheticConfig:
+    """The ``toy`` or ``criteo`` planted data set's config.
+
+    ``criteo``: 26 single-hot features with Criteo Kaggle's vocabulary sizes capped at
+    ``max_vocab`` (5.8M ids in all at the 1M default), Zipf exponent ``zipf`` (default 1.1),
+    13 counts with Criteo's missing rates; teacher weights scaled for 26 features (oracle AUC
+    about 0.87 at the defaults, 15-40 % of the labels positive by seed)."""
+    if name == "toy":
+        return SyntheticConfig(seed=seed, **({} if zipf is None else {"zipf_exponent": zipf}))
+    if name != "criteo":
+        raise ConfigError(f"synthetic profile must be one of {list(PROFILES)}, got {name!r}")
+    if max_vocab < 2:
+        raise ConfigError(f"max_vocab must be >= 2, got {max_vocab}")
+    return SyntheticConfig(
+        seed=seed, num_dense=13, vocab_sizes=[min(v, max_vocab) for v in CRITEO_KAGGLE_VOCAB],
+        num_multi_hot=0, zipf_exponent=1.1 if zipf is None else zipf,
+        weight_scale=0.35, interaction_scale=0.12, dense_scale=0.25, bias=-1.3,
+        dense_missing=list(CRITEO_KAGGLE_DENSE_MISSING), center_weights=True)
+
+
 @dataclass(slots=True)
 class TeacherRows:
     """Raw generated rows: raw ids per feature, dense counts, the teacher's terms and labels."""
 
     labels: np.ndarray
-    dense_counts: np.ndarray
+    dense_counts: np.ndarray  # int64; -1 marks a missing value
     raw_ids: dict[str, Jagged]
     first_order: np.ndarray   # (n, num_sparse) each feature's mean per-id weight
     interaction: np.ndarray   # (n,)
@@ -129,8 +169,14 @@ class SyntheticDataset:
             cdf = np.cumsum(p)
             self._cdf.append(cdf / cdf[-1])
             self._perm.append(rng.permutation(v).astype(np.uint64))
-            self._w.append(rng.normal(0.0, cfg.weight_scale, v))
-            self._u.append(rng.normal(0.0, cfg.interaction_scale, (v, cfg.interaction_rank)))
+            w = rng.normal(0.0, cfg.weight_scale, v)
+            u = rng.normal(0.0, cfg.interaction_scale, (v, cfg.interaction_rank))
+            if cfg.center_weights:  # the base rate then comes from ``bias``, not the head ids
+                p = np.diff(cdf, prepend=0.0) / cdf[-1]
+                w -= p @ w
+                u -= p @ u
+            self._w.append(w)
+            self._u.append(u)
         self._beta = rng.normal(0.0, cfg.dense_scale, cfg.num_dense)
         self.layout: TextLayout = criteo_layout(cfg.num_dense, len(cfg.vocab_sizes),
                                                 multi_hot=",")
@@ -168,7 +214,9 @@ class SyntheticDataset:
             raw[name] = Jagged(self._perm[f][ranks], lengths)
         interaction = 0.5 * (np.einsum("ij,ij->i", pooled, pooled) - sq_norms)
         counts = np.floor(np.exp(rng.normal(_DENSE_MU, 1.0, (n, cfg.num_dense))))
-        dense_term = (np.log1p(counts) - _DENSE_MU) * self._beta
+        if cfg.dense_missing:
+            counts[rng.random((n, cfg.num_dense)) < np.asarray(cfg.dense_missing)] = -1
+        dense_term = (np.log1p(np.maximum(counts, 0.0)) - _DENSE_MU) * self._beta
         logit = cfg.bias + first.sum(axis=1) + interaction + dense_term.sum(axis=1)
         probs = 1.0 / (1.0 + np.exp(-logit))
         labels = (rng.random(n) < probs).astype(np.float32)
@@ -197,7 +245,9 @@ class SyntheticDataset:
         sparse = {name: Jagged(hash_hex_ids(f.values, name, self.layout.schema.bucket_of(name)),
                                f.lengths) for name, f in teacher.raw_ids.items()}
         n = teacher.size
-        return Rows(labels=teacher.labels, dense=self.transform.apply(teacher.dense_counts),
+        counts = teacher.dense_counts.astype(np.float64)
+        counts[teacher.dense_counts < 0] = np.nan  # missing, as a parser reads an empty field
+        return Rows(labels=teacher.labels, dense=self.transform.apply(counts),
                     sparse=sparse, positions=np.arange(first_position, first_position + n),
                     chunks=np.full(n, chunk, dtype=np.int64))
 
@@ -277,6 +327,8 @@ def _format_lines(labels, dense, values_list, lengths_list, out):  # noqa: C901
             out[w] = 9
             w += 1
             v = dense[r, d]
+            if v < 0:  # missing: an empty field
+                continue
             n = 0
             while True:
                 digits[n] = 48 + v % 10

@@ -1,5 +1,8 @@
 """``synthetic:ROWS``: the planted data set generated in memory, chunk by chunk.
 
+``?profile=toy|criteo`` picks the data set (``&max_vocab=N&zipf=X`` shape the criteo one;
+see :func:`services.loader.synthetic.synthetic_profile`), ``?split=train|test`` the split.
+
 Positions are row numbers of the split; a partition is one split in one epoch
 (``synthetic:e0:train``). Chunks are split among loader replicas (chunk k goes to replica
 ``k % replicas``), and with a ``state_file`` committed chunks are skipped after a restart.
@@ -16,9 +19,24 @@ from services.common.errors import ConfigError
 from services.loader.batching import Settled
 from services.loader.config import LoaderConfig, SourceSpec
 from services.loader.sources.base import SourceBlock, StateFile
-from services.loader.synthetic import CHUNK_ROWS, SyntheticConfig, SyntheticDataset
+from services.loader.synthetic import (
+    CHUNK_ROWS,
+    SyntheticConfig,
+    SyntheticDataset,
+    synthetic_profile,
+)
 
 __all__ = ["SyntheticSource"]
+
+
+def _profile_of(spec: SourceSpec, seed: int) -> SyntheticConfig:
+    zipf = spec.params.get("zipf")
+    try:
+        exponent = float(zipf) if zipf else None
+    except ValueError as exc:
+        raise ConfigError(f"source parameter zipf={zipf!r} must be a number") from exc
+    return synthetic_profile(spec.params.get("profile") or "toy", seed=seed,
+                             max_vocab=spec.int_param("max_vocab", 1_000_000), zipf=exponent)
 
 
 class SyntheticSource:
@@ -30,7 +48,7 @@ class SyntheticSource:
         self.split = spec.params.get("split", "train")
         if self.split not in ("train", "test"):
             raise ConfigError(f"synthetic split must be train or test, got {self.split!r}")
-        self.dataset = SyntheticDataset(synthetic or SyntheticConfig(seed=config.seed))
+        self.dataset = SyntheticDataset(synthetic or _profile_of(spec, config.seed))
         self.dataset.transform = config.dense_transform()
         self.schema = self.dataset.layout.schema
         self.state = StateFile(config.state_file, spec.text)

@@ -16,6 +16,7 @@ from services.loader.synthetic import (
     SyntheticConfig,
     SyntheticDataset,
     format_criteo,
+    synthetic_profile,
 )
 
 
@@ -109,3 +110,63 @@ def test_bad_synthetic_configs(kwargs):
         SyntheticConfig(**kwargs)
     with pytest.raises(ConfigError):
         SyntheticDataset().teacher_chunk("validation", 0)
+
+
+@pytest.fixture(scope="module")
+def criteo() -> SyntheticDataset:
+    return SyntheticDataset(synthetic_profile("criteo", max_vocab=200_000))
+
+
+def test_criteo_profile_has_criteo_vocabularies_and_missing_counts(criteo):
+    cfg = criteo.config
+    assert len(cfg.sparse_names) == 26 and cfg.num_dense == 13 and cfg.num_multi_hot == 0
+    assert max(cfg.vocab_sizes) == 200_000 and min(cfg.vocab_sizes) == 3
+    t = criteo.teacher_rows("train", CHUNK_ROWS)
+    missing = (t.dense_counts < 0).mean(axis=0)
+    # I2 is never missing, I12 mostly, I1 about half the time
+    assert missing[1] == 0 and missing[11] > 0.7 and 0.4 < missing[0] < 0.5
+    # a capped feature sees many distinct ids in one chunk: a long Zipf tail
+    assert np.unique(t.raw_ids["C3"].values).size > 2000
+    oracle = criteo.oracle(20_000)
+    assert 0.8 < oracle["auc"] < 0.95 and 0.1 < oracle["positive_rate"] < 0.45
+
+
+def test_criteo_profile_files_keep_missing_values_empty(criteo, tmp_path):
+    criteo.write(tmp_path, train_rows=300, test_rows=10)
+    data = (tmp_path / "train.txt").read_bytes()
+    first = data.split(b"\n")[0].split(b"\t")
+    assert len(first) == 1 + 13 + 26
+    parsed = TextParser(criteo.layout, criteo.transform).parse(data)
+    memory = criteo.hashed(criteo.teacher_rows("train", 300))
+    assert not parsed.bad
+    np.testing.assert_allclose(parsed.dense, memory.dense, rtol=1e-6)
+    teacher = criteo.teacher_rows("train", 300)
+    assert (parsed.dense[teacher.dense_counts < 0] == 0).all()  # missing reads as log1p(0)
+    assert (teacher.dense_counts < 0).any()
+
+
+def test_unknown_profile_is_refused():
+    with pytest.raises(ConfigError, match="profile"):
+        synthetic_profile("avazu")
+    with pytest.raises(ConfigError, match="max_vocab"):
+        synthetic_profile("criteo", max_vocab=1)
+    with pytest.raises(ConfigError, match="zipf"):
+        synthetic_profile("criteo", zipf=float("nan"))
+    with pytest.raises(ConfigError, match="dense_missing"):
+        SyntheticConfig(num_dense=2, dense_missing=[0.5])
+
+
+def test_synthetic_source_spec_picks_the_profile():
+    from services.loader.config import LoaderConfig, SourceSpec
+    from services.loader.sources.synthetic import SyntheticSource
+
+    spec = SourceSpec.parse("synthetic:1000?profile=criteo&max_vocab=5000&zipf=1.2")
+    source = SyntheticSource(spec, LoaderConfig(source=spec.text, seed=4))
+    cfg = source.dataset.config
+    assert len(cfg.vocab_sizes) == 26 and max(cfg.vocab_sizes) == 5000
+    assert cfg.zipf_exponent == 1.2 and cfg.seed == 4
+    for bad in ("synthetic:10?profile=avazu", "synthetic:10?zipf=steep",
+                "synthetic:10?max_vocab=-3"):
+        spec = SourceSpec.parse(bad)
+        with pytest.raises(ConfigError):
+            SyntheticSource(spec, LoaderConfig(source=spec.text))
