@@ -1,0 +1,113 @@
+"""The docs show code that works: every ```python block of README.md and docs/*.md runs.
+
+Each block runs as a script in a fresh interpreter (the way a user runs one), in an empty
+temporary directory, with a deadline; it passes when it exits 0. A block is skipped only when
+the line just before its fence is ``<!-- not-run -->`` (kept for the few that need a cluster).
+The README's test command is also checked against ``.ci/run``'s, so the two stay in step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOT_RUN = "<!-- not-run -->"
+DEADLINE_S = 240
+
+_FENCE = re.compile(r"^```(\w*)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    skipped: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def code_blocks(path: Path) -> list[Block]:
+    """The fenced blocks of a Markdown file, in order."""
+    lines = path.read_text().splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        end = i + 1
+        while end < len(lines) and lines[end].strip() != "```":
+            end += 1
+        if end == len(lines):
+            raise AssertionError(f"{path.relative_to(ROOT)}:{i + 1}: unclosed code fence")
+        before = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
+        blocks.append(Block(path, i + 1, opening.group(1), "\n".join(lines[i + 1:end]) + "\n",
+                            before == NOT_RUN))
+        i = end + 1
+    return blocks
+
+
+PYTHON = [b for path in DOCS for b in code_blocks(path) if b.lang == "python"]
+
+
+def test_the_docs_have_examples_and_few_are_skipped() -> None:
+    assert any(b.path.name == "README.md" and not b.skipped for b in PYTHON)
+    skipped = [b.name for b in PYTHON if b.skipped]
+    assert len(skipped) <= len(PYTHON) // 2, f"most examples are marked not-run: {skipped}"
+
+
+@pytest.mark.parametrize("block", [b for b in PYTHON if not b.skipped], ids=lambda b: b.name)
+def test_python_example_runs(block: Block, tmp_path: Path) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(block.code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{block.name}: still running after {DEADLINE_S} s\n"
+                             f"{exc.stdout or ''}{exc.stderr or ''}") from exc
+    assert done.returncode == 0, (f"{block.name} exited {done.returncode}\n"
+                                  f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+
+
+def _commands(line: str) -> list[list[str]]:
+    """``a && b && c`` as argument lists: ``python3 -m X`` / ``python -m X`` read as ``X``, and
+    pip's ``--quiet`` dropped (CI's log wants it, a reader's terminal does not)."""
+    out = []
+    for part in line.split("&&"):
+        words = shlex.split(part)
+        if words[:2] in (["python", "-m"], ["python3", "-m"]):
+            words = words[2:]
+        if words[:1] == ["pip"]:
+            words = [w for w in words if w not in ("-q", "--quiet")]
+        out.append(words)
+    return out
+
+
+def test_readme_test_command_is_the_ci_command() -> None:
+    """The README's second set-up command installs and runs what ``.ci/run`` installs and runs."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("python3 -m ")]
+    ci_steps = [c for line in ci for c in _commands(line)]
+    shell = [b for b in code_blocks(ROOT / "README.md") if b.lang in ("bash", "sh")]
+    lines = [line.strip() for b in shell for line in b.code.splitlines()]
+    test_lines = [line for line in lines if "pytest" in line and not line.startswith("#")]
+    assert len(test_lines) == 1, f"README.md should have one test command, has {test_lines}"
+    assert _commands(test_lines[0]) == ci_steps, (
+        f"README's test command {test_lines[0]!r} differs from .ci/run's {ci_steps}")
