@@ -3,7 +3,8 @@
 Each block runs as a script in a fresh interpreter (the way a user runs one), in an empty
 temporary directory, with a deadline; it passes when it exits 0. A block is skipped only when
 the line just before its fence is ``<!-- not-run -->`` (kept for the few that need a cluster).
-The README's test command is also checked against ``.ci/run``'s, so the two stay in step.
+A ```yaml block that holds PS ``tables`` must be a config ``persimmon ps --check-config``
+accepts, and the README's test command must be ``.ci/run``'s, so the two stay in step.
 """
 
 from __future__ import annotations
@@ -84,6 +85,20 @@ def test_python_example_runs(block: Block, tmp_path: Path) -> None:
                              f"{exc.stdout or ''}{exc.stderr or ''}") from exc
     assert done.returncode == 0, (f"{block.name} exited {done.returncode}\n"
                                   f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+
+
+PS_YAML = [b for path in DOCS for b in code_blocks(path)
+           if b.lang == "yaml" and b.code.startswith("tables:")]
+
+
+@pytest.mark.parametrize("block", PS_YAML, ids=lambda b: b.name)
+def test_ps_yaml_example_is_a_valid_config(block: Block, tmp_path: Path) -> None:
+    config = tmp_path / "ps.yaml"
+    config.write_text(block.code)
+    done = subprocess.run([sys.executable, "-m", "services.cli", "ps", "--config", str(config),
+                           "--check-config"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, f"{block.name}: {done.stderr}"
 
 
 def _commands(line: str) -> list[list[str]]:
