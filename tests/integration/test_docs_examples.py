@@ -101,6 +101,42 @@ def test_ps_yaml_example_is_a_valid_config(block: Block, tmp_path: Path) -> None
     assert done.returncode == 0, f"{block.name}: {done.stderr}"
 
 
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    lines = path.read_text().splitlines()
+    fenced = False
+    out = set()
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            out.add(_anchor(line.lstrip("#")))
+    return out
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(path: Path) -> None:
+    """Every relative link of the docs names a file of the repository (and a heading of it)."""
+    broken = []
+    for target in _LINK.findall(path.read_text()):
+        if re.match(r"^[a-z]+:", target):
+            continue  # http:, https:, mailto:
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists() or (anchor and dest.suffix == ".md"
+                                 and anchor not in _anchors(dest)):
+            broken.append(target)
+    assert not broken, f"{path.relative_to(ROOT)}: broken links {broken}"
+
+
 def _commands(line: str) -> list[list[str]]:
     """``a && b && c`` as argument lists: ``python3 -m X`` / ``python -m X`` read as ``X``, and
     pip's ``--quiet`` dropped (CI's log wants it, a reader's terminal does not)."""
