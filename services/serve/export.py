@@ -1,0 +1,281 @@
+"""Model versions on disk: one directory per version, dense and sparse together, atomic.
+
+Layout (``DIR`` is the model directory ``persimmon serve --model-dir`` watches)::
+
+    DIR/<version-id>/manifest.json        written last: a version is complete once it exists
+                    /dense.pt             the model's state_dict (torch.save; weights_only)
+                    /feature_spec.json    how raw records become inputs (services/serve/spec.py)
+                    /t<i>-ids.npy, t<i>-rows.npy[, t<i>-scale.npy]   rows (services/serve/rows.py)
+
+The manifest holds the format version, version id, step, creation time, the model config
+(:class:`~services.worker.models.ModelConfig` fields), each sparse feature's table and dim,
+the dense width, the pooling, the row dtype, every table's PS config (its initializer makes
+the rows of ids never trained) and a sha256 and size per file. A version is written into a
+temporary directory ``DIR/.tmp-...``, every file and the directory are fsynced, the manifest
+goes in last, then the directory is renamed into place. Readers ignore directories without a
+valid manifest and refuse a version whose files fail their checksums. :func:`prune` keeps
+the newest K versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.common.files import fsync_dir
+from services.serve.rows import ROW_DTYPES, TableRows, encode_rows
+from services.serve.spec import FeatureSpec
+from services.worker.models import ModelConfig
+from services.worker.pooling import POOLING_MODES
+
+__all__ = ["FORMAT_VERSION", "MANIFEST", "SnapshotLike", "list_versions", "new_version_id",
+           "prune", "read_manifest", "tables_from_snapshots", "verify_version",
+           "write_version"]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DENSE = "dense.pt"
+SPEC = "feature_spec.json"
+VERSION_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+
+
+class SnapshotLike(Protocol):
+    """A PS table snapshot as the PS checkpoint reader returns it (duck-typed: serving does
+    not import the PS)."""
+
+    config: Any
+    ids: np.ndarray
+    rows: np.ndarray
+    tombstones: np.ndarray
+    incremental: bool
+
+
+def new_version_id(step: int) -> str:
+    """``v<step, 12 digits>-<time ms>-<random>``: sorts by step, then by time."""
+    return f"v{step:012d}-{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
+
+
+def _check_id(version_id: str) -> None:
+    if not isinstance(version_id, str) or not VERSION_RE.fullmatch(version_id) \
+            or version_id == "latest":
+        raise InvalidArgument(f"version id {version_id!r} must be 1-128 letters, digits, '-', "
+                              "'_' or '.', not starting with '.' (and not 'latest')")
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    from services.common.config import config_to_dict
+
+    return config_to_dict(config)
+
+
+def tables_from_snapshots(chains: Mapping[str, Sequence[SnapshotLike]]) -> dict[str, TableRows]:
+    """Each table's rows after applying its snapshots in order (a full one, then
+    incremental ones: changed rows replace, tombstones delete)."""
+    out = {}
+    for name, chain in chains.items():
+        if not chain:
+            raise InvalidArgument(f"table {name}: no snapshots")
+        if chain[0].incremental:
+            raise FailedPrecondition(f"table {name}: the first snapshot must be a full one")
+        ids = np.asarray(chain[0].ids, dtype=np.uint64)
+        values = np.asarray(chain[0].rows, dtype=np.float32)
+        for snap in chain[1:]:
+            changed = np.asarray(snap.ids, dtype=np.uint64)
+            gone = np.concatenate([np.asarray(snap.tombstones, dtype=np.uint64), changed])
+            kept = ~np.isin(ids, gone)
+            ids = np.concatenate([ids[kept], changed])
+            values = np.concatenate([values[kept], np.asarray(snap.rows, dtype=np.float32)])
+        out[name] = TableRows(name=name, ids=ids, rows=values,
+                              config=_config_dict(chain[-1].config))
+    return out
+
+
+def _write_file(directory: Path, name: str, data: bytes) -> dict[str, Any]:
+    with open(directory / name, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _check_inputs(model: ModelConfig, state: Mapping[str, Any], features: Mapping[str, str],
+                  tables: Mapping[str, TableRows], spec: FeatureSpec, num_dense: int,
+                  row_dtype: str, pooling: str) -> dict[str, int]:
+    if row_dtype not in ROW_DTYPES:
+        raise InvalidArgument(f"row dtype must be one of {ROW_DTYPES}, got {row_dtype!r}")
+    if pooling not in POOLING_MODES:
+        raise InvalidArgument(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
+    missing = sorted(set(features.values()) - set(tables))
+    if missing:
+        raise InvalidArgument(f"tables {missing} of the features have no rows to export")
+    unspecified = sorted(set(features) - set(spec.sparse))
+    if unspecified:
+        raise InvalidArgument(f"features {unspecified} are not sparse features of the spec")
+    if num_dense != len(spec.dense):
+        raise InvalidArgument(f"the model takes {num_dense} dense values, the feature spec "
+                              f"has {len(spec.dense)}")
+    dims = {f: int(tables[t].config["dim"]) for f, t in features.items()}
+    try:  # the weights must load into the model the manifest describes
+        model.build(sparse_dims=dims, num_dense=num_dense).load_state_dict(dict(state))
+    except (RuntimeError, KeyError) as exc:
+        raise InvalidArgument(f"the dense weights do not fit the model config: {exc}") from exc
+    return dims
+
+
+def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
+                  state: Mapping[str, Any], features: Mapping[str, str], num_dense: int,
+                  tables: Mapping[str, TableRows], spec: FeatureSpec,
+                  row_dtype: str = "float32", pooling: str = "sum",
+                  version_id: str | None = None, keep: int | None = None,
+                  source: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Write one complete model version atomically; returns its manifest.
+
+    ``state`` is the dense model's state_dict, ``features`` maps each sparse feature to its
+    table, ``tables`` holds every table's rows. ``keep``: prune to the newest ``keep``
+    versions afterwards.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidArgument(f"step must be an int >= 0, got {step!r}")
+    dims = _check_inputs(model, state, features, tables, spec, num_dense, row_dtype, pooling)
+    version_id = version_id or new_version_id(step)
+    _check_id(version_id)
+    root = Path(model_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / version_id
+    if final.exists():
+        raise AlreadyExists(f"model version {version_id!r} already exists in {root}")
+    tmp = root / f".tmp-{version_id}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        files: dict[str, dict[str, Any]] = {}
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
+        files[DENSE] = _write_file(tmp, DENSE, buf.getvalue())
+        files[SPEC] = _write_file(tmp, SPEC, json.dumps(spec.to_dict(), indent=1).encode())
+        entries = {}
+        for i, name in enumerate(sorted(set(features.values()))):
+            entries[name] = _write_table(tmp, f"t{i}", tables[name].sorted(), row_dtype, files)
+        manifest = {
+            "format": FORMAT_VERSION, "version_id": version_id, "step": step,
+            "created": time.time(), "model": dataclasses.asdict(model),
+            "features": dict(features), "sparse_dims": dims, "num_dense": num_dense,
+            "pooling": pooling, "row_dtype": row_dtype, "tables": entries, "files": files,
+            "source": dict(source or {}),
+        }
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep is not None:
+        prune(root, keep)
+    return manifest
+
+
+def _write_table(directory: Path, prefix: str, table: TableRows, row_dtype: str,
+                 files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    stored, scale = encode_rows(table.rows, row_dtype)
+    arrays = {"ids": table.ids, "rows": stored, **({"scale": scale} if scale is not None else {})}
+    names = {}
+    for kind, array in arrays.items():
+        names[kind] = f"{prefix}-{kind}.npy"
+        files[names[kind]] = _write_file(directory, names[kind], _npy(array))
+    return {"dim": int(table.config["dim"]), "dtype": row_dtype, "rows": int(table.ids.size),
+            "config": _config_dict(table.config), "files": names}
+
+
+def read_manifest(version_dir: Path | str) -> dict[str, Any]:
+    """The manifest of a version directory (checked for shape, not checksums)."""
+    path = Path(version_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise NotFound(f"{path.parent.name!r} is not a complete model version") from exc
+    except (OSError, ValueError) as exc:
+        raise FailedPrecondition(f"model manifest {path} is unreadable: {exc}") from exc
+    required = ("version_id", "step", "created", "model", "features", "sparse_dims",
+                "num_dense", "pooling", "row_dtype", "tables", "files")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION \
+            or any(k not in manifest for k in required):
+        raise FailedPrecondition(f"model manifest {path} has an unknown format")
+    if manifest["version_id"] != path.parent.name:
+        raise FailedPrecondition(f"model manifest {path} names version "
+                                 f"{manifest['version_id']!r}, not its directory's name")
+    return manifest
+
+
+def verify_version(version_dir: Path | str, manifest: Mapping[str, Any]) -> None:
+    """Check every file against the manifest's size and sha256 (FailedPrecondition)."""
+    directory = Path(version_dir)
+    for name, entry in manifest["files"].items():
+        path = directory / name
+        if "/" in name or name.startswith("."):
+            raise FailedPrecondition(f"model version {directory.name}: bad file name {name!r}")
+        digest = hashlib.sha256()
+        try:
+            with open(path, "rb") as f:
+                size = 0
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except OSError as exc:
+            raise FailedPrecondition(f"model file {path} cannot be read: {exc}") from exc
+        if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+            raise FailedPrecondition(f"model file {path} is corrupt: its size or sha256 does "
+                                     "not match the manifest")
+
+
+def list_versions(model_dir: Path | str) -> list[dict[str, Any]]:
+    """Manifests of the complete versions under ``model_dir``, oldest first (by step, then
+    creation time); directories without a valid manifest are skipped."""
+    root = Path(model_dir)
+    found = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            if not entry.is_dir() or not VERSION_RE.fullmatch(entry.name):
+                continue
+            try:
+                found.append(read_manifest(entry))
+            except (NotFound, FailedPrecondition):
+                continue
+    return sorted(found, key=lambda m: (m["step"], m["created"], m["version_id"]))
+
+
+def prune(model_dir: Path | str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete versions; returns the deleted ids."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise InvalidArgument(f"keep must be an int >= 1, got {keep!r}")
+    versions = list_versions(model_dir)
+    doomed = [m["version_id"] for m in versions[:max(0, len(versions) - keep)]]
+    for version_id in doomed:
+        directory = Path(model_dir) / version_id
+        (directory / MANIFEST).unlink(missing_ok=True)  # incomplete first, then gone
+        shutil.rmtree(directory, ignore_errors=True)
+    return doomed

@@ -1,0 +1,172 @@
+"""One model version, loaded and immutable: featurize, look rows up, pool, run the model.
+
+:meth:`Predictor.load` reads a version directory (:mod:`services.serve.export`): it checks
+the manifest and every file's sha256, memory-maps the rows, loads the dense weights into the
+model the manifest describes and puts it in eval mode. Nothing in a Predictor changes after
+loading, so a server swaps versions by swapping the reference: a batch that took a Predictor
+computes all of its answer, dense and sparse, from that one version.
+
+The forward pass is the trainer's: the ids of a batch are planned with
+:func:`~services.worker.pooling.plan_batch` (tables of one dim in one group, as the trainer
+groups them), each group's unique rows are looked up (:class:`EmbeddingRows`: stored rows,
+initial rows for ids never trained), pooled with
+:func:`~services.worker.pooling.pool_batch` in the training's pooling mode, and fed to the
+model with the dense features; the answer is ``sigmoid(logits)``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.common.batch import Jagged
+from services.common.config import from_dict
+from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
+from services.serve.export import DENSE, SPEC, read_manifest, verify_version
+from services.serve.rows import EmbeddingRows, InitialRows
+from services.serve.spec import Features, FeatureSpec
+from services.worker.models import ModelConfig
+from services.worker.pooling import plan_batch, pool_batch
+
+__all__ = ["Predictor"]
+
+_MAX_ID = 2**64 - 1
+
+
+class Predictor:
+    """A loaded model version (see the module docstring); build with :meth:`load`."""
+
+    def __init__(self, manifest: Mapping[str, Any], spec: FeatureSpec, model: torch.nn.Module,
+                 tables: Mapping[str, EmbeddingRows]) -> None:
+        self.manifest = dict(manifest)
+        self.version_id: str = manifest["version_id"]
+        self.step: int = int(manifest["step"])
+        self.spec = spec
+        self.model = model
+        self.tables = dict(tables)
+        self.features: dict[str, str] = dict(manifest["features"])
+        self.num_dense = int(manifest["num_dense"])
+        self.pooling: str = manifest["pooling"]
+        by_dim: dict[int, list[str]] = {}
+        for table in dict.fromkeys(self.features.values()):
+            by_dim.setdefault(self.tables[table].dim, []).append(table)
+        self._groups = list(by_dim.values())
+
+    @classmethod
+    def load(cls, version_dir: Path | str, *, initial_rows: InitialRows,
+             verify: bool = True) -> Predictor:
+        """Load and check a version; any problem is a FailedPrecondition naming it."""
+        directory = Path(version_dir)
+        manifest = read_manifest(directory)
+        if verify:
+            verify_version(directory, manifest)
+        try:
+            spec = FeatureSpec.from_dict(_json(directory / SPEC))
+            model_config = from_dict(ModelConfig, manifest["model"], where="manifest model")
+            model = model_config.build(sparse_dims=dict(manifest["sparse_dims"]),
+                                       num_dense=int(manifest["num_dense"]))
+            state = torch.load(io.BytesIO((directory / DENSE).read_bytes()), weights_only=True)
+            model.load_state_dict(state)
+        except (ConfigError, RuntimeError, OSError, ValueError, KeyError) as exc:
+            raise FailedPrecondition(f"model version {directory.name} cannot be loaded: "
+                                     f"{exc}") from exc
+        model.eval()
+        tables = {name: EmbeddingRows(name, directory, entry, initial_rows)
+                  for name, entry in manifest["tables"].items()}
+        missing = sorted(set(manifest["features"].values()) - set(tables))
+        if missing:
+            raise FailedPrecondition(f"model version {directory.name} lacks tables {missing}")
+        return cls(manifest, spec, model, tables)
+
+    def describe(self) -> dict[str, Any]:
+        return {"version_id": self.version_id, "step": self.step,
+                "created": self.manifest["created"], "model": self.manifest["model"]["name"],
+                "row_dtype": self.manifest["row_dtype"],
+                "tables": {n: len(t) for n, t in self.tables.items()}}
+
+    # ---- inputs ----------------------------------------------------------------------------
+
+    def featurize(self, request: Mapping[str, Any]) -> Features:
+        """Features of one request body: ``records`` (JSON objects), ``lines`` (delimited
+        lines) or ``ids`` (pre-hashed ids per feature, per record) with ``dense``."""
+        kinds = [k for k in ("records", "lines", "ids") if request.get(k) is not None]
+        if len(kinds) != 1:
+            raise InvalidArgument("give exactly one of 'records', 'lines' or 'ids'")
+        if kinds[0] == "records":
+            return self.spec.records(request["records"])
+        if kinds[0] == "lines":
+            return self.spec.lines(request["lines"])
+        return self.prehashed(request["ids"], request.get("dense"))
+
+    def prehashed(self, ids: Any, dense: Any) -> Features:
+        """Features from ids already hashed: ``ids[feature][record]`` a list of uint64 ids,
+        ``dense[record]`` the model's dense inputs (after the dense transform)."""
+        if not isinstance(ids, Mapping):
+            raise InvalidArgument("'ids' must map each sparse feature to per-record id lists")
+        unknown = sorted(set(ids) - set(self.features))
+        missing = sorted(set(self.features) - set(ids))
+        if unknown or missing:
+            raise InvalidArgument(f"'ids' must have exactly the features {list(self.features)}"
+                                  f" (unknown {unknown[:10]}, missing {missing[:10]})")
+        sparse = {name: _jagged(name, ids[name]) for name in self.features}
+        sizes = {name: j.lengths.size for name, j in sparse.items()}
+        size = next(iter(sizes.values()))
+        if len(set(sizes.values())) != 1 or size == 0:
+            raise InvalidArgument(f"every feature needs the same, non-zero number of records; "
+                                  f"got {sizes}")
+        if dense is None and self.num_dense == 0:
+            dense = [[] for _ in range(size)]
+        try:
+            values = np.array(dense, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"'dense' must be a list of {self.num_dense} numbers per "
+                                  f"record: {exc}") from exc
+        if values.shape != (size, self.num_dense) or not np.isfinite(values).all() \
+                or _has_bool(dense):
+            raise InvalidArgument(f"'dense' must be ({size}, {self.num_dense}) finite numbers,"
+                                  f" got shape {values.shape}")
+        return Features(sparse=sparse, dense=values)
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def predict(self, features: Features) -> np.ndarray:
+        """float32 probabilities, one per record."""
+        return torch.sigmoid(torch.from_numpy(self.logits(features))).numpy()
+
+    def logits(self, features: Features) -> np.ndarray:
+        if features.dense.shape[1:] != (self.num_dense,):
+            raise InvalidArgument(f"dense inputs must be (B, {self.num_dense}), got "
+                                  f"{features.dense.shape}")
+        plan = plan_batch({f: features.sparse[f] for f in self.features},
+                          table_of=self.features, num_shards=1, groups=self._groups)
+        rows = [np.concatenate([self.tables[t].lookup(g.layout.table_ids(t))
+                                for t in g.layout.tables]) for g in plan.groups]
+        with torch.inference_mode():
+            pooled = pool_batch(plan, rows, mode=self.pooling)
+            out = self.model(pooled.pooled, torch.from_numpy(features.dense))
+        return out.numpy().astype(np.float32, copy=False)
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _has_bool(rows: Any) -> bool:
+    return any(isinstance(v, bool) for row in rows if isinstance(row, list) for v in row)
+
+
+def _jagged(name: str, per_record: Any) -> Jagged:
+    if not isinstance(per_record, list) or not all(isinstance(r, list) for r in per_record):
+        raise InvalidArgument(f"ids[{name!r}] must be a list of id lists, one per record")
+    flat = [v for r in per_record for v in r]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_ID
+               for v in flat):
+        raise InvalidArgument(f"ids[{name!r}] must hold integers in [0, 2**64)")
+    return Jagged(np.array(flat, dtype=np.uint64),
+                  np.array([len(r) for r in per_record], dtype=np.int32))
