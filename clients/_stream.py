@@ -1,4 +1,4 @@
-"""A long-lived bidirectional gRPC stream with many requests in flight, matched by ``rid``."""
+"""A long-lived bidirectional gRPC stream with many typed requests in flight, matched by ``rid``."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from services.common.errors import PersimmonError, Unavailable, error_from_grpc, error_from_wire
+from services.common.messages import Message
 from services.common.wire import decode_message, encode_message
 
 __all__ = ["MultiplexedStream", "Reconnect"]
@@ -24,10 +25,11 @@ log = logging.getLogger(__name__)
 # Given the channel that failed, returns the channel to use now (a new one, or the one another
 # request already replaced it with).
 Reconnect = Callable[[grpc.aio.Channel], Awaitable[grpc.aio.Channel]]
+R = TypeVar("R", bound=Message)
 
 
 class MultiplexedStream:
-    """Send request dicts on one stream and await each response by its request id.
+    """Send typed requests on one stream and await each typed reply by its request id.
 
     The stream opens lazily and reopens after a failure; a failure fails every request in
     flight with the mapped Persimmon error. ``bytes_out``/``bytes_in`` count wire bytes.
@@ -54,14 +56,16 @@ class MultiplexedStream:
         self.bytes_out = 0
         self.bytes_in = 0
 
-    async def request(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Send ``body`` and return the response body; in-band errors are raised."""
+    async def request(self, message: Message, reply: type[R]) -> R:
+        """Send ``message`` and return its reply, checked as ``reply``; in-band errors are
+        raised."""
+        body = message.to_wire()
         deadline = time.monotonic() + self.retry_s
         delay = 0.05
         while True:
             channel = self._channel
             try:
-                return await self._request_once(body)
+                return reply.from_wire(await self._request_once(body))
             except Unavailable as exc:
                 if self._reconnect is None or time.monotonic() + delay > deadline:
                     raise
@@ -80,7 +84,7 @@ class MultiplexedStream:
     async def _request_once(self, body: dict[str, Any]) -> dict[str, Any]:
         rid = next(self._rids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        raw = encode_message({**body, "rid": rid})
+        raw = encode_message(body, rid=rid)
         try:
             async with self._write_lock:
                 call = self._ensure_open()

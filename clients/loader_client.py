@@ -25,7 +25,16 @@ import grpc
 
 from services.common.auth import ClientSecurity
 from services.common.batch import Batch
-from services.common.errors import InvalidArgument, MalformedMessage, error_from_grpc
+from services.common.errors import InvalidArgument, error_from_grpc
+from services.common.messages import (
+    AckReply,
+    AckRequest,
+    BatchesReply,
+    BatchesRequest,
+    DescribeReply,
+    DescribeRequest,
+    Message,
+)
 from services.common.rpc import open_channel
 from services.common.tls import ClientTLS
 from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message
@@ -33,6 +42,7 @@ from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_messa
 __all__ = ["LoaderClient", "SyncLoaderClient"]
 
 T = TypeVar("T")
+R = TypeVar("R", bound=Message)
 _SERVICE = "/persimmon.Loader/"
 _RETRY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
@@ -66,32 +76,33 @@ class LoaderClient:
             self._channel = open_channel(self.address, self._security, self._max_message_bytes)
         return self._channel
 
-    async def _unary(self, method: str, body: dict[str, Any], timeout: float = 30.0
-                     ) -> dict[str, Any]:
+    async def _unary(self, method: str, request: Message, reply: type[R],
+                     timeout: float = 30.0) -> R:
         call = self._chan().unary_unary(_SERVICE + method)
         try:
-            raw = await call(encode_message(body), timeout=timeout,
+            raw = await call(encode_message(request.to_wire()), timeout=timeout,
                              metadata=self._security.metadata())
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), exc.details() or "") from exc
-        return decode_message(raw)
+        return reply.from_wire(decode_message(raw, max_bytes=self._max_message_bytes))
 
     async def describe(self) -> dict[str, Any]:
-        """Feature names, dense width, batch size and world size of the loader."""
-        return await self._unary("Describe", {})
+        """Feature names, dense width, batch size and world size of the loader (the fields of
+        :class:`~services.common.messages.DescribeReply`)."""
+        return (await self._unary("Describe", DescribeRequest(), DescribeReply)).to_wire()
 
     async def ack(self, batches: Batch | int | Iterable[Batch | int]) -> dict[str, Any]:
         """Acknowledge batches (objects or ids); returns ``{acked, unknown}``."""
         items = [batches] if isinstance(batches, Batch | int) else list(batches)
         ids = [b.batch_id if isinstance(b, Batch) else int(b) for b in items]
-        reply = await self._unary("Ack", {"batch_ids": ids})
+        reply = await self._unary("Ack", AckRequest(batch_ids=ids), AckReply)
         self._outstanding.difference_update(ids)
-        return reply
+        return reply.to_wire()
 
     async def batches(self) -> AsyncGenerator[Batch, None]:
         """This rank's batches until the loader's end marker, reconnecting on failures."""
-        request = encode_message({"rank": self.rank, "world_size": self.world_size,
-                                  "credits": self.credits})
+        request = encode_message(BatchesRequest(rank=self.rank, world_size=self.world_size,
+                                                credits=self.credits).to_wire())
         deadline: float | None = None
         while True:
             call = self._chan().unary_stream(_SERVICE + "Batches")(
@@ -100,13 +111,11 @@ class LoaderClient:
                 async for raw in call:
                     deadline = None
                     self.bytes_in += len(raw)
-                    body = decode_message(raw)
-                    kind = body.get("kind")
-                    if kind == "end":
+                    item = BatchesReply.from_wire(
+                        decode_message(raw, max_bytes=self._max_message_bytes))
+                    if item.kind == "end" or item.batch is None:
                         return
-                    if kind != "batch":
-                        raise MalformedMessage(f"unexpected Batches message kind {kind!r}")
-                    batch = Batch.from_wire(body.get("batch"))
+                    batch = item.batch
                     if batch.batch_id in self._outstanding:
                         continue  # re-sent after a reconnect; the caller already has it
                     self._outstanding.add(batch.batch_id)

@@ -17,20 +17,24 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
 from clients._stream import MultiplexedStream
+from services.common import messages as msg
 from services.common.auth import ClientSecurity
 from services.common.codecs import (
     Codec,
     RowEncoder,
+    WireArray,
     WireStats,
     codec_without_feedback,
+    decode_array,
     get_codec,
+    raw_array,
 )
 from services.common.errors import (
     DeadlineExceeded,
@@ -44,17 +48,12 @@ from services.common.registry import discover_shards, open_registry
 from services.common.rpc import open_channel
 from services.common.sharding import ShardedIds, split_by_shard
 from services.common.tls import ClientTLS
-from services.common.wire import (
-    MAX_MESSAGE_BYTES,
-    array_from_wire,
-    decode_message,
-    encode_message,
-    raw_array,
-)
+from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message
 
 __all__ = ["PSClient", "PushAck", "SyncPSClient"]
 
 T = TypeVar("T")
+R = TypeVar("R", bound=msg.Message)
 Resolver = Callable[[], Awaitable[Sequence[str]]]
 _SERVICE = "/persimmon.PS/"
 
@@ -100,12 +99,12 @@ def _check_mode(mode: str) -> None:
         raise InvalidArgument(f"pooling mode must be 'sum' or 'mean', got {mode!r}")
 
 
-def _sum_acks(replies: Sequence[dict[str, Any]]) -> PushAck:
+def _sum_acks(replies: Sequence[msg.PushReply | PushAck]) -> PushAck:
     ack = PushAck()
     for reply in replies:
-        ack.applied += int(reply["applied"])
-        ack.dropped_nonfinite += int(reply["dropped_nonfinite"])
-        ack.not_admitted += int(reply["not_admitted"])
+        ack.applied += reply.applied
+        ack.dropped_nonfinite += reply.dropped_nonfinite
+        ack.not_admitted += reply.not_admitted
     return ack
 
 
@@ -118,6 +117,7 @@ class _ShardConnection:
         self._reconnecting = asyncio.Lock()
         self.lookup = self._stream("Lookup")
         self.push = self._stream("Push")
+        self.push_then_lookup = self._stream("PushThenLookup")
         self.grads_encoders: dict[str, RowEncoder] = {}  # per table: residuals per id
         self.grads_encoder = RowEncoder(client.grads_codec)  # a whole message's, no residuals
         self.grads_per_table = self.grads_encoder.feedback is not None
@@ -147,16 +147,18 @@ class _ShardConnection:
                 await failed.close()
             return self.channel
 
-    async def unary(self, method: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def unary(self, method: str, request: msg.Message, reply: type[R], timeout: float) -> R:
         call = self.channel.unary_unary(_SERVICE + method)
         try:
-            return decode_message(await call(encode_message(body), timeout=timeout,
-                                             metadata=self.client.security.metadata()))
+            return reply.from_wire(decode_message(await call(
+                encode_message(request.to_wire()), timeout=timeout,
+                metadata=self.client.security.metadata())))
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), f"{self.address}: {exc.details()}") from exc
 
     async def close(self) -> None:
-        for stream in (self.lookup, self.push, self.pooled_lookup, self.pooled_push):
+        for stream in (self.lookup, self.push, self.push_then_lookup, self.pooled_lookup,
+                       self.pooled_push):
             await stream.close()
         await self.channel.close()
 
@@ -231,12 +233,13 @@ class PSClient:
                                      f"was connected to {len(self.addresses)}")
         self.addresses = addresses
 
-    async def _tables_of_every_shard(self) -> list[dict[str, Any]]:
+    async def _tables_of_every_shard(self) -> list[msg.TablesReply]:
         deadline = time.monotonic() + self.retry_s
         while True:
             try:
-                return await asyncio.gather(
-                    *(s.unary("Tables", {}, self.timeout) for s in self._shards))
+                return await asyncio.gather(*(
+                    s.unary("Tables", msg.TablesRequest(), msg.TablesReply, self.timeout)
+                    for s in self._shards))
             except Unavailable:
                 if time.monotonic() > deadline:
                     raise
@@ -250,12 +253,12 @@ class PSClient:
         self._shards = [_ShardConnection(self, i) for i in range(len(self.addresses))]
         infos = await self._tables_of_every_shard()
         for i, info in enumerate(infos):
-            if info.get("shard_id") != i or info.get("num_shards") != self.num_shards:
+            if info.shard_id != i or info.num_shards != self.num_shards:
                 raise FailedPrecondition(
-                    f"{self.addresses[i]} is shard {info.get('shard_id')} of "
-                    f"{info.get('num_shards')}, but the client lists it as shard {i} of "
-                    f"{self.num_shards}: give the addresses in shard order")
-            for table in info.get("tables", []):
+                    f"{self.addresses[i]} is shard {info.shard_id} of {info.num_shards}, but "
+                    f"the client lists it as shard {i} of {self.num_shards}: give the "
+                    "addresses in shard order")
+            for table in info.tables:
                 self.dims[table["name"]] = int(table["dim"])
         return self
 
@@ -302,7 +305,7 @@ class PSClient:
         ``layout.ids``: one Lookup message per shard with ids."""
         bounds = layout.bounds
         replies = await self._within(asyncio.gather(*(
-            self._shards[k].lookup.request(self._lookup_body(k, layout))
+            self._shards[k].lookup.request(self._lookup_body(k, layout), msg.LookupReply)
             for k in range(layout.num_shards) if bounds[k + 1] > bounds[k])))
         return await self._rows_of(replies, layout)
 
@@ -312,7 +315,7 @@ class PSClient:
         self._check_grads(layout, grads)
         bounds = layout.bounds
         return _sum_acks(await self._within(asyncio.gather(*(
-            self._shards[k].push.request(self._push_body(k, layout, grads))
+            self._shards[k].push.request(self._push_body(k, layout, grads), msg.PushReply)
             for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
 
     async def push_then_lookup(self, layout: ShardedIds, grads: np.ndarray,
@@ -322,35 +325,43 @@ class PSClient:
         up, so the rows include it (half the messages of a training step)."""
         self._check_grads(layout, grads)
         pushed, asked = layout.bounds, then.bounds
-        requests = []
+        requests: list[Awaitable[msg.PushThenLookupReply | msg.PushReply | msg.LookupReply]] = []
         for k in range(self.num_shards):
+            shard = self._shards[k]
             lookup = self._lookup_body(k, then) if asked[k + 1] > asked[k] else None
             if pushed[k + 1] > pushed[k]:
-                body = self._push_body(k, layout, grads)
-                if lookup is not None:
-                    body["lookup"] = lookup
-                requests.append(self._shards[k].push.request(body))
+                push = self._push_body(k, layout, grads)
+                requests.append(shard.push.request(push, msg.PushReply) if lookup is None else
+                                shard.push_then_lookup.request(msg.PushThenLookupRequest(
+                                    push=push, lookup=lookup), msg.PushThenLookupReply))
             elif lookup is not None:
-                requests.append(self._shards[k].lookup.request(lookup))
-        replies = await self._within(asyncio.gather(*requests))
-        return (_sum_acks([r for r in replies if "applied" in r]),
-                await self._rows_of([r for r in replies if "rows" in r], then))
+                requests.append(shard.lookup.request(lookup, msg.LookupReply))
+        acks: list[msg.PushReply] = []
+        rows: list[msg.LookupReply] = []  # in shard order
+        for reply in await self._within(asyncio.gather(*requests)):
+            if isinstance(reply, msg.PushThenLookupReply):
+                acks.append(reply.push)
+                rows.append(reply.lookup)
+            elif isinstance(reply, msg.PushReply):
+                acks.append(reply)
+            else:
+                rows.append(reply)
+        return _sum_acks(acks), await self._rows_of(rows, then)
 
-    def _lookup_body(self, k: int, layout: ShardedIds) -> dict[str, Any]:
+    def _lookup_body(self, k: int, layout: ShardedIds) -> msg.LookupRequest:
         lo, hi = layout.bounds[k], layout.bounds[k + 1]
-        return {"tables": list(layout.tables), "counts": layout.counts[k].tolist(),
-                "ids": raw_array(layout.ids[lo:hi]), "codec": self.rows_codec}
+        return msg.LookupRequest(tables=list(layout.tables), counts=layout.counts[k].tolist(),
+                             ids=raw_array(layout.ids[lo:hi]), codec=self.rows_codec)
 
-    def _push_body(self, k: int, layout: ShardedIds, grads: np.ndarray) -> dict[str, Any]:
+    def _push_body(self, k: int, layout: ShardedIds, grads: np.ndarray) -> msg.PushRequest:
         lo, hi = int(layout.bounds[k]), int(layout.bounds[k + 1])
-        return {"tables": list(layout.tables), "counts": layout.counts[k].tolist(),
-                "ids": raw_array(layout.ids[lo:hi]),
-                "grads": self._grads_body(k, layout, lo, grads)}
+        return msg.PushRequest(tables=list(layout.tables), counts=layout.counts[k].tolist(),
+                           ids=raw_array(layout.ids[lo:hi]),
+                           grads=self._grads_body(k, layout, lo, grads))
 
-    async def _rows_of(self, replies: Sequence[dict[str, Any]], layout: ShardedIds
-                       ) -> np.ndarray:
+    async def _rows_of(self, replies: Sequence[msg.LookupReply], layout: ShardedIds) -> np.ndarray:
         """The rows of the replies (in shard order) as one writable float32 array."""
-        parts = [self._received("rows_down", reply["rows"]) for reply in replies]
+        parts = [self._received("rows_down", reply.rows) for reply in replies]
         if not parts:
             return np.empty((0, await self._dim(layout.tables[0])), dtype=np.float32)
         rows = np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])  # writable
@@ -362,7 +373,7 @@ class PSClient:
             raise InvalidArgument(f"grads must be ({layout.ids.size}, dim), got {grads.shape}")
 
     def _grads_body(self, k: int, layout: ShardedIds, lo: int, grads: np.ndarray
-                    ) -> dict[str, Any] | list[dict[str, Any]]:
+                    ) -> list[WireArray]:
         """Shard ``k``'s gradients on the wire: one array, or one per table when the codec
         keeps a residual per id (and so per table)."""
         shard = self._shards[k]
@@ -370,7 +381,7 @@ class PSClient:
         if not shard.grads_per_table:
             body = shard.grads_encoder.to_wire(layout.ids[lo:hi], grads[lo:hi])
             self._sent("grads_up", body, grads[lo:hi])
-            return body
+            return [body]
         bodies = []
         for table, count in zip(layout.tables, layout.counts[k].tolist(), strict=True):
             encoder = shard.grads_encoders.get(table)
@@ -397,7 +408,7 @@ class PSClient:
                           grads: Mapping[str, np.ndarray]) -> PushAck:
         """Gradients of already-unique ids of several tables, one Push message per shard and
         dim (error feedback per id as in :meth:`push_unique`)."""
-        acks: list[dict[str, Any]] = []
+        acks: list[PushAck] = []
         for tables in await self._by_dim(uniq):
             layout, where = ShardedIds.of_tables({t: uniq[t] for t in tables}, self.num_shards)
             if layout.ids.size != sum(np.size(uniq[t]) for t in tables):
@@ -410,7 +421,7 @@ class PSClient:
                                           f"({np.size(uniq[t])}, {fused.shape[1]}), "
                                           f"got {g.shape}")
                 fused[where[t]] = g
-            acks.append(asdict(await self.push_sharded(layout, fused)))
+            acks.append(await self.push_sharded(layout, fused))
         return _sum_acks(acks)
 
     async def _by_dim(self, uniq: Mapping[str, Any]) -> list[list[str]]:
@@ -454,16 +465,16 @@ class PSClient:
         _check_mode(mode)
         lengths, parts = self._pooled_parts(ids, lengths)
         replies = await self._within(asyncio.gather(*(
-            self._shards[k].pooled_lookup.request({
-                "table": table, "ids": raw_array(ids_k), "lengths": raw_array(counts),
-                "codec": self.rows_codec})
+            self._shards[k].pooled_lookup.request(msg.PooledLookupRequest(
+                table=table, ids=raw_array(ids_k), lengths=raw_array(counts),
+                codec=self.rows_codec), msg.PooledLookupReply)
             for k, ids_k, _, counts in parts)))
         dim = self.dims.get(table)
         if dim is None:
             dim = await self._dim(table)
         out = np.zeros((lengths.size, dim), dtype=np.float32)
         for (_, _, held, _), reply in zip(parts, replies, strict=True):
-            out[held] += self._received("pooled_down", reply["pooled"])
+            out[held] += self._received("pooled_down", reply.pooled)
         if mode == "mean":
             out /= np.maximum(lengths, 1)[:, None]
         return out
@@ -488,20 +499,18 @@ class PSClient:
                 shard.pooled_grads_codec = codec_without_feedback(self.grads_codec)[0]
             body = shard.pooled_grads_codec.to_wire(grads[held])
             self._sent("pooled_grads_up", body, grads[held])
-            requests.append(shard.pooled_push.request({
-                "table": table, "ids": raw_array(ids_k), "lengths": raw_array(counts),
-                "grads": body}))
+            requests.append(shard.pooled_push.request(msg.PooledPushRequest(
+                table=table, ids=raw_array(ids_k), lengths=raw_array(counts), grads=body),
+                msg.PooledPushReply))
         return _sum_acks(await self._within(asyncio.gather(*requests)))
 
-    def _received(self, stream: str, body: Any) -> np.ndarray:
-        arr = array_from_wire(body)
-        self.codec_stats.add(stream, str(body.get("codec", "none")), "received",
-                             4 * arr.size, memoryview(body["data"]).nbytes)
-        return arr
+    def _received(self, stream: str, arr: WireArray) -> np.ndarray:
+        out = decode_array(arr, stream)
+        self.codec_stats.add(stream, arr.codec, "received", 4 * out.size, arr.nbytes)
+        return out
 
-    def _sent(self, stream: str, body: dict[str, Any], arr: np.ndarray) -> None:
-        self.codec_stats.add(stream, body["codec"], "sent", 4 * arr.size,
-                             memoryview(body["data"]).nbytes)
+    def _sent(self, stream: str, arr: WireArray, x: np.ndarray) -> None:
+        self.codec_stats.add(stream, arr.codec, "sent", 4 * x.size, arr.nbytes)
 
     def grads_residual(self, table: str, ids: Any) -> np.ndarray:
         """What per-id error feedback still owes the PS for ``ids`` (zeros when it owes none)."""
@@ -521,24 +530,28 @@ class PSClient:
 
     async def tables(self) -> list[dict[str, Any]]:
         """Table configs as the first shard reports them (tables exist on every shard)."""
-        info = await self._shards[0].unary("Tables", {}, self.timeout)
-        for table in info["tables"]:
+        info = await self._shards[0].unary("Tables", msg.TablesRequest(), msg.TablesReply,
+                                           self.timeout)
+        for table in info.tables:
             self.dims[table["name"]] = int(table["dim"])
-        return info["tables"]
+        return info.tables
 
     async def stats(self, table: str | None = None) -> list[dict[str, Any]]:
-        """Per-shard statistics."""
-        body = {} if table is None else {"table": table}
-        return list(await asyncio.gather(
-            *(s.unary("Stats", body, self.timeout) for s in self._shards)))
+        """Per-shard statistics: ``{shard_id, tables: {name: stats}}`` per shard."""
+        replies = await asyncio.gather(*(
+            s.unary("Stats", msg.StatsRequest(table=table), msg.StatsReply, self.timeout)
+            for s in self._shards))
+        return [reply.to_wire() for reply in replies]
 
     def wire_bytes(self) -> dict[str, int]:
         """Bytes this client sent and received per stream."""
-        return {  # pooled lookups and pushes count as lookups and pushes
+        return {  # pooled lookups/pushes count as lookups/pushes, PushThenLookup as a push
             "lookup_out": sum(s.lookup.bytes_out + s.pooled_lookup.bytes_out for s in self._shards),
             "lookup_in": sum(s.lookup.bytes_in + s.pooled_lookup.bytes_in for s in self._shards),
-            "push_out": sum(s.push.bytes_out + s.pooled_push.bytes_out for s in self._shards),
-            "push_in": sum(s.push.bytes_in + s.pooled_push.bytes_in for s in self._shards),
+            "push_out": sum(s.push.bytes_out + s.pooled_push.bytes_out
+                            + s.push_then_lookup.bytes_out for s in self._shards),
+            "push_in": sum(s.push.bytes_in + s.pooled_push.bytes_in
+                           + s.push_then_lookup.bytes_in for s in self._shards),
         }
 
 

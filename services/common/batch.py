@@ -12,7 +12,7 @@ A :class:`Batch` of B samples holds
   ``"redis:events"``) the first and last source position (offset, line or row) of the batch's
   records there; informational, the loader commits offsets itself once the batch is acked.
 
-Wire form (a value inside a msgpack message, arrays as :func:`services.common.wire.raw_array`)::
+Wire form (a value inside a msgpack message, arrays as raw :class:`WireArray` maps)::
 
     {"batch_id": int, "labels": array, "dense": array,
      "sparse": {name: {"values": array, "lengths": array}},
@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from services.common.codecs.registry import decode_array, raw_array
 from services.common.errors import MalformedMessage
-from services.common.wire import array_from_wire, raw_array
 
 __all__ = ["Batch", "Jagged"]
 
@@ -95,9 +95,10 @@ class Batch:
         """The wire map (arrays are zero-copy views; encode before mutating the batch)."""
         return {
             "batch_id": self.batch_id,
-            "labels": raw_array(self.labels),
-            "dense": raw_array(self.dense),
-            "sparse": {name: {"values": raw_array(f.values), "lengths": raw_array(f.lengths)}
+            "labels": raw_array(self.labels).to_wire(),
+            "dense": raw_array(self.dense).to_wire(),
+            "sparse": {name: {"values": raw_array(f.values).to_wire(),
+                              "lengths": raw_array(f.lengths).to_wire()}
                        for name, f in self.sparse.items()},
             "positions": {key: [int(a), int(b)] for key, (a, b) in self.positions.items()},
         }
@@ -115,8 +116,8 @@ class Batch:
         for name, feature in sparse_body.items():
             if not isinstance(name, str) or not isinstance(feature, dict):
                 raise MalformedMessage(f"sparse feature {name!r} must map to values and lengths")
-            sparse[name] = Jagged(array_from_wire(feature.get("values")),
-                                  array_from_wire(feature.get("lengths")))
+            sparse[name] = Jagged(decode_array(feature.get("values"), f"{name}.values"),
+                                  decode_array(feature.get("lengths"), f"{name}.lengths"))
         positions: dict[str, tuple[int, int]] = {}
         for key, span in positions_body.items():
             if not (isinstance(span, list | tuple) and len(span) == 2
@@ -124,8 +125,9 @@ class Batch:
                 raise MalformedMessage(f"position of {key!r} must be [first, last], got {span!r}")
             positions[str(key)] = (span[0], span[1])
         return cls(batch_id=body.get("batch_id"),  # type: ignore[arg-type]
-                   labels=array_from_wire(body.get("labels")),
-                   dense=array_from_wire(body.get("dense")), sparse=sparse, positions=positions)
+                   labels=decode_array(body.get("labels"), "labels"),
+                   dense=decode_array(body.get("dense"), "dense"), sparse=sparse,
+                   positions=positions)
 
 
 def _check(arr: Any, dtype: type, ndim: int, what: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import types
 import typing
@@ -96,14 +97,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         try:
             return tp(value)
         except ValueError as exc:
-            raise ConfigError(f"{where}: {value!r} is not one of {[m.value for m in tp]}") from exc
+            choices = [m.value for m in typing.cast("type[enum.Enum]", tp)]
+            raise ConfigError(f"{where}: {value!r} is not one of {choices}") from exc
     return value
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "config") -> T:
     """Build ``cls`` from a mapping; unknown keys and bad values are ConfigError."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    names = {f.name for f in dataclasses.fields(typing.cast(Any, cls)) if f.init}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown keys {unknown}; known: {sorted(names)}")
@@ -179,7 +181,7 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
             return [clean(x) for x in v]
         if isinstance(v, Path):
             return str(v)
-        if hasattr(v, "value") and isinstance(v, str):
+        if isinstance(v, enum.Enum) and isinstance(v, str):  # str-valued enums
             return v.value
         return v
     return clean(dataclasses.asdict(cfg))

@@ -1,122 +1,70 @@
-"""The wire format: msgpack message bodies carrying raw little-endian array buffers.
+"""Message framing: a msgpack map with the protocol version, within a size limit.
 
-Every message is a msgpack map with the key ``"v"`` (the protocol version). An array
-travels as ``{"dtype", "shape", "codec", "meta", "data"}`` where ``data`` is the codec's
-output buffer. Packing hands msgpack a memoryview (no ``tobytes()`` copy); unpacking
-wraps the received bytes with ``np.frombuffer`` (no copy either).
+Every frame is a msgpack map carrying ``"v"`` (:data:`PROTOCOL_VERSION`) and, on the
+multiplexed streams, ``"rid"`` (the request id a reply echoes). The rest of the map is a
+message of :mod:`services.common.messages`; arrays inside it are
+:class:`~services.common.codecs.WireArray` values, packed through their ``to_wire()``
+(the buffer is handed to msgpack as a memoryview, never copied by us). This module knows
+nothing of arrays or codecs.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import msgpack
-import numpy as np
 
-from services.common.errors import MalformedMessage, PersimmonError, ProtocolMismatch
+from services.common.errors import InvalidArgument, MalformedMessage, ProtocolMismatch
 
 __all__ = [
-    "ALLOWED_DTYPES",
+    "ENVELOPE_KEYS",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
-    "array_from_wire",
-    "array_to_wire",
     "decode_message",
     "encode_message",
-    "raw_array",
 ]
 
-PROTOCOL_VERSION = 1
+#: 2: one typed message per method (PushThenLookup is its own method; Lookup/Push always
+#: multi-table); 1: dict messages with several shapes per method.
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-ALLOWED_DTYPES = frozenset(
-    {"float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32",
-     "int64", "uint64", "bool"}
-)
+ENVELOPE_KEYS = frozenset({"v", "rid"})
 
 
-def encode_message(body: dict[str, Any]) -> bytes:
-    """Serialize ``body`` with the protocol version added."""
-    return msgpack.packb({**body, "v": PROTOCOL_VERSION}, use_bin_type=True)
+def _packable(obj: Any) -> Any:
+    """msgpack's hook for values it does not know: typed messages and arrays pack as maps."""
+    to_wire = getattr(obj, "to_wire", None)
+    if to_wire is None:
+        raise TypeError(f"cannot put a {type(obj).__name__} on the wire")
+    return to_wire()
 
 
-def decode_message(data: bytes) -> dict[str, Any]:
-    """Parse a message; raise MalformedMessage or ProtocolMismatch for anything else."""
+def encode_message(body: dict[str, Any], *, rid: int | None = None) -> bytes:
+    """Frame ``body`` (a map; values with ``to_wire()`` are packed as their map) with the
+    protocol version and, when given, the request id."""
+    frame = {**body, "v": PROTOCOL_VERSION}
+    if rid is not None:
+        frame["rid"] = rid
+    return msgpack.packb(frame, use_bin_type=True, default=_packable)
+
+
+def decode_message(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """The map of a frame, ``"v"`` removed (``"rid"`` kept). An over-limit frame is an
+    InvalidArgument, an undecodable one a MalformedMessage, another protocol version (or
+    none) a ProtocolMismatch."""
+    if len(data) > max_bytes:
+        raise InvalidArgument(f"message of {len(data)} bytes exceeds the limit of {max_bytes} "
+                              "bytes (max_message_bytes)")
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedMessage(f"message is not valid msgpack ({type(exc).__name__}: {exc})") from exc
     if not isinstance(body, dict):
         raise MalformedMessage(f"message must be a map, got {type(body).__name__}")
-    version = body.get("v")
+    version = body.pop("v", None)
     if version != PROTOCOL_VERSION:
-        raise ProtocolMismatch(
-            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})"
-        )
+        said = "carries no protocol version" if version is None else \
+            f"speaks protocol version {version!r}"
+        raise ProtocolMismatch(f"the peer {said}; this side speaks version {PROTOCOL_VERSION} "
+                               "(run the same Persimmon release on both ends)")
     return body
-
-
-def raw_array(arr: np.ndarray) -> dict[str, Any]:
-    """An uncompressed array for the wire: a little-endian memoryview, no copy if contiguous."""
-    arr = np.ascontiguousarray(arr)
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return {
-        "dtype": arr.dtype.name,
-        "shape": list(arr.shape),
-        "codec": "none",
-        "meta": {},
-        # cast needs a 1-D view when a dimension is 0, e.g. a (B, 0) dense matrix
-        "data": memoryview(arr if arr.ndim == 1 or arr.size else arr.reshape(-1)).cast("B"),
-    }
-
-
-def array_to_wire(arr: np.ndarray, codec: Any = None) -> dict[str, Any]:
-    """Encode ``arr`` with ``codec`` (a Codec instance; None means raw)."""
-    if codec is None:
-        return raw_array(arr)
-    return codec.to_wire(arr)
-
-
-def array_from_wire(body: Any, codecs: Any = None) -> np.ndarray:
-    """Decode an array dict; validates dtype, shape and buffer length against each other.
-
-    ``codecs`` is a callable name → Codec used for compressed arrays; raw arrays need none.
-    """
-    if not isinstance(body, dict):
-        raise MalformedMessage("array must be a map with dtype, shape, codec, data")
-    dtype, shape, data = body.get("dtype"), body.get("shape"), body.get("data")
-    codec_name = body.get("codec", "none")
-    if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
-        raise MalformedMessage(f"array dtype {dtype!r} is not one of {sorted(ALLOWED_DTYPES)}")
-    if not isinstance(shape, list) or not all(
-            type(s) is int and 0 <= s < 2**63 for s in shape):
-        raise MalformedMessage(f"array shape {shape!r} must be a list of non-negative ints")
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise MalformedMessage("array data must be a binary buffer")
-    if not isinstance(codec_name, str):
-        raise MalformedMessage(f"array codec {codec_name!r} must be a codec name")
-    if codec_name == "none":
-        count = math.prod(shape)  # Python ints: a huge declared shape cannot overflow
-        itemsize = np.dtype(dtype).itemsize
-        if count * itemsize != len(data):
-            raise MalformedMessage(
-                f"array of shape {shape} and dtype {dtype} needs {count * itemsize} bytes, "
-                f"got {len(data)}"
-            )
-        return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
-    if codecs is None:
-        from services.common.codecs import decoder
-
-        codecs = decoder
-    try:
-        codec = codecs(codec_name)
-    except Exception as exc:
-        raise MalformedMessage(f"unknown codec {codec_name!r}") from exc
-    try:
-        return codec.from_wire(body)
-    except PersimmonError:
-        raise
-    except Exception as exc:  # a codec's own parsing of a hostile body
-        raise MalformedMessage(f"array with codec {codec_name!r} cannot be decoded "
-                               f"({type(exc).__name__}: {exc})") from exc

@@ -1,18 +1,12 @@
-"""gRPC service ``persimmon.Loader``: the Batches server stream, unary Ack and Describe.
+"""gRPC service ``persimmon.Loader``: the Batches server stream, unary Ack and Describe
+(messages: :mod:`services.common.messages`).
 
-Messages (msgpack bodies, see :mod:`services.common.wire`):
-    Batches  → {rank, world_size, credits}
-             ← stream of {kind: "batch", batch: <Batch wire form, see services.common.batch>}
-               ending with {kind: "end", rank} once the source is exhausted and every batch
-               of the rank is acknowledged
-    Ack      → {batch_ids: [int]}        ← {acked: [int], unknown: [int]}
-    Describe → {}                        ← {sparse_features, dense_features, num_dense,
-                                           batch_size, world_size (0 until a worker connects
-                                           unless configured), source, ...}
-
-A rank that opens a new Batches stream ends its previous one and receives its
+A worker rank opens Batches with its credits and receives ``{kind: "batch", batch}`` items,
+then ``{kind: "end", rank}`` once the source is exhausted and every batch of the rank is
+acknowledged. A rank that opens a new Batches stream ends its previous one and receives its
 unacknowledged batches again first. Bad requests end the call with INVALID_ARGUMENT (or
-FAILED_PRECONDITION for a world size that differs from the loader's).
+FAILED_PRECONDITION for a world size that differs from the loader's, or another protocol
+version).
 """
 
 from __future__ import annotations
@@ -22,7 +16,16 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import InvalidArgument, PersimmonError
+from services.common.errors import PersimmonError
+from services.common.messages import (
+    MAX_ACK_IDS,
+    AckReply,
+    AckRequest,
+    BatchesReply,
+    BatchesRequest,
+    DescribeReply,
+    DescribeRequest,
+)
 from services.common.rpc import abort_with, generic_service, unary_handler
 from services.common.wire import decode_message, encode_message
 from services.loader.pipeline import Pipeline
@@ -30,7 +33,6 @@ from services.loader.pipeline import Pipeline
 __all__ = ["MAX_ACK_IDS", "SERVICE_NAME", "LoaderServicer"]
 
 SERVICE_NAME = "persimmon.Loader"
-MAX_ACK_IDS = 100_000
 
 
 class LoaderServicer:
@@ -48,10 +50,9 @@ class LoaderServicer:
     async def _batches(self, request: bytes, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[bytes]:
         try:
-            body = decode_message(request)
-            generation = await self.dispatcher.connect(body.get("rank"), body.get("world_size"),
-                                                       body.get("credits"))
-            rank = int(body["rank"])  # validated by connect
+            req = BatchesRequest.from_wire(decode_message(request))
+            generation = await self.dispatcher.connect(req.rank, req.world_size, req.credits)
+            rank = req.rank
         except PersimmonError as exc:
             await abort_with(context, exc)
             return
@@ -59,7 +60,7 @@ class LoaderServicer:
         try:
             async for item in self.dispatcher.stream(rank, generation):
                 if item is None:
-                    yield encode_message({"kind": "end", "rank": rank})
+                    yield encode_message(BatchesReply(kind="end", rank=rank).to_wire())
                     return
                 sent.inc(len(item.payload))
                 yield item.payload
@@ -67,20 +68,15 @@ class LoaderServicer:
             await abort_with(context, exc)
 
     async def _ack(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        body = decode_message(request)
-        ids = body.get("batch_ids")
-        if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise InvalidArgument("batch_ids must be a list of non-negative integers")
-        if len(ids) > MAX_ACK_IDS:
-            raise InvalidArgument(f"at most {MAX_ACK_IDS} batch ids per Ack, got {len(ids)}")
-        acked, unknown = await self.dispatcher.ack(ids)
+        req = AckRequest.from_wire(decode_message(request))
+        acked, unknown = await self.dispatcher.ack(req.batch_ids)
         self.pipeline.acked(acked)
-        return encode_message({"acked": [o.batch_id for o in acked], "unknown": unknown})
+        return encode_message(AckReply(acked=[o.batch_id for o in acked],
+                                       unknown=list(unknown)).to_wire())
 
     async def _describe(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        decode_message(request)
-        return encode_message(describe(self.pipeline))
+        DescribeRequest.from_wire(decode_message(request))
+        return encode_message(DescribeReply(**describe(self.pipeline)).to_wire())
 
 
 def describe(pipeline: Pipeline) -> dict[str, Any]:

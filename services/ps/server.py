@@ -1,50 +1,48 @@
-"""gRPC service ``persimmon.PS``: bidirectional Lookup and Push streams, unary Tables and Stats.
+"""gRPC service ``persimmon.PS``: Lookup, Push, PushThenLookup and the pooled streams, unary
+Tables and Stats (messages: :mod:`services.common.messages`).
 
 Stream requests carry a request id ``rid``; responses echo it, so a client may keep many
-requests in flight on one stream. A request that cannot be decoded at all ends the stream
-with INVALID_ARGUMENT (or FAILED_PRECONDITION for a protocol mismatch); a decodable but
-invalid request gets an in-band ``error`` for its ``rid`` and the stream goes on.
+requests in flight on one stream. A frame that cannot be decoded at all ends the stream
+with INVALID_ARGUMENT (FAILED_PRECONDITION for another protocol version); a decodable but
+invalid request gets an in-band ``error`` for its ``rid`` and the stream goes on. Every part
+of a request is checked before any is served or applied.
 
 PooledLookup/PooledPush are DES-style partial pooling: ``ids`` are this shard's ids of a
 batch, sample by sample (``lengths[b]`` ids for sample ``b``); the shard returns per-sample
 sums of its rows and takes back the per-sample (pooled) gradient, spreading it over the ids.
-
-Messages:
-    Lookup  → {rid, table, ids: array(uint64), codec: str}   ← {rid, rows: array} | {rid, error}
-    Push    → {rid, table, ids: array(uint64), grads: array} ← {rid, applied, dropped_nonfinite,
-                                                               not_admitted} | {rid, error}
-    PooledLookup → {rid, table, ids: array(uint64), lengths: array(int), codec: str}
-                                                     ← {rid, pooled: array (samples, dim)} | {rid, error}
-    PooledPush   → {rid, table, ids, lengths, grads: array (samples, dim)}
-                                                     ← as Push
-    Lookup  → {rid, tables: [str], counts: [int], ids: array(uint64), codec}
-                                                     ← {rid, rows: array (sum(counts), dim)}
-    Push    → {rid, tables, counts, ids, grads: array (sum(counts), dim) | [array per table]}
-                                                     ← {rid, applied, ...} (summed)
-              (several tables of one dim in one message, their ids one table after the
-              other: every part is checked before any is served or applied; one error
-              answers the whole message)
-    Push    → {..., lookup: {tables, counts, ids, codec}}    ← {rid, applied, ..., rows}
-              (the push, then a lookup that sees it: a worker's next batch rides on the
-              push that frees its staleness slot; both parts checked before either is done)
-    Tables  → {}                                             ← {shard_id, num_shards, tables}
-    Stats   → {table?}                                       ← {shard_id, tables: {name: stats}}
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from services.common.codecs import Codec, get_codec
+from services.common.codecs import Codec, decode_array, encode_array, get_codec
 from services.common.config import config_to_dict
-from services.common.errors import InvalidArgument, PersimmonError, error_to_wire
+from services.common.errors import PersimmonError, error_to_wire
+from services.common.messages import (
+    LookupReply,
+    LookupRequest,
+    Message,
+    PooledLookupReply,
+    PooledLookupRequest,
+    PooledPushReply,
+    PooledPushRequest,
+    PushReply,
+    PushRequest,
+    PushThenLookupReply,
+    PushThenLookupRequest,
+    StatsReply,
+    StatsRequest,
+    TablesReply,
+    TablesRequest,
+)
 from services.common.rpc import abort_with, generic_service, unary_handler
-from services.common.wire import array_from_wire, array_to_wire, decode_message, encode_message
+from services.common.wire import decode_message, encode_message
 from services.ps.metrics import PSMetrics
 from services.ps.shard import Shard
 from services.ps.store import PushResult
@@ -53,7 +51,7 @@ __all__ = ["SERVICE_NAME", "PSServicer"]
 
 SERVICE_NAME = "persimmon.PS"
 
-Handler = Callable[[dict[str, Any], dict[str, Codec]], Awaitable[dict[str, Any]]]
+Handler = Callable[[Any, dict[str, Codec]], Awaitable[Message]]
 
 
 class PSServicer:
@@ -64,39 +62,34 @@ class PSServicer:
         self.metrics = metrics
 
     def handlers(self) -> grpc.GenericRpcHandler:
+        streams: dict[str, tuple[type[Message], Handler]] = {
+            "Lookup": (LookupRequest, self._lookup),
+            "Push": (PushRequest, self._push),
+            "PushThenLookup": (PushThenLookupRequest, self._push_then_lookup),
+            "PooledLookup": (PooledLookupRequest, self._pooled_lookup),
+            "PooledPush": (PooledPushRequest, self._pooled_push),
+        }
         return generic_service(SERVICE_NAME, {
-            "Lookup": grpc.stream_stream_rpc_method_handler(self._lookup_stream),
-            "Push": grpc.stream_stream_rpc_method_handler(self._push_stream),
-            "PooledLookup": grpc.stream_stream_rpc_method_handler(self._pooled_lookup_stream),
-            "PooledPush": grpc.stream_stream_rpc_method_handler(self._pooled_push_stream),
+            **{method: grpc.stream_stream_rpc_method_handler(self._stream(method, *spec))
+               for method, spec in streams.items()},
             "Tables": unary_handler(self._tables),
             "Stats": unary_handler(self._stats),
         })
 
     # ---- streams ----------------------------------------------------------------------------
 
-    async def _lookup_stream(self, requests: AsyncIterator[bytes],
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        async for out in self._serve_stream("Lookup", self._lookup, requests, context):
-            yield out
+    def _stream(self, method: str, request_type: type[Message], handle: Handler
+                ) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext],
+                              AsyncIterator[bytes]]:
+        async def serve(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[bytes]:
+            async for out in self._serve_stream(method, request_type, handle, requests,
+                                                context):
+                yield out
+        return serve
 
-    async def _push_stream(self, requests: AsyncIterator[bytes],
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        async for out in self._serve_stream("Push", self._push, requests, context):
-            yield out
-
-    async def _pooled_lookup_stream(self, requests: AsyncIterator[bytes],
-                                    context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        async for out in self._serve_stream("PooledLookup", self._pooled_lookup, requests,
-                                            context):
-            yield out
-
-    async def _pooled_push_stream(self, requests: AsyncIterator[bytes],
-                                  context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        async for out in self._serve_stream("PooledPush", self._pooled_push, requests, context):
-            yield out
-
-    async def _serve_stream(self, method: str, handle: Handler, requests: AsyncIterator[bytes],
+    async def _serve_stream(self, method: str, request_type: type[Message], handle: Handler,
+                            requests: AsyncIterator[bytes],
                             context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         codecs: dict[str, Codec] = {}  # this stream's encoders, one per codec name
         limit = self.shard.config.max_message_bytes
@@ -105,93 +98,74 @@ class PSServicer:
             started = time.perf_counter()
             wire.labels(method, "in").inc(len(raw))
             try:
-                if len(raw) > limit:
-                    raise InvalidArgument(f"message of {len(raw)} bytes exceeds the limit of "
-                                          f"{limit} bytes (max_message_bytes)")
-                body = decode_message(raw)
+                body = decode_message(raw, max_bytes=limit)
             except PersimmonError as exc:
                 self.metrics.errors.labels(method, exc.grpc_code.name).inc()
                 await abort_with(context, exc)
                 return
             rid = body.get("rid")
+            rid = rid if type(rid) is int else None
             try:
-                response = await handle(body, codecs)
+                reply = (await handle(request_type.from_wire(body), codecs)).to_wire()
             except PersimmonError as exc:
                 self.metrics.errors.labels(method, exc.grpc_code.name).inc()
-                response = {"error": error_to_wire(exc)}
-            out = encode_message({"rid": rid, **response})
+                reply = {"error": error_to_wire(exc)}
+            out = encode_message(reply, rid=rid)
             wire.labels(method, "out").inc(len(out))
             self.metrics.latency.labels(method).observe(time.perf_counter() - started)
             yield out
 
-    async def _lookup(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
-        codec = _codec(body, codecs)
-        if "tables" in body:
-            tables, counts = _tables_and_counts(body, self.shard.config.max_tables)
-            rows = await self.shard.lookup_many(tables, counts, array_from_wire(body.get("ids")))
-        else:
-            rows = await self.shard.lookup(_table_name(body), array_from_wire(body.get("ids")))
-        return {"rows": array_to_wire(rows, codec)}
+    async def _lookup(self, req: LookupRequest, codecs: dict[str, Codec]) -> LookupReply:
+        codec = _codec(req.codec, codecs)
+        rows = await self.shard.lookup_many(req.tables, req.counts, decode_array(req.ids, "ids"))
+        return LookupReply(rows=encode_array(rows, codec))
 
-    async def _push(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
-        ids = array_from_wire(body.get("ids"))
-        grads = body.get("grads")
-        if "tables" in body:
-            tables, counts = _tables_and_counts(body, self.shard.config.max_tables)
-            decoded = ([_float32(array_from_wire(g)) for g in grads] if isinstance(grads, list)
-                       else _float32(array_from_wire(grads)))
-            ask = body.get("lookup")
-            if ask is None:
-                return _ack(await self.shard.push_many(tables, counts, ids, decoded))
-            if not isinstance(ask, dict):
-                raise InvalidArgument("'lookup' must be a map {tables, counts, ids, codec}")
-            asked, asked_counts = _tables_and_counts(ask, self.shard.config.max_tables)
-            result, rows = await self.shard.push_then_lookup(
-                (tables, counts, ids, decoded),
-                (asked, asked_counts, array_from_wire(ask.get("ids"))))
-            return {**_ack(result), "rows": array_to_wire(rows, _codec(ask, codecs))}
-        table = _table_name(body)
-        return _ack(await self.shard.push(table, ids, _float32(array_from_wire(grads))))
+    async def _push(self, req: PushRequest, codecs: dict[str, Codec]) -> PushReply:
+        return _ack(await self.shard.push_many(*_push_parts(req)), PushReply)
 
-    async def _pooled_lookup(self, body: dict[str, Any],
-                             codecs: dict[str, Codec]) -> dict[str, Any]:
-        table = _table_name(body)
-        ids = array_from_wire(body.get("ids"))
-        lengths = array_from_wire(body.get("lengths"))
-        codec = _codec(body, codecs)
-        pooled = await self.shard.pooled_lookup(table, ids, lengths)
-        return {"pooled": array_to_wire(pooled, codec)}
+    async def _push_then_lookup(self, req: PushThenLookupRequest, codecs: dict[str, Codec]
+                                ) -> PushThenLookupReply:
+        ask = req.lookup
+        codec = _codec(ask.codec, codecs)
+        result, rows = await self.shard.push_then_lookup(
+            _push_parts(req.push), (ask.tables, ask.counts, decode_array(ask.ids, "lookup.ids")))
+        return PushThenLookupReply(push=_ack(result, PushReply),
+                                   lookup=LookupReply(rows=encode_array(rows, codec)))
 
-    async def _pooled_push(self, body: dict[str, Any], codecs: dict[str, Codec]) -> dict[str, Any]:
-        table = _table_name(body)
-        ids = array_from_wire(body.get("ids"))
-        lengths = array_from_wire(body.get("lengths"))
-        grads = _float32(array_from_wire(body.get("grads")))
-        return _ack(await self.shard.pooled_push(table, ids, lengths, grads))
+    async def _pooled_lookup(self, req: PooledLookupRequest, codecs: dict[str, Codec]
+                             ) -> PooledLookupReply:
+        codec = _codec(req.codec, codecs)
+        pooled = await self.shard.pooled_lookup(req.table, decode_array(req.ids, "ids"),
+                                                decode_array(req.lengths, "lengths"))
+        return PooledLookupReply(pooled=encode_array(pooled, codec))
+
+    async def _pooled_push(self, req: PooledPushRequest, codecs: dict[str, Codec]
+                           ) -> PooledPushReply:
+        result = await self.shard.pooled_push(
+            req.table, decode_array(req.ids, "ids"), decode_array(req.lengths, "lengths"),
+            _float32(decode_array(req.grads, "grads")))
+        return _ack(result, PooledPushReply)
 
     # ---- unary ------------------------------------------------------------------------------
 
     async def _tables(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        decode_message(raw)
+        TablesRequest.from_wire(decode_message(raw, max_bytes=self.shard.config.max_message_bytes))
         cfg = self.shard.config
-        return encode_message({
-            "shard_id": cfg.shard_id, "num_shards": cfg.num_shards,
-            "tables": [config_to_dict(t.config) for t in self.shard.tables.values()]})
+        return encode_message(TablesReply(
+            shard_id=cfg.shard_id, num_shards=cfg.num_shards,
+            tables=[config_to_dict(t.config) for t in self.shard.tables.values()]).to_wire())
 
     async def _stats(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        body = decode_message(raw)
-        name = body.get("table")
-        names = [_table_name(body)] if name is not None else list(self.shard.tables)
-        return encode_message({
-            "shard_id": self.shard.config.shard_id,
-            "tables": {n: self.shard.table(n).stats() for n in names}})
+        req = StatsRequest.from_wire(
+            decode_message(raw, max_bytes=self.shard.config.max_message_bytes))
+        names = [req.table] if req.table is not None else list(self.shard.tables)
+        return encode_message(StatsReply(
+            shard_id=self.shard.config.shard_id,
+            tables={n: self.shard.table(n).stats() for n in names}).to_wire())
 
 
-def _codec(body: dict[str, Any], codecs: dict[str, Codec]) -> Codec:
-    """The stream's encoder for the reply codec the request names (default ``none``)."""
-    name = body.get("codec", "none")
-    if not isinstance(name, str):
-        raise InvalidArgument("codec must be a string such as 'fp16'")
+def _codec(name: str, codecs: dict[str, Codec]) -> Codec:
+    """The stream's encoder for the reply codec a request names."""
     codec = codecs.get(name)
     if codec is None:
         codec = codecs[name] = get_codec(name)
@@ -202,26 +176,17 @@ def _float32(grads: np.ndarray) -> np.ndarray:
     return grads if grads.dtype == np.float32 else grads.astype(np.float32)
 
 
-def _ack(result: PushResult) -> dict[str, Any]:
-    return {"applied": result.applied, "dropped_nonfinite": result.dropped_nonfinite,
-            "not_admitted": result.not_admitted}
+def _push_parts(req: PushRequest) -> tuple[list[str], list[int], np.ndarray,
+                                           np.ndarray | list[np.ndarray]]:
+    """The (tables, counts, ids, grads) of a push, decoded (grads as float32)."""
+    grads = [_float32(decode_array(g, f"grads[{i}]")) for i, g in enumerate(req.grads)]
+    return (req.tables, req.counts, decode_array(req.ids, "ids"),
+            grads[0] if len(grads) == 1 else grads)
 
 
-def _tables_and_counts(body: dict[str, Any], max_tables: int) -> tuple[list[str], list[int]]:
-    """The ``tables`` and ``counts`` of a multi-table Lookup or Push."""
-    tables, counts = body.get("tables"), body.get("counts")
-    if not isinstance(tables, list) or not tables \
-            or not all(isinstance(t, str) and t for t in tables):
-        raise InvalidArgument("'tables' must be a non-empty list of table names")
-    if len(tables) > max_tables:
-        raise InvalidArgument(f"{len(tables)} tables exceed the limit of {max_tables}")
-    if not isinstance(counts, list) or not all(type(c) is int and c >= 0 for c in counts):
-        raise InvalidArgument("'counts' must be a list of non-negative ints, one per table")
-    return tables, counts
+R = TypeVar("R", PushReply, PooledPushReply)
 
 
-def _table_name(body: dict[str, Any]) -> str:
-    name = body.get("table")
-    if not isinstance(name, str) or not name:
-        raise InvalidArgument("request needs a 'table' name (a non-empty string)")
-    return name
+def _ack(result: PushResult, reply: type[R]) -> R:
+    return reply(applied=result.applied, dropped_nonfinite=result.dropped_nonfinite,
+                 not_admitted=result.not_admitted)

@@ -1,5 +1,8 @@
 """The codec interface: array → (buffer, meta) → array, with byte accounting.
 
+:meth:`Codec.to_wire` and :meth:`Codec.from_wire` are the one path between an array and its
+:class:`~services.common.codecs.array.WireArray` (the raw layout is the ``none`` codec).
+
 A codec instance belongs to one stream (rows down, gradients up, activations, dense
 all-reduce). Encoding may keep state between calls (error-feedback residuals, a cached
 threshold); decoding is a pure function of ``(data, meta, dtype, shape)`` so a receiver
@@ -13,6 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from services.common.codecs.array import WireArray
 from services.common.errors import MalformedMessage
 
 __all__ = ["Codec", "CodecStats", "ErrorFeedback"]
@@ -65,22 +69,22 @@ class Codec:
         """Rebuild an array of ``dtype`` and ``shape`` from ``encode``'s output."""
         raise NotImplementedError
 
-    def to_wire(self, x: np.ndarray, *, key: Any = None) -> dict[str, Any]:
-        """The wire dict of :mod:`services.common.wire`, counted in :attr:`stats`."""
+    def to_wire(self, x: np.ndarray, *, key: Any = None) -> WireArray:
+        """``x`` encoded as a :class:`WireArray` (no copy of a contiguous raw buffer), counted
+        in :attr:`stats`."""
         x = np.asarray(x)
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)  # (never for a 0-d array, whose shape it would change)
         data, meta = self.encode(x, key=key)
         self.stats.add(x.nbytes, memoryview(data).nbytes)
-        return {"dtype": x.dtype.name, "shape": list(x.shape), "codec": self.name,
-                "meta": meta, "data": data}
+        return WireArray(dtype=x.dtype.name, shape=x.shape, codec=self.name, meta=meta,
+                         data=data)
 
-    def from_wire(self, body: dict[str, Any]) -> np.ndarray:
-        meta = body.get("meta") or {}
-        if not isinstance(meta, dict):
-            raise MalformedMessage(f"codec meta must be a map, got {type(meta).__name__}")
+    def from_wire(self, arr: WireArray | dict[str, Any]) -> np.ndarray:
+        """Decode ``arr`` (a :class:`WireArray` or its map, checked first) with this codec."""
+        arr = WireArray.from_wire(arr)
         try:
-            return self.decode(body["data"], meta, np.dtype(body["dtype"]), tuple(body["shape"]))
+            return self.decode(arr.data, arr.meta, np.dtype(arr.dtype), arr.shape)
         except MalformedMessage:
             raise
         except Exception as exc:

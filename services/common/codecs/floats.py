@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -22,16 +23,18 @@ def _check_len(data: Any, count: int, itemsize: int, name: str) -> None:
 
 
 class NoneCodec(Codec):
-    """The raw little-endian buffer."""
+    """The raw little-endian buffer (a view of the array's memory, no copy when contiguous)."""
 
     name = "none"
     lossless = True
 
     def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
+        if x.dtype.byteorder == ">":
+            x = x.astype(x.dtype.newbyteorder("<"))
         return byte_view(x), {}
 
     def decode(self, data, meta, dtype, shape):
-        _check_len(data, int(np.prod(shape, dtype=np.int64)), dtype.itemsize, self.name)
+        _check_len(data, math.prod(shape), dtype.itemsize, self.name)
         return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 

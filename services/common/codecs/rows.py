@@ -20,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from services.common.codecs.array import WireArray
 from services.common.codecs.base import Codec
 from services.common.codecs.bits import all_finite
+from services.common.codecs.registry import get_codec
 from services.common.errors import InvalidArgument
 
 __all__ = ["RowEncoder", "RowResiduals", "codec_without_feedback"]
@@ -33,8 +35,6 @@ def codec_without_feedback(name: str, **params: Any) -> tuple[Codec, bool]:
     For streams whose arrays never repeat (rows of changing ids, per-sample pooled
     gradients): a residual kept per stream would be added to the wrong entries.
     """
-    from services.common.codecs import get_codec
-
     codec = get_codec(name, **params)
     if not getattr(codec, "error_feedback", False):
         return codec, False
@@ -113,8 +113,8 @@ class RowEncoder:
     def name(self) -> str:
         return self.codec.name
 
-    def to_wire(self, ids: np.ndarray, rows: np.ndarray, *, key: Any = None) -> dict[str, Any]:
-        """The wire dict of ``rows`` (``(len(ids), dim)``), residuals of ``ids`` added first."""
+    def to_wire(self, ids: np.ndarray, rows: np.ndarray, *, key: Any = None) -> WireArray:
+        """The wire array of ``rows`` (``(len(ids), dim)``), residuals of ``ids`` added first."""
         if self.feedback is None:
             return self.codec.to_wire(rows, key=key)
         rows = np.asarray(rows, dtype=np.float32)

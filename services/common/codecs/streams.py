@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from services.common.codecs.array import WireArray
 from services.common.codecs.base import Codec, CodecStats
-from services.common.errors import ConfigError, InvalidArgument, MalformedMessage
+from services.common.codecs.registry import decode_array, get_codec
+from services.common.errors import ConfigError, InvalidArgument
 
 __all__ = ["CodecSpec", "StreamCodecs", "WireStats", "WireStatsCollector"]
 
@@ -40,8 +42,6 @@ class CodecSpec:
 
     def build(self) -> Codec:
         """A fresh codec instance (its own state and counters)."""
-        from services.common.codecs import get_codec
-
         try:
             return get_codec(self.name, **self.params)
         except ConfigError:
@@ -118,24 +118,18 @@ class StreamCodecs:
             codec = self._codecs[stream] = self.specs.get(stream, self.default).build()
         return codec
 
-    def encode(self, stream: str, x: np.ndarray, *, key: Any = None) -> dict[str, Any]:
-        """The wire dict of ``x`` for ``stream`` (see :mod:`services.common.wire`)."""
+    def encode(self, stream: str, x: np.ndarray, *, key: Any = None) -> WireArray:
+        """``x`` encoded for ``stream``."""
         codec = self.codec(stream)
-        body = codec.to_wire(x, key=key)
-        self.stats.add(stream, codec.name, SENT, np.asarray(x).nbytes,
-                       memoryview(body["data"]).nbytes)
-        return body
+        arr = codec.to_wire(x, key=key)
+        self.stats.add(stream, codec.name, SENT, np.asarray(x).nbytes, arr.nbytes)
+        return arr
 
-    def decode(self, stream: str, body: Any) -> np.ndarray:
+    def decode(self, stream: str, body: WireArray | Mapping[str, Any]) -> np.ndarray:
         """Decode a received array of ``stream``; malformed input is a MalformedMessage."""
-        from services.common.wire import array_from_wire
-
-        out = array_from_wire(body)
-        try:
-            wire = memoryview(body["data"]).nbytes
-        except (TypeError, KeyError) as exc:  # array_from_wire checked it; belt and braces
-            raise MalformedMessage("array data must be a binary buffer") from exc
-        self.stats.add(stream, str(body.get("codec", "none")), RECEIVED, out.nbytes, wire)
+        arr = WireArray.from_wire(body)
+        out = decode_array(arr)
+        self.stats.add(stream, arr.codec, RECEIVED, out.nbytes, arr.nbytes)
         return out
 
     def reset(self) -> None:

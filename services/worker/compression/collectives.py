@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from services.common.codecs import Codec, get_codec
+from services.common.codecs import Codec, decode_array, get_codec
 from services.common.codecs.bits import pack_signs, unpack_signs
 from services.common.errors import InvalidArgument
-from services.common.wire import array_from_wire, decode_message, encode_message
+from services.common.wire import decode_message, encode_message
 
 __all__ = [
     "CodecAverager",
@@ -259,7 +259,7 @@ class CodecAverager:
         parts = allgather_bytes(payload, group)
         total = np.zeros(local.size, dtype=np.float64)
         for part in parts:
-            total += array_from_wire(decode_message(part)["a"])
+            total += decode_array(decode_message(part)["a"])
         # every rank hands the longest payload (all_gather pads) plus its 8-byte length
         self.stats.add(4 * x.numel(), max(len(p) for p in parts) + (8 if world > 1 else 0))
         mean = torch.from_numpy((total / world).astype(np.float32))

@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from clients.ps_client import PSClient
+from services.common.codecs import raw_array
 from services.common.errors import InvalidArgument
+from services.common.messages import (
+    PooledLookupReply,
+    PooledLookupRequest,
+    PooledPushReply,
+    PooledPushRequest,
+)
 from services.common.sharding import shard_of
-from services.common.wire import raw_array
 from services.worker.pooling import plan_batch, pool_batch
 from tests.integration.ps.conftest import digest, start_cluster
 
@@ -170,8 +176,10 @@ async def test_bad_pooled_requests_get_clear_errors_and_change_nothing(cluster, 
         await ps.lookup("user", ids)
         state = digest(cluster)
         with pytest.raises(InvalidArgument, match=message):
+            request, reply = {"pooled_lookup": (PooledLookupRequest, PooledLookupReply),
+                              "pooled_push": (PooledPushRequest, PooledPushReply)}[stream]
             await getattr(ps._shards[0], stream).request(
-                {"table": "user", "ids": raw_array(mine), **extra})
+                request(table="user", ids=raw_array(mine), **extra), reply)
         assert digest(cluster) == state
         with pytest.raises(InvalidArgument, match="add up"):  # checked before sending, too
             await ps.pooled_lookup("user", ids, [39])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import msgpack
 import numpy as np
 import pytest
 
@@ -121,7 +122,18 @@ async def test_bad_calls_get_clear_errors(start_loader):
                 await ack(encode_message(body))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         reply = decode_message(await ack(encode_message({"batch_ids": [12345]})))
-        assert reply == {"acked": [], "unknown": [12345], "v": 1}
+        assert reply == {"acked": [], "unknown": [12345]}
+        for call, body in ((ack, {"batch_ids": [1], "v": 1}),
+                           (channel.unary_unary("/persimmon.Loader/Describe"), {"v": 1}),
+                           (batches, {"rank": 0, "world_size": 2, "credits": 1, "v": 1})):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                reply_or_stream = call(msgpack.packb(body))
+                if hasattr(reply_or_stream, "__aiter__"):
+                    await anext(reply_or_stream.__aiter__())
+                else:
+                    await reply_or_stream
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "protocol version 1" in err.value.details()
     ranks = loader.dispatcher.stats()["ranks"].values()
     assert all(r["credits"] == 0 and r["delivered"] == 0 for r in ranks)  # bad calls changed nothing
 

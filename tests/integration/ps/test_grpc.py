@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from clients.ps_client import PSClient
+from services.common.codecs import raw_array
 from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -15,9 +16,20 @@ from services.common.errors import (
     ProtocolMismatch,
     WrongShard,
 )
+from services.common.messages import LookupReply, PushReply, PushThenLookupReply
 from services.common.sharding import ShardedIds, shard_of
-from services.common.wire import encode_message, raw_array
+from services.common.wire import PROTOCOL_VERSION, encode_message
 from tests.integration.ps.conftest import digest
+
+
+class Raw:
+    """A hand-made message body, sent as it is: the typed messages would refuse it first."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def to_wire(self):
+        return self.body
 
 
 def addresses(cluster):
@@ -86,7 +98,8 @@ async def test_nan_gradients_are_dropped_and_counted(cluster):
 
 
 @pytest.mark.parametrize("case", ["unknown_table", "wrong_dim", "length_mismatch",
-                                  "float_ids", "missing_table", "bad_codec"])
+                                  "float_ids", "missing_table", "bad_codec", "v1_single_table",
+                                  "v1_push_with_lookup", "string_count"])
 async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
     async with PSClient(addresses(cluster)) as ps:
         await ps.lookup("user", np.arange(30, dtype=np.uint64))
@@ -94,21 +107,36 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
         ids = np.arange(10, dtype=np.uint64)
         shard0 = ps._shards[0]
         mine = ids[shard_of(ids, 2) == 0]
+        n = [mine.size]
+        grads = [raw_array(np.ones((mine.size, 8), np.float32))]
         bodies = {
-            "unknown_table": ("push", {"table": "nope", "ids": raw_array(mine),
-                                       "grads": raw_array(np.ones((mine.size, 8), np.float32))}),
-            "wrong_dim": ("push", {"table": "user", "ids": raw_array(mine),
-                                   "grads": raw_array(np.ones((mine.size, 3), np.float32))}),
-            "length_mismatch": ("push", {"table": "user", "ids": raw_array(mine),
-                                         "grads": raw_array(np.ones((mine.size + 1, 8), np.float32))}),
-            "float_ids": ("lookup", {"table": "user", "ids": raw_array(mine.astype(np.float64))}),
-            "missing_table": ("lookup", {"ids": raw_array(mine)}),
-            "bad_codec": ("lookup", {"table": "user", "ids": raw_array(mine), "codec": "zip9"}),
+            "unknown_table": ("push", {"tables": ["nope"], "counts": n, "ids": raw_array(mine),
+                                       "grads": grads}, "'nope'"),
+            "wrong_dim": ("push", {"tables": ["user"], "counts": n, "ids": raw_array(mine),
+                                   "grads": [raw_array(np.ones((mine.size, 3), np.float32))]},
+                          "dim"),
+            "length_mismatch": ("push", {"tables": ["user"], "counts": n, "ids": raw_array(mine),
+                                         "grads": [raw_array(np.ones((mine.size + 1, 8),
+                                                                     np.float32))]}, "rows|must be"),
+            "float_ids": ("lookup", {"tables": ["user"], "counts": n,
+                                     "ids": raw_array(mine.astype(np.float64))}, "uint64"),
+            "missing_table": ("lookup", {"counts": n, "ids": raw_array(mine)}, "'tables'"),
+            "bad_codec": ("lookup", {"tables": ["user"], "counts": n, "ids": raw_array(mine),
+                                     "codec": "zip9"}, "zip9"),
+            "v1_single_table": ("lookup", {"table": "user", "ids": raw_array(mine)},
+                                "unknown fields"),
+            "v1_push_with_lookup": ("push", {"tables": ["user"], "counts": n,
+                                             "ids": raw_array(mine), "grads": grads,
+                                             "lookup": {"tables": ["user"], "counts": n,
+                                                        "ids": raw_array(mine)}},
+                                    "PushThenLookup"),
+            "string_count": ("lookup", {"tables": ["user"], "counts": [str(mine.size)],
+                                        "ids": raw_array(mine)}, "non-negative int"),
         }
-        stream, body = bodies[case]
+        stream, body, match = bodies[case]
         expected = NotFound if case == "unknown_table" else InvalidArgument
-        with pytest.raises(expected) as info:
-            await getattr(shard0, stream).request(body)
+        with pytest.raises(expected, match=match) as info:
+            await getattr(shard0, stream).request(Raw(body), LookupReply)
         assert info.value.message
         assert digest(cluster) == state
         # the stream survives a bad request
@@ -122,9 +150,9 @@ async def test_ids_of_another_shard_are_rejected(cluster):
     async with PSClient(addresses(cluster)) as ps:
         state = digest(cluster)
         with pytest.raises(WrongShard, match="do not belong to shard 0"):
-            await ps._shards[0].push.request({
-                "table": "user", "ids": raw_array(foreign),
-                "grads": raw_array(np.ones((foreign.size, 8), np.float32))})
+            await ps._shards[0].push.request(Raw({
+                "tables": ["user"], "counts": [foreign.size], "ids": raw_array(foreign),
+                "grads": [raw_array(np.ones((foreign.size, 8), np.float32))]}), PushReply)
     assert digest(cluster) == state
 
 
@@ -151,20 +179,38 @@ async def test_malformed_msgpack_is_invalid_argument(cluster):
 
 
 async def test_protocol_version_mismatch_is_failed_precondition(cluster):
+    assert PROTOCOL_VERSION == 2
+    state = digest(cluster)
     payload = msgpack.packb({"v": 999, "rid": 1, "table": "user"})
     code, details = await raw_stream_call(cluster[0].address, "Lookup", payload)
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "999" in details
     assert issubclass(ProtocolMismatch, FailedPrecondition)
+    ids = np.arange(20, dtype=np.uint64)[shard_of(np.arange(20, dtype=np.uint64), 2) == 0]
+    v1_push = msgpack.packb({"v": 1, "rid": 1, "table": "user", "ids": raw_array(ids).to_wire(),
+                             "grads": raw_array(np.ones((ids.size, 8), np.float32)).to_wire()},
+                            use_bin_type=True)
+    code, details = await raw_stream_call(cluster[0].address, "Push", v1_push)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol version 1" in details and "speaks version 2" in details
+    code, details = await raw_stream_call(cluster[0].address, "Push",
+                                          msgpack.packb({"rid": 1, "tables": ["user"]}))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "no protocol version" in details
+    async with grpc.aio.insecure_channel(cluster[0].address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await channel.unary_unary("/persimmon.PS/Tables")(msgpack.packb({"v": 1}))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert digest(cluster) == state  # nothing applied
 
 
 async def test_truncated_array_buffer_is_invalid_argument(cluster):
     state = digest(cluster)
-    body = {"table": "user", "ids": raw_array(np.array([2], np.uint64)),
-            "grads": {**raw_array(np.ones((1, 8), np.float32))}}
-    body["grads"]["data"] = bytes(body["grads"]["data"])[:-4]
+    grads = raw_array(np.ones((1, 8), np.float32)).to_wire()
+    grads["data"] = bytes(grads["data"])[:-4]
+    body = {"tables": ["user"], "counts": [1], "ids": raw_array(np.array([2], np.uint64)),
+            "grads": [grads]}
     async with PSClient(addresses(cluster)) as ps:
         with pytest.raises(InvalidArgument, match="needs 32 bytes"):
-            await ps._shards[int(shard_of(2, 2))].push.request(body)
+            await ps._shards[int(shard_of(2, 2))].push.request(Raw(body), PushReply)
     assert digest(cluster) == state
 
 
@@ -174,13 +220,13 @@ async def test_oversized_message_is_invalid_argument(tmp_path):
     services = await start_cluster(1, max_message_bytes=4096)
     try:
         state = digest(services)
-        big = encode_message({"rid": 1, "table": "user",
-                              "ids": raw_array(np.arange(700, dtype=np.uint64))})
+        big = encode_message({"tables": ["user"], "counts": [700],
+                              "ids": raw_array(np.arange(700, dtype=np.uint64))}, rid=1)
         code, details = await raw_stream_call(services[0].address, "Lookup", big)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the limit" in details
         # far past the limit the transport itself refuses the message
-        huge = encode_message({"rid": 1, "table": "user",
-                               "ids": raw_array(np.arange(5000, dtype=np.uint64))})
+        huge = encode_message({"tables": ["user"], "counts": [5000],
+                               "ids": raw_array(np.arange(5000, dtype=np.uint64))}, rid=1)
         code, _ = await raw_stream_call(services[0].address, "Lookup", huge)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert digest(services) == state
@@ -252,35 +298,38 @@ def _push_body(case: str) -> dict:
     n = _MINE.size
     both = np.r_[_MINE, _MINE]
     body = {"tables": ["user"], "counts": [n], "ids": raw_array(_MINE),
-            "grads": raw_array(np.ones((n, 8), np.float32))}
+            "grads": [raw_array(np.ones((n, 8), np.float32))]}
     changes = {
         "two_dims": {"tables": ["user", "item"], "counts": [n, n], "ids": raw_array(both),
                      "grads": [raw_array(np.ones((n, 8), np.float32)),
                                raw_array(np.ones((n, 4), np.float32))]},
         "same_table_twice": {"tables": ["user", "user"], "counts": [n, n], "ids": raw_array(both),
-                             "grads": raw_array(np.ones((2 * n, 8), np.float32))},
+                             "grads": [raw_array(np.ones((2 * n, 8), np.float32))]},
         "no_tables": {"tables": []},
         "counts_do_not_add_up": {"counts": [n + 1]},
         "negative_count": {"counts": [-1]},
         "grads_per_table_short": {"grads": []},
-        "grads_wrong_rows": {"grads": raw_array(np.ones((n + 1, 8), np.float32))},
+        "grads_wrong_rows": {"grads": [raw_array(np.ones((n + 1, 8), np.float32))]},
+        "grads_not_a_list": {"grads": raw_array(np.ones((n, 8), np.float32))},
     }
     return {**body, **changes[case]}
 
 
 @pytest.mark.parametrize("case", ["two_dims", "same_table_twice", "no_tables",
                                   "counts_do_not_add_up", "negative_count",
-                                  "grads_per_table_short", "grads_wrong_rows"])
+                                  "grads_per_table_short", "grads_wrong_rows",
+                                  "grads_not_a_list"])
 async def test_multi_table_push_with_a_bad_part_changes_nothing(cluster, case):
     async with PSClient(addresses(cluster)) as ps:
         await ps.lookup_tables({"user": np.arange(30, dtype=np.uint64)})
         state = digest(cluster)
         with pytest.raises(InvalidArgument) as info:
-            await ps._shards[0].push.request(_push_body(case))
+            await ps._shards[0].push.request(Raw(_push_body(case)), PushReply)
         assert info.value.message
         assert digest(cluster) == state  # no part was applied
         with pytest.raises(InvalidArgument):
-            await ps._shards[0].lookup.request({"tables": ["user"], "counts": [1], "ids": 5})
+            await ps._shards[0].lookup.request(Raw({"tables": ["user"], "counts": [1], "ids": 5}),
+                                               LookupReply)
         assert (await ps.lookup("user", _MINE)).shape == (_MINE.size, 8)  # the stream goes on
 
 
@@ -293,6 +342,7 @@ async def test_push_then_lookup_rows_include_the_push(cluster):
     async with PSClient(addresses(cluster)) as ps:
         before = await ps.lookup_sharded(asked)
         ack, rows = await ps.push_then_lookup(pushed, grads, asked)
+        assert all(s.push_then_lookup.bytes_out > 0 for s in ps._shards)  # its own method
         after = await ps.lookup_sharded(asked)
         only_lookup, _ = ShardedIds.of_tables({"user": np.array([5000], np.uint64)}, 2)
         empty = ShardedIds.of_tables({"user": np.empty(0, np.uint64)}, 2)[0]
@@ -313,8 +363,10 @@ async def test_push_with_a_bad_lookup_part_applies_nothing(cluster):
                        {"tables": ["user"], "counts": [_MINE.size + 1], "ids": raw_array(_MINE)},
                        ["not", "a", "map"]):
             with pytest.raises((InvalidArgument, NotFound)):
-                await ps._shards[0].push.request({**_push_body("grads_wrong_rows"),
-                                                  "grads": raw_array(np.ones((_MINE.size, 8),
-                                                                             np.float32)),
-                                                  "lookup": lookup})
+                await ps._shards[0].push_then_lookup.request(Raw({
+                    "push": _push_body("two_dims") | {"tables": ["user"], "counts": [_MINE.size],
+                                                      "ids": raw_array(_MINE),
+                                                      "grads": [raw_array(np.ones(
+                                                          (_MINE.size, 8), np.float32))]},
+                    "lookup": lookup}), PushThenLookupReply)
         assert digest(cluster) == state  # the push was not applied either

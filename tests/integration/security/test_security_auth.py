@@ -11,15 +11,17 @@ import pytest
 from clients.admin_client import AdminClient
 from clients.loader_client import LoaderClient
 from clients.ps_client import PSClient
+from services.common.codecs import raw_array
 from services.common.errors import PermissionDenied, Unauthenticated
-from services.common.wire import decode_message, encode_message, raw_array
+from services.common.wire import decode_message, encode_message
 from services.loader.config import LoaderConfig
 from services.loader.service import LoaderService
 from tests.integration.ps.conftest import digest
 from tests.integration.security.conftest import TOKEN, stream_once
 
-PUSH = encode_message({"rid": 1, "table": "item", "ids": raw_array(np.arange(4, dtype=np.uint64)),
-                       "grads": raw_array(np.ones((4, 4), np.float32))})
+PUSH = encode_message({"tables": ["item"], "counts": [4],
+                       "ids": raw_array(np.arange(4, dtype=np.uint64)),
+                       "grads": [raw_array(np.ones((4, 4), np.float32))]}, rid=1)
 
 
 async def _push(address: str, metadata=None) -> dict:

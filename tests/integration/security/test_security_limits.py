@@ -14,21 +14,23 @@ from prometheus_client import CollectorRegistry
 from clients.ps_client import PSClient
 from services.common.admin import make_admin_app
 from services.common.auth import ServerSecurity
+from services.common.codecs import raw_array
 from services.common.errors import DeadlineExceeded
 from services.common.rpc import channel_options, generic_service, make_server, unary_handler
-from services.common.wire import decode_message, encode_message, raw_array
+from services.common.wire import decode_message, encode_message
 from tests.conftest import eventually
 from tests.integration.security.conftest import stream_once, table_state
 
 
 def push_body(n: int, dim: int = 4, table: str = "item") -> bytes:
-    return encode_message({"rid": 7, "table": table, "ids": raw_array(np.arange(n, dtype=np.uint64)),
-                           "grads": raw_array(np.ones((n, dim), np.float32))})
+    return encode_message({"tables": [table], "counts": [n],
+                           "ids": raw_array(np.arange(n, dtype=np.uint64)),
+                           "grads": [raw_array(np.ones((n, dim), np.float32))]}, rid=7)
 
 
 def lookup_body(n: int, table: str = "user") -> bytes:
-    return encode_message({"rid": 8, "table": table, "codec": "none",
-                           "ids": raw_array(np.arange(n, dtype=np.uint64))})
+    return encode_message({"tables": [table], "counts": [n], "codec": "none",
+                           "ids": raw_array(np.arange(n, dtype=np.uint64))}, rid=8)
 
 
 async def test_oversized_messages_are_refused(start_ps):

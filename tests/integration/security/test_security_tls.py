@@ -13,13 +13,14 @@ import pytest
 from clients.admin_client import AdminClient
 from clients.ps_client import PSClient
 from services.common.auth import ClientSecurity
+from services.common.codecs import raw_array
 from services.common.errors import Unavailable
 from services.common.tls import ClientTLS
-from services.common.wire import encode_message, raw_array
+from services.common.wire import encode_message
 from tests.integration.security.conftest import TOKEN, stream_once, table_state
 
-LOOKUP = encode_message({"rid": 1, "table": "user", "codec": "none",
-                         "ids": raw_array(np.arange(5, dtype=np.uint64))})
+LOOKUP = encode_message({"tables": ["user"], "counts": [5], "codec": "none",
+                         "ids": raw_array(np.arange(5, dtype=np.uint64))}, rid=1)
 
 
 def server_env(certs, mutual: bool = False) -> dict[str, str]:

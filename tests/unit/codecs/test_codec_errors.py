@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.codecs import decoder, get_codec
+from services.common.codecs import decode_array, decoder, get_codec
 from services.common.errors import ConfigError, InvalidArgument, MalformedMessage
-from services.common.wire import array_from_wire, decode_message, encode_message
+from services.common.wire import decode_message, encode_message
 
 LOSSY = ["int8", "uniform", "onebit", "topk", "dct", "qsgd", "adaquant", "fp16+zstd", "int8+lz4", "dct+zstd"]
 
 
 def _body(name: str, **params) -> dict:
     x = np.random.default_rng(0).standard_normal((16, 40)).astype(np.float32)
-    body = get_codec(name, **params).to_wire(x)
+    body = get_codec(name, **params).to_wire(x).to_wire()
     body["data"] = bytes(body["data"])
     return body
 
@@ -63,7 +63,7 @@ def test_corrupted_buffer_is_malformed(name, damage):
     with pytest.raises(MalformedMessage):
         decoder(name).from_wire(body)
     with pytest.raises(MalformedMessage):
-        array_from_wire(decode_message(encode_message({"a": body}))["a"])
+        decode_array(decode_message(encode_message({"a": body}))["a"])
 
 
 @pytest.mark.parametrize(("name", "key", "value"), [
@@ -83,7 +83,7 @@ def test_missing_meta_is_malformed():
     body = _body("qsgd")
     body["meta"] = {}
     with pytest.raises(MalformedMessage, match="meta 's'"):
-        array_from_wire(body)
+        decode_array(body)
 
 
 def test_sparse_indices_out_of_range_or_unsorted():
@@ -93,7 +93,7 @@ def test_sparse_indices_out_of_range_or_unsorted():
     for bad in (np.r_[idx[:-1], 640], idx[::-1].copy(), np.r_[idx[:-1], idx[-2]]):
         body["data"] = bad.astype("<i4").tobytes() + body["data"][4 * k:]
         with pytest.raises(MalformedMessage, match="indices"):
-            array_from_wire(body)
+            decode_array(body)
 
 
 def test_qsgd_level_above_s_is_malformed():
@@ -101,7 +101,7 @@ def test_qsgd_level_above_s_is_malformed():
     n = 16 * 40
     body["data"] = body["data"][:4] + b"\xff" * (-(-n * 3 // 8))
     with pytest.raises(MalformedMessage, match="level"):
-        array_from_wire(body)
+        decode_array(body)
 
 
 def test_corrupt_compressed_stream_is_malformed():
@@ -111,21 +111,21 @@ def test_corrupt_compressed_stream_is_malformed():
     data[-1] ^= 0xFF
     body["data"] = bytes(data)
     with pytest.raises(MalformedMessage):
-        array_from_wire(body)
+        decode_array(body)
 
 
 def test_unknown_codec_on_the_wire_is_malformed():
     body = _body("int8")
     body["codec"] = "int9"
     with pytest.raises(MalformedMessage, match="int9"):
-        array_from_wire(body)
+        decode_array(body)
 
 
 def test_nonfinite_flag_with_data_is_malformed():
     body = _body("onebit")
     body["meta"] = {"nonfinite": 1}
     with pytest.raises(MalformedMessage):
-        array_from_wire(body)
+        decode_array(body)
 
 
 def test_codec_spec_validates_at_config_time():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.codecs import available_codecs, decoder, get_codec
+from services.common.codecs import available_codecs, decode_array, decoder, get_codec
 from services.common.codecs.bits import pack_signs, pack_uint, unpack_signs, unpack_uint
-from services.common.wire import array_from_wire, decode_message, encode_message
+from services.common.wire import decode_message, encode_message
 
 ALL = ["none", "fp16", "bf16", "int8", "uniform", "onebit", "topk", "dct", "qsgd", "adaquant"]
 WRAPPED = [f"{name}+{w}" for name in ALL for w in ("zstd", "lz4")] + ["dct+zstd+lz4"]
@@ -78,7 +78,7 @@ def test_wire_round_trip_counts_bytes(name):
     x = _data((8, 300), seed=1)
     codec = get_codec(name)
     msg = encode_message({"grads": codec.to_wire(x)})
-    y = array_from_wire(decode_message(msg)["grads"])
+    y = decode_array(decode_message(msg)["grads"])
     _check_tolerance(name, x, y, codec)
     assert codec.stats.arrays == 1 and codec.stats.raw_bytes == x.nbytes
     assert 0 < codec.stats.wire_bytes < len(msg)
@@ -91,7 +91,7 @@ def test_odd_shapes(name, shape):
     x = np.asarray(np.random.default_rng(2).standard_normal(shape), dtype=np.float32)
     base = name.split("+")[0]
     codec = get_codec(name, keep=1.0) if base in ("topk", "dct") else get_codec(name)
-    y = array_from_wire(decode_message(encode_message({"a": codec.to_wire(x)}))["a"])
+    y = decode_array(decode_message(encode_message({"a": codec.to_wire(x)}))["a"])
     assert y.shape == x.shape and y.dtype == x.dtype
     if x.size:
         assert np.all(np.sign(y) * np.sign(x) >= 0)
@@ -103,7 +103,7 @@ def test_odd_shapes(name, shape):
 def test_float64_input_decodes_to_float64(name):
     x = _data((4, 64)).astype(np.float64)
     body = get_codec(name).to_wire(x)
-    y = array_from_wire(body)
+    y = decode_array(body)
     assert y.dtype == np.float64 and y.shape == x.shape
 
 
@@ -126,8 +126,8 @@ def test_lossless_wrapper_shrinks_redundant_payloads():
     plain.to_wire(x)
     body = zstd.to_wire(x)
     assert zstd.stats.wire_bytes * 10 < plain.stats.wire_bytes
-    assert body["codec"] == "fp16+zstd"
-    np.testing.assert_array_equal(array_from_wire(body), x)
+    assert body.codec == "fp16+zstd"
+    np.testing.assert_array_equal(decode_array(body), x)
 
 
 def test_sign_bits_round_trip_and_zero_is_positive():

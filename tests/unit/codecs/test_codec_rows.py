@@ -5,15 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.codecs import RowEncoder, RowResiduals
+from services.common.codecs import RowEncoder, RowResiduals, decode_array
 from services.common.errors import InvalidArgument
-from services.common.wire import array_from_wire
 
 DIM = 4
 
 
 def _push(enc: RowEncoder, ids, rows) -> np.ndarray:
-    return array_from_wire(enc.to_wire(np.asarray(ids, np.uint64), rows, key="t"))
+    return decode_array(enc.to_wire(np.asarray(ids, np.uint64), rows, key="t"))
 
 
 @pytest.mark.parametrize(("name", "params"), [("topk", {"keep": 0.1}), ("dct", {"keep": 0.1}),

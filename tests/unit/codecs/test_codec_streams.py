@@ -48,7 +48,7 @@ def test_bytes_counted_both_ways_per_stream_and_codec():
 
 def test_malformed_input_counts_nothing():
     receiver = StreamCodecs()
-    body = StreamCodecs({"s": "int8"}).encode("s", _grads())
+    body = StreamCodecs({"s": "int8"}).encode("s", _grads()).to_wire()
     body["data"] = bytes(body["data"])[:-3]
     with pytest.raises(MalformedMessage):
         receiver.decode("s", body)

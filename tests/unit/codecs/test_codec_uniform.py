@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.codecs import decoder, get_codec
+from services.common.codecs import decode_array, decoder, get_codec
 from services.common.errors import MalformedMessage
-from services.common.wire import array_from_wire
 
 
 def _rows(seed: int = 0, shape=(64, 16), scale: float = 0.05) -> np.ndarray:
@@ -62,7 +61,7 @@ def test_nonfinite_row_is_nan_row():
 
 
 def _body(bits: int = 4) -> dict:
-    body = get_codec("uniform", bits=bits).to_wire(_rows(2, (4, 6)))
+    body = get_codec("uniform", bits=bits).to_wire(_rows(2, (4, 6))).to_wire()
     body["data"] = bytes(body["data"])
     return body
 
@@ -71,7 +70,7 @@ def test_code_above_the_range_is_malformed():
     body = _body(4)  # codes 0..14: 15 (0xF) cannot be sent
     body["data"] = body["data"][:8] + b"\xff" * (len(body["data"]) - 8)
     with pytest.raises(MalformedMessage, match="code"):
-        array_from_wire(body)
+        decode_array(body)
 
 
 @pytest.mark.parametrize("scale", [b"\x80\xbf", b"\x80\x7f"])  # -1.0 and +Inf as bf16
@@ -79,7 +78,7 @@ def test_negative_or_infinite_scale_is_malformed(scale):
     body = _body()
     body["data"] = scale + body["data"][2:]
     with pytest.raises(MalformedMessage, match="scale"):
-        array_from_wire(body)
+        decode_array(body)
 
 
 def test_bad_input_changes_nothing():

@@ -1,0 +1,220 @@
+"""Typed wire messages: round trips of every method's request and reply, and clear errors for
+missing fields, wrong types, unknown fields, oversized lists and fields that disagree."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+
+from services.common import messages as m
+from services.common.batch import Batch, Jagged
+from services.common.codecs import decode_array, get_codec, raw_array
+from services.common.errors import MalformedMessage, ProtocolMismatch
+from services.common.wire import decode_message, encode_message
+
+IDS = np.array([3, 9, 12], dtype=np.uint64)
+
+
+def _lookup() -> m.LookupRequest:
+    return m.LookupRequest(tables=["user", "item"], counts=[2, 1], ids=raw_array(IDS),
+                           codec="fp16")
+
+
+def _push() -> m.PushRequest:
+    return m.PushRequest(tables=["user"], counts=[3], ids=raw_array(IDS),
+                         grads=[raw_array(np.ones((3, 4), np.float32))])
+
+
+def _batch() -> Batch:
+    return Batch(batch_id=7, labels=np.ones(2, np.float32), dense=np.zeros((2, 3), np.float32),
+                 sparse={"c1": Jagged(np.arange(3, dtype=np.uint64),
+                                      np.array([1, 2], np.int32))}, positions={"p": (1, 2)})
+
+
+SAMPLES: dict[type[m.Message], m.Message] = {
+    m.LookupRequest: _lookup(),
+    m.LookupReply: m.LookupReply(rows=get_codec("bf16").to_wire(np.ones((3, 4), np.float32))),
+    m.PushRequest: _push(),
+    m.PushReply: m.PushReply(applied=3, dropped_nonfinite=1, not_admitted=0),
+    m.PushThenLookupRequest: m.PushThenLookupRequest(push=_push(), lookup=_lookup()),
+    m.PushThenLookupReply: m.PushThenLookupReply(
+        push=m.PushReply(applied=1, dropped_nonfinite=0, not_admitted=2),
+        lookup=m.LookupReply(rows=raw_array(np.ones((3, 4), np.float32)))),
+    m.PooledLookupRequest: m.PooledLookupRequest(table="user", ids=raw_array(IDS),
+                                                 lengths=raw_array(np.array([1, 2]))),
+    m.PooledLookupReply: m.PooledLookupReply(pooled=raw_array(np.ones((2, 4), np.float32))),
+    m.PooledPushRequest: m.PooledPushRequest(table="user", ids=raw_array(IDS),
+                                             lengths=raw_array(np.array([1, 2])),
+                                             grads=raw_array(np.ones((2, 4), np.float32))),
+    m.PooledPushReply: m.PooledPushReply(applied=3, dropped_nonfinite=0, not_admitted=0),
+    m.TablesRequest: m.TablesRequest(),
+    m.TablesReply: m.TablesReply(shard_id=1, num_shards=2,
+                                 tables=[{"name": "user", "dim": 4, "optimizer": {"lr": 0.1}}]),
+    m.StatsRequest: m.StatsRequest(table="user"),
+    m.StatsReply: m.StatsReply(shard_id=0, tables={"user": {"rows": 3, "bytes": 48}}),
+    m.BatchesRequest: m.BatchesRequest(rank=1, world_size=2, credits=8),
+    m.BatchesReply: m.BatchesReply(kind="batch", batch=_batch()),
+    m.AckRequest: m.AckRequest(batch_ids=[1, 5]),
+    m.AckReply: m.AckReply(acked=[1], unknown=[5]),
+    m.DescribeRequest: m.DescribeRequest(),
+    m.DescribeReply: m.DescribeReply(source="synthetic:10", batch_size=4, world_size=0,
+                                     num_dense=3, dense_features=["d0"],
+                                     sparse_features=["c1"], multi_hot={}, buckets={"c1": 9}),
+}
+
+
+def _same(a, b) -> bool:
+    """Equal messages: arrays compared by decoded value."""
+    if isinstance(a, m.Message):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name))
+                                          for f in dataclasses.fields(a))
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Batch):
+        return a.batch_id == b.batch_id and np.array_equal(a.dense, b.dense) \
+            and a.positions == b.positions and np.array_equal(a.sparse["c1"].values,
+                                                              b.sparse["c1"].values)
+    if hasattr(a, "codec") and hasattr(a, "data"):
+        return a.codec == b.codec and np.array_equal(decode_array(a), decode_array(b))
+    return a == b
+
+
+def test_every_method_has_a_sample_and_a_dataclass_per_request_and_reply():
+    for request, reply in [*m.PS_METHODS.values(), *m.LOADER_METHODS.values()]:
+        for cls in (request, reply):
+            assert cls in SAMPLES
+            assert dataclasses.is_dataclass(cls) and not hasattr(SAMPLES[cls], "__dict__")
+    assert "PushThenLookup" in m.PS_METHODS
+
+
+@pytest.mark.parametrize("cls", list(SAMPLES), ids=lambda c: c.__name__)
+def test_round_trip_through_a_frame(cls):
+    sent = SAMPLES[cls]
+    raw = m.encode(sent, rid=11)
+    body = decode_message(raw)
+    assert body["rid"] == 11
+    got = cls.from_wire(body)
+    assert _same(sent, got), (sent, got)
+    assert _same(got, m.decode(cls, raw))
+
+
+def test_decoded_arrays_are_views_of_the_received_buffer():
+    raw = m.encode(_push())
+    got = m.decode(m.PushRequest, raw)
+    grads = decode_array(got.grads[0])
+    assert not grads.flags.owndata and grads.shape == (3, 4)
+
+
+@pytest.mark.parametrize("cls", [c for c in SAMPLES if dataclasses.fields(c)],
+                         ids=lambda c: c.__name__)
+def test_every_required_field_is_required(cls):
+    body = SAMPLES[cls].to_wire()
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required:
+            with pytest.raises(MalformedMessage, match=f"needs the field '{f.name}'"):
+                cls.from_wire({k: v for k, v in body.items() if k != f.name})
+
+
+@pytest.mark.parametrize("cls", list(SAMPLES), ids=lambda c: c.__name__)
+def test_unknown_fields_and_non_maps_are_refused(cls):
+    with pytest.raises(MalformedMessage, match="unknown fields \\['bogus'\\]"):
+        cls.from_wire({**SAMPLES[cls].to_wire(), "bogus": 1})
+    with pytest.raises(MalformedMessage, match="must be a map"):
+        cls.from_wire([1, 2])
+
+
+@pytest.mark.parametrize(("cls", "field", "value", "match"), [
+    (m.LookupRequest, "tables", "user", "list"),
+    (m.LookupRequest, "tables", [1], "string"),
+    (m.LookupRequest, "counts", [2, -1], "non-negative int"),
+    (m.LookupRequest, "counts", [True, 2], "non-negative int"),
+    (m.LookupRequest, "codec", 5, "string"),
+    (m.LookupRequest, "ids", {"dtype": "uint64"}, "shape"),
+    (m.PushRequest, "grads", {"dtype": "float32"}, "list"),
+    (m.PushReply, "applied", 1.5, "non-negative int"),
+    (m.StatsRequest, "table", "x" * 5000, "at most 4096"),
+    (m.StatsReply, "tables", {"user": [1]}, "map"),
+    (m.AckRequest, "batch_ids", list(range(m.MAX_ACK_IDS + 1)), "at most 100000 items"),
+    (m.AckRequest, "batch_ids", [-1], "non-negative"),
+    (m.BatchesRequest, "rank", "0", "non-negative int"),
+    (m.BatchesReply, "kind", "more", "kind"),
+    (m.BatchesReply, "batch", {"batch_id": 1}, "sparse"),
+])
+def test_wrong_types_are_malformed(cls, field, value, match):
+    with pytest.raises(MalformedMessage, match=match):
+        cls.from_wire({**SAMPLES[cls].to_wire(), field: value})
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"counts": [2]}, "1 counts for 2 tables"),
+    ({"counts": [2, 2]}, "add up to 4 but there are 3 ids"),
+    ({"tables": [], "counts": []}, "at least one table"),
+    ({"ids": raw_array(IDS.astype(np.int64)).to_wire()}, "1-d uint64"),
+    ({"ids": raw_array(IDS.reshape(3, 1)).to_wire()}, "1-d uint64"),
+])
+def test_lookup_fields_that_disagree(change, match):
+    with pytest.raises(MalformedMessage, match=match):
+        m.LookupRequest.from_wire({**_lookup().to_wire(), **change})
+
+
+@pytest.mark.parametrize(("grads", "match"), [
+    ([], "holds 0 arrays"),
+    ([np.ones((4, 4))], "must be \\(3, dim\\)"),
+    ([np.ones(3)], "must be \\(3, dim\\)"),
+    ([np.ones((1, 4)), np.ones((2, 4))], "holds 2 arrays"),
+])
+def test_push_gradients_must_match_the_ids(grads, match):
+    body = {**_push().to_wire(), "grads": [raw_array(g.astype(np.float32)).to_wire()
+                                           for g in grads]}
+    with pytest.raises(MalformedMessage, match=match):
+        m.PushRequest.from_wire(body)
+
+
+def test_per_table_gradients_match_each_count():
+    body = {**_push().to_wire(), "tables": ["a", "b"], "counts": [1, 2],
+            "grads": [raw_array(np.ones((1, 4), np.float32)).to_wire(),
+                      raw_array(np.ones((2, 4), np.float32)).to_wire()]}
+    assert len(m.PushRequest.from_wire(body).grads) == 2
+    body["grads"] = body["grads"][::-1]
+    with pytest.raises(MalformedMessage, match="grads\\[0\\] must be \\(1, dim\\)"):
+        m.PushRequest.from_wire(body)
+
+
+def test_old_shapes_get_a_hint_where_their_content_went():
+    v1_push = {"table": "user", "ids": raw_array(IDS).to_wire(),
+               "grads": raw_array(np.ones((3, 4), np.float32)).to_wire()}
+    with pytest.raises(MalformedMessage, match="tables=\\[name\\]"):
+        m.PushRequest.from_wire(v1_push)
+    with pytest.raises(MalformedMessage, match="PushThenLookup method"):
+        m.PushRequest.from_wire({**_push().to_wire(), "lookup": _lookup().to_wire()})
+    with pytest.raises(ProtocolMismatch, match="version 1"):
+        m.decode(m.PushRequest, msgpack.packb({**v1_push, "v": 1}, use_bin_type=True))
+
+
+def test_nested_errors_name_their_place():
+    body = m.PushThenLookupRequest(push=_push(), lookup=_lookup()).to_wire()
+    body["lookup"]["counts"] = [9, 9]
+    with pytest.raises(MalformedMessage, match="add up to 18"):
+        m.PushThenLookupRequest.from_wire(body)
+    body["lookup"] = {"tables": ["user"]}
+    with pytest.raises(MalformedMessage, match="PushThenLookupRequest.lookup needs the field"):
+        m.PushThenLookupRequest.from_wire(body)
+
+
+def test_optional_fields_are_left_out_and_null_means_absent():
+    assert m.StatsRequest().to_wire() == {}
+    assert m.StatsRequest.from_wire({"table": None}).table is None
+    assert m.BatchesReply(kind="end", rank=1).to_wire() == {"kind": "end", "rank": 1}
+    with pytest.raises(MalformedMessage, match="needs the field 'tables'"):
+        m.LookupRequest.from_wire({**_lookup().to_wire(), "tables": None})
+
+
+def test_frames_pack_messages_and_arrays_inside_plain_maps():
+    raw = encode_message({"push": _push(), "a": raw_array(IDS)})
+    body = decode_message(raw)
+    assert m.PushRequest.from_wire(body["push"]).tables == ["user"]
+    np.testing.assert_array_equal(decode_array(body["a"]), IDS)
