@@ -85,8 +85,9 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 
 def tables_from_snapshots(chains: Mapping[str, Sequence[SnapshotLike]]) -> dict[str, TableRows]:
-    """Each table's rows after applying its snapshots in order (a full one, then
-    incremental ones: changed rows replace, tombstones delete)."""
+    """Each table's rows after applying its snapshots in order: the first is a full one; each
+    later one (another shard's part, or an incremental snapshot) deletes its tombstones and
+    puts its rows in place of those of the same ids."""
     out = {}
     for name, chain in chains.items():
         if not chain:
