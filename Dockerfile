@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# Persimmon image: every service is `persimmon <command>` (ps, loader, worker, train, bench).
+# Persimmon image: every service is `persimmon <command>` (ps, loader, worker, train, demo);
+# the benchmarks are not in it (bench/ is not packaged: run them from a checkout).
 #   docker build -t persimmon .                                   # CPU torch (default)
 #   docker build -t persimmon:cu124 --build-arg TORCH_VARIANT=cu124 .   # CUDA 12.4 torch
 ARG PYTHON_VERSION=3.11
@@ -19,7 +20,6 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY services services
 COPY clients clients
-COPY bench bench
 RUN pip install . && python -m compileall -q /opt/venv/lib
 
 FROM python:${PYTHON_VERSION}-slim AS runtime

@@ -1,14 +1,31 @@
-"""Benchmarks: each prints one table with its baseline measured in the same run."""
+"""Benchmarks: each prints one table with its baseline measured in the same run.
+
+Not packaged: run them from a checkout, ``python -m bench <name>`` (or ``persimmon bench
+<name>`` from the checkout's root). They use the public API of ``services`` and ``clients``
+only (no ``_private`` names, no ``clients._stream``).
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["save_plot", "write_json"]
+__all__ = ["BENCHES", "register_benches", "save_plot", "write_json"]
+
+# Modules exposing ``register_bench(subparsers)``: ``python -m bench <name>`` for each.
+BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",
+           "bench.staleness", "bench.load", "bench.recovery"]
+
+
+def register_benches(subparsers: argparse._SubParsersAction) -> None:
+    """Add every benchmark's subcommand (``persimmon bench`` and ``python -m bench``)."""
+    for name in BENCHES:
+        importlib.import_module(name).register_bench(subparsers)
 
 
 def write_json(result: dict[str, Any], path: str | None) -> None:

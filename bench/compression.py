@@ -2,7 +2,7 @@
 
 Two gloo workers (forked once) train a DLRM on planted synthetic data against two PS shard
 processes, once per setting, each on fresh PS tables, with the same batches, steps and seed
-(:func:`bench.sync.train_configs`). The uncompressed run (fp32 everywhere, Adam) is the
+(:func:`services.local.compare.train_configs`). The uncompressed run (fp32 everywhere, Adam) is the
 baseline of every row, and it runs twice: the second run's ΔAUC is the noise floor.
 
 Rows, by stream:
@@ -38,8 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
-from bench.sync import PLANTED, train_configs
 from services.common.errors import ConfigError
+from services.local.compare import PLANTED, train_configs
 from services.worker.config import TrainerConfig
 from services.worker.models import ModelConfig
 

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from bench import write_json
 from clients.ps_client import PSClient
-from services.processes import LocalPS
+from services.local.processes import LocalPS
 
 __all__ = ["register_bench", "run"]
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import itertools
 import multiprocessing
 import shutil
 import socket
@@ -21,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import msgpack
 import numpy as np
 from rich.console import Console
 from rich.table import Table
@@ -29,8 +32,7 @@ from bench import write_json
 from bench.store import bench_store
 from clients.ps_client import PSClient
 from services.common.rpc import channel_options, generic_service, make_server
-from services.common.wire import decode_message, encode_message
-from services.processes import LocalPS, free_port
+from services.local.processes import LocalPS, free_port
 
 __all__ = ["register_bench", "run"]
 
@@ -193,8 +195,8 @@ def _bench_redis(seconds: float, universe: int) -> dict[str, float]:
 def _echo_server(port: int) -> None:
     async def echo(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         async for raw in requests:
-            body = decode_message(raw)
-            yield encode_message({"rid": body["rid"], "data": body["data"]})
+            body = msgpack.unpackb(raw)
+            yield msgpack.packb({"rid": body["rid"], "data": body["data"]})
 
     async def serve() -> None:
         handler = generic_service("bench.Echo", {
@@ -206,9 +208,34 @@ def _echo_server(port: int) -> None:
     asyncio.run(serve())
 
 
-async def _bench_echo(seconds: float) -> dict[str, float]:
-    from clients._stream import MultiplexedStream
+class EchoStream:
+    """Requests in flight on one bidirectional gRPC stream (msgpack bodies), answered in the
+    order they were written: the echo server keeps it."""
 
+    def __init__(self, channel: grpc.aio.Channel, method: str) -> None:
+        self._call = channel.stream_stream(method)()
+        self._waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
+        self._write = asyncio.Lock()
+        self._rids = itertools.count()
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while (raw := await self._call.read()) is not grpc.aio.EOF:
+            self._waiting.popleft().set_result(raw)
+
+    async def request(self, body: dict[str, Any]) -> dict[str, Any]:
+        future = asyncio.get_running_loop().create_future()
+        async with self._write:  # one writer at a time; the order of writes is the order of answers
+            self._waiting.append(future)
+            await self._call.write(msgpack.packb({"rid": next(self._rids), **body}))
+        return msgpack.unpackb(await future)
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+        await self._reader
+
+
+async def _bench_echo(seconds: float) -> dict[str, float]:
     port = free_port()
     proc = multiprocessing.get_context("spawn").Process(target=_echo_server, args=(port,),
                                                         daemon=True)
@@ -218,7 +245,7 @@ async def _bench_echo(seconds: float) -> dict[str, float]:
         payload = np.random.default_rng(0).bytes(1 << 20)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
                                              options=channel_options()) as channel:
-            stream = MultiplexedStream(channel, "/bench.Echo/Echo")
+            stream = EchoStream(channel, "/bench.Echo/Echo")
             await stream.request({"data": payload})
 
             async def step(_: int) -> int:

@@ -1,6 +1,6 @@
 """``persimmon bench recovery``: a PS shard SIGKILLed mid-run, restarted from a job checkpoint.
 
-Two runs of the same job (2 PS shard processes under :class:`~services.processes.LocalPS`
+Two runs of the same job (2 PS shard processes under :class:`~services.local.processes.LocalPS`
 supervision, one worker, planted synthetic data, same seed): train, write a job checkpoint
 (every PS shard + dense state), train on. The baseline run goes on undisturbed; in the other
 run shard 1 is killed with SIGKILL mid-run, the supervisor restarts it from the checkpoint
@@ -30,8 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import write_json
-from services.cluster.checkpoints import JobCheckpointer, dense_part
 from services.common.sharding import shard_of
+from services.worker.checkpoints import JobCheckpointer, dense_part
 
 __all__ = ["register_bench", "run"]
 
@@ -65,7 +65,7 @@ def _missing_from_checkpoint(root: str, checkpoint_id: str,
 
 async def _job(args: argparse.Namespace, train: list[Any], test: list[Any],
                features: list[str], kill: bool) -> dict[str, Any]:
-    from services.processes import LocalPS
+    from services.local.processes import LocalPS
     from services.worker.config import TrainerConfig, ps_table_configs
     from services.worker.models import ModelConfig
     from services.worker.trainer import Trainer

@@ -1,7 +1,7 @@
 """``persimmon bench staleness``: embedding staleness S against throughput and AUC, one run.
 
 The same gloo workers (forked once) train a DLRM on the same planted batches against PS shard
-processes (:class:`services.processes.LocalPS`), once per staleness bound, on fresh tables each
+processes (:class:`services.local.processes.LocalPS`), once per staleness bound, on fresh tables each
 time: S = 0 is ``mode="sync"`` (the baseline: each lookup waits for every earlier push),
 S = 1, 2, ..., 32 is ``mode="hybrid"`` with ``staleness=S`` and "unbounded" is
 ``mode="async"`` (lookups run ``prefetch`` batches ahead, pushes are never waited for).
@@ -25,12 +25,12 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
-from bench.sync import PLANTED, TRAINING, train_configs
 from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig
+from services.local.compare import PLANTED, TRAINING, train_configs
 from services.worker.config import TrainerConfig
 
-__all__ = ["STALENESS", "register_bench", "run", "staleness_config"]
+__all__ = ["STALENESS", "register_bench", "run", "staleness_config", "staleness_list"]
 
 console = Console(stderr=True)
 STALENESS: tuple[int | None, ...] = (0, 1, 2, 4, 8, 16, 32, None)   # None: unbounded
@@ -110,7 +110,7 @@ def _print_table(result: dict[str, Any]) -> None:
     Console(width=150).print(table)
 
 
-def _staleness_list(text: str) -> tuple[int | None, ...]:
+def staleness_list(text: str) -> tuple[int | None, ...]:
     out: list[int | None] = []
     for part in text.split(","):
         part = part.strip()
@@ -143,6 +143,6 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--workers", type=int, default=4, help="gloo worker processes")
     parser.add_argument("--data", default="default", choices=sorted(DATA),
                         help="planted data: default (8 long-tailed features) or small")
-    parser.add_argument("--staleness", type=_staleness_list,
+    parser.add_argument("--staleness", type=staleness_list,
                         default=STALENESS, help="comma-separated S values ('unbounded' too)")
     parser.set_defaults(func=_main)

@@ -55,7 +55,7 @@ from bench import write_json
 from services.common.batch import Batch
 from services.common.scoring import auc
 
-__all__ = ["register_bench", "run"]
+__all__ = ["RUNS", "hybrid_ceiling", "median_run", "paired_ratios", "register_bench", "run"]
 
 console = Console()
 _PS_LR = 0.05
@@ -132,7 +132,7 @@ def _local_baseline(train: Sequence[Batch], test: Sequence[Batch], features: lis
 
 def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str], dim: int,
                seed: int, mode: str, ps_process: bool) -> dict[str, Any]:
-    from services.processes import LocalPS
+    from services.local.processes import LocalPS
     from services.worker.config import TrainerConfig, ps_table_configs
     from services.worker.local import run_local_training
     from services.worker.models import ModelConfig
@@ -166,7 +166,7 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run of median samples/s (the lower middle one for an even count), with every
     run's samples/s beside it."""
     ordered = sorted(runs, key=lambda r: r["samples_per_s"])
@@ -209,7 +209,7 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
             every[key].append(
                 _local_baseline(train, test, features, dim, seed) if key == "local" else
                 _persimmon(train, test, features, dim, seed, *_PERSIMMON_RUNS[key]))
-    runs = {key: _median_run(values) for key, values in every.items()}
+    runs = {key: median_run(values) for key, values in every.items()}
     for r in runs.values():
         r["ms_per_step"] = 1e3 * batch_size / r["samples_per_s"]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -1,37 +1,69 @@
-"""The ``persimmon`` command: one entry point, a subcommand per service and benchmark."""
+"""The ``persimmon`` command: one entry point, a subcommand per service, local orchestration and
+benchmark.
+
+The CLI sits on top: it imports the services' ``register_cli`` hooks and ``services.local``;
+nothing under ``services/`` imports it. ``persimmon bench`` imports the ``bench`` folder of a
+checkout (it is not packaged) only when that command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
+import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
-from services.common.errors import PersimmonError
+from services.common.commands import command_parser, run_parsed
+from services.common.errors import ConfigError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
-# Modules exposing ``register_cli(subparsers)``; a module not present yet is left out.
-_SERVICES = ["services.ps.__main__", "services.loader.__main__", "services.launch",
-             "services.demo"]
-# Modules exposing ``register_bench(subparsers)`` for ``persimmon bench <target>``.
-_BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",
-            "bench.staleness", "bench.load", "bench.recovery"]
+Register = Callable[[argparse._SubParsersAction], None]
+
+
+def _worker(subparsers: argparse._SubParsersAction) -> None:
+    """``persimmon worker``, with planted data generated in process when there is no loader."""
+    from services.local.train import PlantedData
+    from services.worker.__main__ import register_cli
+
+    register_cli(subparsers, in_process=PlantedData())
+
+
+def _serve(subparsers: argparse._SubParsersAction) -> None:
+    """``persimmon serve`` and ``export``, with the PS's initial rows and checkpoint reader."""
+    from services.serve.__main__ import register_cli
+
+    register_cli(subparsers, initial_rows=_ps_initial_rows, read_shards=_ps_read_shards)
+
+
+def _ps_initial_rows(config: Any, ids: Any) -> Any:
+    """The PS's own initial rows of a table config (rows a served model has never trained)."""
+    from services.ps.tables import TableConfig, initial_rows
+
+    return initial_rows(TableConfig(**config), ids)
+
+
+def _ps_read_shards(root: Any, checkpoint_id: str) -> Any:
+    """Every shard's part of a PS checkpoint, read as one shard."""
+    from services.ps.checkpoint import read_checkpoint
+
+    return read_checkpoint(root, checkpoint_id, shard_id=0, num_shards=1)
+
+
+def _hook(module: str) -> Register:
+    def register(subparsers: argparse._SubParsersAction) -> None:
+        importlib.import_module(module).register_cli(subparsers)
+    return register
+
+
+_PS, _LOADER = _hook("services.ps.__main__"), _hook("services.loader.__main__")
+_SERVICES: list[Register] = [_PS, _LOADER, _worker, _serve, _hook("services.local.train"),
+                             _hook("services.local.demo")]
 # Commands whose module is registered alone, so that a PS or loader process starts quickly
-# (without importing torch and the benchmarks): what a supervisor's restart waits for.
-_LIGHT = {"ps": "services.ps.__main__", "loader": "services.loader.__main__",
-          "synth": "services.loader.__main__"}
-
-
-def _register(subparsers: argparse._SubParsersAction, modules: list[str], hook: str) -> None:
-    for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and name.startswith(exc.name):
-                continue  # that part is not built yet
-            raise
-        getattr(module, hook)(subparsers)
+# (without importing torch): what a supervisor's restart waits for.
+_LIGHT = {"ps": _PS, "loader": _LOADER, "synth": _LOADER}
 
 
 def _command_of(argv: list[str]) -> str | None:
@@ -45,32 +77,57 @@ def _command_of(argv: list[str]) -> str | None:
     return None
 
 
+def _import_bench() -> object | None:
+    """The ``bench`` package of the checkout this runs from (the current directory), or None."""
+    try:
+        return importlib.import_module("bench")
+    except ModuleNotFoundError as exc:
+        if exc.name != "bench":
+            raise
+    if os.path.isfile(os.path.join(os.getcwd(), "bench", "__main__.py")):
+        sys.path.insert(0, os.getcwd())
+        return importlib.import_module("bench")
+    return None
+
+
+def _no_bench(args: argparse.Namespace) -> int:
+    raise ConfigError("`persimmon bench` runs from a checkout of the repository: the bench "
+                      "folder is not installed. cd to the checkout's root and run "
+                      f"`persimmon bench {args.target}` or `python -m bench {args.target}`")
+
+
+def _register_bench(subparsers: argparse._SubParsersAction, load: bool) -> None:
+    """``persimmon bench TARGET``: the benchmarks' own parsers when ``load`` (the command is
+    ``bench``) and the checkout's ``bench`` imports; otherwise a stand-in for ``--help``."""
+    bench = _import_bench() if load else None
+    parser = subparsers.add_parser("bench", help="run a benchmark and print its table "
+                                   "(from a checkout: python -m bench)")
+    if bench is not None:
+        bench.register_benches(parser.add_subparsers(dest="target",  # type: ignore[attr-defined]
+                                                     required=True))
+        return
+    parser.add_argument("target", help="ps, loader, train, compression, sync, staleness, "
+                        "load, recovery")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(func=_no_bench)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser, or only ``command``'s when it is one of the light commands."""
-    parser = argparse.ArgumentParser(
-        prog="persimmon",
-        description="Train huge recommendation models: embedding PS, NN workers, data loader.")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser, sub = command_parser(
+        "persimmon", "Train huge recommendation models: embedding PS, NN workers, data loader.")
     if command in _LIGHT:
-        _register(sub, [_LIGHT[command]], "register_cli")
+        _LIGHT[command](sub)
         return parser
-    _register(sub, _SERVICES, "register_cli")
-    bench = sub.add_parser("bench", help="run a benchmark and print its table")
-    _register(bench.add_subparsers(dest="target", required=True), _BENCHES, "register_bench")
+    for register in _SERVICES:
+        register(sub)
+    _register_bench(sub, load=command == "bench")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(_command_of(argv)).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except PersimmonError as exc:
-        print(f"persimmon: error: {exc.message}", file=sys.stderr)
-        return 2
+    return run_parsed(build_parser(_command_of(argv)), argv)
 
 
 if __name__ == "__main__":

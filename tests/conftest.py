@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
-from services.processes import free_port
+from services.local.processes import free_port
 
 __all__ = ["eventually", "free_port"]
 

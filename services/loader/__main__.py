@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import sys
 
+from services.common.commands import command_parser, run_parsed
 from services.common.config import add_flags, flag_values, load_config
 from services.common.lifecycle import serve_from_flags
 from services.loader.config import LoaderConfig
 
-__all__ = ["load_loader_config", "register_cli"]
+__all__ = ["load_loader_config", "main", "register_cli"]
 
 
 def load_loader_config(args: argparse.Namespace) -> LoaderConfig:
@@ -91,8 +91,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     synth.set_defaults(func=_synth)
 
 
-if __name__ == "__main__":
-    from services.cli import main
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.loader [--log-level LEVEL] loader|synth ...``."""
+    parser, sub = command_parser("python -m services.loader",
+                                 "Run a data loader, fill a Kafka topic or write planted data.")
+    register_cli(sub)
+    return run_parsed(parser, sys.argv[1:] if argv is None else argv)
 
-    logging.basicConfig(level=logging.INFO)
-    raise SystemExit(main(sys.argv[1:]))
+
+if __name__ == "__main__":
+    raise SystemExit(main())

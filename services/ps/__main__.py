@@ -1,15 +1,16 @@
-"""``persimmon ps``: run one PS shard."""
+"""``persimmon ps``: run one PS shard (``python -m services.ps FLAGS...`` runs the same)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
+import sys
 
+from services.common.commands import run_single
 from services.common.config import add_flags, flag_values, load_config
 from services.common.lifecycle import serve_from_flags
 from services.ps.config import PSConfig
 
-__all__ = ["load_ps_config", "register_cli"]
+__all__ = ["load_ps_config", "main", "register_cli"]
 
 
 def load_ps_config(args: argparse.Namespace) -> PSConfig:
@@ -37,8 +38,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_run)
 
 
-if __name__ == "__main__":
-    from services.cli import main
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.ps [--log-level LEVEL] FLAGS...``: the ``persimmon ps`` command."""
+    return run_single("ps", register_cli, sys.argv[1:] if argv is None else argv,
+                      prog="python -m services.ps", description="Run one PS shard.")
 
-    logging.basicConfig(level=logging.INFO)
-    raise SystemExit(main(["ps", *__import__("sys").argv[1:]]))
+
+if __name__ == "__main__":
+    raise SystemExit(main())

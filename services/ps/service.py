@@ -9,7 +9,7 @@ import grpc
 
 from services.common.admin import AdminServer
 from services.common.errors import ConfigError
-from services.common.jobs import latest_complete
+from services.common.checkpoints import latest_complete
 from services.common.lifecycle import ServingService
 from services.common.registry import Heartbeat, Member
 from services.common.rpc import make_server

@@ -13,13 +13,17 @@ import httpx
 import pytest
 import torch
 
-from services.cluster.checkpoints import JobCheckpointer
-from services.cluster.job import JobControl, fit_with_checkpoints, resume_state
-from services.common.jobs import list_job_checkpoints
+from services.common.checkpoints import list_job_checkpoints
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
 from services.ps.config import PSConfig
 from services.ps.service import PSService
 from services.ps.tables import TableConfig
+from services.worker.checkpoints import (
+    JobCheckpointer,
+    JobControl,
+    fit_with_checkpoints,
+    resume_state,
+)
 from services.worker.trainer import Trainer
 from tests.conftest import eventually, free_port
 
@@ -92,10 +96,10 @@ async def test_nothing_to_resume(tmp_path) -> None:
 
 
 async def test_loader_offsets_part_reads_the_loaders_committed_offsets(tmp_path) -> None:
-    from services.cluster.checkpoints import loader_offsets_part
     from services.common.errors import NotFound
     from services.loader.config import LoaderConfig
     from services.loader.service import LoaderService
+    from services.worker.checkpoints import loader_offsets_part
 
     loader = LoaderService(LoaderConfig(source="synthetic:1000", grpc_port=0, admin_port=0))
     await loader.start()

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from clients.ps_client import PSClient
-from services.cluster.checkpoints import JobCheckpointer, load_dense_part
+from services.common.checkpoints import latest_complete, list_job_checkpoints, read_part
 from services.common.errors import FailedPrecondition
-from services.common.jobs import latest_complete, list_job_checkpoints, read_part
 from services.common.registry import discover_shards, open_registry
 from services.common.sharding import shard_of
-from services.processes import LocalPS
+from services.local.processes import LocalPS
 from services.ps.config import PSConfig
 from services.ps.service import PSService
+from services.worker.checkpoints import JobCheckpointer, load_dense_part
 from tests.conftest import eventually
 
 TABLES = [{"name": "emb", "dim": 4, "optimizer": {"kind": "sgd", "lr": 0.5}}]
@@ -102,7 +102,7 @@ async def test_checkpointer_refuses_a_missing_shard_part(tmp_path):
 def _dense_bytes() -> bytes:
     import torch
 
-    from services.cluster.checkpoints import dense_part
+    from services.worker.checkpoints import dense_part
 
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -186,7 +186,7 @@ async def test_loader_registers(redis_url) -> None:
 
 
 async def test_worker_finds_the_registered_loader() -> None:
-    from services.launch import registered_loader
+    from services.worker.service import registered_loader
 
     url = f"memory://{uuid.uuid4().hex[:8]}"
     with pytest.raises(Unavailable, match="no loader"):

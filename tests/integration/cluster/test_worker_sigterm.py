@@ -11,8 +11,8 @@ import sys
 import time
 import uuid
 
-from services.common.jobs import latest_complete, list_job_checkpoints
-from services.processes import LocalPS
+from services.common.checkpoints import latest_complete, list_job_checkpoints
+from services.local.processes import LocalPS
 from services.worker.config import ps_table_configs
 
 FEATURES = [f"C{i}" for i in range(1, 9)]

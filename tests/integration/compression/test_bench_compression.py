@@ -17,7 +17,7 @@ def test_bench_compression_smoke(tmp_path) -> None:
     (this test session's in-process servers) must not do."""
     out, png = tmp_path / "compression.json", tmp_path / "compression.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "compression", "--rows", "1024",
+        [sys.executable, "-m", "bench", "compression", "--rows", "1024",
          "--batch-size", "64", "--eval-rows", "1024", "--warmup", "0.5",
          "--cases", "rows int8,dense dct,1-bit adam,embedding pair", "--seeds", "2",
          "--json", str(out), "--plot", str(png)],

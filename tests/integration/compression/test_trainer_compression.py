@@ -12,7 +12,7 @@ from torch import nn
 
 from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
-from services.processes import LocalPS
+from services.local.processes import LocalPS
 from services.ps.tables import OptimizerConfig
 from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig

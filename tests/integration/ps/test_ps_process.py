@@ -12,7 +12,7 @@ from clients.ps_client import PSClient
 from clients.ps_process import PSClientProcess
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.sharding import ShardedIds
-from services.processes import LocalPS
+from services.local.processes import LocalPS
 from tests.integration.ps.conftest import digest
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import bench.staleness as staleness_bench
 import bench.sync as sync_bench
-from bench.staleness import STALENESS, _staleness_list, staleness_config
+from bench.staleness import STALENESS, staleness_config, staleness_list
 from services.cli import main
 from services.common.errors import ConfigError
 from services.worker.sync import STRATEGIES
@@ -60,9 +60,9 @@ def test_staleness_bounds_map_to_trainer_modes() -> None:
     assert (staleness_config(0).mode, staleness_config(0).window) == ("sync", 1)
     assert (staleness_config(16).mode, staleness_config(16).window) == ("hybrid", 16)
     assert staleness_config(None).mode == "async" and staleness_config(None).window is None
-    assert _staleness_list("0, 4,unbounded") == (0, 4, None)
+    assert staleness_list("0, 4,unbounded") == (0, 4, None)
     with pytest.raises(argparse.ArgumentTypeError, match="bad staleness '-1'"):
-        _staleness_list("-1")
+        staleness_list("-1")
 
 
 def test_benches_reject_unknown_choices_before_starting_anything() -> None:

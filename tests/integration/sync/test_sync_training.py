@@ -2,7 +2,7 @@
 
 One PS (2 shard processes) and one group of 4 forked ranks train every strategy in turn on
 fresh tables, through the Trainer's own ``sync`` setting, on the small planted data of
-``bench.sync`` (4 features of 10-50 ids, where 32k rows are enough to get near the oracle).
+``services.local.compare`` (4 features of 10-50 ids, where 32k rows are enough to get near the oracle).
 What made the 0.01 bound reachable at this size, measured: mean pooling (the teacher averages
 a multi-hot feature's ids; sum pooling cost 0.01 AUC), a dense lr of 1e-2 (64 steps of
 Adam at 1e-3 are far from converged), ``mode="sync"`` (every batch hits the same few hot
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.sync import STRATEGY_SETTINGS, TRAINING, train_configs
+from services.local.compare import STRATEGY_SETTINGS, TRAINING, train_configs
 from services.worker.sync import STRATEGIES
 
 BOUND = 0.01

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from bench.train import RUNS, _median_run, hybrid_ceiling, paired_ratios, run
+from bench.train import RUNS, hybrid_ceiling, median_run, paired_ratios, run
 
 
 def test_bench_train_reports_both_ratios_from_its_own_runs() -> None:
@@ -38,9 +38,9 @@ def test_bench_train_reports_both_ratios_from_its_own_runs() -> None:
 
 def test_median_run_is_the_middle_by_samples_per_s() -> None:
     runs = [{"samples_per_s": v, "tag": t} for v, t in ((3.0, "a"), (1.0, "b"), (2.0, "c"))]
-    assert _median_run(runs) == {"samples_per_s": 2.0, "tag": "c",
+    assert median_run(runs) == {"samples_per_s": 2.0, "tag": "c",
                                  "samples_per_s_runs": [3.0, 1.0, 2.0]}
-    assert _median_run(runs[:2])["tag"] == "b"  # the lower middle of two
+    assert median_run(runs[:2])["tag"] == "b"  # the lower middle of two
 
 
 def test_ceiling_is_sync_step_over_the_larger_floor() -> None:

@@ -13,7 +13,7 @@ import torch
 from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
-from services.processes import LocalPS
+from services.local.processes import LocalPS
 from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer

@@ -15,7 +15,7 @@ import numpy as np
 
 from clients.ps_client import PSClient
 from services.loader.synthetic import SyntheticConfig
-from services.processes import LocalLoader, LocalPS, free_port
+from services.local.processes import LocalLoader, LocalPS, free_port
 from services.worker.config import ps_table_configs
 
 ROWS, BATCH = 32768, 256

@@ -19,3 +19,34 @@ def test_light_parser_has_only_its_command() -> None:
     with pytest.raises(SystemExit):
         build_parser("ps").parse_args(["worker", "--ps", "a:1"])
     assert build_parser().parse_args(["worker", "--ps", "a:1"]).command == "worker"
+
+
+def test_bench_without_a_checkout_is_a_clear_error(monkeypatch, capsys) -> None:
+    import services.cli as cli
+
+    monkeypatch.setattr(cli, "_import_bench", lambda: None)
+    assert cli.main(["bench", "train", "--rows", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "persimmon: error:" in err and "python -m bench train" in err
+
+
+def test_services_run_as_modules_without_the_cli() -> None:
+    """``python -m services.ps|loader|worker`` run their own command; none imports the CLI
+    (nor the benchmarks)."""
+    import subprocess
+    import sys
+
+    for module, argv in (("services.ps", ["--log-level", "WARNING", "--check-config"]),
+                         ("services.loader", ["loader", "--source", "synthetic:8",
+                                              "--check-config"]),
+                         ("services.worker", ["--ps", "a:1", "--loader", "l:1",
+                                              "--check-config"])):
+        code = (f"import sys; from {module}.__main__ import main; rc = main({argv!r}); "
+                "assert 'services.cli' not in sys.modules and 'bench' not in sys.modules; "
+                "sys.exit(rc)")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, (module, proc.stderr[-2000:])
+    proc = subprocess.run([sys.executable, "-m", "services.worker", "--ps", "a:1",
+                           "--check-config"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "give --loader" in proc.stderr

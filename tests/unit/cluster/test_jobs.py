@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.common.jobs import (
+from services.common.checkpoints import (
     JOB_MANIFEST,
     latest_complete,
     list_job_checkpoints,
@@ -18,6 +17,7 @@ from services.common.jobs import (
     write_job_manifest,
     write_part,
 )
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 
 def ps_part(root: Path, checkpoint_id: str, k: int, n: int) -> None:

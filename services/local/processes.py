@@ -19,12 +19,15 @@ import time
 import urllib.request
 from typing import Any
 
-from services.cluster.supervise import Supervisor
+from services.local.supervise import Supervisor
 
 __all__ = ["LocalLoader", "LocalPS", "free_port", "start_service", "stop_processes",
            "wait_ready"]
 
-_CLI = [sys.executable, "-m", "services.cli", "--log-level", "WARNING"]
+# Each service runs as its own module (``python -m services.ps``): it starts without importing
+# the CLI, torch or the benchmarks, which is what a supervisor's restart waits for.
+_PS = [sys.executable, "-m", "services.ps", "--log-level", "WARNING"]
+_LOADER = [sys.executable, "-m", "services.loader", "--log-level", "WARNING", "loader"]
 
 
 def free_port() -> int:
@@ -71,6 +74,7 @@ def start_service(command: list[str], ready_file: str, timeout: float = 60.0, *,
     ports."""
     if os.path.exists(ready_file):
         os.remove(ready_file)
+    what = command[2] if len(command) > 2 else command[0]  # the module: services.ps
     proc = subprocess.Popen([*command, "--grpc-port", "0", "--admin-port", "0",
                              "--ready-file", ready_file], stdout=subprocess.DEVNULL)
     renice(proc, nice)
@@ -78,10 +82,10 @@ def start_service(command: list[str], ready_file: str, timeout: float = 60.0, *,
     try:
         while not os.path.exists(ready_file):
             if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(command[4:6])} exited with {proc.returncode} "
+                raise RuntimeError(f"{what} exited with {proc.returncode} "
                                    "before serving")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{' '.join(command[4:6])} did not start within "
+                raise RuntimeError(f"{what} did not start within "
                                    f"{timeout:.0f} s")
             time.sleep(0.05)
         with open(ready_file) as f:
@@ -138,7 +142,7 @@ class LocalPS:
             yaml.safe_dump({"tables": self.tables}, f)
         try:
             for k in range(self.num_shards):
-                cmd = [*_CLI, "ps", "--config", config, "--shard-id", str(k),
+                cmd = [*_PS, "--config", config, "--shard-id", str(k),
                        "--num-shards", str(self.num_shards)]
                 if self.checkpoint_dir:
                     cmd += ["--checkpoint-dir", self.checkpoint_dir]
@@ -181,7 +185,7 @@ class LocalLoader:
                  epochs: int = 1, **settings: Any) -> None:
         flags = {"source": source, "batch_size": batch_size, "world_size": world_size,
                  "seed": seed, "epochs": epochs, **settings}
-        self.command = [*_CLI, "loader"]
+        self.command = list(_LOADER)
         for name, value in flags.items():
             self.command += [f"--{name.replace('_', '-')}", str(value)]
         self.proc: subprocess.Popen[bytes] | None = None

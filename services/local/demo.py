@@ -21,7 +21,7 @@ from rich.progress import Progress, TextColumn
 from rich.table import Table
 
 from services.common.config import add_flags, flag_values, load_config
-from services.processes import free_port
+from services.local.processes import free_port
 from services.worker.config import SYNC_FIELDS, TrainerConfig
 
 __all__ = ["register_cli"]
@@ -92,7 +92,7 @@ def _progress(url: str, total_steps: int, done: threading.Event) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from services.launch import train_on_local_cluster
+    from services.local.train import train_on_local_cluster
     from services.worker.models import ModelConfig
 
     total_steps = args.rows // args.batch_size // args.workers

@@ -1,1 +1,0 @@
-"""Running Persimmon as a cluster: job checkpoints and local process supervision."""

@@ -1,0 +1,31 @@
+"""Checkpoints: where each piece lives (start here).
+
+- :mod:`services.common.checkpoints.jobs` (re-exported here): the job checkpoint on disk, the
+  one format both the PS shards and the workers read: ``root/<id>/job.json`` (the manifest,
+  written last), ``root/<id>/parts/<name>`` (dense state, loader offsets) next to every PS
+  shard's part; :func:`latest_complete` is what ``--restore job`` and ``--resume`` pick.
+- :mod:`services.ps.checkpoint`: a PS shard's own part (``root/<id>/shard-<k>-of-<n>/``):
+  atomic, checksummed, incremental and reshardable; the PS admin API writes and restores it.
+- :mod:`services.worker.checkpoints`: the coordinator run by worker rank 0
+  (:class:`~services.worker.checkpoints.JobCheckpointer`: PS parts over their admin API, then
+  the job parts, then the manifest; :class:`~services.worker.checkpoints.JobControl`: periodic,
+  on request over REST, at SIGTERM; ``resume_state``).
+- :mod:`services.local.supervise` with :class:`services.local.processes.LocalPS`: a PS shard
+  that dies on this machine is restarted from the newest complete job checkpoint.
+"""
+
+from __future__ import annotations
+
+from services.common.checkpoints.jobs import (
+    JOB_MANIFEST,
+    is_complete,
+    latest_complete,
+    list_job_checkpoints,
+    read_job_manifest,
+    read_part,
+    write_job_manifest,
+    write_part,
+)
+
+__all__ = ["JOB_MANIFEST", "is_complete", "latest_complete", "list_job_checkpoints",
+           "read_job_manifest", "read_part", "write_job_manifest", "write_part"]

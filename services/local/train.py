@@ -1,0 +1,159 @@
+"""``persimmon train``: a local cluster on this machine, trained end to end.
+
+:func:`train_on_local_cluster` starts a loader process for the training data and one for the
+held-out data (loader specs such as ``criteo:day_*.gz`` or ``synthetic:ROWS``), PS shard
+processes with one table per sparse feature the loader reports, and N gloo workers; the demo
+calls it too. :class:`PlantedData` is what ``persimmon worker`` trains on without ``--loader``:
+planted data generated in the worker's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.request
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+from services.common.config import print_config
+from services.common.errors import ConfigError
+from services.worker.__main__ import add_training_flags, load_trainer_config
+from services.worker.config import TrainerConfig, ps_table_configs
+from services.worker.models import ModelConfig
+from services.worker.service import InProcessData, report_summary, summary_dict
+
+__all__ = ["PlantedData", "data_specs", "register_cli", "train_on_local_cluster"]
+
+
+def _synthetic_rows(spec: str) -> int | None:
+    """The row count of a ``synthetic:ROWS`` spec; None for any other source."""
+    kind, _, rest = spec.partition(":")
+    if kind != "synthetic":
+        return None
+    rows = rest.partition("?")[0]
+    try:
+        return int(rows) if rows else 65536
+    except ValueError as exc:
+        raise ConfigError(f"--train-data: bad row count {rows!r}") from exc
+
+
+def data_specs(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(train spec, eval spec): ``synthetic`` alone means 65,536 rows, and synthetic training
+    data is evaluated on the test split unless ``--eval-data`` says otherwise."""
+    from services.loader.config import SourceSpec
+
+    train = str(args.train_data)
+    rows = _synthetic_rows(train)
+    if rows is not None:
+        train = f"synthetic:{rows}"
+    evaluation = args.eval_data
+    if evaluation is None and rows is not None:
+        evaluation = f"synthetic:{args.eval_rows}?split=test"
+    for spec in (train, evaluation):
+        if spec is not None:
+            SourceSpec.parse(spec)  # a clear ConfigError before any process starts
+    return train, evaluation
+
+
+def _oracle(train_spec: str, eval_spec: str | None, seed: int) -> dict[str, float] | None:
+    """The planted data's oracle on the eval split, when both are the synthetic generator's."""
+    if _synthetic_rows(train_spec) is None or eval_spec is None \
+            or not eval_spec.startswith("synthetic:") or "split=test" not in eval_spec:
+        return None
+    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+
+    rows = int(eval_spec.split(":", 1)[1].partition("?")[0])
+    return SyntheticDataset(SyntheticConfig(seed=seed)).oracle(rows)
+
+
+def _sparse_features(admin_url: str) -> list[str]:
+    """The sparse feature names a running loader reports (``GET /v1/sources``)."""
+    with urllib.request.urlopen(admin_url + "/v1/sources", timeout=10) as response:
+        sources = json.load(response)
+    return list(sources[0]["sparse_features"])
+
+
+def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: TrainerConfig,
+                           model: ModelConfig, workers: int = 1, shards: int = 2,
+                           dim: int = 16, ps_lr: float = 0.05, batch_size: int = 512,
+                           epochs: int = 1, data_seed: int = 0,
+                           on_cluster: Callable[[Any, list[str]], None] | None = None
+                           ) -> dict[str, Any]:
+    """Start loaders and PS shards on loopback ports, train ``workers`` gloo ranks, stop
+    everything; return the summary (with ``oracle_auc`` for planted data).
+
+    ``on_cluster(cluster, tables)`` runs once the PS is up, before training (the demo starts
+    its progress bar there)."""
+    from services.local.processes import LocalLoader, LocalPS
+    from services.worker.local import run_local_training
+
+    with ExitStack() as stack:
+        loader = stack.enter_context(LocalLoader(train_data, batch_size=batch_size,
+                                                 world_size=workers, seed=data_seed,
+                                                 epochs=epochs))
+        eval_loader = (stack.enter_context(LocalLoader(eval_data, batch_size=4096,
+                                                       world_size=workers, seed=data_seed))
+                       if eval_data else None)
+        features = _sparse_features(loader.admin_url)
+        tables = ps_table_configs({f: dim for f in features}, lr=ps_lr)
+        cluster = stack.enter_context(LocalPS(shards, tables, registry=config.registry))
+        if on_cluster is not None:
+            on_cluster(cluster, [str(t["name"]) for t in tables])
+        summary = summary_dict(run_local_training(
+            ps_addresses=cluster.addresses, loader=loader.address,
+            eval_loader=eval_loader.address if eval_loader else None, model=model,
+            config=config, num_workers=workers))
+    oracle = _oracle(train_data, eval_data, data_seed)
+    if oracle is not None:
+        summary.update(oracle_auc=oracle["auc"], oracle_logloss=oracle["logloss"])
+    return summary
+
+
+class PlantedData:
+    """The :class:`~services.worker.service.InProcessSource` of ``persimmon worker`` without
+    ``--loader``: the loader's planted data generated in the worker's process (``--train-data
+    synthetic[:ROWS]``), with the oracle metrics of its test split."""
+
+    def check(self, args: argparse.Namespace) -> None:
+        data_specs(args)
+        if not args.loader and _synthetic_rows(str(args.train_data)) is None:
+            raise ConfigError("without --loader, --train-data must be synthetic[:ROWS]")
+
+    def data(self, args: argparse.Namespace, rank: int, world: int) -> InProcessData:
+        from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+
+        train_spec, eval_spec = data_specs(args)
+        rows = _synthetic_rows(train_spec)
+        if rows is None:
+            raise ConfigError("without --loader, --train-data must be synthetic[:ROWS]")
+        dataset = SyntheticDataset(SyntheticConfig(seed=args.data_seed))
+        train = [b for _ in range(args.epochs) for b in dataset.batches(args.batch_size, rows)]
+        test = list(dataset.batches(4096, args.eval_rows, "test"))
+        return InProcessData(features=dataset.config.sparse_names, train=train[rank::world],
+                             test=test[rank::world],
+                             oracle=_oracle(train_spec, eval_spec, args.data_seed))
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    config = load_trainer_config(args)
+    print_config("train", config)
+    train_spec, eval_spec = data_specs(args)
+    if args.check_config:
+        return 0
+    summary = train_on_local_cluster(
+        train_data=train_spec, eval_data=eval_spec, config=config,
+        model=ModelConfig(name=args.model), workers=args.workers, shards=args.shards,
+        dim=args.dim, ps_lr=args.ps_lr, batch_size=args.batch_size, epochs=args.epochs,
+        data_seed=args.data_seed)
+    return report_summary(summary, args.summary_json)
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser("train", help="train on a local cluster (loaders, PS, workers)")
+    add_training_flags(train)
+    train.add_argument("--shards", type=int, default=2, help="PS shard processes")
+    train.add_argument("--workers", type=int, default=1, help="worker processes (gloo)")
+    train.add_argument("--dim", type=int, default=16, help="embedding dimension")
+    train.add_argument("--ps-lr", type=float, default=0.05, help="PS Adagrad learning rate")
+    train.set_defaults(func=_run_train)

@@ -1,0 +1,288 @@
+"""Job checkpoints, written by worker rank 0: periodic, on request over REST, and at SIGTERM.
+
+A job checkpoint is every PS shard's part, then the job's own parts (dense model and optimizer
+state, loader offsets), then the manifest that marks the whole complete (the on-disk format:
+:mod:`services.common.checkpoints`). :meth:`JobCheckpointer.checkpoint` asks each PS shard over
+its admin REST API to write its part under the shared id, writes the given job parts, then
+:func:`~services.common.checkpoints.write_job_manifest` checks that everything is on disk and
+marks the checkpoint complete; the manifest is published as the job state in the registry. A
+crash at any step leaves an incomplete checkpoint that restore never picks.
+
+:class:`JobControl` hooks into a trainer through its ``on_step`` callback: at a step where a
+checkpoint is due (every N steps or seconds) or was requested (``POST /v1/job/checkpoints``),
+it captures the dense state between two steps, so model and optimizer are consistent, and
+writes the job checkpoint in the background. After :meth:`JobControl.request_stop` (the
+SIGTERM handler) the next step raises :class:`StopTraining`; the worker then writes a final
+checkpoint and exits cleanly.
+
+Resume: :func:`resume_state` reads the dense state of the newest complete job checkpoint (the
+PS shards restore theirs with ``--restore job``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from clients.admin_client import AdminClient
+from services.common.admin import AdminServer, make_admin_app
+from services.common.checkpoints import (
+    latest_complete,
+    list_job_checkpoints,
+    read_part,
+    write_job_manifest,
+    write_part,
+)
+from services.common.errors import InvalidArgument, error_from_http
+from services.common.registry import Registry, discover_shards
+
+__all__ = ["JobCheckpointer", "JobControl", "StopTraining", "dense_part", "fit_with_checkpoints",
+           "load_dense_part", "loader_offsets_part", "make_job_admin", "resume_state"]
+
+log = logging.getLogger(__name__)
+
+PartSource = Callable[[], bytes | Awaitable[bytes]]
+
+
+def dense_part(state: dict[str, Any]) -> bytes:
+    """``state`` (e.g. ``Trainer.dense_state()``: model, optimizer, step) serialised by torch."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def load_dense_part(data: bytes) -> dict[str, Any]:
+    """The dict :func:`dense_part` wrote."""
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def loader_offsets_part(admin_url: str) -> PartSource:
+    """A part source reading the loader's committed offsets from its admin API."""
+    async def read() -> bytes:
+        async with httpx.AsyncClient(base_url=admin_url, timeout=30.0) as http:
+            response = await http.get("/v1/offsets")
+        if response.status_code != 200:
+            raise error_from_http(response.status_code, response.json())
+        return json.dumps(response.json(), sort_keys=True).encode()
+    return read
+
+
+class JobCheckpointer:
+    """Writes job checkpoints under ``root`` (the directory every PS shard checkpoints into).
+
+    PS shards are reached at ``admin_urls`` or, when None, found in ``registry``. ``parts``
+    maps a part name to a source of its bytes, read at each checkpoint. Periodic checkpoints:
+    :meth:`due` is true every ``every_steps`` steps or ``every_s`` seconds (0: never).
+    """
+
+    def __init__(self, root: Path | str, *, admin_urls: Sequence[str] | None = None,
+                 registry: Registry | None = None, parts: Mapping[str, PartSource] | None = None,
+                 every_steps: int = 0, every_s: float = 0.0) -> None:
+        if admin_urls is None and registry is None:
+            raise InvalidArgument("a JobCheckpointer needs PS admin URLs or a registry")
+        if every_steps < 0 or every_s < 0:
+            raise InvalidArgument("every_steps and every_s must be >= 0")
+        self.root = Path(root)
+        self.admin_urls = list(admin_urls) if admin_urls is not None else None
+        self.registry = registry
+        self.parts = dict(parts or {})
+        self.every_steps = every_steps
+        self.every_s = every_s
+        self._last_step = 0
+        self._last_time = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    def due(self, step: int) -> bool:
+        """True when a periodic checkpoint is due at ``step``."""
+        by_steps = self.every_steps and step - self._last_step >= self.every_steps
+        by_time = self.every_s and time.monotonic() - self._last_time >= self.every_s
+        return bool(by_steps or by_time)
+
+    async def _ps_admin_urls(self) -> list[str]:
+        if self.admin_urls is not None:
+            return self.admin_urls
+        assert self.registry is not None
+        shards = await discover_shards(self.registry)
+        urls = [m.admin_url for m in shards]
+        if None in urls:
+            raise InvalidArgument("a registered PS shard has no admin URL")
+        return [u for u in urls if u is not None]
+
+    async def checkpoint(self, step: int, checkpoint_id: str | None = None,
+                         parts: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+        """Write a complete job checkpoint of ``step``; returns its manifest.
+
+        ``parts`` are bytes captured by the caller (e.g. the dense state at ``step``); they
+        are written along with the configured part sources.
+        """
+        checkpoint_id = checkpoint_id or f"step-{step:010d}-{uuid.uuid4().hex[:6]}"
+        async with self._lock:
+            urls = await self._ps_admin_urls()
+
+            async def ps_part(url: str) -> dict[str, Any]:
+                async with AdminClient(url) as client:
+                    return await client.checkpoint(checkpoint_id)
+
+            await asyncio.gather(*(ps_part(u) for u in urls))
+            data = dict(parts or {})
+            for name, source in self.parts.items():
+                got = source()
+                data[name] = await got if isinstance(got, Awaitable) else got
+            entries = {}
+            for name, blob in data.items():
+                entries[name] = await asyncio.to_thread(write_part, self.root, checkpoint_id,
+                                                        name, blob)
+            manifest = await asyncio.to_thread(
+                write_job_manifest, self.root, checkpoint_id, step=step, num_shards=len(urls),
+                parts=entries, extra={"ps_admin_urls": urls})
+            if self.registry is not None:
+                await self.registry.update_state(step=step, checkpoint=manifest,
+                                                 dense_version=step)
+            self._last_step, self._last_time = step, time.monotonic()
+        return manifest
+
+
+class StopTraining(Exception):  # noqa: N818 - a request, not an error
+    """Raised from ``on_step`` after :meth:`JobControl.request_stop` (e.g. SIGTERM)."""
+
+
+class JobControl:
+    """Checkpoints for a trainer exposing ``dense_state()`` (see module docstring)."""
+
+    def __init__(self, checkpointer: JobCheckpointer, dense_state: Callable[[], dict[str, Any]]
+                 ) -> None:
+        self.checkpointer = checkpointer
+        self._dense_state = dense_state
+        self._requests: list[asyncio.Future[dict[str, Any]]] = []
+        self._writes: set[asyncio.Task[dict[str, Any]]] = set()
+        self._stop = False
+        self.step = 0
+
+    def on_step(self, info: dict[str, Any]) -> None:
+        """The trainer's ``on_step`` callback (runs on the event loop, between steps)."""
+        self.step = int(info["step"])
+        if self._stop:
+            raise StopTraining(f"stop requested at step {self.step}")
+        if self._requests or self.checkpointer.due(self.step):
+            waiting, self._requests = self._requests, []
+            task = asyncio.get_running_loop().create_task(self.checkpointer.checkpoint(
+                self.step, parts=self._parts()))  # the state now, between two steps
+            self._writes.add(task)
+            task.add_done_callback(lambda t: self._finish(t, waiting))
+
+    def _finish(self, task: asyncio.Task[dict[str, Any]],
+                waiting: list[asyncio.Future[dict[str, Any]]]) -> None:
+        self._writes.discard(task)
+        for future in waiting:
+            if future.done():
+                continue
+            if task.cancelled():
+                future.cancel()
+            elif (exc := task.exception()) is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(task.result())
+
+    def _parts(self) -> dict[str, bytes]:
+        return {"dense": dense_part(self._dense_state())}
+
+    async def checkpoint_now(self) -> dict[str, Any]:
+        """Write a job checkpoint of the current step (call between steps)."""
+        return await self.checkpointer.checkpoint(self.step, parts=self._parts())
+
+    async def requested(self) -> dict[str, Any]:
+        """A checkpoint at the next step boundary; returns its manifest once complete."""
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._requests.append(future)
+        return await future
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    async def close(self, *, final: bool = True) -> dict[str, Any] | None:
+        """After training: wait for checkpoints being written, then write a last one (when
+        ``final`` or when one is still requested) and return its manifest."""
+        await asyncio.gather(*self._writes, return_exceptions=True)
+        if not (final or self._requests):
+            return None
+        waiting, self._requests = self._requests, []
+        manifest = await self.checkpoint_now()
+        for future in waiting:
+            future.set_result(manifest)
+        return manifest
+
+
+async def fit_with_checkpoints(trainer: Any, batches: Any, control: JobControl, *,
+                               eval_batches: Any = None, admin_port: int | None = None,
+                               host: str = "0.0.0.0") -> tuple[dict[str, Any] | None,
+                                                               dict[str, Any] | None]:
+    """``trainer.fit`` under ``control``: SIGTERM stops at the next step, the job admin REST
+    runs on ``admin_port`` meanwhile, and a final checkpoint is written at the end.
+    Returns (the fit summary, or None when stopped; the final checkpoint's manifest)."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, control.request_stop)
+    admin = AdminServer(make_job_admin(control), host, admin_port) \
+        if admin_port is not None else None
+    trainer.on_step = control.on_step
+    summary: dict[str, Any] | None = None
+    try:
+        if admin is not None:
+            await admin.start()
+        summary = await trainer.fit(batches, eval_batches=eval_batches)
+    except StopTraining as exc:
+        log.info("%s: writing a final checkpoint", exc)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        try:
+            manifest = await control.close(final=True)
+        finally:
+            if admin is not None:
+                await admin.close()
+    return summary, manifest
+
+
+def make_job_admin(control: JobControl) -> FastAPI:
+    """Admin REST of the job: ``POST /v1/job/checkpoints`` (returns the manifest once the
+    checkpoint is complete) and ``GET /v1/job/checkpoints`` (the complete ones)."""
+    root = control.checkpointer.root
+    app = make_admin_app(title="Persimmon job", registry=CollectorRegistry(),
+                         config=lambda: {"checkpoint_dir": str(root),
+                                         "every_steps": control.checkpointer.every_steps,
+                                         "every_s": control.checkpointer.every_s},
+                         ready=lambda: True)
+
+    @app.post("/v1/job/checkpoints", tags=["job"], status_code=201)
+    async def create_checkpoint() -> dict[str, Any]:
+        """Checkpoint the whole job at the next step boundary."""
+        return await control.requested()
+
+    @app.get("/v1/job/checkpoints", tags=["job"])
+    async def checkpoints() -> list[dict[str, Any]]:
+        """Manifests of the complete job checkpoints, oldest first."""
+        return await asyncio.to_thread(list_job_checkpoints, root)
+
+    return app
+
+
+def resume_state(root: Path | str) -> dict[str, Any] | None:
+    """The dense state (model, optimizer, step) of the newest complete job checkpoint."""
+    manifest = latest_complete(root)
+    if manifest is None:
+        return None
+    return load_dense_part(read_part(root, manifest, "dense"))
