@@ -106,8 +106,7 @@ def _register_bench(subparsers: argparse._SubParsersAction, load: bool) -> None:
         bench.register_benches(parser.add_subparsers(dest="target",  # type: ignore[attr-defined]
                                                      required=True))
         return
-    parser.add_argument("target", help="ps, loader, train, compression, sync, staleness, "
-                        "load, recovery")
+    parser.add_argument("target", help="the benchmark (python -m bench --help lists them)")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.set_defaults(func=_no_bench)
 
