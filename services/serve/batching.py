@@ -5,7 +5,8 @@ first waiting request, then more until ``max_records`` records are gathered or `
 has passed since the first, reads the active :class:`Predictor` once for the whole batch,
 and runs featurization and the forward pass in a thread. A request whose input is bad gets
 its own error; the others of its batch are answered. ``max_queued_records`` bounds the
-records waiting (beyond it a request is refused at once: Unavailable, retry later).
+records waiting or in a forward pass (beyond it a request is refused at once: Unavailable,
+retry later).
 """
 
 from __future__ import annotations
@@ -112,32 +113,37 @@ class MicroBatcher:
     async def _run(self) -> None:
         while True:
             batch = await self._gather()
-            self._queued -= sum(p.records for p in batch)
-            live = [p for p in batch if not p.future.done()]  # a client may have gone
-            if not live:
-                continue
-            predictor = self._current()  # one version for the whole batch
-            if predictor is None:
-                for p in live:
-                    p.future.set_exception(Unavailable("no model version is loaded yet"))
-                continue
             try:
-                results = await asyncio.to_thread(self._answer, predictor, live)
-            except asyncio.CancelledError:
-                for p in live:
-                    if not p.future.done():
-                        p.future.set_exception(Unavailable("the server is shutting down"))
-                raise
-            except Exception as exc:  # a bug must fail its batch, not stop the batching
-                log.exception("micro-batch failed")
-                results = [Internal(f"prediction failed: {exc}")] * len(live)
-            for p, result in zip(live, results, strict=True):
-                if p.future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    p.future.set_exception(result)
-                else:
-                    p.future.set_result(result)
+                await self._serve(batch)
+            finally:
+                self._queued -= sum(p.records for p in batch)
+
+    async def _serve(self, batch: list[_Pending]) -> None:
+        live = [p for p in batch if not p.future.done()]  # a client may have gone
+        if not live:
+            return
+        predictor = self._current()  # one version for the whole batch
+        if predictor is None:
+            for p in live:
+                p.future.set_exception(Unavailable("no model version is loaded yet"))
+            return
+        try:
+            results = await asyncio.to_thread(self._answer, predictor, live)
+        except asyncio.CancelledError:
+            for p in live:
+                if not p.future.done():
+                    p.future.set_exception(Unavailable("the server is shutting down"))
+            raise
+        except Exception as exc:  # a bug must fail its batch, not stop the batching
+            log.exception("micro-batch failed")
+            results = [Internal(f"prediction failed: {exc}")] * len(live)
+        for p, result in zip(live, results, strict=True):
+            if p.future.done():
+                continue
+            if isinstance(result, BaseException):
+                p.future.set_exception(result)
+            else:
+                p.future.set_result(result)
 
     def _answer(self, predictor: Predictor, batch: list[_Pending]
                 ) -> list[Answer | BaseException]:

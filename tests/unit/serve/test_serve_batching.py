@@ -1,0 +1,84 @@
+"""Micro-batching and version swaps against real Predictors (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from serve_versions import MakeVersion, ps_initial_rows
+
+from services.common.errors import InvalidArgument, NotFound, Unavailable
+from services.serve.batching import MicroBatcher
+from services.serve.predictor import Predictor
+from services.serve.versions import VersionManager
+
+RECORD = {"I1": 1, "I2": 2.5, "C1": "a", "C2": 7, "C3": "x|y"}
+
+
+def body(n: int, **change: object) -> dict:
+    return {"records": [{**RECORD, "C1": f"a{i}", **change} for i in range(n)]}
+
+
+async def test_requests_that_wait_together_share_one_forward_pass(
+        tmp_path: Path, make_version: MakeVersion) -> None:
+    m = make_version()
+    predictor = Predictor.load(tmp_path / "models" / m["version_id"],
+                               initial_rows=ps_initial_rows)
+    batches: list[int] = []
+    batcher = MicroBatcher(lambda: predictor, max_records=100, max_wait_s=0.5,
+                           max_queued_records=1000, on_batch=lambda n, _: batches.append(n))
+    batcher.start()
+    try:
+        sizes = [1, 3, 2, 4]
+        results = await asyncio.gather(*(batcher.submit(body(n), n) for n in sizes),
+                                       batcher.submit(body(1, C9=1), 1), return_exceptions=True)
+    finally:
+        await batcher.close()
+    assert batches == [10]  # the bad request fails alone, the others in one pass
+    assert isinstance(results[-1], InvalidArgument)
+    for n, answer in zip(sizes, results[:4], strict=True):
+        alone = predictor.predict(predictor.featurize(body(n)))
+        np.testing.assert_allclose(answer.probabilities, alone, atol=1e-6)
+        assert answer.version_id == m["version_id"]
+
+
+async def test_batches_close_at_max_records_and_queue_is_bounded(
+        tmp_path: Path, make_version: MakeVersion) -> None:
+    m = make_version()
+    predictor = Predictor.load(tmp_path / "models" / m["version_id"],
+                               initial_rows=ps_initial_rows)
+    batches: list[int] = []
+    batcher = MicroBatcher(lambda: predictor, max_records=4, max_wait_s=0.5,
+                           max_queued_records=10, on_batch=lambda n, _: batches.append(n))
+    with pytest.raises(Unavailable):  # not started
+        await batcher.submit(body(1), 1)
+    batcher.start()
+    try:
+        tasks = [asyncio.ensure_future(batcher.submit(body(2), 2)) for _ in range(5)]
+        await asyncio.sleep(0)  # they queue (a yield to the loop, not a wait for time)
+        with pytest.raises(Unavailable, match="waiting"):
+            await batcher.submit(body(2), 2)  # 10 records wait already
+        await asyncio.gather(*tasks)
+    finally:
+        await batcher.close()
+    assert batches == [4, 4, 2]
+
+
+async def test_version_manager_follows_the_newest_loadable(
+        tmp_path: Path, make_version: MakeVersion) -> None:
+    manager = VersionManager(tmp_path / "models", initial_rows=ps_initial_rows)
+    assert not await manager.refresh() and manager.current() is None
+    first = make_version(step=1, seed=1)["version_id"]
+    assert await manager.refresh() and manager.current().version_id == first
+    assert not await manager.refresh()
+    second = make_version(step=2, seed=2)
+    (tmp_path / "models" / second["version_id"] / "dense.pt").write_bytes(b"corrupt")
+    assert not await manager.refresh()  # refused: the first keeps serving
+    assert manager.current().version_id == first and second["version_id"] in manager.refused
+    third = make_version(step=3, seed=3)["version_id"]
+    assert await manager.refresh() and manager.current().version_id == third
+    assert manager.swaps == 2
+    with pytest.raises(NotFound):
+        await manager.activate("v-missing")
