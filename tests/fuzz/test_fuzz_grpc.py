@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.common.codecs import ALLOWED_DTYPES, raw_array
 from services.common.rpc import channel_options
-from services.common.wire import ALLOWED_DTYPES, decode_message, encode_message, raw_array
+from services.common.wire import PROTOCOL_VERSION, decode_message, encode_message
 from services.ps.config import PSConfig
 from services.ps.service import PSService
 from tests.fuzz.cases import count_case
@@ -78,7 +79,8 @@ def server() -> Iterator[Server]:
         ids = np.arange(0, 3000, 3, dtype=np.uint64)
         grads = np.random.default_rng(0).normal(size=(ids.size, dim)).astype(np.float32)
         replies, code = srv.send("Push", encode_message(
-            {"rid": 0, "table": table, "ids": raw_array(ids), "grads": raw_array(grads)}))
+            {"tables": [table], "counts": [ids.size], "ids": raw_array(ids),
+             "grads": [raw_array(grads)]}, rid=0))
         assert code is None and replies[0]["applied"] == ids.size
     yield srv
     srv.close()
@@ -101,9 +103,11 @@ LEAVES = (st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2*
           | st.floats() | st.text(max_size=12) | st.binary(max_size=48))
 VALUES = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=4)
                       | st.dictionaries(st.text(max_size=8) | st.sampled_from(
-                          ["v", "rid", "table", "ids", "grads", "codec"]), inner, max_size=6),
+                          ["v", "rid", "table", "tables", "counts", "ids", "grads", "codec",
+                           "lengths", "push", "lookup"]), inner, max_size=6),
                       max_leaves=16)
-METHODS = st.sampled_from(["Lookup", "Push"])
+STREAMS = ["Lookup", "Push", "PushThenLookup", "PooledLookup", "PooledPush"]
+METHODS = st.sampled_from(STREAMS)
 
 
 @given(method=METHODS, body=VALUES)
@@ -120,23 +124,39 @@ def test_random_bytes(server, method, raw):
 
 # ---- valid messages made invalid on purpose -----------------------------------------------
 
+def _array(arr: np.ndarray) -> dict[str, Any]:
+    """A raw array map with its own bytes (so a test may cut or retype them)."""
+    body = raw_array(arr).to_wire()
+    body["data"] = bytes(body["data"])
+    return body
+
+
 @st.composite
-def valid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+def valid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A method, a valid request body for it, and the (sub-)body holding ``ids`` to break."""
     method = draw(METHODS)
     table = draw(st.sampled_from(sorted(DIMS)))
     n = draw(st.integers(min_value=1, max_value=40))
     ids = np.array(draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n,
                                  unique=True)), dtype=np.uint64)
-    body: dict[str, Any] = {"rid": draw(st.integers(0, 2**32)), "table": table,
-                            "ids": raw_array(ids)}
+    codec = draw(st.sampled_from(["none", "fp16", "bf16"]))
+    grads = np.ones((n, DIMS[table]), np.float32)
+    lookup = {"tables": [table], "counts": [n], "ids": _array(ids), "codec": codec}
+    push = {"tables": [table], "counts": [n], "ids": _array(ids), "grads": [_array(grads)]}
     if method == "Lookup":
-        body["codec"] = draw(st.sampled_from(["none", "fp16", "bf16"]))
+        return method, lookup, lookup
+    if method == "Push":
+        return method, push, push
+    if method == "PushThenLookup":
+        body = {"push": push, "lookup": lookup}
+        return method, body, body[draw(st.sampled_from(["push", "lookup"]))]
+    lengths = np.array([n - n // 2, n // 2], dtype=np.int64)
+    pooled: dict[str, Any] = {"table": table, "ids": _array(ids), "lengths": _array(lengths)}
+    if method == "PooledLookup":
+        pooled["codec"] = codec
     else:
-        body["grads"] = raw_array(np.ones((n, DIMS[table]), np.float32))
-    for arr in ("ids", "grads"):
-        if arr in body:
-            body[arr]["data"] = bytes(body[arr]["data"])
-    return method, body
+        pooled["grads"] = _array(np.ones((2, DIMS[table]), np.float32))
+    return method, pooled, pooled
 
 
 def _retype(arr: dict[str, Any], dtype: str) -> None:
@@ -172,60 +192,87 @@ def break_array(draw: st.DrawFn, arr: dict[str, Any]) -> None:
                             | VALUES)
 
 
-def break_ids(draw: st.DrawFn, body: dict[str, Any]) -> None:
+def break_ids(draw: st.DrawFn, part: dict[str, Any]) -> None:
     """Decodable ids the shard must refuse: another dtype, or two dimensions."""
     if draw(st.booleans()):
-        _retype(body["ids"], draw(st.sampled_from(NOT_UINT64)))
+        _retype(part["ids"], draw(st.sampled_from(NOT_UINT64)))
     else:
-        n = body["ids"]["shape"][0]
-        body["ids"]["shape"] = draw(st.sampled_from([[n, 1], [1, n]]))
+        n = part["ids"]["shape"][0]
+        part["ids"]["shape"] = draw(st.sampled_from([[n, 1], [1, n]]))
 
 
-def break_grads(draw: st.DrawFn, body: dict[str, Any]) -> None:
+def _grads_of(part: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    """The gradient array of a (sub-)body and the rows it must have."""
+    if "tables" in part:
+        return part["grads"][0], [part["ids"]["shape"][0]]
+    return part["grads"], [2]
+
+
+def break_grads(draw: st.DrawFn, part: dict[str, Any]) -> None:
     """Decodable gradients of the wrong dim, row count or dtype kind."""
-    n, dim = body["ids"]["shape"][0], DIMS[body["table"]]
+    grads, (rows,) = _grads_of(part)
+    dim = grads["shape"][1]
     kind = draw(st.sampled_from(["dim", "rows", "dtype"]))
     if kind == "dim":
-        body["grads"] = raw_array(np.ones((n, draw(st.integers(0, 12).filter(
-            lambda d: d != dim))), np.float32))
+        new = _array(np.ones((rows, draw(st.integers(0, 12).filter(lambda d: d != dim))),
+                             np.float32))
     elif kind == "rows":
-        body["grads"] = raw_array(np.ones((draw(st.integers(0, 50).filter(
-            lambda m: m != n)), dim), np.float32))
+        new = _array(np.ones((draw(st.integers(0, 50).filter(lambda m: m != rows)), dim),
+                             np.float32))
     else:
-        body["grads"]["data"] = bytes(body["grads"]["data"])
-        _retype(body["grads"], draw(st.sampled_from(NOT_FLOAT)))
+        new = dict(grads)
+        _retype(new, draw(st.sampled_from(NOT_FLOAT)))
+    if "tables" in part:
+        part["grads"] = [new]
+    else:
+        part["grads"] = new
 
 
-def break_message(draw: st.DrawFn, method: str, body: dict[str, Any]) -> None:
-    """A bad table name, protocol version or (for lookups) response codec."""
-    kind = draw(st.sampled_from(["table", "version", "codec"]))
+def break_message(draw: st.DrawFn, body: dict[str, Any], part: dict[str, Any]) -> None:
+    """A bad table name or count, the protocol version, a reply codec, or a v1 shape."""
+    kind = draw(st.sampled_from(["table", "counts", "version", "codec", "v1_shape"]))
     if kind == "table":
-        body["table"] = draw(st.sampled_from(["", "nope", "USER"]) | VALUES)
-    elif kind == "version" or method == "Push":
-        body["v"] = draw(st.sampled_from([0, 2, "1", None]))
+        bad = draw(st.sampled_from(["", "nope", "USER"]) | VALUES)
+        if "tables" in part:
+            part["tables"] = draw(st.sampled_from([[bad], bad, [], [part["tables"][0]] * 2]))
+        else:
+            part["table"] = bad
+    elif kind == "counts" and "counts" in part:
+        part["counts"] = draw(st.sampled_from([[part["counts"][0] + 1], [-1], [], "1"]) | VALUES)
+    elif kind == "codec" and "grads" not in part:
+        part["codec"] = draw(st.sampled_from(["bogus", "", "fp16+", "none+none", "qsgd:s=2"])
+                             | VALUES)
+    elif kind == "v1_shape":
+        # a v1 body sent as v2 is still refused where "table" is not one of its fields
+        multi = "tables" in body or "push" in body
+        body["v"] = draw(st.sampled_from([1, PROTOCOL_VERSION] if multi else [1]))
+        body["table"] = draw(st.sampled_from(sorted(DIMS)))
+        body.pop("tables", None)
     else:
-        body["codec"] = draw(st.sampled_from(["bogus", "", "fp16+", "none+none"]) | VALUES)
+        body["v"] = draw(st.sampled_from([0, 1, 3, "2", None]))
 
 
 @st.composite
 def broken_request(draw: st.DrawFn) -> tuple[str, bytes]:
     """A valid request with one change that must make it invalid."""
-    method, body = draw(valid_request())
-    part = draw(st.sampled_from(["array", "ids", "grads", "message", "cut"]))
-    if part == "array":
-        break_array(draw, body[draw(st.sampled_from(["ids", "grads"] if method == "Push"
-                                                    else ["ids"]))])
-    elif part == "ids":
-        break_ids(draw, body)
-    elif part == "grads" and method == "Push":
-        break_grads(draw, body)
-    elif part == "cut":
-        raw = encode_message(body)
+    method, body, part = draw(valid_request())
+    kind = draw(st.sampled_from(["array", "ids", "grads", "message", "cut"]))
+    if kind == "array":
+        name = draw(st.sampled_from([k for k in ("ids", "lengths", "grads") if k in part]))
+        arr = part[name][0] if isinstance(part[name], list) else part[name]
+        break_array(draw, arr)
+    elif kind == "ids":
+        break_ids(draw, part)
+    elif kind == "grads" and "grads" in part:
+        break_grads(draw, part)
+    elif kind == "cut":
+        raw = encode_message(body, rid=1)
         return method, raw[: draw(st.integers(0, len(raw) - 1))]
     else:
-        break_message(draw, method, body)
-    raw = msgpack.packb(body, use_bin_type=True) if "v" in body else encode_message(body)
-    return method, raw
+        break_message(draw, body, part)
+    if "v" in body:
+        return method, msgpack.packb({"rid": 1, **body}, use_bin_type=True)
+    return method, encode_message(body, rid=1)
 
 
 @given(request=broken_request())
@@ -251,6 +298,18 @@ def test_unary_calls_with_bad_bodies(server, body):
 def test_the_server_still_serves_after_the_fuzzing(server):
     ids = np.arange(0, 3000, 3, dtype=np.uint64)
     replies, code = server.send("Lookup", encode_message(
-        {"rid": 1, "table": "user", "ids": raw_array(ids), "codec": "none"}))
+        {"tables": ["user"], "counts": [ids.size], "ids": raw_array(ids), "codec": "none"},
+        rid=1))
     assert code is None and replies[0]["rows"]["shape"] == [ids.size, 8]
     assert server.service.shard.table("user").num_rows == ids.size
+
+
+@given(request=valid_request())
+@fuzz(20)
+def test_the_unbroken_requests_are_served(server, request):
+    """The requests the fuzzing breaks are valid before it does: each breaks for its change
+    (run last: they change the tables)."""
+    method, body, _ = request
+    replies, code = server.send(method, encode_message(body, rid=3))
+    assert code is None and len(replies) == 1 and "error" not in replies[0], replies
+    assert replies[0]["rid"] == 3
