@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict
 
 from services.common.admin import ErrorBody, make_admin_app
-from services.common.errors import InvalidArgument, NotFound, PersimmonError, ResourceExhausted
+from services.common.errors import InvalidArgument, NotFound, PersimmonError
+from services.serve.server import check_records
 
 if TYPE_CHECKING:
     from services.serve.predictor import Predictor
@@ -108,12 +109,7 @@ def make_serve_admin(service: ServeService, *, config: Callable[[], dict[str, An
         code = "200"
         try:
             records = body.count()
-            limit = service.config.max_request_records
-            if records < 1:
-                raise InvalidArgument("the request holds no records")
-            if records > limit:
-                raise ResourceExhausted(f"the request holds {records} records; the limit is "
-                                        f"{limit}")
+            check_records(records, service.config.max_request_records)
             answer = await service.batcher.submit(body.model_dump(exclude_none=True), records)
         except PersimmonError as exc:
             code = str(exc.http_status)

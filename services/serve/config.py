@@ -25,6 +25,12 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     admin_port: int = field(default=8090, metadata={
         "help": "REST port: predict, versions, health, metrics (0: any free port)"})
+    grpc_port: int = field(default=8091, metadata={
+        "help": "gRPC port of persimmon.Serve/Predict (0: any free port)"})
+    advertise: str | None = field(default=None, metadata={
+        "help": "host:port others dial for gRPC (default: host and the bound port)"})
+    max_message_bytes: int = field(default=64 << 20, metadata={
+        "help": "largest gRPC request accepted, in bytes"})
     max_batch_records: int = field(default=256, metadata={
         "help": "micro-batching: most records answered by one forward pass"})
     max_wait_ms: float = field(default=2.0, metadata={
@@ -44,6 +50,9 @@ class ServeConfig:
         if not self.model_dir:
             raise ConfigError("model_dir is required (--model-dir DIR)")
         _port("admin_port", self.admin_port)
+        _port("grpc_port", self.grpc_port)
+        if self.max_message_bytes < 1024:
+            raise ConfigError("max_message_bytes must be at least 1024")
         for name in ("max_batch_records", "max_request_records", "max_queued_records"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,4 +1,5 @@
-"""A prediction server process: versions, micro-batching, the REST API and the watcher.
+"""A prediction server process: versions, micro-batching, the REST and gRPC APIs and the
+watcher.
 
 ``initial_rows`` is how an id never trained gets its row: the PS's deterministic initializer
 (``services.ps.tables.initial_rows`` over the table config the version records). Serving
@@ -10,15 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
 import torch
 
 from services.common.admin import AdminServer
 from services.common.config import config_to_dict
-from services.common.lifecycle import AsyncService
+from services.common.lifecycle import ServingService
+from services.common.rpc import make_server
 from services.serve.admin import ServeMetrics, make_serve_admin
 from services.serve.batching import MicroBatcher
 from services.serve.config import ServeConfig
 from services.serve.rows import InitialRows
+from services.serve.server import ServeServicer
 from services.serve.versions import VersionManager
 
 __all__ = ["ServeService"]
@@ -26,13 +30,14 @@ __all__ = ["ServeService"]
 log = logging.getLogger("persimmon.serve")
 
 
-class ServeService(AsyncService):
-    """Start with ``await service.start()``; ``admin_port`` holds the bound port."""
+class ServeService(ServingService):
+    """Start with ``await service.start()``; ``admin_port``/``grpc_port`` hold the bound
+    ports."""
+
+    config: ServeConfig
 
     def __init__(self, config: ServeConfig, *, initial_rows: InitialRows) -> None:
-        super().__init__()
-        self.config = config
-        self.admin_port = config.admin_port
+        super().__init__(config)
         self.metrics = ServeMetrics()
         self.versions = VersionManager(config.model_dir, initial_rows=initial_rows,
                                        verify=config.verify_checksums,
@@ -42,11 +47,12 @@ class ServeService(AsyncService):
                                     max_wait_s=config.max_wait_ms / 1000.0,
                                     max_queued_records=config.max_queued_records,
                                     on_batch=self.metrics.batch)
-        self._admin: AdminServer | None = None
+        self._grpc: grpc.aio.Server | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.admin_port}"
+        """The REST API's base URL."""
+        return self.admin_url
 
     async def on_start(self) -> None:
         if self.config.torch_threads:
@@ -56,13 +62,20 @@ class ServeService(AsyncService):
             log.warning("no loadable model version in %s yet; not ready until one appears",
                         self.config.model_dir)
         self.batcher.start()
+        self._grpc, self.grpc_port = make_server(
+            [ServeServicer(self).handlers()], self.config.host, self.config.grpc_port,
+            max_message_bytes=self.config.max_message_bytes)
+        await self._grpc.start()
         app = make_serve_admin(self, config=lambda: config_to_dict(self.config))
         self._admin = AdminServer(app, self.config.host, self.config.admin_port)
         self.admin_port = await self._admin.start()
         self.spawn(self._watch(), "version-watcher")
-        log.info("serving %s on %s", self.config.model_dir, self.url)
+        log.info("serving %s: REST on %s, gRPC on %s", self.config.model_dir, self.url,
+                 self.address)
 
     async def on_close(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
         if self._admin is not None:
             await self._admin.close()
         await self.batcher.close()

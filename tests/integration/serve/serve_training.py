@@ -97,7 +97,7 @@ async def ps_shards(root: Path, num_shards: int = 2) -> AsyncIterator[list[PSSer
 @contextlib.asynccontextmanager
 async def server(model_dir: Path, **settings: Any) -> AsyncIterator[ServeService]:
     """A prediction server on port 0 over ``model_dir``."""
-    config = ServeConfig(model_dir=str(model_dir), admin_port=0,
+    config = ServeConfig(model_dir=str(model_dir), admin_port=0, grpc_port=0,
                          **{"watch_interval_s": 0.05, "max_wait_ms": 1.0, **settings})
     service = ServeService(config, initial_rows=ps_initial_rows)
     await service.start()

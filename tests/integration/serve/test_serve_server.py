@@ -11,12 +11,18 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 from serve_training import ps_initial_rows, random_version, records, server
 
+from services.common.codecs.registry import decode_array
+from services.common.messages import decode, encode
+from services.common.rpc import open_channel
+from services.common.wire import encode_message
 from services.serve.predictor import Predictor
+from services.serve.server import SERVICE_NAME, PredictReply, PredictRequest
 
 PROBE = records(np.random.default_rng(5), 3)
 
@@ -200,3 +206,32 @@ async def test_bad_input_gets_a_clear_error_and_changes_nothing(tmp_path: Path) 
         assert [r.status_code for r in good_and_bad] == [200, 400, 200]
         assert await predict(http) == before
         assert (await http.get("/readyz")).status_code == 200
+
+
+async def test_grpc_predict_answers_as_rest_does(tmp_path: Path) -> None:
+    version = random_version(tmp_path, step=1, bias=0.7)["version_id"]
+    async with server(tmp_path, max_request_records=8) as service, \
+            httpx.AsyncClient(base_url=service.url) as http:
+        rest = await predict(http)
+        channel = open_channel(service.address)
+        call = channel.unary_unary(f"/{SERVICE_NAME}/Predict")
+        try:
+            reply = decode(PredictReply, await call(encode(PredictRequest(records=PROBE))))
+            assert reply.version == version and reply.step == 1
+            np.testing.assert_array_equal(decode_array(reply.probabilities),
+                                          np.array(rest["probabilities"], dtype=np.float32))
+            for raw, code in [
+                    (encode(PredictRequest(records=[{**PROBE[0], "C9": 1}])),
+                     grpc.StatusCode.INVALID_ARGUMENT),
+                    (encode(PredictRequest(records=PROBE * 4)),
+                     grpc.StatusCode.RESOURCE_EXHAUSTED),
+                    (encode(PredictRequest()), grpc.StatusCode.INVALID_ARGUMENT),
+                    (encode_message({"records": PROBE, "extra": 1}),
+                     grpc.StatusCode.INVALID_ARGUMENT),
+                    (b"\xc1 not msgpack", grpc.StatusCode.INVALID_ARGUMENT)]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(raw)
+                assert err.value.code() == code, err.value.details()
+        finally:
+            await channel.close()
+        assert await predict(http) == rest

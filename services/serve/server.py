@@ -1,0 +1,94 @@
+"""gRPC service ``persimmon.Serve``: unary ``Predict`` over msgpack (generic handlers, no
+protoc), answered by the same micro-batcher as the REST ``POST /v1/predict``.
+
+Messages (``A`` = array ``{dtype, shape, codec, meta, data}``)::
+
+    Predict  {records | lines | ids (+ dense)}  → {version, step, probabilities: A float32 (B,)}
+
+The request fields mean what they mean in the REST body (:mod:`services.serve.admin`); a
+bad request is INVALID_ARGUMENT, too many records RESOURCE_EXHAUSTED, no version yet or a
+full queue UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from services.common.codecs import WireArray
+from services.common.codecs.registry import raw_array
+from services.common.errors import InvalidArgument, ResourceExhausted
+from services.common.messages import Message, decode, encode
+from services.common.rpc import generic_service, unary_handler
+
+if TYPE_CHECKING:
+    from services.serve.service import ServeService
+
+__all__ = ["SERVICE_NAME", "PredictReply", "PredictRequest", "ServeServicer"]
+
+SERVICE_NAME = "persimmon.Serve"
+
+
+@dataclass(kw_only=True, slots=True)
+class PredictRequest(Message):
+    """One of ``records``, ``lines`` or ``ids`` (with ``dense``)."""
+
+    records: list[Any] | None = None
+    lines: list[Any] | None = None
+    ids: dict[str, Any] | None = None
+    dense: list[Any] | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("records", "lines", "ids", "dense")
+                if getattr(self, k) is not None}
+
+    def count(self) -> int:
+        """The number of records the request holds (checked again once featurized)."""
+        given = [x for x in (self.records, self.lines, self.ids) if x is not None]
+        if len(given) != 1:
+            raise InvalidArgument("give exactly one of 'records', 'lines' or 'ids'")
+        if self.ids is not None:
+            first = next(iter(self.ids.values()), None)
+            if not isinstance(first, list):
+                raise InvalidArgument("'ids' must map each sparse feature to per-record id "
+                                      "lists")
+            return len(first)
+        return len(given[0])
+
+
+@dataclass(kw_only=True, slots=True)
+class PredictReply(Message):
+    version: str
+    step: int
+    probabilities: WireArray
+
+
+class ServeServicer:
+    """Predict calls into the service's micro-batcher."""
+
+    def __init__(self, service: ServeService) -> None:
+        self.service = service
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        return generic_service(SERVICE_NAME, {"Predict": unary_handler(self._predict)})
+
+    async def _predict(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = decode(PredictRequest, raw)
+        records = request.count()
+        check_records(records, self.service.config.max_request_records)
+        answer = await self.service.batcher.submit(request.body(), records)
+        return encode(PredictReply(
+            version=answer.version_id, step=answer.step,
+            probabilities=raw_array(np.ascontiguousarray(answer.probabilities,
+                                                         dtype=np.float32))))
+
+
+def check_records(records: int, limit: int) -> None:
+    """A request must hold 1 to ``limit`` records."""
+    if records < 1:
+        raise InvalidArgument("the request holds no records")
+    if records > limit:
+        raise ResourceExhausted(f"the request holds {records} records; the limit is {limit}")
