@@ -98,7 +98,8 @@ def _no_bench(args: argparse.Namespace) -> int:
 
 def _register_bench(subparsers: argparse._SubParsersAction, load: bool) -> None:
     """``persimmon bench TARGET``: the benchmarks' own parsers when ``load`` (the command is
-    ``bench``) and the checkout's ``bench`` imports; otherwise a stand-in for ``--help``."""
+    ``bench``, or none: the full parser) and the checkout's ``bench`` imports; otherwise a
+    stand-in (a command such as ``worker`` does not import the benchmarks)."""
     bench = _import_bench() if load else None
     parser = subparsers.add_parser("bench", help="run a benchmark and print its table "
                                    "(from a checkout: python -m bench)")
@@ -120,7 +121,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         return parser
     for register in _SERVICES:
         register(sub)
-    _register_bench(sub, load=command == "bench")
+    _register_bench(sub, load=command in (None, "bench"))
     return parser
 
 
