@@ -3,8 +3,11 @@ versions, and a server on port 0."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +134,17 @@ def _dict(config: TableConfig) -> dict[str, Any]:
     from services.common.config import config_to_dict
 
     return config_to_dict(config)
+
+
+async def eventually(predicate: Callable[[], bool | Awaitable[bool]],
+                     timeout: float = 20.0) -> None:
+    """Poll ``predicate`` (plain or async) until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
+        await asyncio.sleep(0.02)

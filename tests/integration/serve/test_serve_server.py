@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ import grpc
 import httpx
 import numpy as np
 import pytest
-from serve_training import ps_initial_rows, random_version, records, server
+from serve_training import eventually, ps_initial_rows, random_version, records, server
 
 from services.common.codecs.registry import decode_array
 from services.common.messages import decode, encode
@@ -25,14 +23,6 @@ from services.serve.predictor import Predictor
 from services.serve.server import SERVICE_NAME, PredictReply, PredictRequest
 
 PROBE = records(np.random.default_rng(5), 3)
-
-
-async def until(condition: Callable[[], bool | Awaitable[bool]], timeout: float = 20.0) -> None:
-    """Poll ``condition`` (sync or async) until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not await _value(condition()):
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def expected(models: Path, version_id: str) -> list[float]:
@@ -63,12 +53,12 @@ async def test_hot_swap_under_concurrent_requests(tmp_path: Path) -> None:
                     seen.append(response.json())
 
         clients = [asyncio.create_task(client()) for _ in range(8)]
-        await until(lambda: len(seen) > 20)
+        await eventually(lambda: len(seen) > 20, timeout=20)
         v2 = random_version(tmp_path, step=2, bias=-3.0)["version_id"]
         answers[v2] = expected(tmp_path, v2)
-        await until(lambda: any(a["version"] == v2 for a in seen))
+        await eventually(lambda: any(a["version"] == v2 for a in seen))
         count = len(seen)
-        await until(lambda: len(seen) > count + 20)
+        await eventually(lambda: len(seen) > count + 20)
         stop.set()
         await asyncio.gather(*clients)
         metrics = (await http.get("/metrics")).text
@@ -80,10 +70,6 @@ async def test_hot_swap_under_concurrent_requests(tmp_path: Path) -> None:
     assert f'persimmon_serve_version_info{{version="{v2}"}} 1.0' in metrics
     assert f'version="{v1}"' not in metrics
     assert 'persimmon_serve_request_seconds_count{code="200"}' in metrics
-
-
-async def _value(result: bool | Awaitable[bool]) -> bool:
-    return await result if isinstance(result, Awaitable) else result
 
 
 async def test_rollback_pins_a_version_until_latest(tmp_path: Path) -> None:
@@ -140,7 +126,7 @@ async def test_corrupt_and_half_written_versions_are_refused(tmp_path: Path) -> 
             listing = (await http.get("/v1/versions")).json()["versions"]
             return any(v["version_id"] == "v5-corrupt" and v["refused"] for v in listing)
 
-        await until(refused)
+        await eventually(refused)
         after = await predict(http)
         assert after == before and after["version"] == v1  # still v1, same answers
         activate = await http.post("/v1/versions/v5-corrupt/activate")
@@ -162,7 +148,7 @@ async def test_not_ready_until_a_version_appears(tmp_path: Path) -> None:
         async def ready() -> bool:
             return (await http.get("/readyz")).status_code == 200
 
-        await until(ready)
+        await eventually(ready)
         assert (await predict(http))["version"] == version
 
 
