@@ -8,8 +8,8 @@ import logging
 import grpc
 
 from services.common.admin import AdminServer
-from services.common.errors import ConfigError
 from services.common.checkpoints import latest_complete
+from services.common.errors import ConfigError
 from services.common.lifecycle import ServingService
 from services.common.registry import Heartbeat, Member
 from services.common.rpc import make_server
