@@ -23,6 +23,7 @@ from services.common.config import add_flags, flag_values, from_dict, load_confi
 from services.common.errors import ConfigError, NotFound
 from services.common.lifecycle import run_service
 from services.serve.config import ExportConfig, ServeConfig
+from services.serve.export import list_versions
 from services.serve.rows import InitialRows
 from services.serve.sources import ReadShards, export_job_checkpoint
 from services.serve.spec import spec_from_source
@@ -69,14 +70,19 @@ def export_from_flags(cfg: ExportConfig, read_shards: ReadShards) -> dict[str, A
         if newest is None:
             raise NotFound(f"no complete job checkpoint in {cfg.checkpoint_dir}")
         checkpoint_id = newest["checkpoint_id"]
+    base = cfg.base
+    if base == "latest":
+        versions = list_versions(cfg.out)
+        base = versions[-1]["version_id"] if versions else None
     manifest = export_job_checkpoint(
         cfg.checkpoint_dir, checkpoint_id, cfg.out, read_shards=read_shards,
         model=_model_config(cfg), spec=spec_from_source(cfg.features, cfg.dense_transform()),
         table_prefix=cfg.table_prefix, pooling=cfg.pooling, row_dtype=cfg.row_dtype,
-        keep=cfg.keep or None)
-    return {"version_id": manifest["version_id"], "step": manifest["step"],
+        keep=cfg.keep or None, base=base)
+    return {"version_id": manifest["version_id"], "step": manifest["step"], "base": base,
             "out": str(Path(cfg.out) / manifest["version_id"]),
-            "tables": {n: t["rows"] for n, t in manifest["tables"].items()},
+            "tables": {n: {"rows": t["rows"], "tombstones": t["tombstones"]}
+                       for n, t in manifest["tables"].items()},
             "bytes": sum(f["bytes"] for f in manifest["files"].values())}
 
 

@@ -86,6 +86,9 @@ class ExportConfig:
     row_dtype: str = field(default="float32", metadata={
         "help": f"stored rows: one of {', '.join(ROW_DTYPES)}"})
     keep: int = field(default=0, metadata={"help": "keep the newest K versions (0: all)"})
+    base: str | None = field(default=None, metadata={
+        "help": "write an incremental version on top of this version of --out ('latest': the "
+                "newest there; none: a full version)"})
     dense_fill: float = field(default=0.0, metadata={"help": "the loader's dense_fill"})
     dense_clip_min: float | None = field(default=0.0, metadata={
         "help": "the loader's dense_clip_min"})

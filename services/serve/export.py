@@ -6,6 +6,7 @@ Layout (``DIR`` is the model directory ``persimmon serve --model-dir`` watches):
                     /dense.pt             the model's state_dict (torch.save; weights_only)
                     /feature_spec.json    how raw records become inputs (services/serve/spec.py)
                     /t<i>-ids.npy, t<i>-rows.npy[, t<i>-scale.npy]   rows (services/serve/rows.py)
+                    [/t<i>-tombstones.npy]   ids deleted since the base (incremental only)
 
 The manifest holds the format version, version id, step, creation time, the model config
 (:class:`~services.worker.models.ModelConfig` fields), each sparse feature's table and dim,
@@ -14,7 +15,12 @@ the rows of ids never trained) and a sha256 and size per file. A version is writ
 temporary directory ``DIR/.tmp-...``, every file and the directory are fsynced, the manifest
 goes in last, then the directory is renamed into place. Readers ignore directories without a
 valid manifest and refuse a version whose files fail their checksums. :func:`prune` keeps
-the newest K versions.
+the newest K versions (and the bases they build on).
+
+An incremental version names its ``base`` in the manifest and holds only the rows that
+differ from the base as stored, plus tombstones for the ids the base holds and the new
+version does not (rows evicted or deleted on the PS); a reader applies the chain from the
+full version up. Dense weights and the feature spec are whole in every version.
 """
 
 from __future__ import annotations
@@ -37,14 +43,22 @@ import torch
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.files import fsync_dir
-from services.serve.rows import ROW_DTYPES, TableRows, encode_rows
+from services.serve.rows import (
+    ROW_DTYPES,
+    EmbeddingRows,
+    InitialRows,
+    RowLayer,
+    TableRows,
+    decode_rows,
+    encode_rows,
+)
 from services.serve.spec import FeatureSpec
 from services.worker.models import ModelConfig
 from services.worker.pooling import POOLING_MODES
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "SnapshotLike", "list_versions", "new_version_id",
-           "prune", "read_manifest", "tables_from_snapshots", "verify_version",
-           "write_version"]
+           "open_tables", "prune", "read_manifest", "tables_from_snapshots", "verify_version",
+           "version_chain", "write_version"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -150,12 +164,14 @@ def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
                   tables: Mapping[str, TableRows], spec: FeatureSpec,
                   row_dtype: str = "float32", pooling: str = "sum",
                   version_id: str | None = None, keep: int | None = None,
-                  source: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  source: Mapping[str, Any] | None = None,
+                  base: str | None = None) -> dict[str, Any]:
     """Write one complete model version atomically; returns its manifest.
 
     ``state`` is the dense model's state_dict, ``features`` maps each sparse feature to its
-    table, ``tables`` holds every table's rows. ``keep``: prune to the newest ``keep``
-    versions afterwards.
+    table, ``tables`` holds every table's rows. ``base``: write an incremental version on top
+    of that version (only the rows that differ from it, and tombstones for the ids it holds
+    that ``tables`` does not). ``keep``: prune to the newest ``keep`` versions afterwards.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidArgument(f"step must be an int >= 0, got {step!r}")
@@ -164,6 +180,7 @@ def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
     _check_id(version_id)
     root = Path(model_dir)
     root.mkdir(parents=True, exist_ok=True)
+    below = _base_tables(root, base, tables, features, row_dtype) if base is not None else None
     final = root / version_id
     if final.exists():
         raise AlreadyExists(f"model version {version_id!r} already exists in {root}")
@@ -177,13 +194,16 @@ def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
         files[SPEC] = _write_file(tmp, SPEC, json.dumps(spec.to_dict(), indent=1).encode())
         entries = {}
         for i, name in enumerate(sorted(set(features.values()))):
-            entries[name] = _write_table(tmp, f"t{i}", tables[name].sorted(), row_dtype, files)
+            rows, tombstones = tables[name].sorted(), None
+            if below is not None:
+                rows, tombstones = _delta(below[name], rows, row_dtype)
+            entries[name] = _write_table(tmp, f"t{i}", rows, row_dtype, files, tombstones)
         manifest = {
             "format": FORMAT_VERSION, "version_id": version_id, "step": step,
             "created": time.time(), "model": dataclasses.asdict(model),
             "features": dict(features), "sparse_dims": dims, "num_dense": num_dense,
             "pooling": pooling, "row_dtype": row_dtype, "tables": entries, "files": files,
-            "source": dict(source or {}),
+            "source": dict(source or {}), "base": base,
         }
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
@@ -201,15 +221,90 @@ def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
 
 
 def _write_table(directory: Path, prefix: str, table: TableRows, row_dtype: str,
-                 files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+                 files: dict[str, dict[str, Any]], tombstones: np.ndarray | None
+                 ) -> dict[str, Any]:
     stored, scale = encode_rows(table.rows, row_dtype)
-    arrays = {"ids": table.ids, "rows": stored, **({"scale": scale} if scale is not None else {})}
+    arrays = {"ids": table.ids, "rows": stored, **({"scale": scale} if scale is not None else {}),
+              **({"tombstones": tombstones} if tombstones is not None else {})}
     names = {}
     for kind, array in arrays.items():
         names[kind] = f"{prefix}-{kind}.npy"
         files[names[kind]] = _write_file(directory, names[kind], _npy(array))
     return {"dim": int(table.config["dim"]), "dtype": row_dtype, "rows": int(table.ids.size),
+            "tombstones": int(tombstones.size) if tombstones is not None else 0,
             "config": _config_dict(table.config), "files": names}
+
+
+def _no_initial_rows(config: Mapping[str, Any], ids: np.ndarray) -> np.ndarray:
+    raise FailedPrecondition("an export never makes initial rows")
+
+
+def _base_tables(root: Path, base: str, tables: Mapping[str, TableRows],
+                 features: Mapping[str, str], row_dtype: str) -> dict[str, EmbeddingRows]:
+    """The rows of version ``base``, checked to be a base the new version can build on."""
+    _check_id(base)
+    chain = version_chain(root, base)
+    if chain[-1]["row_dtype"] != row_dtype:
+        raise InvalidArgument(f"base version {base!r} stores {chain[-1]['row_dtype']} rows, "
+                              f"not {row_dtype}")
+    opened = open_tables(root, chain, _no_initial_rows)
+    names = set(features.values())
+    if set(opened) != names or any(opened[t].dim != int(tables[t].config["dim"])
+                                   for t in names):
+        raise InvalidArgument(f"base version {base!r} has other tables or dims: "
+                              f"{ {t: r.dim for t, r in opened.items()} }")
+    return opened
+
+
+def _delta(below: EmbeddingRows, table: TableRows, row_dtype: str
+           ) -> tuple[TableRows, np.ndarray]:
+    """The rows of ``table`` that differ from ``below`` as stored, and the ids ``below``
+    holds that ``table`` does not (tombstones, sorted)."""
+    stored, scale = encode_rows(table.rows, row_dtype)
+    have, old = below.stored(table.ids)
+    changed = ~have | np.any(old != decode_rows(stored, scale), axis=1)
+    live = below.live_ids()
+    rows = TableRows(name=table.name, ids=table.ids[changed], rows=table.rows[changed],
+                     config=table.config)
+    return rows, live[~np.isin(live, table.ids)]
+
+
+def version_chain(model_dir: Path | str, version_id: str) -> list[dict[str, Any]]:
+    """Manifests from the full version under ``version_id`` up to it (FailedPrecondition
+    when a base is missing or the chain loops)."""
+    root = Path(model_dir)
+    chain: list[dict[str, Any]] = []
+    current: str | None = version_id
+    while current is not None:
+        if any(m["version_id"] == current for m in chain):
+            raise FailedPrecondition(f"model version {version_id!r} has a cyclic base chain")
+        try:
+            manifest = read_manifest(root / current)
+        except NotFound as exc:
+            if not chain:
+                raise
+            raise FailedPrecondition(f"model version {version_id!r} builds on {current!r}, "
+                                     "which is missing") from exc
+        chain.append(manifest)
+        current = manifest.get("base")
+    return chain[::-1]
+
+
+def open_tables(model_dir: Path | str, chain: Sequence[Mapping[str, Any]],
+                initial_rows: InitialRows) -> dict[str, EmbeddingRows]:
+    """Every table of the newest version of ``chain`` (base first), memory-mapped."""
+    root, newest = Path(model_dir), chain[-1]
+    out = {}
+    for name, entry in newest["tables"].items():
+        layers = []
+        for manifest in reversed(chain):
+            part = manifest["tables"].get(name)
+            if part is None or int(part["dim"]) != int(entry["dim"]):
+                raise FailedPrecondition(f"table {name} differs between versions "
+                                         f"{manifest['version_id']} and {newest['version_id']}")
+            layers.append(RowLayer(name, root / manifest["version_id"], part))
+        out[name] = EmbeddingRows(name, entry["config"], layers, initial_rows)
+    return out
 
 
 def read_manifest(version_dir: Path | str) -> dict[str, Any]:
@@ -270,11 +365,19 @@ def list_versions(model_dir: Path | str) -> list[dict[str, Any]]:
 
 
 def prune(model_dir: Path | str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` complete versions; returns the deleted ids."""
+    """Delete all but the newest ``keep`` complete versions and the bases they build on;
+    returns the deleted ids."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise InvalidArgument(f"keep must be an int >= 1, got {keep!r}")
     versions = list_versions(model_dir)
-    doomed = [m["version_id"] for m in versions[:max(0, len(versions) - keep)]]
+    by_id = {m["version_id"]: m for m in versions}
+    needed: set[str] = set()
+    for manifest in versions[max(0, len(versions) - keep):]:
+        current: str | None = manifest["version_id"]
+        while current is not None and current not in needed:
+            needed.add(current)
+            current = by_id[current].get("base") if current in by_id else None
+    doomed = [m["version_id"] for m in versions if m["version_id"] not in needed]
     for version_id in doomed:
         directory = Path(model_dir) / version_id
         (directory / MANIFEST).unlink(missing_ok=True)  # incomplete first, then gone

@@ -28,7 +28,7 @@ import torch
 from services.common.batch import Jagged
 from services.common.config import from_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
-from services.serve.export import DENSE, SPEC, read_manifest, verify_version
+from services.serve.export import DENSE, SPEC, open_tables, verify_version, version_chain
 from services.serve.rows import EmbeddingRows, InitialRows
 from services.serve.spec import Features, FeatureSpec
 from services.worker.models import ModelConfig
@@ -63,9 +63,11 @@ class Predictor:
              verify: bool = True) -> Predictor:
         """Load and check a version; any problem is a FailedPrecondition naming it."""
         directory = Path(version_dir)
-        manifest = read_manifest(directory)
+        chain = version_chain(directory.parent, directory.name)
+        manifest = chain[-1]
         if verify:
-            verify_version(directory, manifest)
+            for m in chain:
+                verify_version(directory.parent / m["version_id"], m)
         try:
             spec = FeatureSpec.from_dict(_json(directory / SPEC))
             model_config = from_dict(ModelConfig, manifest["model"], where="manifest model")
@@ -77,8 +79,7 @@ class Predictor:
             raise FailedPrecondition(f"model version {directory.name} cannot be loaded: "
                                      f"{exc}") from exc
         model.eval()
-        tables = {name: EmbeddingRows(name, directory, entry, initial_rows)
-                  for name, entry in manifest["tables"].items()}
+        tables = open_tables(directory.parent, chain, initial_rows)
         missing = sorted(set(manifest["features"].values()) - set(tables))
         if missing:
             raise FailedPrecondition(f"model version {directory.name} lacks tables {missing}")
@@ -88,7 +89,9 @@ class Predictor:
         return {"version_id": self.version_id, "step": self.step,
                 "created": self.manifest["created"], "model": self.manifest["model"]["name"],
                 "row_dtype": self.manifest["row_dtype"],
-                "tables": {n: len(t) for n, t in self.tables.items()}}
+                "base": self.manifest.get("base"),
+                "tables": {n: {"rows": t["rows"], "tombstones": t.get("tombstones", 0)}
+                           for n, t in self.manifest["tables"].items()}}
 
     # ---- inputs ----------------------------------------------------------------------------
 

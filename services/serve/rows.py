@@ -2,13 +2,15 @@
 
 Files of table ``t<i>`` (``.npy``, loadable with ``np.load(mmap_mode="r")``)::
 
-    t<i>-ids.npy     uint64 (n,), strictly increasing
-    t<i>-rows.npy    (n, dim) float32 or float16, or int8 with
-    t<i>-scale.npy   float32 (n,): row j is rows[j] * scale[j] (int8 only)
+    t<i>-ids.npy         uint64 (n,), strictly increasing
+    t<i>-rows.npy        (n, dim) float32 or float16, or int8 with
+    t<i>-scale.npy       float32 (n,): row j is rows[j] * scale[j] (int8 only)
+    t<i>-tombstones.npy  uint64, sorted (incremental versions only): ids deleted since the base
 
-A lookup is a binary search (``np.searchsorted``) of the sorted ids; an id the table does not
-hold gets the row the PS would create for it (``initial_rows``, deterministic per id), so an
-id never trained serves as it would have in training.
+A lookup is a binary search (``np.searchsorted``) of the sorted ids, newest layer first (an
+incremental version over its base); an id the version does not hold (never trained, or
+deleted: evicted on the PS) gets the row the PS would create for it (``initial_rows``,
+deterministic per id), so it serves as it would have in training.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["ROW_DTYPES", "EmbeddingRows", "InitialRows", "TableRows", "encode_rows"]
+__all__ = ["ROW_DTYPES", "EmbeddingRows", "InitialRows", "RowLayer", "TableRows", "decode_rows",
+           "encode_rows"]
 
 ROW_DTYPES = ("float32", "float16", "int8")
 
@@ -71,48 +74,95 @@ def encode_rows(rows: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray | 
     raise InvalidArgument(f"row dtype must be one of {ROW_DTYPES}, got {dtype!r}")
 
 
-class EmbeddingRows:
-    """A table's exported rows, memory-mapped; :meth:`lookup` answers any ids."""
+def decode_rows(stored: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """float32 rows of stored rows (and their int8 scale)."""
+    rows = np.asarray(stored, dtype=np.float32)
+    return rows * scale[:, None] if scale is not None else rows
 
-    def __init__(self, name: str, directory: Path, entry: Mapping[str, Any],
-                 initial_rows: InitialRows) -> None:
-        self.name = name
-        self.config = dict(entry["config"])
-        self.dim = int(entry["dim"])
-        self.dtype = str(entry["dtype"])
+
+def _find(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mask of ``ids`` present in ``sorted_ids``, their positions there)."""
+    n = int(sorted_ids.shape[0])
+    pos = np.searchsorted(sorted_ids, ids) if n else np.zeros(ids.size, dtype=np.int64)
+    found = pos < n
+    found[found] = sorted_ids[pos[found]] == ids[found]
+    return found, pos[found]
+
+
+class RowLayer:
+    """One version's files of a table: its rows, and (incremental) the ids it deleted."""
+
+    def __init__(self, name: str, directory: Path, entry: Mapping[str, Any]) -> None:
+        dim, dtype, n = int(entry["dim"]), str(entry["dtype"]), int(entry["rows"])
         files = entry["files"]
         self.ids = _load(directory / files["ids"])
         self.rows = _load(directory / files["rows"])
         self.scale = _load(directory / files["scale"]) if "scale" in files else None
-        n = int(entry["rows"])
+        self.tombstones = (_load(directory / files["tombstones"]) if "tombstones" in files
+                           else np.empty(0, dtype=np.uint64))
         if self.ids.shape != (n,) or self.ids.dtype != np.uint64 \
-                or self.rows.shape != (n, self.dim) or self.rows.dtype != np.dtype(self.dtype) \
-                or (self.dtype == "int8") != (self.scale is not None) \
-                or (self.scale is not None and self.scale.shape != (n,)):
-            raise FailedPrecondition(f"table {name}: files do not match the manifest "
-                                     f"({n} rows of dim {self.dim} in {self.dtype})")
+                or self.rows.shape != (n, dim) or self.rows.dtype != np.dtype(dtype) \
+                or (dtype == "int8") != (self.scale is not None) \
+                or (self.scale is not None and self.scale.shape != (n,)) \
+                or self.tombstones.dtype != np.uint64 or self.tombstones.ndim != 1:
+            raise FailedPrecondition(f"table {name} in {directory.name}: files do not match "
+                                     f"the manifest ({n} rows of dim {dim} in {dtype})")
+
+    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of ``ids`` this layer holds, their float32 rows)."""
+        found, pos = _find(self.ids, ids)
+        scale = self.scale[pos] if self.scale is not None else None
+        return found, decode_rows(self.rows[pos], scale)
+
+
+class EmbeddingRows:
+    """A table's exported rows, memory-mapped, over one full version and the incremental
+    versions on top of it (``layers``, newest first); :meth:`lookup` answers any ids."""
+
+    def __init__(self, name: str, config: Mapping[str, Any], layers: list[RowLayer],
+                 initial_rows: InitialRows) -> None:
+        self.name = name
+        self.config = dict(config)
+        self.dim = int(config["dim"])
+        self.layers = layers
         self._initial_rows = initial_rows
 
     def __len__(self) -> int:
-        return int(self.ids.shape[0])
+        return int(self.live_ids().size) if len(self.layers) > 1 else int(self.layers[0].ids.size)
+
+    def stored(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of ``ids`` the version holds, float32 ``(len(ids), dim)`` rows; rows of ids
+        it does not hold are undefined)."""
+        ids = np.asarray(ids, dtype=np.uint64)
+        out = np.zeros((ids.size, self.dim), dtype=np.float32)
+        have = np.zeros(ids.size, dtype=bool)
+        pending = np.arange(ids.size)
+        for layer in self.layers:  # newest first: a newer row or tombstone wins
+            found, rows = layer.find(ids[pending])
+            out[pending[found]] = rows
+            have[pending[found]] = True
+            pending = pending[~found]
+            if layer.tombstones.size and pending.size:
+                pending = pending[~_find(layer.tombstones, ids[pending])[0]]
+        return have, out
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """float32 ``(len(ids), dim)``: stored rows, initial rows for ids not stored."""
+        """float32 ``(len(ids), dim)``: stored rows, initial rows for ids not stored (never
+        trained, or deleted since)."""
         ids = np.asarray(ids, dtype=np.uint64)
-        out = np.empty((ids.size, self.dim), dtype=np.float32)
-        n = len(self)
-        pos = np.searchsorted(self.ids, ids) if n else np.zeros(ids.size, dtype=np.int64)
-        found = pos < n
-        found[found] = self.ids[pos[found]] == ids[found]
-        hit = pos[found]
-        rows = np.asarray(self.rows[hit], dtype=np.float32)
-        if self.scale is not None:
-            rows *= self.scale[hit][:, None]
-        out[found] = rows
-        if not bool(found.all()):
-            fresh = self._initial_rows(self.config, ids[~found])
-            out[~found] = np.asarray(fresh, dtype=np.float32).reshape(-1, self.dim)
+        have, out = self.stored(ids)
+        if not bool(have.all()):
+            fresh = self._initial_rows(self.config, ids[~have])
+            out[~have] = np.asarray(fresh, dtype=np.float32).reshape(-1, self.dim)
         return out
+
+    def live_ids(self) -> np.ndarray:
+        """Every id the version holds, sorted."""
+        ids = np.asarray(self.layers[-1].ids)
+        for layer in reversed(self.layers[:-1]):  # oldest incremental first
+            gone = np.union1d(layer.tombstones, layer.ids)
+            ids = np.union1d(ids[~np.isin(ids, gone)], layer.ids)
+        return ids
 
 
 def _load(path: Path) -> np.ndarray:

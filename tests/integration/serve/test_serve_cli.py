@@ -1,5 +1,6 @@
-"""``persimmon export`` then ``persimmon serve`` as processes: a job checkpoint of real PS
-shards becomes a served model whose answers are the trainer's."""
+"""``persimmon export`` then ``persimmon serve`` as processes: job checkpoints of real PS
+shards become served models whose answers are the trainer's; an incremental export made
+while the server runs is picked up by it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -15,6 +17,7 @@ import yaml
 from serve_training import (
     SPEC,
     batch,
+    eventually,
     model_config,
     ps_shards,
     records,
@@ -28,43 +31,72 @@ from services.worker.trainer import Trainer
 PERSIMMON = [sys.executable, "-m", "services.cli"]
 
 
+def export(tmp_path: Path, checkpoint: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*PERSIMMON, "export", "--job-checkpoint", checkpoint,
+         "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "models"),
+         "--features", str(tmp_path / "spec.json"),
+         "--model-config", str(tmp_path / "model.yaml"), *extra],
+        capture_output=True, text=True, timeout=120)
+
+
 async def test_export_and_serve_commands(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
-    root, models = tmp_path / "ckpt", tmp_path / "models"
+    root = tmp_path / "ckpt"
     (tmp_path / "spec.json").write_text(json.dumps(SPEC.to_dict()))
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(dataclasses.asdict(
         model_config("wide_deep"))))
+    probe = records(rng, 10)
+    proc = None
     async with ps_shards(root) as shards:
+        checkpointer = JobCheckpointer(root, admin_urls=[s.admin_url for s in shards])
         async with Trainer(model=model_config("wide_deep"), mode="sync", lr=1e-2,
                            ps_addresses=[s.address for s in shards]) as trainer:
-            await trainer.fit([batch(i, records(rng, 32), rng) for i in range(3)])
-            await JobCheckpointer(root, admin_urls=[s.admin_url for s in shards]).checkpoint(
-                trainer.step, "job-a", parts={"dense": dense_part(trainer.dense_state())})
-            probe = records(rng, 10)
-            expected = await trainer_probabilities(trainer, probe)
-    export = subprocess.run(
-        [*PERSIMMON, "export", "--job-checkpoint", "job-a", "--checkpoint-dir", str(root),
-         "--out", str(models), "--features", str(tmp_path / "spec.json"),
-         "--model-config", str(tmp_path / "model.yaml"), "--row-dtype", "float32"],
-        capture_output=True, text=True, timeout=120)
-    assert export.returncode == 0, export.stderr
-    summary = json.loads(export.stdout)
-    assert summary["step"] == 3 and (models / summary["version_id"] / "manifest.json").exists()
-    missing = subprocess.run(
-        [*PERSIMMON, "export", "--job-checkpoint", "job-x", "--checkpoint-dir", str(root),
-         "--out", str(models), "--features", str(tmp_path / "spec.json")],
-        capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and "job-x" in missing.stderr  # one clear line, no trace
-    proc, _, admin_port = start_service(
-        [*PERSIMMON, "--log-level", "WARNING", "serve", "--model-dir", str(models)],
-        str(tmp_path / "serve.ready"), timeout=120)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{admin_port}") as http:
-            answer = (await http.post("/v1/predict", json={"records": probe})).json()
-            config = (await http.get("/v1/config")).json()
-    finally:
-        stop_processes([proc])
-    assert proc.returncode == 0
-    assert answer["version"] == summary["version_id"]
-    np.testing.assert_allclose(answer["probabilities"], expected, atol=1e-6)
-    assert config["model_dir"] == str(models)
+            async def train_and_checkpoint(steps: int, name: str) -> np.ndarray:
+                await trainer.fit([batch(i, records(rng, 32), rng) for i in range(steps)])
+                await checkpointer.checkpoint(trainer.step, name, parts={
+                    "dense": dense_part(trainer.dense_state())})
+                return await trainer_probabilities(trainer, probe)
+
+            first = await train_and_checkpoint(3, "job-a")
+            done = export(tmp_path, "job-a", "--row-dtype", "float32")
+            assert done.returncode == 0, done.stderr
+            v1 = json.loads(done.stdout)
+            assert v1["step"] == 3 and v1["base"] is None
+            missing = export(tmp_path, "job-x")
+            assert missing.returncode == 2 and "job-x" in missing.stderr  # one clear line
+            try:
+                proc, _, admin_port = start_service(
+                    [*PERSIMMON, "--log-level", "WARNING", "serve", "--model-dir",
+                     str(tmp_path / "models"), "--watch-interval-s", "0.1"],
+                    str(tmp_path / "serve.ready"), timeout=120)
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{admin_port}",
+                                             timeout=30) as http:
+                    async def answer() -> dict[str, Any]:
+                        response = await http.post("/v1/predict", json={"records": probe})
+                        assert response.status_code == 200, response.text
+                        return response.json()
+
+                    got = await answer()
+                    assert got["version"] == v1["version_id"]
+                    np.testing.assert_allclose(got["probabilities"], first, atol=1e-6)
+                    second = await train_and_checkpoint(2, "job-b")
+                    done = export(tmp_path, "job-b", "--base", "latest")
+                    assert done.returncode == 0, done.stderr
+                    v2 = json.loads(done.stdout)
+                    assert v2["step"] == 5 and v2["base"] == v1["version_id"]
+                    assert v2["bytes"] < v1["bytes"]  # only the rows the 2 steps changed
+
+                    async def swapped() -> bool:
+                        return (await answer())["version"] == v2["version_id"]
+
+                    await eventually(swapped)
+                    np.testing.assert_allclose((await answer())["probabilities"], second,
+                                               atol=1e-6)
+                    assert np.abs(second - first).max() > 1e-4
+                    config = (await http.get("/v1/config")).json()
+                    assert config["model_dir"] == str(tmp_path / "models")
+            finally:
+                if proc is not None:
+                    stop_processes([proc])
+    assert proc is not None and proc.returncode == 0

@@ -51,7 +51,7 @@ async def test_served_equals_trained_from_a_job_checkpoint(tmp_path: Path, kind:
                 job_checkpoint="latest", checkpoint_dir=str(root), out=str(models),
                 features=str(tmp_path / "spec.json"), model_config=str(tmp_path / "model.yaml"),
                 pooling=pooling), read_shards)
-            assert summary["step"] == 6 and summary["tables"]["C1"] > 0
+            assert summary["step"] == 6 and summary["tables"]["C1"]["rows"] > 0
             probe = records(rng, 40)  # unseen ids among them: their initial rows
             expected = await trainer_probabilities(trainer, probe)
         async with server(models) as service, httpx.AsyncClient(base_url=service.url) as http:

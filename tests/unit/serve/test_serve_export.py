@@ -14,9 +14,11 @@ from serve_versions import DIMS, MODEL, SPEC, TABLES, MakeVersion, ps_initial_ro
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.serve.export import (
     list_versions,
+    open_tables,
     prune,
     read_manifest,
     tables_from_snapshots,
+    version_chain,
     write_version,
 )
 from services.serve.predictor import Predictor
@@ -24,8 +26,8 @@ from services.serve.rows import EmbeddingRows, TableRows
 
 
 def rows_of(models: Path, manifest: dict, table: str) -> EmbeddingRows:
-    return EmbeddingRows(table, models / manifest["version_id"], manifest["tables"][table],
-                         ps_initial_rows)
+    chain = version_chain(models, manifest["version_id"])
+    return open_tables(models, chain, ps_initial_rows)[table]
 
 
 def test_manifest_describes_the_version(tmp_path: Path, make_version: MakeVersion) -> None:
