@@ -1,12 +1,13 @@
 """Serving: model versions exported from training, and a prediction server over them.
 
-Layout (the service file set of STYLE.md; no gRPC server yet):
+Layout (the service file set of STYLE.md):
 
 - ``__main__``: the ``persimmon serve`` and ``persimmon export`` commands
 - ``config``: :class:`ServeConfig`, :class:`ExportConfig`
-- ``admin`` (REST: predict, versions, metrics), ``service`` (the process)
-- ``export``: the on-disk version format (atomic, checksummed, pruned); ``sources``: versions
-  from a live trainer or a job checkpoint
+- ``server`` (gRPC ``persimmon.Serve/Predict``), ``admin`` (REST: predict, versions,
+  metrics), ``service`` (the process)
+- ``export``: the on-disk version format (atomic, checksummed, full or incremental, pruned);
+  ``sources``: versions from a live trainer or a job checkpoint
 - ``spec``: the feature spec (raw records → ids and dense inputs, as the loader does)
 - ``rows``: memory-mapped rows of a table, initial rows for ids never trained
 - ``predictor``: one loaded, immutable version; ``versions``: hot swap and rollback;
