@@ -120,7 +120,11 @@ def _list_converters(item: Any, max_items: int) -> tuple[Load, Dump]:
         if not isinstance(v, list) or len(v) > max_items:
             raise MalformedMessage(f"{where} must be a list of at most {max_items} items, "
                                    f"got {_show(v)}")
-        return [item_load(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        if item is int and all(type(x) is int for x in v) \
+                and (not v or (min(v) >= 0 and max(v) < 2**63)):
+            return v  # the common case of a long id list, without a call per item
+        where_item = f"{where}[]"
+        return [item_load(x, where_item) for x in v]
     return load, None if item_dump is None else (lambda v: [item_dump(x) for x in v])
 
 

@@ -27,6 +27,8 @@ ALLOWED_DTYPES = frozenset(
 MAX_ARRAY_ELEMENTS = 2**31
 MAX_DIMS = 8
 _KEYS = frozenset({"dtype", "shape", "codec", "meta", "data"})
+_BUFFERS = (bytes, bytearray, memoryview)  # a tuple: isinstance is faster than with a union
+_MAX_DIM = 2**63
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,7 +70,8 @@ class WireArray:
         if not body.keys() <= _KEYS:
             extra = sorted(map(str, body.keys() - _KEYS))
             raise MalformedMessage(f"{where} has unknown keys {extra}")
-        dtype, shape, data = body.get("dtype"), body.get("shape"), body.get("data")
+        dtype, data = body.get("dtype"), body.get("data")
+        shape: Any = body.get("shape")
         codec, meta = body.get("codec", "none"), body.get("meta", {})
         if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
             raise MalformedMessage(f"{where} dtype {_show(dtype)} is not one of "
@@ -80,7 +83,7 @@ class WireArray:
         if count > MAX_ARRAY_ELEMENTS:
             raise MalformedMessage(f"{where} of shape {list(shape)} needs {count} elements, "
                                    f"more than the limit of {MAX_ARRAY_ELEMENTS}")
-        if not isinstance(data, bytes | bytearray | memoryview):
+        if not isinstance(data, _BUFFERS):
             raise MalformedMessage(f"{where} data must be a binary buffer")
         if not isinstance(codec, str) or not codec or ":" in codec:
             raise MalformedMessage(f"{where} codec {codec!r} must be a codec name (parameters "
@@ -91,10 +94,10 @@ class WireArray:
 
 
 def _good_shape(shape: Any) -> bool:
-    if not isinstance(shape, list | tuple) or len(shape) > MAX_DIMS:
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:  # noqa: UP038
         return False
     for s in shape:
-        if type(s) is not int or not 0 <= s < 2**63:
+        if type(s) is not int or not 0 <= s < _MAX_DIM:
             return False
     return True
 

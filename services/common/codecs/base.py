@@ -45,6 +45,9 @@ class CodecStats:
                 "arrays": self.arrays, "ratio": self.ratio}
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
 class Codec:
     """Base class of every codec; subclasses implement :meth:`encode` and :meth:`decode`.
 
@@ -77,12 +80,15 @@ class Codec:
             x = np.ascontiguousarray(x)  # (never for a 0-d array, whose shape it would change)
         data, meta = self.encode(x, key=key)
         self.stats.add(x.nbytes, memoryview(data).nbytes)
-        return WireArray(dtype=x.dtype.name, shape=x.shape, codec=self.name, meta=meta,
-                         data=data)
+        name = _DTYPE_NAMES.get(x.dtype)
+        if name is None:  # dtype.name is slow (Python code in numpy): cache it per dtype
+            name = _DTYPE_NAMES[x.dtype] = x.dtype.name
+        return WireArray(dtype=name, shape=x.shape, codec=self.name, meta=meta, data=data)
 
     def from_wire(self, arr: WireArray | dict[str, Any]) -> np.ndarray:
         """Decode ``arr`` (a :class:`WireArray` or its map, checked first) with this codec."""
-        arr = WireArray.from_wire(arr)
+        if not isinstance(arr, WireArray):
+            arr = WireArray.from_wire(arr)
         try:
             return self.decode(arr.data, arr.meta, np.dtype(arr.dtype), arr.shape)
         except MalformedMessage:

@@ -138,7 +138,8 @@ def decode_array(arr: WireArray | Mapping[str, Any] | Any, where: str = "array"
                  ) -> np.ndarray:
     """The array of a received :class:`WireArray` (or its map, checked first), decoded by the
     codec its header names; unknown codecs and bad payloads are a MalformedMessage."""
-    arr = WireArray.from_wire(arr, where)
+    if not isinstance(arr, WireArray):
+        arr = WireArray.from_wire(arr, where)
     try:
         codec = _RAW if arr.codec == "none" else decoder(arr.codec)
     except PersimmonError as exc:
