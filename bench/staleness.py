@@ -11,8 +11,8 @@ largest staleness a lookup really saw, and plots throughput and AUC against S.
 
 ``--data default`` (the default) is ``SyntheticConfig()``: 8 features with long-tailed
 vocabularies, so a step has 8 tables of lookups and pushes to overlap with compute.
-``--data small`` is the planted data of :mod:`bench.sync`: 4 features of a few dozen ids, so
-every batch reads and writes the same hot rows.
+``--data small`` is :data:`services.local.compare.PLANTED`: 4 features of a few dozen ids,
+so every batch reads and writes the same hot rows.
 """
 
 from __future__ import annotations
