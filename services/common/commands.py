@@ -47,6 +47,7 @@ def run_single(command: str, register: Register, argv: Sequence[str], *,
     ``[--log-level LEVEL] FLAGS...``."""
     parser, sub = command_parser(prog, description)
     register(sub)
+    sub.choices[command].prog = prog  # its usage line names the module, not a subcommand
     argv = list(argv)
     head: list[str] = []
     while argv and argv[0].startswith("--log-level"):
