@@ -198,8 +198,11 @@ async def _fit(trainer: Any, batches: Any, test: Any, args: argparse.Namespace,
 
 
 def summary_dict(summary: Any) -> dict[str, Any]:
-    """A fit summary (a dataclass or a mapping) as a plain dict, for JSON and for adding the
-    oracle's metrics."""
+    """A fit summary (one with ``as_dict()``, a dataclass or a mapping) as a plain dict, for
+    JSON and for adding the oracle's metrics."""
+    as_dict = getattr(summary, "as_dict", None)
+    if callable(as_dict):
+        return dict(as_dict())
     if dataclasses.is_dataclass(summary) and not isinstance(summary, type):
         return dataclasses.asdict(summary)
     return dict(summary)
