@@ -107,7 +107,7 @@ async def _job(args: argparse.Namespace, train: list[Any], test: list[Any],
         lost = int(np.any(probe_after != probe, axis=1).sum())
         lost += await asyncio.to_thread(_missing_from_checkpoint, root,
                                         manifest["checkpoint_id"], acked)
-    return {"auc": summary["auc"], "steps": cut + summary["steps"], "seconds": seconds,
+    return {"auc": summary.auc, "steps": cut + summary.steps, "seconds": seconds,
             "lost": lost, "checkpoint_step": cut, "kill_step": kill_step if kill else None,
             "restarts": len(restarts),
             "recovery_s": marks["resumed"] - marks["kill"] if "resumed" in marks else None}

@@ -3,11 +3,12 @@
 A trainer's process runs its dense compute in a thread; the PS traffic of every step (grpc.aio,
 msgpack, codecs) would otherwise run on the same interpreter and take the GIL from compute.
 :class:`PSClientProcess` starts a child process that holds a real :class:`PSClient` and serves
-the step's three calls (``lookup_sharded``, ``push_sharded``, ``push_then_lookup``) over a
-socket pair: each request is one length-prefixed pickle (protocol 5; arrays travel as raw
+the step's three calls (``lookup_sharded``, ``push_sharded``, ``push_then_lookup``) and
+``tables`` over a socket pair: each request is one length-prefixed pickle (protocol 5; arrays travel as raw
 buffers), answered in any order by request id, many in flight. Errors come back as the
 Persimmon error the child raised. The child's byte counters come back with every answer, so
-``wire_bytes()`` and ``codec_stats`` read as a :class:`PSClient`'s. The child runs at a lower
+``wire_bytes()`` and ``codec_stats`` read as a :class:`PSClient`'s: it is a
+:class:`clients.rows.RowsClient` (and a :class:`clients.rows.ProcessCPU`). The child runs at a lower
 priority (``nice``, default 10): in hybrid mode its work is off the step's critical path, and
 it must not take the core the dense compute runs on.
 
@@ -45,7 +46,8 @@ __all__ = ["PSClientProcess"]
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
-_SERVED = ("lookup_sharded", "push_sharded", "push_then_lookup")  # PSClient's step calls
+# PSClient's step calls, and its table configs
+_SERVED = ("lookup_sharded", "push_sharded", "push_then_lookup", "tables")
 _START_TIMEOUT_S = 120.0  # a spawned interpreter imports numpy, numba and grpc first
 
 
@@ -74,7 +76,7 @@ async def _serve(sock: socket.socket) -> None:
         await _send(writer, ("failed", exc))
         return
     freeze_startup_objects()
-    await _send(writer, ("ready", client.addresses))
+    await _send(writer, ("ready", (client.addresses, client.dims)))
     write_lock = asyncio.Lock()
     tasks: set[asyncio.Task[None]] = set()
 
@@ -122,8 +124,8 @@ class PSClientProcess:
     ``options`` are :class:`PSClient`'s keywords (codecs, timeout, retry_s, token, tls); they
     must pickle. With ``registry`` (a URL) the child discovers the shards there, as
     :meth:`PSClient.from_registry`, and finds them again after a shard moves. ``nice``: how
-    much lower the child's priority is. ``num_shards`` and the shard ``addresses`` are known
-    once connected.
+    much lower the child's priority is. ``num_shards``, the shard ``addresses`` and the tables'
+    ``dims`` are known once connected.
     """
 
     def __init__(self, addresses: Sequence[str] = (), *, registry: str | None = None,
@@ -143,6 +145,7 @@ class PSClientProcess:
         self._write_lock = asyncio.Lock()
         self._wire_bytes: dict[str, int] = {}
         self.codec_stats = WireStats()
+        self.dims: dict[str, int] = {}
 
     @property
     def num_shards(self) -> int:
@@ -172,7 +175,9 @@ class PSClientProcess:
         if status != "ready":
             await self.close()
             raise detail
-        self.addresses = list(detail)
+        addresses, dims = detail
+        self.addresses = list(addresses)
+        self.dims.update(dims)
         self._answers = asyncio.create_task(self._read_answers(self._reader),
                                             name="ps client process answers")
         return self
@@ -226,6 +231,12 @@ class PSClientProcess:
                                then: ShardedIds) -> tuple[PushAck, np.ndarray]:
         """:meth:`PSClient.push_then_lookup`, in the child."""
         return await self._call("push_then_lookup", layout, grads, then)
+
+    async def tables(self) -> list[dict[str, Any]]:
+        """:meth:`PSClient.tables`, in the child; refreshes ``dims``."""
+        tables: list[dict[str, Any]] = await self._call("tables")
+        self.dims.update({t["name"]: int(t["dim"]) for t in tables})
+        return tables
 
     async def cpu_seconds(self) -> float:
         """CPU seconds the child process has used so far."""

@@ -30,18 +30,16 @@ console = Console()
 
 
 def _plot(summary: dict[str, Any], path: str) -> None:
-    """Loss (moving average) against step and held-out AUC against step, as a PNG."""
+    """Loss (mean over spans of steps) against step and held-out AUC against step, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    losses = np.asarray(summary.get("losses", []), dtype=np.float64)
+    curve = np.asarray(summary.get("loss_curve", []), dtype=np.float64).reshape(-1, 2)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    if losses.size:
-        window = max(1, losses.size // 50)
-        smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-        ax1.plot(np.arange(smooth.size) + window, smooth)
+    if curve.size:  # (first step, mean loss) of spans of steps: the whole run, bounded
+        ax1.plot(curve[:, 0], curve[:, 1])
     ax1.set(title="training loss (rank 0)", xlabel="step", ylabel="log loss")
     history = summary.get("history", [])
     if history:
@@ -121,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     console.print(f"loss and AUC curves: {png}")
     if args.summary_json:
         with open(args.summary_json, "w") as f:
-            json.dump({k: v for k, v in summary.items() if k != "losses"}, f, indent=2)
+            json.dump(summary, f, indent=2)
     return 0
 
 

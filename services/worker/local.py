@@ -51,9 +51,7 @@ async def _train(rank: int, world: int, ps_addresses: Sequence[str],
                 summary = await trainer.fit(loader, eval_batches=test)
         else:
             summary = await trainer.fit(train, eval_batches=test)
-        summary["history"] = trainer.history
-        summary["losses"] = trainer.losses
-        return summary
+        return summary.as_dict()
 
 
 def _share(batches: Sequence[Batch] | str | None, rank: int, world: int
@@ -79,7 +77,7 @@ def run_local_training(*, ps_addresses: Sequence[str],
                        num_workers: int = 1, timeout_s: float = 600.0,
                        on_step: Callable[[dict[str, Any]], None] | None = None
                        ) -> dict[str, Any]:
-    """Train and return rank 0's summary, with ``samples_per_s`` and ``wire_bytes`` summed over
+    """Train and return rank 0's summary (:meth:`FitSummary.as_dict`), with ``samples_per_s`` and ``wire_bytes`` summed over
     the workers and ``num_workers`` added. Give ``train_batches`` or ``loader`` (an address),
     and optionally ``eval_batches`` or ``eval_loader``. ``on_step`` runs only with one worker
     (in this process); with more, workers are forked processes joined by a gloo group."""

@@ -41,11 +41,12 @@ async def test_dct_mp_thresholds_activations_and_still_learns(cluster: LocalPS) 
     batches = list(SyntheticDataset(DATA).batches(128, 128 * 16))
     async with trainer(cluster, "mp_", activation_keep=0.1) as t:
         summary = await t.fit(batches)
-    act = summary["activation_bytes"]
+    act = summary.activation_bytes
     width = 8 * len(FEATURES)
     assert act["steps"] == 16 and act["raw_bytes"] == 16 * 8 * 128 * width
     assert act["ratio"] == pytest.approx(width / np.ceil(0.1 * width))
-    assert np.mean(t.losses[-4:]) < np.mean(t.losses[:4])
+    losses = summary.recent_losses
+    assert np.mean(losses[-4:]) < np.mean(losses[:4])
     scraped = generate_latest(t.progress.registry).decode()  # bytes exported per stream
     for stream, codec, direction in (("rows_down", "none", "received"),
                                      ("grads_up", "none", "sent"),
@@ -60,9 +61,10 @@ async def test_onebit_adam_trains_and_counts_its_bytes(cluster: LocalPS) -> None
     async with trainer(cluster, "ob_", dense_optimizer="onebit_adam",
                        onebit_freeze_step=5) as t:
         summary = await t.fit(batches)
-    dense = summary["dense_bytes"]
+    dense = summary.dense_bytes
     assert dense["steps"] == 16 and dense["raw_bytes"] > dense["wire_bytes"] > 0
-    assert np.isfinite(t.losses).all() and np.mean(t.losses[-4:]) < np.mean(t.losses[:4])
+    losses = summary.recent_losses
+    assert np.isfinite(losses).all() and np.mean(losses[-4:]) < np.mean(losses[:4])
 
 
 class _WithEmbedding(nn.Module):

@@ -51,8 +51,9 @@ async def test_sync_mode_is_bit_reproducible(cluster: LocalPS, data: SyntheticDa
     for prefix in ("sa_", "sb_"):  # two fresh sets of tables with identical initial rows
         async with trainer(cluster, prefix, mode="sync", seed=7) as t:
             summary = await t.fit(batches)
-        assert summary["steps"] == 12 and summary["staleness_max"] == 0
-        losses.append(t.losses)
+        assert summary.steps == 12 and summary.staleness_max == 0
+        assert list(t.recent_losses) == summary.recent_losses
+        losses.append(summary.recent_losses)
     assert losses[0] == losses[1]
     assert all(np.isfinite(losses[0])) and len(set(losses[0])) > 1
     assert np.mean(losses[0][-4:]) < np.mean(losses[0][:4])  # it learns
@@ -66,12 +67,12 @@ async def test_ps_client_process_trains_exactly_as_in_process(cluster: LocalPS,
     runs = {}
     for prefix, ps_process in (("pa_", False), ("pb_", True)):
         async with trainer(cluster, prefix, mode="sync", seed=7, ps_process=ps_process) as t:
-            runs[ps_process] = (await t.fit(batches), list(t.losses))
+            runs[ps_process] = (await t.fit(batches), list(t.recent_losses))
     assert runs[True][1] == runs[False][1] and len(runs[True][1]) == 8
     summary = runs[True][0]
-    assert summary["wire_bytes"] == runs[False][0]["wire_bytes"]  # the same messages
-    assert summary["codec_bytes"] == runs[False][0]["codec_bytes"]
-    assert summary["worker_cpu_ms_per_step"] > 0
+    assert summary.wire_bytes == runs[False][0].wire_bytes  # the same messages
+    assert summary.codec_bytes == runs[False][0].codec_bytes
+    assert summary.worker_cpu_ms_per_step > 0
 
 
 async def test_hybrid_staleness_never_exceeds_bound(cluster: LocalPS,
@@ -83,24 +84,24 @@ async def test_hybrid_staleness_never_exceeds_bound(cluster: LocalPS,
             progress = (await http.get("/v1/progress")).json()
             metrics = (await http.get("/metrics")).text
     assert progress["step"] == 40 and progress["samples"] == 40 * 128
-    assert progress["state"] == "done" and progress["staleness_max"] == max(t.staleness)
-    assert progress["loss"] == pytest.approx(np.mean(t.losses[-40:]))
+    assert progress["state"] == "done" and progress["staleness_max"] == summary.staleness_max
+    assert progress["loss"] == pytest.approx(np.mean(summary.recent_losses[-40:]))
     assert "persimmon_worker_samples_total 5120.0" in metrics
     assert "persimmon_worker_lookup_seconds_count 40.0" in metrics
     assert "persimmon_worker_push_seconds_count 40.0" in metrics
-    assert summary["steps"] == 40 and len(t.staleness) == 40
-    assert max(t.staleness) <= s and summary["staleness_max"] == max(t.staleness)
-    assert max(t.staleness) >= 1  # lookups really ran ahead of pushes (pipelining)
-    assert set(summary["wire_bytes"]) == {"lookup_out", "lookup_in", "push_out", "push_in"}
-    assert all(n > 0 for n in summary["wire_bytes"].values())
+    assert summary.steps == 40 and len(summary.recent_losses) == 40
+    assert summary.staleness_max <= s
+    assert summary.staleness_max >= 1  # lookups really ran ahead of pushes (pipelining)
+    assert set(summary.wire_bytes) == {"lookup_out", "lookup_in", "push_out", "push_in"}
+    assert all(n > 0 for n in summary.wire_bytes.values())
 
 
 async def test_async_mode_runs_ahead_unbounded_by_staleness(cluster: LocalPS,
                                                             data: SyntheticDataset) -> None:
     async with trainer(cluster, "as_", mode="async", staleness=1, prefetch=6) as t:
         summary = await t.fit(data.batches(128, 128 * 30), steps=20)
-    assert summary["steps"] == 20 and summary["mode"] == "async"
-    assert summary["staleness_max"] >= 1  # staleness=1 would force 0 in hybrid mode
+    assert summary.steps == 20 and summary.mode == "async"
+    assert summary.staleness_max >= 1  # staleness=1 would force 0 in hybrid mode
 
 
 async def test_hybrid_training_beats_chance_on_test_split(cluster: LocalPS,
@@ -110,11 +111,11 @@ async def test_hybrid_training_beats_chance_on_test_split(cluster: LocalPS,
     async with trainer(cluster, "le_", mode="hybrid", staleness=4, eval_every=40) as t:
         summary = await t.fit(train, eval_batches=test)
     oracle = data.oracle(8192)["auc"]
-    assert summary["eval_samples"] == 8192 and summary["steps"] == len(train)
-    assert 0.72 < summary["auc"] <= oracle + 0.01, (summary["auc"], oracle)
-    assert summary["logloss"] < 0.56  # the constant predictor's logloss is ~0.58
-    assert [h["step"] for h in t.history] == [40, 79]
-    assert summary["samples_per_s"] > 0 and summary["staleness_max"] <= 4
+    assert summary.eval_samples == 8192 and summary.steps == len(train)
+    assert 0.72 < summary.auc <= oracle + 0.01, (summary.auc, oracle)
+    assert summary.logloss < 0.56  # the constant predictor's logloss is ~0.58
+    assert [h["step"] for h in t.history] == [40, 79] == [h["step"] for h in summary.history]
+    assert summary.samples_per_s > 0 and summary.staleness_max <= 4
 
 
 async def test_bad_settings_and_inputs_are_clear_errors(cluster: LocalPS,
@@ -136,7 +137,7 @@ async def test_bad_settings_and_inputs_are_clear_errors(cluster: LocalPS,
     async with trainer(cluster, "bad_") as t:
         with pytest.raises(InvalidArgument, match="lacks sparse features"):
             await t.fit([partial])
-        assert t.step == 0 and t.losses == []
+        assert t.step == 0 and not t.recent_losses
         stats = await t.ps.stats("bad_C1")
         assert sum(s["tables"]["bad_C1"]["rows"] for s in stats) == 0  # nothing was pushed
 
@@ -165,7 +166,7 @@ async def test_an_error_in_a_training_step_ends_fit_with_that_error(
     async with t:
         with pytest.raises(RuntimeError, match="forward failed at step 3"):
             await asyncio.wait_for(t.fit(batches), 60)  # raised, never a hang
-    assert t.step == 2 and len(t.losses) == 2
+    assert t.step == 2 and len(t.recent_losses) == 2
 
 
 @pytest.mark.parametrize("mode", ["sync", "hybrid"])
@@ -189,6 +190,6 @@ async def test_waiting_batches_ride_on_the_push_that_frees_their_slot(
     t.ps.lookup_sharded, t.ps.push_then_lookup = counted_lookup, counted_ride  # type: ignore
     async with t:
         summary = await t.fit(data.batches(128, 128 * 20))
-    assert summary["steps"] == 20 and summary["staleness_max"] <= (0 if mode == "sync" else 2)
+    assert summary.steps == 20 and summary.staleness_max <= (0 if mode == "sync" else 2)
     assert calls["lookup"] + calls["ride"] == 20
     assert calls["ride"] >= (19 if mode == "sync" else 1)

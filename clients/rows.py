@@ -1,0 +1,97 @@
+"""The calls a training step makes to the embedding rows: the :class:`RowsClient` protocol.
+
+A worker's embedding pipeline (:mod:`services.worker.pipeline`) reaches the PS through this
+protocol only, so the transport is a plug-in point:
+
+- :class:`clients.ps_client.PSClient`: gRPC to the PS shard processes;
+- :class:`clients.ps_process.PSClientProcess`: a ``PSClient`` in a child process (PERSIA's
+  embedding worker), so that the PS traffic never holds the GIL the dense compute needs;
+- ``services.ps.inprocess.InProcessShards``: the PS's own shards in this process (no sockets,
+  no serialization), injected by the code that builds the worker (the worker never imports
+  the PS).
+
+Every implementation routes a :class:`ShardedIds` layout the same way (shard ``k``'s share is
+``layout.ids[bounds[k]:bounds[k + 1]]``, :func:`services.common.sharding.shard_of` decides
+placement) and returns rows aligned with ``layout.ids``. The protocols are structural: an
+implementation does not subclass them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from services.common.codecs import WireStats
+from services.common.sharding import ShardedIds
+
+__all__ = ["ProcessCPU", "PushCounts", "RowsClient"]
+
+
+class PushCounts(Protocol):
+    """What a push did, in unique ids (``PushAck`` of the gRPC clients, ``PushResult`` of an
+    in-process shard)."""
+
+    @property
+    def applied(self) -> int: ...
+
+    @property
+    def dropped_nonfinite(self) -> int: ...
+
+    @property
+    def not_admitted(self) -> int: ...
+
+
+@runtime_checkable
+class RowsClient(Protocol):
+    """Lookups and pushes of embedding rows, laid out by shard (see the module doc).
+
+    ``dims`` maps each known table to its dim (filled by :meth:`tables`, and by connecting
+    where an implementation connects); ``num_shards`` is the shard count layouts must have.
+    ``codec_stats`` and ``wire_bytes()`` count the payloads and bytes that crossed a wire (all
+    zero where nothing did).
+    """
+
+    @property
+    def num_shards(self) -> int: ...
+
+    @property
+    def dims(self) -> dict[str, int]: ...
+
+    @property
+    def codec_stats(self) -> WireStats: ...
+
+    async def tables(self) -> list[dict[str, Any]]:
+        """Every table's config (a dict with at least ``name`` and ``dim``); refreshes
+        ``dims``."""
+        ...
+
+    async def lookup_sharded(self, layout: ShardedIds) -> np.ndarray:
+        """Rows ``(len(layout.ids), dim)`` of a layout whose tables share one dim."""
+        ...
+
+    async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushCounts:
+        """Apply gradients ``(len(layout.ids), dim)`` to the layout's rows; returns once every
+        shard acknowledged them."""
+        ...
+
+    async def push_then_lookup(self, layout: ShardedIds, grads: np.ndarray,
+                               then: ShardedIds) -> tuple[PushCounts, np.ndarray]:
+        """:meth:`push_sharded` of ``layout``, then :meth:`lookup_sharded` of ``then`` in the
+        same message per shard: the rows include the push."""
+        ...
+
+    def wire_bytes(self) -> dict[str, int]:
+        """Bytes sent and received per stream: ``lookup_out``, ``lookup_in``, ``push_out``,
+        ``push_in``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class ProcessCPU(Protocol):
+    """A client whose work runs in a process of its own reports that process's CPU seconds
+    (a worker's CPU per step counts them with its own)."""
+
+    async def cpu_seconds(self) -> float: ...

@@ -1,0 +1,132 @@
+"""The compute thread of a worker: training steps taken straight from a thread-safe feed.
+
+The event loop keeps serving lookups and pushes while a step runs; each step's result goes
+back to the loop as it comes. The thread knows nothing of the Trainer: it calls the ``step``
+callable it was given on each prepared batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DONE", "ComputeThread", "distributed", "every_rank_has_a_batch"]
+
+Item = TypeVar("Item")
+DONE = object()  # the end of the results
+
+
+def distributed() -> bool:
+    """Whether a torch.distributed group of more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def every_rank_has_a_batch(has_batch: bool) -> bool:
+    """Collective: True while every rank still has a batch (ranks may get uneven counts from a
+    loader; DDP needs all of them to stop at the same step)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class ComputeThread(Generic[Item]):
+    """Runs ``step(item)`` in one thread for every item :meth:`put` gives it (``None`` ends
+    the feed), so that the event loop never paces compute. ``results`` gets ``(item, step's
+    result)`` per step, then :data:`DONE`, or the exception that ended the thread.
+
+    With ``eval_every``, the thread waits after every ``eval_every``-th step until the loop
+    has evaluated (``resume``); with ``pause_each_step`` (an ``on_step`` callback is set) it
+    waits after every step, so that the callback sees the model at that step. With ``room``
+    (async mode), at most that many items wait in the feed. With more than one rank, every
+    rank stops at the step where the first one runs out of items (one tiny all-reduce per
+    step).
+    """
+
+    def __init__(self, step: Callable[[Item], Any], *, room: int | None, eval_every: int,
+                 pause_each_step: bool) -> None:
+        self._step = step
+        self.loop = asyncio.get_running_loop()
+        self.feed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.results: asyncio.Queue[Any] = asyncio.Queue()
+        self.resume = threading.Event()
+        self.started = time.perf_counter()  # reset once the model is built
+        self.started_cpu = 0.0  # the worker's CPU seconds at ``started``
+        self._room = asyncio.Semaphore(room) if room is not None else None
+        self._eval_every = eval_every
+        self._pause_each_step = pause_each_step
+        self._stopping = False
+        self._wall = self._cpu = self._wait = 0.0  # seconds, over the steps done
+        self._steps_done = 0
+        self._distributed = distributed()
+
+    async def put(self, item: Item | None) -> None:
+        """Give the thread an item (None: no more)."""
+        if self._room is not None and item is not None:
+            await self._room.acquire()
+        self.feed.put(DONE if item is None else item)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the results with ``exc`` (the consumer raises it)."""
+        self.results.put_nowait(exc)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.feed.put(DONE)
+        self.resume.set()
+
+    def pauses_after(self, step: int) -> bool:
+        """Whether the thread waits for ``resume`` after ``step``."""
+        return self._pause_each_step or bool(self._eval_every) and step % self._eval_every == 0
+
+    def _report(self, result: Any) -> None:
+        self.loop.call_soon_threadsafe(self.results.put_nowait, result)
+
+    def run(self, step: int) -> None:
+        """The thread's body; ``step``: the number of steps done before."""
+        try:
+            self._steps(step)
+        except BaseException as exc:  # raised by the loop, which awaits results only
+            self._report(exc)
+
+    def timing(self) -> dict[str, float]:
+        """Mean ms per step: ``step_wall_ms`` and ``step_cpu_ms`` of this thread's training
+        steps (wall beyond CPU is time spent waiting for a core or for the GIL), and
+        ``batch_wait_ms``, the wait for the next looked-up batch."""
+        n = max(self._steps_done, 1)
+        return {"step_wall_ms": 1e3 * self._wall / n, "step_cpu_ms": 1e3 * self._cpu / n,
+                "batch_wait_ms": 1e3 * self._wait / n}
+
+    def _steps(self, step: int) -> None:
+        while not self._stopping:
+            waited = time.perf_counter()
+            item = self.feed.get()
+            self._wait += time.perf_counter() - waited
+            if self._stopping:
+                return
+            if self._distributed and not every_rank_has_a_batch(item is not DONE):
+                item = DONE
+            if item is DONE:
+                self._report(DONE)
+                return
+            if self._room is not None:
+                self.loop.call_soon_threadsafe(self._room.release)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            result = self._step(item)
+            self._wall += time.perf_counter() - wall
+            self._cpu += time.thread_time() - cpu
+            self._steps_done += 1
+            step += 1
+            pause = self.pauses_after(step)
+            if pause:
+                self.resume.clear()
+            self._report((item, result))
+            if pause:
+                self.resume.wait()

@@ -1,0 +1,378 @@
+"""The embedding pipeline of one worker: planning, staleness slots, riders, lookahead, pushes.
+
+It is the part of a training step that talks to the embedding rows, apart from the model (as
+torchrec's ``TrainPipelineSparseDist`` is): it plans each batch (dedup ids per table, laid
+out by shard), looks its rows up ahead of compute and pushes its row gradients back, through
+a :class:`clients.rows.RowsClient` only (gRPC, a child process, or the PS's shards in this
+process).
+
+The bound on staleness is a semaphore of ``window`` slots: a batch takes one before its
+lookup, and its push task's completion frees it (a done-callback, as arq's worker releases
+its semaphore). The staleness of a batch is the number of earlier batches whose push is not
+yet acknowledged when its lookup starts, so it is at most ``window - 1``; ``window=None`` (async
+mode) has no bound, only ``prefetch`` lookups ahead of compute.
+
+Once the slots are taken, the next batches wait as *riders*: the push that frees a slot
+carries the rider's lookup in the same message per shard (the rows include that push) and
+hands the slot straight to it. A rider that came after that push had left gets the slot only
+and looks up on its own.
+
+Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
+
+    pipeline = EmbeddingPipeline(rows_client, window=8)
+    pipeline.begin()
+    feeding = asyncio.create_task(pipeline.feed(batches, queue.put, errors.append))
+    while (item := await queue.get()) is not None:
+        pipeline.push(item, row_grads(item))   # a background task
+    await pipeline.drain()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from clients.rows import RowsClient
+from services.common.batch import Batch
+from services.common.errors import ConfigError, InvalidArgument, Unavailable
+from services.worker.pooling import BatchPlan, plan_batch
+
+__all__ = ["Batches", "EmbeddingPipeline", "Prepared", "StepTimers", "iterate"]
+
+Batches = AsyncIterable[Batch] | Iterable[Batch]
+Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
+
+
+class _Histogram(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class StepTimers(Protocol):
+    """Where the pipeline reports the seconds of lookups and pushes (Prometheus histograms of
+    :class:`services.worker.admin.WorkerProgress`)."""
+
+    @property
+    def lookup_seconds(self) -> _Histogram: ...
+
+    @property
+    def push_seconds(self) -> _Histogram: ...
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A batch whose rows came back, ready for compute."""
+
+    batch: Batch
+    plan: BatchPlan
+    rows: Rows
+    staleness: int
+
+
+@dataclass(slots=True)
+class _Rider:
+    """A planned batch waiting for a staleness slot: the push that frees one looks it up."""
+
+    plan: BatchPlan
+    future: asyncio.Future[tuple[Rows | None, int]]
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """A batch on its way to compute: its rows and staleness, once looked up."""
+
+    batch: Batch
+    plan: BatchPlan
+    looked_up: asyncio.Task[tuple[Rows, int]]
+
+
+@dataclass(slots=True)
+class _Push:
+    """One push task's hand-off: the rider it carried and the rows it brought back."""
+
+    rider: _Rider | None = None
+    rows: Rows | None = field(default=None)
+
+
+async def iterate(batches: Batches) -> AsyncIterator[Batch]:
+    """The batches of an iterable or an async iterable."""
+    if isinstance(batches, AsyncIterable):
+        async for b in batches:
+            yield b
+    else:
+        for b in batches:
+            yield b
+
+
+class EmbeddingPipeline:
+    """Lookups ahead of compute and pushes behind it, for one worker (see the module doc).
+
+    ``rows`` is the rows client (it may be replaced between runs, e.g. once a PS-client
+    process is up). ``tables`` maps each sparse feature to its table (default: every feature
+    of the first batch, table named like the feature). ``window``: staleness slots (None:
+    unbounded, async mode); ``prefetch``: lookups ahead of compute when unbounded.
+    ``timers`` get the seconds of every lookup and push.
+    """
+
+    def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
+                 tables: Mapping[str, str] | None = None,
+                 timers: StepTimers | None = None) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
+        self.rows = rows
+        self.window = window
+        self.prefetch = prefetch
+        self.tables: dict[str, str] | None = dict(tables) if tables is not None else None
+        if self.tables is not None and not self.tables:
+            raise ConfigError("tables must map at least one feature to a PS table")
+        self._timers = timers
+        self._groups: list[list[str]] | None = None  # tables of one dim, sent together
+        self._slots: asyncio.Semaphore | None = None
+        self._riders: collections.deque[_Rider] = collections.deque()
+        self._unacked = 0  # batches whose lookup started and whose push is not acknowledged
+        self._carried = 0  # riders whose lookup travels with a push not yet acknowledged
+        self._spare = 0  # slots freed while a rider was carried: passed on once none is
+        self._pushes: set[asyncio.Task[None]] = set()
+        self._acknowledge: Callable[[Batch], Awaitable[Any]] | None = None
+
+    # ---- tables and plans ---------------------------------------------------------------
+
+    def features(self, batch: Batch) -> dict[str, Any]:
+        """The batch's sparse features the tables use (the first batch sets the tables when
+        none were given)."""
+        if self.tables is None:
+            self.tables = {name: name for name in batch.sparse}
+        missing = sorted(set(self.tables) - set(batch.sparse))
+        if missing:
+            raise InvalidArgument(f"batch {batch.batch_id} lacks sparse features {missing}")
+        return {name: batch.sparse[name] for name in self.tables}
+
+    def check_tables(self) -> None:
+        """Every table the features use exists (as far as the rows client knows)."""
+        if self.tables is None:
+            return
+        dims = self.rows.dims
+        unknown = sorted(t for t in self.tables.values() if t not in dims)
+        if unknown:
+            raise ConfigError(f"PS tables {unknown} do not exist; the PS has {sorted(dims)}")
+
+    async def feature_dims(self) -> dict[str, int]:
+        """Each feature's dim (its table's), from the tables the rows client reports now."""
+        if self.tables is None:
+            raise InvalidArgument("the features are not known before the first batch")
+        await self.rows.tables()
+        self.check_tables()
+        return {f: self.rows.dims[t] for f, t in self.tables.items()}
+
+    async def _ensure_dims(self) -> None:
+        assert self.tables is not None  # set by features() before any plan
+        if any(t not in self.rows.dims for t in self.tables.values()):
+            await self.rows.tables()
+            self.check_tables()
+
+    def _table_groups(self) -> list[list[str]]:
+        """The tables pooled and sent together: those of one dim."""
+        assert self.tables is not None
+        by_dim: dict[int, list[str]] = {}
+        for table in dict.fromkeys(self.tables.values()):
+            by_dim.setdefault(self.rows.dims[table], []).append(table)
+        return list(by_dim.values())
+
+    async def plan(self, batch: Batch) -> BatchPlan:
+        """Dedup and lay out the batch's ids (it needs no PS state, so it runs ahead of the
+        staleness slot)."""
+        features = self.features(batch)
+        if self._groups is None:
+            await self._ensure_dims()
+            self._groups = self._table_groups()
+        return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
+                          groups=self._groups)
+
+    async def lookup(self, plan: BatchPlan) -> Rows:
+        """The rows of every group of the plan (one message per shard and group)."""
+        started = time.perf_counter()
+        try:
+            return list(await asyncio.gather(*(self.rows.lookup_sharded(g.layout)
+                                               for g in plan.groups)))
+        finally:
+            if self._timers is not None:
+                self._timers.lookup_seconds.observe(time.perf_counter() - started)
+
+    # ---- one run: lookups ahead of compute ----------------------------------------------
+
+    def begin(self, *, acknowledge: Callable[[Batch], Awaitable[Any]] | None = None) -> None:
+        """Start a run with every slot free. ``acknowledge(batch)`` runs once a batch's push
+        is acknowledged, before its slot is freed (a loader's ack)."""
+        if self._pushes:
+            raise InvalidArgument("a run is still pushing; await settle() first")
+        self._slots = asyncio.Semaphore(self.window) if self.window is not None else None
+        self._riders.clear()
+        self._unacked = self._carried = self._spare = 0
+        self._acknowledge = acknowledge
+
+    async def feed(self, batches: Batches, put: Callable[[Prepared | None], Awaitable[Any]],
+                   fail: Callable[[BaseException], Any], *, steps: int | None = None,
+                   first: Callable[[Batch], Awaitable[Any]] | None = None) -> None:
+        """Plan ``batches`` (at most ``steps``) and start their lookups ahead of compute, each
+        after taking a slot, so that as many lookups are in flight as there are slots
+        (``prefetch`` when unbounded). Once every slot is taken, batches queue as riders (as
+        many as there are slots), so that each push finds one waiting. Each batch goes to
+        ``put`` in order once its rows arrived; ``put(None)`` ends the run. An error (of a
+        plan, a lookup or ``put``) goes to ``fail`` instead. ``first(batch)`` runs once, after
+        the first batch's plan (a model built from it)."""
+        ahead: asyncio.Queue[_Ahead | None] = asyncio.Queue(
+            maxsize=self.window or self.prefetch)
+        feeder = asyncio.create_task(self._hand_over(ahead, put, fail))
+        slots = self._slots
+        try:
+            taken = 0
+            async for batch in iterate(batches):
+                if steps is not None and taken >= steps:
+                    break
+                plan = await self.plan(batch)
+                if first is not None:
+                    await first(batch)
+                    first = None
+                if slots is not None and slots.locked():  # ride on the push that frees one
+                    rider = _Rider(plan, asyncio.get_running_loop().create_future())
+                    self._riders.append(rider)
+                    looked_up = asyncio.create_task(self._ride(rider))
+                else:
+                    if slots is not None:
+                        await slots.acquire()
+                    looked_up = asyncio.create_task(self._look_up(plan, self._unacked))
+                    self._unacked += 1
+                await ahead.put(_Ahead(batch, plan, looked_up))
+                taken += 1
+            await ahead.put(None)
+            await feeder
+        except BaseException as exc:  # handed to the consumer, which raises it
+            feeder.cancel()
+            while not ahead.empty():
+                if (item := ahead.get_nowait()) is not None:
+                    item.looked_up.cancel()
+                    if item.looked_up.done() and not item.looked_up.cancelled():
+                        item.looked_up.exception()  # retrieved: the feeder never awaits it
+            await asyncio.gather(feeder, return_exceptions=True)
+            fail(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    async def _look_up(self, plan: BatchPlan, staleness: int) -> tuple[Rows, int]:
+        return await self.lookup(plan), staleness
+
+    async def _ride(self, rider: _Rider) -> tuple[Rows, int]:
+        """A rider's rows: from the push it rode on, or its own lookup when it was handed the
+        slot only (it came after that push had left)."""
+        rows, staleness = await rider.future
+        return (rows if rows is not None else await self.lookup(rider.plan)), staleness
+
+    async def _hand_over(self, ahead: asyncio.Queue[_Ahead | None],
+                         put: Callable[[Prepared | None], Awaitable[Any]],
+                         fail: Callable[[BaseException], Any]) -> None:
+        """Hand the batches to compute in their order, each once its rows have arrived."""
+        try:
+            while (item := await ahead.get()) is not None:
+                rows, staleness = await item.looked_up
+                await put(Prepared(item.batch, item.plan, rows, staleness))
+            await put(None)
+        except Exception as exc:  # a failed lookup: the consumer raises it
+            fail(exc)
+
+    # ---- pushes behind compute ----------------------------------------------------------
+
+    def push(self, item: Prepared, grads: Rows) -> None:
+        """Push ``item``'s row gradients (one array per group) in a background task; raise
+        the error of an earlier push that failed."""
+        state = _Push()
+        task = asyncio.create_task(self._push(item, grads, state))
+        task.add_done_callback(functools.partial(self._release, state))
+        self._pushes.add(task)
+        for done in [t for t in self._pushes if t.done()]:  # acknowledged: forget them
+            self._pushes.discard(done)
+            if not done.cancelled() and (exc := done.exception()) is not None:
+                raise exc
+
+    async def drain(self) -> None:
+        """Wait until every push is acknowledged; raise the first error."""
+        await asyncio.gather(*list(self._pushes))
+        self._pushes.clear()
+
+    async def settle(self) -> None:
+        """End a run, failed or not: wait for every push to finish, forget waiting riders."""
+        pushes, self._pushes = list(self._pushes), set()
+        await asyncio.gather(*pushes, return_exceptions=True)
+        self._riders.clear()
+
+    async def _push(self, item: Prepared, grads: Rows, state: _Push) -> None:
+        """Push a batch's row gradients, then acknowledge the batch. A batch waiting for a
+        slot (a rider) rides on the push: its lookup travels in the same message per shard,
+        after the gradients."""
+        rider = state.rider = self._riders.popleft() if self._riders else None
+        if rider is not None:
+            self._carried += 1
+        try:
+            started = time.perf_counter()
+            if rider is None:
+                await asyncio.gather(*(self.rows.push_sharded(g.layout, grad)
+                                       for g, grad in zip(item.plan.groups, grads, strict=True)))
+            else:
+                state.rows = await self._push_then_lookup(item.plan, grads, rider.plan)
+                if self._timers is not None:
+                    self._timers.lookup_seconds.observe(time.perf_counter() - started)
+            if self._timers is not None:
+                self._timers.push_seconds.observe(time.perf_counter() - started)
+            if self._acknowledge is not None:
+                await self._acknowledge(item.batch)
+        except BaseException as exc:
+            if rider is not None and not rider.future.done():
+                rider.future.set_exception(exc if isinstance(exc, Exception)
+                                           else Unavailable("the push it rode on was cancelled"))
+            raise
+
+    def _release(self, state: _Push, task: asyncio.Task[None]) -> None:
+        """The push task's done-callback: its slot passes to the rider it carried (with the
+        rows it brought back), else on to the next batch (:meth:`_pass_spare_slots`)."""
+        if not task.cancelled():
+            task.exception()  # retrieved here; push() and drain() raise it
+        self._unacked -= 1
+        rider = state.rider
+        if rider is not None:
+            self._carried -= 1
+        if rider is not None and not rider.future.done():
+            rider.future.set_result((state.rows, self._unacked))
+            self._unacked += 1
+        else:
+            self._spare += 1
+        self._pass_spare_slots()
+
+    def _pass_spare_slots(self) -> None:
+        """Pass free slots to the riders waiting (slot only: they came after the pushes had
+        left), else free them, but only while no rider is carried by a push: lookups start in
+        batch order, so that a batch's lookup never starts before an earlier batch's (whose
+        push, not even computed, would be missed beyond the bound)."""
+        while self._spare and not self._carried:
+            self._spare -= 1
+            rider = self._riders.popleft() if self._riders else None
+            if rider is not None and not rider.future.done():
+                rider.future.set_result((None, self._unacked))
+                self._unacked += 1
+            elif self._slots is not None:
+                self._slots.release()
+
+    async def _push_then_lookup(self, plan: BatchPlan, grads: Rows, then: BatchPlan) -> Rows:
+        """Push ``plan``'s gradients and look ``then`` up, one message per shard and group
+        (every batch has the same features, so both plans have the same groups)."""
+        done = await asyncio.gather(*(self.rows.push_then_lookup(g.layout, grad, h.layout)
+                                      for g, grad, h in zip(plan.groups, grads, then.groups,
+                                                            strict=True)))
+        return [rows for _, rows in done]
