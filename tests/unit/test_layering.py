@@ -122,3 +122,24 @@ def test_owner_of_a_module() -> None:
     assert layer_of_module("services.cluster.job") == "unowned"
     assert layer_of_module("bench.train") == "bench"
     assert layer_of_module("numpy") is None
+
+
+def test_benchmarks_use_public_names_only() -> None:
+    """``bench/`` imports no private module or name of ``services`` and ``clients``."""
+    bad = []
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules, names = [node.module], [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                modules, names = [a.name for a in node.names], []
+            else:
+                continue
+            for module in modules:
+                if layer_of_module(module) in (None, "bench"):
+                    continue
+                private = [p for p in [*module.split("."), *names]
+                           if p.startswith("_") and not p.endswith("__")]
+                if private:
+                    bad.append(f"{path.relative_to(ROOT)}: {module} {private}")
+    assert not bad, "benchmarks using private names:\n" + "\n".join(bad)
