@@ -143,3 +143,15 @@ def test_benchmarks_use_public_names_only() -> None:
                 if private:
                     bad.append(f"{path.relative_to(ROOT)}: {module} {private}")
     assert not bad, "benchmarks using private names:\n" + "\n".join(bad)
+
+
+def test_tests_use_no_private_bench_helpers() -> None:
+    """Tests may smoke-run a benchmark, through its public names only."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.split(".")[0] == "bench":
+                bad += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_")]
+    assert not bad, "tests importing private bench helpers:\n" + "\n".join(bad)
