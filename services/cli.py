@@ -2,8 +2,9 @@
 benchmark.
 
 The CLI sits on top: it imports the services' ``register_cli`` hooks and ``services.local``;
-nothing under ``services/`` imports it. ``persimmon bench`` imports the ``bench`` folder of a
-checkout (it is not packaged) only when that command runs.
+nothing under ``services/`` imports it. The ``bench`` folder of a checkout (it is not packaged)
+is imported for ``persimmon bench`` and the full parser (``--help``) only, never for a service
+command; without a checkout ``persimmon bench`` says where to run it.
 """
 
 from __future__ import annotations
