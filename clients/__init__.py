@@ -1,0 +1,58 @@
+"""Wire-level clients any program uses: the PS (async, blocking, in a child process), the
+loader, the admin REST APIs, and the :class:`RowsClient` protocol a training step talks to.
+
+Usage::
+
+    from clients import PSClient
+
+    async with PSClient(["127.0.0.1:50051"]) as ps:
+        rows = await ps.lookup("C1", ids)
+
+Names load on first use (no client module is imported before it is needed; none imports
+torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from clients.admin_client import AdminClient
+    from clients.loader_client import LoaderClient, SyncLoaderClient
+    from clients.ps_client import PSClient, PushAck, SyncPSClient
+    from clients.ps_process import PSClientProcess
+    from clients.rows import ProcessCPU, PushCounts, RowsClient
+
+__all__ = [
+    "AdminClient",
+    "LoaderClient",
+    "PSClient",
+    "PSClientProcess",
+    "ProcessCPU",
+    "PushAck",
+    "PushCounts",
+    "RowsClient",
+    "SyncLoaderClient",
+    "SyncPSClient",
+]
+
+_HOME = {
+    "AdminClient": "admin_client", "LoaderClient": "loader_client", "PSClient": "ps_client",
+    "PSClientProcess": "ps_process", "ProcessCPU": "rows", "PushAck": "ps_client",
+    "PushCounts": "rows", "RowsClient": "rows", "SyncLoaderClient": "loader_client",
+    "SyncPSClient": "ps_client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

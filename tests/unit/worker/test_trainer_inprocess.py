@@ -1,0 +1,104 @@
+"""The Trainer on the PS's own shards in this process (an injected rows client, no sockets):
+the typed summary, bounded histories, sync-mode reproducibility, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from clients.rows import RowsClient
+from services.common.errors import ConfigError
+from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.ps.inprocess import InProcessShards
+from services.worker.config import ps_table_configs
+from services.worker.models import ModelConfig
+from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve
+from services.worker.trainer import Trainer
+
+DATA = SyntheticConfig(seed=3)
+FEATURES = DATA.sparse_names
+
+
+def shards() -> InProcessShards:
+    return InProcessShards(ps_table_configs({f: 8 for f in FEATURES}), num_shards=2)
+
+
+def trainer(rows: RowsClient, **settings: object) -> Trainer:
+    return Trainer(model=ModelConfig(name="dlrm"), rows_client=rows, lr=3e-3, **settings)
+
+
+async def test_sync_mode_on_in_process_shards_is_reproducible_and_typed() -> None:
+    batches = list(SyntheticDataset(DATA).batches(128, 128 * 10))
+    runs = []
+    for _ in range(2):  # fresh shards: identical initial rows
+        rows = shards()
+        async with trainer(rows, mode="sync", seed=7) as t:
+            runs.append(await t.fit(batches))
+        assert t.rows is rows
+    summary = runs[0]
+    assert isinstance(summary, FitSummary)
+    assert summary.recent_losses == runs[1].recent_losses and len(summary.recent_losses) == 10
+    assert summary.steps == 10 and summary.samples == 1280 and summary.mode == "sync"
+    assert summary.staleness_max == 0 and summary.staleness_mean == 0.0
+    assert summary.loss == pytest.approx(np.mean(summary.recent_losses))
+    assert summary.wire_bytes == dict.fromkeys(("lookup_out", "lookup_in", "push_out",
+                                                "push_in"), 0)  # nothing crossed a wire
+    assert summary.codec_bytes == {}
+    assert [step for step, _ in summary.loss_curve] == list(range(10))
+    assert summary.eval_samples is None and summary.auc == summary.train_auc
+    as_json = json.loads(json.dumps(summary.as_dict()))
+    assert as_json["steps"] == 10 and as_json["loss_curve"][0][0] == 0
+    assert "losses" not in as_json and set(summary.timing) >= {"step_wall_ms", "step_cpu_ms"}
+
+
+async def test_hybrid_mode_pushes_every_step_and_evaluates() -> None:
+    data = SyntheticDataset(DATA)
+    rows = shards()
+    async with trainer(rows, mode="hybrid", staleness=3, eval_every=5) as t:
+        summary = await t.fit(data.batches(128, 128 * 10),
+                              eval_batches=list(data.batches(512, 1024, split="test")))
+    assert 0 <= summary.staleness_max <= 2 and summary.steps == 10
+    assert [h["step"] for h in summary.history] == [5, 10]
+    assert summary.eval_samples == 1024 and not math.isnan(summary.auc)
+    pushed = sum(t.stats()["rows"] for s in rows.shards for t in s.tables.values())
+    assert pushed > 0  # the rows were created and trained on the shards themselves
+
+
+def test_loss_curve_stays_bounded_and_keeps_the_mean() -> None:
+    curve = LossCurve(points=8)
+    losses = np.arange(1000, dtype=np.float64)
+    for step, loss in enumerate(losses):
+        curve.add(step, float(loss))
+    points = curve.points()
+    assert len(points) <= 8 and curve.span == 128
+    assert points[0] == (0, pytest.approx(np.mean(losses[:128])))
+    assert [s for s, _ in points] == list(range(0, 1000, 128))
+    assert points[-1][1] == pytest.approx(np.mean(losses[896:]))
+    with pytest.raises(ValueError, match="points"):
+        LossCurve(points=1)
+
+
+async def test_recent_losses_are_bounded() -> None:
+    async with trainer(shards(), mode="async") as t:
+        t.recent_losses.extend([1.0] * (RECENT_LOSSES + 5))  # as after a long run
+        assert len(t.recent_losses) == RECENT_LOSSES
+
+
+def test_a_rows_client_with_ps_addresses_or_of_the_wrong_kind_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        Trainer(model="dlrm", rows_client=shards(), ps_addresses=["127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="not both"):
+        Trainer(model="dlrm", rows_client=shards(), ps_process=True)
+    with pytest.raises(ConfigError, match="RowsClient"):
+        Trainer(model="dlrm", rows_client=object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="ps_addresses"):
+        Trainer(model="dlrm")
+
+
+async def test_unknown_tables_on_the_in_process_shards_are_a_clear_error() -> None:
+    t = Trainer(model="dlrm", rows_client=shards(), tables={"C1": "missing"})
+    with pytest.raises(ConfigError, match="do not exist"):
+        await t.start()
