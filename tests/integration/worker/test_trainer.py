@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from clients.ps_process import PSClientProcess
 from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
@@ -68,6 +69,8 @@ async def test_ps_client_process_trains_exactly_as_in_process(cluster: LocalPS,
     for prefix, ps_process in (("pa_", False), ("pb_", True)):
         async with trainer(cluster, prefix, mode="sync", seed=7, ps_process=ps_process) as t:
             runs[ps_process] = (await t.fit(batches), list(t.recent_losses))
+            assert isinstance(t.rows, PSClientProcess) == ps_process
+            assert t.rows.dims[prefix + FEATURES[0]] == 16  # the child reports the tables
     assert runs[True][1] == runs[False][1] and len(runs[True][1]) == 8
     summary = runs[True][0]
     assert summary.wire_bytes == runs[False][0].wire_bytes  # the same messages
