@@ -9,13 +9,15 @@ process).
 The bound on staleness is a semaphore of ``window`` slots: a batch takes one before its
 lookup, and its push task's completion frees it (a done-callback, as arq's worker releases
 its semaphore). The staleness of a batch is the number of earlier batches whose push is not
-yet acknowledged when its lookup starts, so it is at most ``window - 1``; ``window=None`` (async
-mode) has no bound, only ``prefetch`` lookups ahead of compute.
+yet acknowledged when its lookup starts, so it is at most ``window - 1``; ``window=None``
+(async mode) has no bound, only ``prefetch`` lookups ahead of compute.
 
 Once the slots are taken, the next batches wait as *riders*: the push that frees a slot
 carries the rider's lookup in the same message per shard (the rows include that push) and
 hands the slot straight to it. A rider that came after that push had left gets the slot only
-and looks up on its own.
+and looks up on its own, but never before an earlier batch still carried by a push: lookups
+start in batch order, else a batch could miss the pushes of earlier batches not yet looked
+up, beyond the bound.
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
