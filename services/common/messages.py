@@ -122,7 +122,9 @@ def _list_converters(item: Any, max_items: int) -> tuple[Load, Dump]:
                                    f"got {_show(v)}")
         if item is int and all(type(x) is int for x in v) \
                 and (not v or (min(v) >= 0 and max(v) < 2**63)):
-            return v  # the common case of a long id list, without a call per item
+            return v  # the common cases without a call per item: ids, counts, table names
+        if item is str and all(type(x) is str and len(x) <= MAX_TEXT for x in v):
+            return v
         where_item = f"{where}[]"
         return [item_load(x, where_item) for x in v]
     return load, None if item_dump is None else (lambda v: [item_dump(x) for x in v])
