@@ -9,6 +9,7 @@ accepts, and the README's test command must be ``.ci/run``'s, so the two stay in
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shlex
@@ -135,6 +136,46 @@ def test_relative_links_resolve(path: Path) -> None:
                                  and anchor not in _anchors(dest)):
             broken.append(target)
     assert not broken, f"{path.relative_to(ROOT)}: broken links {broken}"
+
+
+_TOP = ("services/", "clients/", "bench/", "tests/", "deploy/", "docs/", ".ci/")
+_PATH = re.compile(r"`([\w.\-/]+)`")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_named_repository_paths_exist(path: Path) -> None:
+    """A file or folder of the repository named in backquotes (``services/ps/shard.py``) exists."""
+    named = {m for m in _PATH.findall(path.read_text()) if m.startswith(_TOP)}
+    missing = sorted(m for m in named if not (ROOT / m).exists())
+    assert not missing, f"{path.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+_DOTTED = re.compile(r"`((?:services|clients)(?:\.\w+)+)")
+
+
+def _resolves(dotted: str) -> bool:
+    """``a.b.c`` is a module, or an attribute path under the longest importable module."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_named_python_objects_exist(path: Path) -> None:
+    """A dotted name in backquotes (``services.common.sharding.shard_of``) imports."""
+    named = set(_DOTTED.findall(path.read_text()))
+    missing = sorted(n for n in named if not _resolves(n))
+    assert not missing, f"{path.relative_to(ROOT)} names objects that do not exist: {missing}"
 
 
 def _commands(line: str) -> list[list[str]]:
