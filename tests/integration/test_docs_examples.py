@@ -178,6 +178,41 @@ def test_named_python_objects_exist(path: Path) -> None:
     assert not missing, f"{path.relative_to(ROOT)} names objects that do not exist: {missing}"
 
 
+def _shell_commands() -> list[tuple[str, list[str]]]:
+    """``persimmon ...`` and ``python -m bench ...`` commands of the docs' ```bash blocks."""
+    out = []
+    for path in DOCS:
+        for block in code_blocks(path):
+            if block.lang not in ("bash", "sh"):
+                continue
+            for line in block.code.splitlines():
+                for part in line.split("&&"):
+                    part = part.strip()
+                    if part.startswith(("persimmon ", "python -m bench ")):
+                        out.append((block.name, shlex.split(part, comments=True)))
+    return out
+
+
+def test_shell_commands_parse() -> None:
+    """Every ``persimmon`` and ``python -m bench`` command of the docs is accepted by its parser
+    (flags and values; nothing runs)."""
+    from bench import register_benches
+    from services.cli import build_parser
+    from services.common.commands import command_parser
+
+    bench, sub = command_parser("python -m bench", "")
+    register_benches(sub)
+    commands = _shell_commands()
+    assert any(words[0] == "persimmon" for _, words in commands)
+    for where, words in commands:
+        parser, argv = (build_parser(), words[1:]) if words[0] == "persimmon" else \
+            (bench, words[3:])
+        try:
+            parser.parse_args(argv)
+        except SystemExit as exc:
+            raise AssertionError(f"{where}: {' '.join(words)!r} does not parse") from exc
+
+
 def _commands(line: str) -> list[list[str]]:
     """``a && b && c`` as argument lists: ``python3 -m X`` / ``python -m X`` read as ``X``, and
     pip's ``--quiet`` dropped (CI's log wants it, a reader's terminal does not)."""
