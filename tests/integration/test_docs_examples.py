@@ -3,8 +3,10 @@
 Each block runs as a script in a fresh interpreter (the way a user runs one), in an empty
 temporary directory, with a deadline; it passes when it exits 0. A block is skipped only when
 the line just before its fence is ``<!-- not-run -->`` (kept for the few that need a cluster).
-A ```yaml block that holds PS ``tables`` must be a config ``persimmon ps --check-config``
-accepts, and the README's test command must be ``.ci/run``'s, so the two stay in step.
+Also checked, so that docs and code cannot drift apart: a ```yaml block of PS ``tables`` is
+a config ``persimmon ps --check-config`` accepts; every ``persimmon``/``python -m bench``
+command of a ```bash block parses; relative links, repository paths and dotted Python names
+resolve; and the README's test command is ``.ci/run``'s.
 """
 
 from __future__ import annotations
