@@ -37,6 +37,9 @@ class TrainerConfig:
     mode: str = field(default="hybrid", metadata={"help": "sync, hybrid or async"})
     staleness: int = field(default=8, metadata={"help": "hybrid: batches in flight (S)"})
     prefetch: int = field(default=8, metadata={"help": "async: lookups ahead of compute"})
+    hot_ratio: float = field(default=0.0, metadata={
+        "help": "hybrid: tables whose first batch has at most this many distinct ids per "
+                "sample (hot rows) are looked up synchronously (0: none)"})
     dense_optimizer: str = field(default="adam", metadata={
         "help": "adam, adagrad, sgd, onebit_adam or onebit_lamb (these all-reduce themselves)"})
     onebit_freeze_step: int = field(default=100, metadata={
@@ -85,6 +88,8 @@ class TrainerConfig:
             raise ConfigError(f"staleness must be an int >= 0, got {self.staleness!r}")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, got {self.prefetch}")
+        if not 0 <= self.hot_ratio <= 1:
+            raise ConfigError(f"hot_ratio must be in [0, 1], got {self.hot_ratio}")
         if self.dense_optimizer not in DENSE_OPTIMIZERS:
             raise ConfigError(f"dense_optimizer must be one of {DENSE_OPTIMIZERS}, "
                               f"got {self.dense_optimizer!r}")

@@ -19,6 +19,12 @@ and looks up on its own, but never before an earlier batch still carried by a pu
 start in batch order, else a batch could miss the pushes of earlier batches not yet looked
 up, beyond the bound.
 
+*Hot tables* are looked up synchronously whatever the window: a table whose first batch holds
+at most ``hot_ratio`` distinct ids per sample (its rows are touched by nearly every batch) gets
+its rows for batch t only after batch t-1's push to it is acknowledged, in the same message
+(:class:`_SyncChain`). Stale updates hurt such rows most: every one of the S batches in
+flight moves them. The other tables keep the window.
+
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
     pipeline = EmbeddingPipeline(rows_client, window=8)
@@ -35,7 +41,15 @@ import asyncio
 import collections
 import functools
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -87,11 +101,13 @@ class _Rider:
 
 @dataclass(slots=True)
 class _Ahead:
-    """A batch on its way to compute: its rows and staleness, once looked up."""
+    """A batch on its way to compute: its rows and staleness, once looked up (the hot
+    groups' rows come apart, from the synchronous chain)."""
 
     batch: Batch
     plan: BatchPlan
     looked_up: asyncio.Task[tuple[Rows, int]]
+    hot: asyncio.Future[Rows] | None = None
 
 
 @dataclass(slots=True)
@@ -119,12 +135,14 @@ class EmbeddingPipeline:
     process is up). ``tables`` maps each sparse feature to its table (default: every feature
     of the first batch, table named like the feature). ``window``: staleness slots (None:
     unbounded, async mode); ``prefetch``: lookups ahead of compute when unbounded.
-    ``timers`` get the seconds of every lookup and push.
+    ``timers`` get the seconds of every lookup and push. ``hot_ratio``: tables whose first
+    batch has at most this many distinct ids per sample are looked up synchronously (None or
+    0: none; only with a window above 1).
     """
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  tables: Mapping[str, str] | None = None,
-                 timers: StepTimers | None = None) -> None:
+                 timers: StepTimers | None = None, hot_ratio: float | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
@@ -136,7 +154,12 @@ class EmbeddingPipeline:
         self.tables: dict[str, str] | None = dict(tables) if tables is not None else None
         if self.tables is not None and not self.tables:
             raise ConfigError("tables must map at least one feature to a PS table")
+        if hot_ratio is not None and not 0 <= hot_ratio <= 1:
+            raise ConfigError(f"hot_ratio must be in [0, 1] or None, got {hot_ratio!r}")
         self._timers = timers
+        self._hot_ratio = hot_ratio if window is not None and window > 1 else None
+        self.hot_tables: list[str] = []  # decided at the first plan
+        self._chain: _SyncChain | None = None
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._slots: asyncio.Semaphore | None = None
         self._riders: collections.deque[_Rider] = collections.deque()
@@ -181,33 +204,58 @@ class EmbeddingPipeline:
             await self.rows.tables()
             self.check_tables()
 
-    def _table_groups(self) -> list[list[str]]:
-        """The tables pooled and sent together: those of one dim."""
+    def _table_groups(self, hot: Sequence[str] = ()) -> list[list[str]]:
+        """The tables pooled and sent together: those of one dim, hot ones apart."""
         assert self.tables is not None
-        by_dim: dict[int, list[str]] = {}
+        by_kind: dict[tuple[bool, int], list[str]] = {}
         for table in dict.fromkeys(self.tables.values()):
-            by_dim.setdefault(self.rows.dims[table], []).append(table)
-        return list(by_dim.values())
+            by_kind.setdefault((table in hot, self.rows.dims[table]), []).append(table)
+        return list(by_kind.values())
 
     async def plan(self, batch: Batch) -> BatchPlan:
         """Dedup and lay out the batch's ids (it needs no PS state, so it runs ahead of the
-        staleness slot)."""
+        staleness slot). The first plan decides the hot tables."""
         features = self.features(batch)
         if self._groups is None:
             await self._ensure_dims()
             self._groups = self._table_groups()
+            if self._hot_ratio:
+                first = plan_batch(features, table_of=self.tables, groups=self._groups)
+                limit = self._hot_ratio * max(batch.size, 1)
+                self.hot_tables = [t for t, ids in first.unique.items() if ids.size <= limit]
+                self._groups = self._table_groups(self.hot_tables)
+                hot = [i for i, g in enumerate(self._groups) if g[0] in self.hot_tables]
+                self._chain = _SyncChain(self, hot) if hot else None
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
 
-    async def lookup(self, plan: BatchPlan) -> Rows:
-        """The rows of every group of the plan (one message per shard and group)."""
+    async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None) -> Rows:
+        """The rows of every group of the plan, or of ``groups`` (indices) only (one message
+        per shard and group)."""
         started = time.perf_counter()
+        chosen = plan.groups if groups is None else [plan.groups[i] for i in groups]
         try:
             return list(await asyncio.gather(*(self.rows.lookup_sharded(g.layout)
-                                               for g in plan.groups)))
+                                               for g in chosen)))
         finally:
             if self._timers is not None:
                 self._timers.lookup_seconds.observe(time.perf_counter() - started)
+
+    def _windowed(self, plan: BatchPlan) -> list[int]:
+        """The plan's groups under the staleness window (all but the hot ones)."""
+        hot = set(self._chain.groups) if self._chain is not None else set()
+        return [i for i in range(len(plan.groups)) if i not in hot]
+
+    def _merge(self, plan: BatchPlan, windowed: Rows, hot: Rows | None) -> Rows:
+        if hot is None:
+            return windowed
+        assert self._chain is not None
+        out: list[np.ndarray | None] = [None] * len(plan.groups)
+        for i, rows in zip(self._windowed(plan), windowed, strict=True):
+            out[i] = rows
+        for i, rows in zip(self._chain.groups, hot, strict=True):
+            out[i] = rows
+        return [r for r in out if r is not None]
 
     # ---- one run: lookups ahead of compute ----------------------------------------------
 
@@ -220,6 +268,8 @@ class EmbeddingPipeline:
         self._riders.clear()
         self._unacked = self._carried = self._spare = 0
         self._acknowledge = acknowledge
+        if self._chain is not None:
+            self._chain.reset()
 
     async def feed(self, batches: Batches, put: Callable[[Prepared | None], Awaitable[Any]],
                    fail: Callable[[BaseException], Any], *, steps: int | None = None,
@@ -244,6 +294,7 @@ class EmbeddingPipeline:
                 if first is not None:
                     await first(batch)
                     first = None
+                hot = self._chain.request(plan) if self._chain is not None else None
                 if slots is not None and slots.locked():  # ride on the push that frees one
                     rider = _Rider(plan, asyncio.get_running_loop().create_future())
                     self._riders.append(rider)
@@ -253,7 +304,7 @@ class EmbeddingPipeline:
                         await slots.acquire()
                     looked_up = asyncio.create_task(self._look_up(plan, self._unacked))
                     self._unacked += 1
-                await ahead.put(_Ahead(batch, plan, looked_up))
+                await ahead.put(_Ahead(batch, plan, looked_up, hot))
                 taken += 1
             await ahead.put(None)
             await feeder
@@ -270,13 +321,15 @@ class EmbeddingPipeline:
                 raise
 
     async def _look_up(self, plan: BatchPlan, staleness: int) -> tuple[Rows, int]:
-        return await self.lookup(plan), staleness
+        return await self.lookup(plan, self._windowed(plan)), staleness
 
     async def _ride(self, rider: _Rider) -> tuple[Rows, int]:
         """A rider's rows: from the push it rode on, or its own lookup when it was handed the
         slot only (it came after that push had left)."""
         rows, staleness = await rider.future
-        return (rows if rows is not None else await self.lookup(rider.plan)), staleness
+        if rows is None:
+            rows = await self.lookup(rider.plan, self._windowed(rider.plan))
+        return rows, staleness
 
     async def _hand_over(self, ahead: asyncio.Queue[_Ahead | None],
                          put: Callable[[Prepared | None], Awaitable[Any]],
@@ -285,7 +338,9 @@ class EmbeddingPipeline:
         try:
             while (item := await ahead.get()) is not None:
                 rows, staleness = await item.looked_up
-                await put(Prepared(item.batch, item.plan, rows, staleness))
+                hot = await item.hot if item.hot is not None else None
+                await put(Prepared(item.batch, item.plan, self._merge(item.plan, rows, hot),
+                                   staleness))
             await put(None)
         except Exception as exc:  # a failed lookup: the consumer raises it
             fail(exc)
@@ -314,6 +369,8 @@ class EmbeddingPipeline:
         pushes, self._pushes = list(self._pushes), set()
         await asyncio.gather(*pushes, return_exceptions=True)
         self._riders.clear()
+        if self._chain is not None:
+            self._chain.reset()
 
     async def _push(self, item: Prepared, grads: Rows, state: _Push) -> None:
         """Push a batch's row gradients, then acknowledge the batch. A batch waiting for a
@@ -322,15 +379,20 @@ class EmbeddingPipeline:
         rider = state.rider = self._riders.popleft() if self._riders else None
         if rider is not None:
             self._carried += 1
+        windowed = self._windowed(item.plan)
+        hot_push = (asyncio.ensure_future(self._chain.push(item.plan, grads))
+                    if self._chain is not None else None)
         try:
             started = time.perf_counter()
             if rider is None:
-                await asyncio.gather(*(self.rows.push_sharded(g.layout, grad)
-                                       for g, grad in zip(item.plan.groups, grads, strict=True)))
+                await asyncio.gather(*(self.rows.push_sharded(item.plan.groups[i].layout,
+                                                              grads[i]) for i in windowed))
             else:
                 state.rows = await self._push_then_lookup(item.plan, grads, rider.plan)
                 if self._timers is not None:
                     self._timers.lookup_seconds.observe(time.perf_counter() - started)
+            if hot_push is not None:
+                await hot_push
             if self._timers is not None:
                 self._timers.push_seconds.observe(time.perf_counter() - started)
             if self._acknowledge is not None:
@@ -339,6 +401,8 @@ class EmbeddingPipeline:
             if rider is not None and not rider.future.done():
                 rider.future.set_exception(exc if isinstance(exc, Exception)
                                            else Unavailable("the push it rode on was cancelled"))
+            if hot_push is not None and not hot_push.done():
+                hot_push.cancel()
             raise
 
     def _release(self, state: _Push, task: asyncio.Task[None]) -> None:
@@ -374,7 +438,80 @@ class EmbeddingPipeline:
     async def _push_then_lookup(self, plan: BatchPlan, grads: Rows, then: BatchPlan) -> Rows:
         """Push ``plan``'s gradients and look ``then`` up, one message per shard and group
         (every batch has the same features, so both plans have the same groups)."""
-        done = await asyncio.gather(*(self.rows.push_then_lookup(g.layout, grad, h.layout)
-                                      for g, grad, h in zip(plan.groups, grads, then.groups,
-                                                            strict=True)))
+        windowed = self._windowed(plan)
+        done = await asyncio.gather(*(self.rows.push_then_lookup(
+            plan.groups[i].layout, grads[i], then.groups[i].layout) for i in windowed))
         return [rows for _, rows in done]
+
+
+class _SyncChain:
+    """The hot groups' rows, one batch at a time: a batch's lookup starts only once the
+    previous batch's push to these groups is acknowledged; that push carries the next
+    batch's lookup when it is planned already (one message per shard and group), else the
+    next batch looks up on its own after it."""
+
+    def __init__(self, pipeline: EmbeddingPipeline, groups: list[int]) -> None:
+        self.pipeline = pipeline
+        self.groups = groups
+        self._waiting: collections.deque[tuple[BatchPlan, asyncio.Future[Rows]]] = \
+            collections.deque()
+        self._out = False  # a batch has its rows and its push is not acknowledged yet
+
+    def reset(self) -> None:
+        """Forget the batches of a finished run."""
+        for _, future in self._waiting:
+            future.cancel()
+        self._waiting.clear()
+        self._out = False
+
+    def request(self, plan: BatchPlan) -> asyncio.Future[Rows]:
+        """The future rows of ``plan``'s hot groups (batches must request in their order)."""
+        future: asyncio.Future[Rows] = asyncio.get_running_loop().create_future()
+        self._waiting.append((plan, future))
+        self._advance()
+        return future
+
+    def _advance(self) -> None:
+        if self._out or not self._waiting:
+            return
+        plan, future = self._waiting.popleft()
+        self._out = True
+        task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups))
+        task.add_done_callback(functools.partial(_settle, future))
+
+    async def push(self, plan: BatchPlan, grads: Rows) -> None:
+        """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
+        batch its rows, looked up in the same message."""
+        rows_client = self.pipeline.rows
+        following = self._waiting.popleft() if self._waiting else None
+        try:
+            if following is None:
+                await asyncio.gather(*(rows_client.push_sharded(plan.groups[i].layout, grads[i])
+                                       for i in self.groups))
+            else:
+                then = following[0]
+                done = await asyncio.gather(*(rows_client.push_then_lookup(
+                    plan.groups[i].layout, grads[i], then.groups[i].layout)
+                    for i in self.groups))
+                if not following[1].done():
+                    following[1].set_result([rows for _, rows in done])
+        except BaseException as exc:
+            if following is not None and not following[1].done():
+                following[1].set_exception(exc if isinstance(exc, Exception)
+                                           else Unavailable("the push it rode on was cancelled"))
+            raise
+        if following is None:
+            self._out = False
+            self._advance()
+
+
+def _settle(future: asyncio.Future[Rows], task: asyncio.Future[Rows]) -> None:
+    """Copy a lookup task's outcome to the future a batch awaits."""
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif (exc := task.exception()) is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(task.result())

@@ -134,7 +134,7 @@ class Trainer:
         self.pipeline = EmbeddingPipeline(
             rows_client if rows_client is not None else self._connected_ps(),
             window=self.config.window, prefetch=self.config.prefetch, tables=tables,
-            timers=self.progress)
+            timers=self.progress, hot_ratio=self.config.hot_ratio or None)
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None

@@ -250,3 +250,61 @@ async def test_unknown_tables_and_missing_features_are_clear_errors() -> None:
     pipeline = EmbeddingPipeline(InProcessShards([table()]), window=1, tables={"g": "t"})
     with pytest.raises(InvalidArgument, match="lacks sparse features"):
         await pipeline.plan(batch(0))
+
+
+def two_feature_batch(b: int) -> Batch:
+    """Four samples: feature ``f`` holds ROW_ID and three ids no other batch has (4 distinct
+    ids: a cold table), feature ``g`` holds ROW_ID four times (1 distinct id: a hot table)."""
+    fresh = [1000 + 3 * b + k for k in range(3)]
+    return Batch(batch_id=b, labels=np.zeros(4, np.float32), dense=np.zeros((4, 1), np.float32),
+                 sparse={"f": Jagged(np.array([ROW_ID, *fresh], np.uint64), np.ones(4, np.int32)),
+                         "g": Jagged(np.full(4, ROW_ID, np.uint64), np.ones(4, np.int32))})
+
+
+async def test_hot_tables_are_looked_up_synchronously_inside_a_wider_window() -> None:
+    """With hot_ratio 0.3, the table of 1 distinct id per 4 samples is hot: its row sees every
+    earlier push (window 1), while the cold table's row still misses up to window - 1 (a hot
+    lookup that starts before the previous batch's hot push is acknowledged fails this)."""
+    window = 3
+    gate = PushGate()
+    shards = InProcessShards([table(name="t"), table(name="u")], gate=gate)
+    pipeline = EmbeddingPipeline(shards, window=window, tables={"f": "t", "g": "u"},
+                                 hot_ratio=0.3)
+    pipeline.begin()
+    prepared: asyncio.Queue[Prepared | None] = asyncio.Queue()
+    errors: list[BaseException] = []
+    feeding = asyncio.create_task(pipeline.feed([two_feature_batch(b) for b in range(N)],
+                                                prepared.put, errors.append))
+    missed: dict[str, list[int]] = {"t": [], "u": []}
+    try:
+        async with asyncio.timeout(30):
+            while (item := await next_item(prepared, gate)) is not None:
+                b = item.batch.batch_id
+                grads = []
+                for group, rows in zip(item.plan.groups, item.rows, strict=True):
+                    (name,) = group.layout.tables
+                    at = group.layout.ids == ROW_ID
+                    applied = set(np.flatnonzero(np.round(rows[at][0]) == 1).tolist())
+                    assert applied <= set(range(b))
+                    missed[name].append(b - len(applied))
+                    grad = np.zeros((group.layout.ids.size, N), np.float32)
+                    grad[at, b] = -1.0
+                    grads.append(grad)
+                pipeline.push(item, grads)
+            await gate.until(lambda held, came: came >= 2 * N)
+            gate.release(gate.held)
+            await pipeline.drain()
+    finally:
+        feeding.cancel()
+        gate.release(gate.held)
+        await pipeline.settle()
+    assert not errors, errors
+    assert pipeline.hot_tables == ["u"]
+    assert len(missed["u"]) == N and max(missed["u"]) == 0  # hot: every earlier push seen
+    assert max(missed["t"]) == window - 1  # cold: as stale as the window allows
+
+
+def test_hot_ratio_is_checked() -> None:
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="hot_ratio"):
+            EmbeddingPipeline(InProcessShards([table()]), window=2, hot_ratio=bad)
