@@ -7,8 +7,11 @@ Address ``i`` must be shard ``i``: :meth:`PSClient.connect` checks it.
 Fault tolerance: with ``retry_s > 0`` a request to a shard that is down is retried with
 backoff on a fresh channel for up to ``retry_s`` seconds, the address re-resolved through
 ``resolver`` (e.g. :meth:`PSClient.from_registry`) first, so a restarted shard on another
-address is found. A retried push whose first attempt reached the shard before it died may be
-applied twice; it is dropped if the shard restarts from a checkpoint taken before it.
+address is found. Every push message carries the client's random id and a per-shard sequence
+number (:class:`~clients._ps_shard.PushNumbers`); a retry resends the same message, which the
+shard applies once and answers with the first ack, also after it restarted from a checkpoint
+(the window of applied pushes is in it). A push the shard had not checkpointed when it died
+is lost with it unless the retry brings it back.
 """
 
 from __future__ import annotations
@@ -20,14 +23,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 import numpy as np
 
-from clients._stream import MultiplexedStream
+from clients._ps_shard import PushNumbers, ShardConnection
 from services.common import messages as msg
 from services.common.auth import ClientSecurity
 from services.common.codecs import (
-    Codec,
     RowEncoder,
     WireArray,
     WireStats,
@@ -42,20 +43,16 @@ from services.common.errors import (
     InvalidArgument,
     NotFound,
     Unavailable,
-    error_from_grpc,
 )
 from services.common.registry import discover_shards, open_registry
-from services.common.rpc import open_channel
 from services.common.sharding import ShardedIds, split_by_shard
 from services.common.tls import ClientTLS
-from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message
+from services.common.wire import MAX_MESSAGE_BYTES
 
 __all__ = ["PSClient", "PushAck", "SyncPSClient"]
 
 T = TypeVar("T")
-R = TypeVar("R", bound=msg.Message)
 Resolver = Callable[[], Awaitable[Sequence[str]]]
-_SERVICE = "/persimmon.PS/"
 
 
 @dataclass(slots=True)
@@ -108,61 +105,6 @@ def _sum_acks(replies: Sequence[msg.PushReply | PushAck]) -> PushAck:
     return ack
 
 
-class _ShardConnection:
-    def __init__(self, client: PSClient, index: int) -> None:
-        self.client = client
-        self.index = index
-        self.address = client.addresses[index]
-        self.channel = self._open()
-        self._reconnecting = asyncio.Lock()
-        self.lookup = self._stream("Lookup")
-        self.push = self._stream("Push")
-        self.push_then_lookup = self._stream("PushThenLookup")
-        self.grads_encoders: dict[str, RowEncoder] = {}  # per table: residuals per id
-        self.grads_encoder = RowEncoder(client.grads_codec)  # a whole message's, no residuals
-        self.grads_per_table = self.grads_encoder.feedback is not None
-        self.pooled_lookup = self._stream("PooledLookup")
-        self.pooled_push = self._stream("PooledPush")
-        self.pooled_grads_codec: Codec | None = None
-
-    def _open(self) -> grpc.aio.Channel:
-        return open_channel(self.address, self.client.security, self.client._max_message_bytes)
-
-    def _stream(self, method: str) -> MultiplexedStream:
-        return MultiplexedStream(self.channel, _SERVICE + method, reconnect=self.reconnect,
-                                 retry_s=self.client.retry_s,
-                                 metadata=self.client.security.metadata())
-
-    async def reconnect(self, failed: grpc.aio.Channel) -> grpc.aio.Channel:
-        """A fresh channel to this shard's (re-resolved) address, once per failed channel."""
-        async with self._reconnecting:
-            ready = failed.get_state() == grpc.ChannelConnectivity.READY
-            if failed is self.channel and not ready:  # a READY channel is kept: no cascade
-                await self.client.resolve()
-                self.address = self.client.addresses[self.index]
-                self.channel = self._open()
-                for stream in vars(self).values():
-                    if isinstance(stream, MultiplexedStream):
-                        stream.rebind(self.channel)
-                await failed.close()
-            return self.channel
-
-    async def unary(self, method: str, request: msg.Message, reply: type[R], timeout: float) -> R:
-        call = self.channel.unary_unary(_SERVICE + method)
-        try:
-            return reply.from_wire(decode_message(await call(
-                encode_message(request.to_wire()), timeout=timeout,
-                metadata=self.client.security.metadata())))
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_grpc(exc.code(), f"{self.address}: {exc.details()}") from exc
-
-    async def close(self) -> None:
-        for stream in (self.lookup, self.push, self.push_then_lookup, self.pooled_lookup,
-                       self.pooled_push):
-            await stream.close()
-        await self.channel.close()
-
-
 class PSClient:
     """Async client of a sharded PS; use ``async with PSClient([...]) as ps``.
 
@@ -188,7 +130,8 @@ class PSClient:
         self.resolver = resolver
         self._max_message_bytes = max_message_bytes
         self.security = ClientSecurity.resolve(token=token, tls=tls)
-        self._shards: list[_ShardConnection] = []
+        self._shards: list[ShardConnection] = []
+        self.push_numbers = PushNumbers()  # this client's id and per-shard push numbers
         self.dims: dict[str, int] = {}
         # array payloads per stream (rows_down, grads_up, pooled_down, pooled_grads_up) and codec
         self.codec_stats = WireStats()
@@ -250,7 +193,7 @@ class PSClient:
     async def connect(self) -> PSClient:
         """Open channels and check that address ``i`` serves shard ``i`` of ``len(addresses)``."""
         await self.resolve()
-        self._shards = [_ShardConnection(self, i) for i in range(len(self.addresses))]
+        self._shards = [ShardConnection(self, i) for i in range(len(self.addresses))]
         infos = await self._tables_of_every_shard()
         for i, info in enumerate(infos):
             if info.shard_id != i or info.num_shards != self.num_shards:
@@ -355,9 +298,11 @@ class PSClient:
 
     def _push_body(self, k: int, layout: ShardedIds, grads: np.ndarray) -> msg.PushRequest:
         lo, hi = int(layout.bounds[k]), int(layout.bounds[k + 1])
-        return msg.PushRequest(tables=list(layout.tables), counts=layout.counts[k].tolist(),
-                           ids=raw_array(layout.ids[lo:hi]),
-                           grads=self._grads_body(k, layout, lo, grads))
+        return msg.PushRequest(client=self.push_numbers.client_id,
+                               seq=self._shards[k].next_seq(), tables=list(layout.tables),
+                               counts=layout.counts[k].tolist(),
+                               ids=raw_array(layout.ids[lo:hi]),
+                               grads=self._grads_body(k, layout, lo, grads))
 
     async def _rows_of(self, replies: Sequence[msg.LookupReply], layout: ShardedIds) -> np.ndarray:
         """The rows of the replies (in shard order) as one writable float32 array."""
@@ -500,7 +445,8 @@ class PSClient:
             body = shard.pooled_grads_codec.to_wire(grads[held])
             self._sent("pooled_grads_up", body, grads[held])
             requests.append(shard.pooled_push.request(msg.PooledPushRequest(
-                table=table, ids=raw_array(ids_k), lengths=raw_array(counts), grads=body),
+                client=self.push_numbers.client_id, seq=shard.next_seq(), table=table,
+                ids=raw_array(ids_k), lengths=raw_array(counts), grads=body),
                 msg.PooledPushReply))
         return _sum_acks(await self._within(asyncio.gather(*requests)))
 

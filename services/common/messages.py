@@ -14,12 +14,13 @@ Protocol 2 (``A`` = array ``{dtype, shape, codec, meta, data}``; ``?`` = optiona
     persimmon.PS (streams: every frame also carries ``rid``; a failed request is answered
     {rid, error: {error, code, message}} and the stream goes on)
       Lookup          {tables, counts, ids: A uint64, codec}      → {rows: A (len(ids), dim)}
-      Push            {tables, counts, ids: A uint64,              → {applied, dropped_nonfinite,
+      Push            {client, seq, tables, counts, ids: A uint64, → {applied, dropped_nonfinite,
                        grads: [A (len(ids), dim)] | [A per table]}    not_admitted}
       PushThenLookup  {push: Push request, lookup: Lookup request} → {push: Push reply,
                                                                       lookup: Lookup reply}
       PooledLookup    {table, ids: A uint64, lengths: A int, codec} → {pooled: A (samples, dim)}
-      PooledPush      {table, ids, lengths, grads: A (samples, dim)} → as Push
+      PooledPush      {client, seq, table, ids, lengths,       → as Push
+                       grads: A (samples, dim)}
     persimmon.PS (unary)
       Tables          {}                                → {shard_id, num_shards, tables: [config]}
       Stats           {table?}                          → {shard_id, tables: {name: stats}}
@@ -32,7 +33,9 @@ Protocol 2 (``A`` = array ``{dtype, shape, codec, meta, data}``; ``?`` = optiona
                                                            sparse_features, multi_hot, buckets}
 
 ``tables``/``counts``: several tables of one dim in one message, ``ids`` holding each table's
-ids one table after the other (``counts[i]`` of table ``i``).
+ids one table after the other (``counts[i]`` of table ``i``). ``client``/``seq`` (required on
+every push): the pushing client's random id and the push's sequence number on this shard,
+from 1 up; a retry resends the same pair and is applied once (:mod:`services.ps.dedup`).
 """
 
 from __future__ import annotations
@@ -265,6 +268,11 @@ def _check_parts(tables: list[str], counts: list[int], ids: WireArray, where: st
                                f"{ids.shape[0]} ids")
 
 
+def _check_seq(seq: int, where: str) -> None:
+    if seq < 1:
+        raise MalformedMessage(f"{where}.seq must be a push sequence number >= 1, got {seq}")
+
+
 def _check_rows(arr: WireArray, rows: int, what: str) -> None:
     if arr.ndim != 2 or arr.shape[0] != rows:
         raise MalformedMessage(f"{what} must be ({rows}, dim), got shape {list(arr.shape)}")
@@ -302,12 +310,15 @@ class PushRequest(Message):
 
     moved: ClassVar[dict[str, str]] = {
         **_PARTS_MOVED, "lookup": "a push with a lookup is the PushThenLookup method"}
+    client: int
+    seq: int
     tables: list[str] = field(metadata={"max_items": MAX_TABLES})
     counts: list[int] = field(metadata={"max_items": MAX_TABLES})
     ids: WireArray
     grads: list[WireArray] = field(metadata={"max_items": MAX_TABLES})
 
     def __post_init__(self) -> None:
+        _check_seq(self.seq, "PushRequest")
         _check_parts(self.tables, self.counts, self.ids, "PushRequest")
         if len(self.grads) == 1:
             _check_rows(self.grads[0], self.ids.shape[0], "PushRequest.grads[0]")
@@ -364,12 +375,15 @@ class PooledLookupReply(Message):
 class PooledPushRequest(Message):
     """Per-sample (pooled) gradients ``(len(lengths), dim)``, spread over each sample's ids."""
 
+    client: int
+    seq: int
     table: str
     ids: WireArray
     lengths: WireArray
     grads: WireArray
 
     def __post_init__(self) -> None:
+        _check_seq(self.seq, "PooledPushRequest")
         _check_ids(self.ids, "PooledPushRequest")
 
 

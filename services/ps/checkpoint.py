@@ -4,7 +4,8 @@ Layout::
 
     root/<checkpoint_id>/shard-<k>-of-<n>/manifest.json
                                          /t<i>-ids.npy, t<i>-rows.npy, t<i>-tombstones.npy,
-                                          t<i>-state-<name>.npy, t<i>-meta-<name>.npy
+                                          t<i>-state-<name>.npy, t<i>-meta-<name>.npy,
+                                          pushes-<name>.npy (the window of applied pushes)
 
 Each shard writes its own part into a temporary directory inside ``root/<checkpoint_id>``,
 fsyncs every file and the directory, then renames it into place, so a part is either
@@ -13,6 +14,11 @@ file; reading verifies them. An incremental checkpoint names its ``parent``; rea
 the chain back to a full checkpoint and returns the snapshots in the order to apply them.
 When the checkpoint was written by another number of shards, every old part is read and only
 the ids ``shard_of(id, num_shards) == shard_id`` are kept.
+
+A part may hold the shard's window of applied pushes (:mod:`services.ps.dedup`), always whole
+(also in an incremental checkpoint), taken with the rows: :func:`read_push_window` returns
+the one of the checkpoint named (None when it has none or was written by another number of
+shards, whose clients numbered their pushes per old shard).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from services.common.sharding import shard_of
 from services.ps.store import EmbeddingTable, TableSnapshot
 from services.ps.tables import TableConfig
 
-__all__ = ["list_checkpoints", "read_checkpoint", "restore_tables", "write_checkpoint"]
+__all__ = ["list_checkpoints", "read_checkpoint", "read_push_window", "restore_tables",
+           "write_checkpoint"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -112,8 +119,12 @@ def _write_table(directory: Path, index: int, snap: TableSnapshot) -> dict[str, 
 
 def write_checkpoint(root: Path | str, checkpoint_id: str, shard_id: int, num_shards: int,
                      tables: dict[str, EmbeddingTable], *, incremental: bool = False,
-                     parent: str | None = None) -> dict[str, Any]:
+                     parent: str | None = None,
+                     pushes: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Write this shard's part of a checkpoint atomically; returns its manifest.
+
+    ``pushes``: the shard's window of applied pushes (``PushWindow.snapshot()``), taken
+    under the same locks as the tables.
 
     An incremental checkpoint holds the rows changed since the tables' previous snapshot and
     needs ``parent`` (the checkpoint it builds on). If writing fails, the tables' dirty rows
@@ -149,6 +160,9 @@ def write_checkpoint(root: Path | str, checkpoint_id: str, shard_id: int, num_sh
             "tables": {name: _write_table(tmp, i, snap)
                        for i, (name, snap) in enumerate(snaps.items())},
         }
+        if pushes is not None:
+            manifest["pushes"] = {key: _write_array(tmp, f"pushes-{key}.npy", arr)
+                                  for key, arr in sorted(pushes.items())}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
@@ -312,6 +326,25 @@ def read_checkpoint(root: Path | str, checkpoint_id: str, *, shard_id: int,
             for name, snap in _read_part(path, keep).items():
                 result.setdefault(name, []).append(snap)
     return result
+
+
+def read_push_window(root: Path | str, checkpoint_id: str, *, shard_id: int,
+                     num_shards: int) -> dict[str, np.ndarray] | None:
+    """The window of applied pushes shard ``shard_id`` of ``num_shards`` saved in checkpoint
+    ``checkpoint_id``; None when that part has none or the checkpoint was written by another
+    number of shards."""
+    root = Path(root)
+    _check_id(checkpoint_id)
+    for path, k, n in _parts(root, checkpoint_id):
+        if (k, n) == (shard_id, num_shards):
+            files = _read_manifest(path).get("pushes")
+            if files is None:
+                return None
+            if not isinstance(files, dict):
+                raise FailedPrecondition(f"checkpoint manifest {path / MANIFEST} has a bad "
+                                         "'pushes' entry")
+            return {key: _read_array(path, entry) for key, entry in files.items()}
+    return None
 
 
 def restore_tables(root: Path | str, checkpoint_id: str, *, shard_id: int, num_shards: int,

@@ -5,7 +5,9 @@ Stream requests carry a request id ``rid``; responses echo it, so a client may k
 requests in flight on one stream. A frame that cannot be decoded at all ends the stream
 with INVALID_ARGUMENT (FAILED_PRECONDITION for another protocol version); a decodable but
 invalid request gets an in-band ``error`` for its ``rid`` and the stream goes on. Every part
-of a request is checked before any is served or applied.
+of a request is checked before any is served or applied. Every push names its origin
+(``client``, ``seq``) and is applied at most once: a retry gets the first ack
+(:mod:`services.ps.dedup`).
 
 PooledLookup/PooledPush are DES-style partial pooling: ``ids`` are this shard's ids of a
 batch, sample by sample (``lengths[b]`` ids for sample ``b``); the shard returns per-sample
@@ -43,6 +45,7 @@ from services.common.messages import (
 )
 from services.common.rpc import abort_with, generic_service, unary_handler
 from services.common.wire import decode_message, encode_message
+from services.ps.dedup import PushOrigin
 from services.ps.metrics import PSMetrics
 from services.ps.shard import Shard
 from services.ps.store import PushResult
@@ -121,14 +124,16 @@ class PSServicer:
         return LookupReply(rows=encode_array(rows, codec))
 
     async def _push(self, req: PushRequest, codecs: dict[str, Codec]) -> PushReply:
-        return _ack(await self.shard.push_many(*_push_parts(req)), PushReply)
+        return _ack(await self.shard.push_many(*_push_parts(req), origin=_origin(req)),
+                    PushReply)
 
     async def _push_then_lookup(self, req: PushThenLookupRequest, codecs: dict[str, Codec]
                                 ) -> PushThenLookupReply:
         ask = req.lookup
         codec = _codec(ask.codec, codecs)
         result, rows = await self.shard.push_then_lookup(
-            _push_parts(req.push), (ask.tables, ask.counts, decode_array(ask.ids, "lookup.ids")))
+            _push_parts(req.push), (ask.tables, ask.counts, decode_array(ask.ids, "lookup.ids")),
+            origin=_origin(req.push))
         return PushThenLookupReply(push=_ack(result, PushReply),
                                    lookup=LookupReply(rows=encode_array(rows, codec)))
 
@@ -143,7 +148,7 @@ class PSServicer:
                            ) -> PooledPushReply:
         result = await self.shard.pooled_push(
             req.table, decode_array(req.ids, "ids"), decode_array(req.lengths, "lengths"),
-            _float32(decode_array(req.grads, "grads")))
+            _float32(decode_array(req.grads, "grads")), origin=_origin(req))
         return _ack(result, PooledPushReply)
 
     # ---- unary ------------------------------------------------------------------------------
@@ -182,6 +187,10 @@ def _push_parts(req: PushRequest) -> tuple[list[str], list[int], np.ndarray,
     grads = [_float32(decode_array(g, f"grads[{i}]")) for i, g in enumerate(req.grads)]
     return (req.tables, req.counts, decode_array(req.ids, "ids"),
             grads[0] if len(grads) == 1 else grads)
+
+
+def _origin(req: PushRequest | PooledPushRequest) -> PushOrigin:
+    return PushOrigin(req.client, req.seq)
 
 
 R = TypeVar("R", PushReply, PooledPushReply)

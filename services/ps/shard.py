@@ -3,16 +3,24 @@
 Transport-free: the gRPC servicer and the admin REST API both call this. Every method
 validates first and mutates after, so a rejected request changes nothing. Table work runs
 under one lock per table: on the event loop for requests of at most ``INLINE_IDS`` ids whose
-tables are free, in worker threads (``asyncio.to_thread``) otherwise.
+tables are free, in worker threads (``asyncio.to_thread``) otherwise. A push holds the locks of
+all its tables (taken in name order, as a checkpoint takes them) while it is applied.
+
+A push may name its ``origin`` (client id, sequence number; every push over the wire does):
+it is then applied at most once, a retry answered with the first ack
+(:mod:`services.ps.dedup`); the window of applied pushes is saved and restored with the
+tables. In-process callers, which cannot retry over a wire, may leave it out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,8 +36,14 @@ from services.common.errors import (
     WrongShard,
 )
 from services.common.sharding import shard_of
-from services.ps.checkpoint import list_checkpoints, read_checkpoint, write_checkpoint
+from services.ps.checkpoint import (
+    list_checkpoints,
+    read_checkpoint,
+    read_push_window,
+    write_checkpoint,
+)
 from services.ps.config import PSConfig
+from services.ps.dedup import PushOrigin, PushWindow, fingerprint
 from services.ps.store import EmbeddingTable, PushResult, warm_up
 from services.ps.tables import OptimizerConfig, TableConfig
 
@@ -50,6 +64,7 @@ class Shard:
         self._locks: dict[str, threading.RLock] = {}  # re-entered by work served inline
         self._ckpt_lock = asyncio.Lock()
         self._last_checkpoint: str | None = None
+        self.pushes = PushWindow()  # the pushes applied, per client (see services.ps.dedup)
         for table_config in config.tables:
             self.create_table(table_config)
 
@@ -129,11 +144,40 @@ class Shard:
         with self._locks[name]:
             return table.lookup(ids)
 
-    def push_sync(self, name: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
+    def push_sync(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
+                  origin: PushOrigin | None = None) -> PushResult:
         table = self.table(name)
         table.validate_push(self.check_ids(ids), grads)
-        with self._locks[name]:
-            return table.push(ids, grads)
+        with self._holding([name]):
+            return self._once(origin, (name, ids, grads), lambda: table.push(ids, grads))
+
+    @contextlib.contextmanager
+    def _holding(self, names: Sequence[str]) -> Iterator[None]:
+        """Hold the locks of tables ``names``, taken in name order (deadlock-free with a
+        checkpoint, which takes every table's in that order)."""
+        with contextlib.ExitStack() as stack:
+            for name in sorted(set(names)):
+                stack.enter_context(self._locks[name])
+            yield
+
+    def _once(self, origin: PushOrigin | None, content: tuple[Any, ...],
+              apply: Callable[[], PushResult]) -> PushResult:
+        """``apply()``, at most once per ``origin``: a retry (same ``content``) gets the first
+        ack. The caller holds the pushed tables' locks, so the window and the rows change
+        together."""
+        if origin is None:
+            return apply()
+        window = self.pushes
+        done = window.claim(origin, fingerprint(*content))
+        if done is not None:
+            return done
+        try:
+            result = apply()
+        except BaseException:
+            window.abandon(origin)
+            raise
+        window.commit(origin, result)
+        return result
 
     async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         return await self._serve([name], np.size(ids), self.lookup_sync, name, ids)
@@ -199,10 +243,15 @@ class Shard:
         return out
 
     def push_many_sync(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
-                       grads: np.ndarray | Sequence[np.ndarray]) -> PushResult:
+                       grads: np.ndarray | Sequence[np.ndarray], *,
+                       origin: PushOrigin | None = None) -> PushResult:
         """Apply several tables' gradients: one ``(len(ids), dim)`` array, or one array per
-        table."""
+        table (all tables or none, at most once per ``origin``)."""
+        if origin is not None:
+            PushWindow.check_origin(origin)
         parts, _ = self._table_slices(tables, counts, ids)
+        content = (list(tables), list(counts), ids,
+                   *([grads] if isinstance(grads, np.ndarray) else grads))
         if isinstance(grads, np.ndarray):
             if grads.ndim != 2 or grads.shape[0] != ids.size:
                 raise InvalidArgument(f"grads must be ({ids.size}, dim), got {grads.shape}")
@@ -210,35 +259,45 @@ class Shard:
             grads = [grads[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         elif len(grads) != len(parts):
             raise InvalidArgument(f"{len(grads)} gradient arrays for {len(parts)} tables")
-        checked = [(name, *self.table(name).validate_push(part, g))
+        checked = [(self.table(name), *self.table(name).validate_push(part, g))
                    for (name, part), g in zip(parts, grads, strict=True)]
-        results = []
-        for name, part, g in checked:
-            with self._locks[name]:
-                results.append(self.table(name).push(part, g))
-        return PushResult(applied=sum(r.applied for r in results),
-                          dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
-                          not_admitted=sum(r.not_admitted for r in results))
 
-    def push_then_lookup_sync(self, push: PushParts, lookup: LookupParts
+        def apply() -> PushResult:
+            results = [table.push(part, g) for table, part, g in checked]
+            return PushResult(applied=sum(r.applied for r in results),
+                              dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
+                              not_admitted=sum(r.not_admitted for r in results))
+
+        with self._holding(tables):
+            return self._once(origin, content, apply)
+
+    def push_then_lookup_sync(self, push: PushParts, lookup: LookupParts, *,
+                              origin: PushOrigin | None = None
                               ) -> tuple[PushResult, np.ndarray]:
-        """Apply a multi-table push, then serve a multi-table lookup (its rows include the
-        push): both parts are checked before the push is applied."""
+        """Apply a multi-table push (at most once per ``origin``), then serve a multi-table
+        lookup (its rows include the push): both parts are checked before the push is
+        applied."""
         parts, dim = self._table_slices(*lookup)
-        return self.push_many_sync(*push), self._lookup_slices(parts, dim, lookup[2].size)
+        return (self.push_many_sync(*push, origin=origin),
+                self._lookup_slices(parts, dim, lookup[2].size))
 
-    async def push_then_lookup(self, push: PushParts, lookup: LookupParts
+    async def push_then_lookup(self, push: PushParts, lookup: LookupParts, *,
+                               origin: PushOrigin | None = None
                                ) -> tuple[PushResult, np.ndarray]:
         return await self._serve([*push[0], *lookup[0]], np.size(push[2]) + np.size(lookup[2]),
-                                 self.push_then_lookup_sync, push, lookup)
+                                 functools.partial(self.push_then_lookup_sync, origin=origin),
+                                 push, lookup)
 
     async def lookup_many(self, tables: Sequence[str], counts: Sequence[int],
                           ids: np.ndarray) -> np.ndarray:
         return await self._serve(tables, np.size(ids), self.lookup_many_sync, tables, counts, ids)
 
     async def push_many(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
-                        grads: np.ndarray | Sequence[np.ndarray]) -> PushResult:
-        return await self._serve(tables, np.size(ids), self.push_many_sync, tables, counts, ids, grads)
+                        grads: np.ndarray | Sequence[np.ndarray], *,
+                        origin: PushOrigin | None = None) -> PushResult:
+        return await self._serve(tables, np.size(ids),
+                                 functools.partial(self.push_many_sync, origin=origin),
+                                 tables, counts, ids, grads)
 
     # DES-style partial pooling: the shard pools the rows it owns, per sample.
 
@@ -268,10 +327,12 @@ class Shard:
         return segment_sum(rows, lengths)
 
     def pooled_push_sync(self, name: str, ids: np.ndarray, lengths: np.ndarray,
-                         grads: np.ndarray) -> PushResult:
+                         grads: np.ndarray, *, origin: PushOrigin | None = None) -> PushResult:
         """Apply the per-sample pooled gradients ``grads`` (``(len(lengths), dim)``): each id
         of sample ``b`` gets ``grads[b]`` (summed over its occurrences) — sum pooling's
-        backward, done here."""
+        backward, done here (at most once per ``origin``)."""
+        if origin is not None:
+            PushWindow.check_origin(origin)
         table = self.table(name)
         self.check_ids(ids)
         lengths = self.check_lengths(ids, lengths)
@@ -282,19 +343,23 @@ class Shard:
                                   f"{getattr(grads, 'shape', type(grads).__name__)}")
         expanded = np.repeat(grads, lengths, axis=0)
         table.validate_push(ids, expanded)
-        with self._locks[name]:
-            return table.push(ids, expanded)
+        with self._holding([name]):
+            return self._once(origin, (name, ids, lengths, grads),
+                              lambda: table.push(ids, expanded))
 
     async def pooled_lookup(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return await self._serve([name], np.size(ids), self.pooled_lookup_sync, name, ids, lengths)
 
     async def pooled_push(self, name: str, ids: np.ndarray, lengths: np.ndarray,
-                          grads: np.ndarray) -> PushResult:
-        return await self._serve([name], np.size(ids), self.pooled_push_sync, name, ids, lengths,
-                                 grads)
+                          grads: np.ndarray, *, origin: PushOrigin | None = None) -> PushResult:
+        return await self._serve([name], np.size(ids),
+                                 functools.partial(self.pooled_push_sync, origin=origin),
+                                 name, ids, lengths, grads)
 
-    async def push(self, name: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
-        return await self._serve([name], np.size(ids), self.push_sync, name, ids, grads)
+    async def push(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
+                   origin: PushOrigin | None = None) -> PushResult:
+        return await self._serve([name], np.size(ids),
+                                 functools.partial(self.push_sync, origin=origin), name, ids, grads)
 
     def peek(self, name: str, row_id: int) -> dict[str, Any]:
         if not 0 <= row_id < 2**64:
@@ -343,7 +408,8 @@ class Shard:
         try:
             return write_checkpoint(root, checkpoint_id, self.config.shard_id,
                                     self.config.num_shards, self.tables,
-                                    incremental=incremental, parent=parent)
+                                    incremental=incremental, parent=parent,
+                                    pushes=self.pushes.snapshot())
         finally:
             for lock in locks:
                 lock.release()
@@ -354,7 +420,9 @@ class Shard:
         return list_checkpoints(self._checkpoint_root())
 
     async def restore(self, checkpoint_id: str) -> dict[str, int]:
-        """Replace every table by the checkpoint's (resharding when the shard count differs)."""
+        """Replace every table and the window of applied pushes by the checkpoint's
+        (resharding when the shard count differs; the window then starts empty, as the
+        clients' sequence numbers were per old shard)."""
         root = self._checkpoint_root()
         if checkpoint_id == "latest":
             known = self.checkpoints()
@@ -366,6 +434,10 @@ class Shard:
             snapshots = await asyncio.to_thread(
                 read_checkpoint, root, checkpoint_id,
                 shard_id=self.config.shard_id, num_shards=self.config.num_shards)
+            pushes = PushWindow(self.pushes.window, self.pushes.max_clients)
+            pushes.restore(await asyncio.to_thread(
+                read_push_window, root, checkpoint_id,
+                shard_id=self.config.shard_id, num_shards=self.config.num_shards))
             fresh: dict[str, EmbeddingTable] = {}
             for name, chain in snapshots.items():
                 table = EmbeddingTable(chain[0].config)
@@ -374,6 +446,7 @@ class Shard:
                 fresh[name] = table
             self.tables = fresh
             self._locks = {name: threading.RLock() for name in fresh}
+            self.pushes = pushes
             self._last_checkpoint = checkpoint_id
         return {name: table.num_rows for name, table in fresh.items()}
 

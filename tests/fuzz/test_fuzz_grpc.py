@@ -1,11 +1,13 @@
 """Hypothesis against a real PS over gRPC: random msgpack, truncated messages, wrong dtypes and
-shapes, huge declared lengths. Each bad message must get a clear error (an in-band error or
+shapes, huge declared lengths, bad or reused push sequence numbers. Each bad message must get
+a clear error (an in-band error or
 a status the error hierarchy names, never UNKNOWN or INTERNAL), the server must keep serving,
 and every table must stay byte-identical."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -31,6 +33,9 @@ SCALE = float(os.environ.get("PERSIMMON_FUZZ_SCALE", "1"))
 CLEAR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
 DIMS = {"user": 8, "item": 4}
+CLIENT = 0xF022  # the client id of the valid pushes
+SEQS = itertools.count(1)  # their sequence numbers (a fresh one per request drawn)
+OLD_CLIENT, OLD_SEQ = 0xC0DE, 5000  # a client whose push 5000 the fixture applied
 
 
 def fuzz(examples: int) -> settings:
@@ -79,8 +84,8 @@ def server() -> Iterator[Server]:
         ids = np.arange(0, 3000, 3, dtype=np.uint64)
         grads = np.random.default_rng(0).normal(size=(ids.size, dim)).astype(np.float32)
         replies, code = srv.send("Push", encode_message(
-            {"tables": [table], "counts": [ids.size], "ids": raw_array(ids),
-             "grads": [raw_array(grads)]}, rid=0))
+            {"client": OLD_CLIENT, "seq": OLD_SEQ + DIMS[table], "tables": [table],
+             "counts": [ids.size], "ids": raw_array(ids), "grads": [raw_array(grads)]}, rid=0))
         assert code is None and replies[0]["applied"] == ids.size
     yield srv
     srv.close()
@@ -104,7 +109,7 @@ LEAVES = (st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2*
 VALUES = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=4)
                       | st.dictionaries(st.text(max_size=8) | st.sampled_from(
                           ["v", "rid", "table", "tables", "counts", "ids", "grads", "codec",
-                           "lengths", "push", "lookup"]), inner, max_size=6),
+                           "lengths", "push", "lookup", "client", "seq"]), inner, max_size=6),
                       max_leaves=16)
 STREAMS = ["Lookup", "Push", "PushThenLookup", "PooledLookup", "PooledPush"]
 METHODS = st.sampled_from(STREAMS)
@@ -142,7 +147,8 @@ def valid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any], dict[str, Any]]
     codec = draw(st.sampled_from(["none", "fp16", "bf16"]))
     grads = np.ones((n, DIMS[table]), np.float32)
     lookup = {"tables": [table], "counts": [n], "ids": _array(ids), "codec": codec}
-    push = {"tables": [table], "counts": [n], "ids": _array(ids), "grads": [_array(grads)]}
+    push = {"client": CLIENT, "seq": next(SEQS), "tables": [table], "counts": [n],
+            "ids": _array(ids), "grads": [_array(grads)]}
     if method == "Lookup":
         return method, lookup, lookup
     if method == "Push":
@@ -156,6 +162,7 @@ def valid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any], dict[str, Any]]
         pooled["codec"] = codec
     else:
         pooled["grads"] = _array(np.ones((2, DIMS[table]), np.float32))
+        pooled.update(client=CLIENT, seq=next(SEQS))
     return method, pooled, pooled
 
 
@@ -228,10 +235,31 @@ def break_grads(draw: st.DrawFn, part: dict[str, Any]) -> None:
         part["grads"] = new
 
 
+def break_origin(draw: st.DrawFn, push: dict[str, Any]) -> None:
+    """A push's (client, seq) missing, malformed, below the shard's window, or reused for
+    other content."""
+    kind = draw(st.sampled_from(["missing", "malformed", "too_old", "reused"]))
+    if kind == "missing":
+        del push[draw(st.sampled_from(["client", "seq"]))]
+    elif kind == "malformed":
+        bad = draw(st.sampled_from([-1, 2**63, 2**64 - 1, 1.0, "1", True, [1], b"\x01"])
+                   | VALUES.filter(lambda v: type(v) is not int or not 0 <= v < 2**63))
+        key = draw(st.sampled_from(["client", "seq"]))
+        push[key] = 0 if key == "seq" and draw(st.booleans()) else bad
+    elif kind == "too_old":  # more than a window (1024) below the fixture's push
+        push.update(client=OLD_CLIENT, seq=draw(st.integers(1, OLD_SEQ - 1024)))
+    else:  # the fixture's push numbers, with this request's other content
+        push.update(client=OLD_CLIENT, seq=OLD_SEQ + draw(st.sampled_from(sorted(DIMS.values()))))
+
+
 def break_message(draw: st.DrawFn, body: dict[str, Any], part: dict[str, Any]) -> None:
-    """A bad table name or count, the protocol version, a reply codec, or a v1 shape."""
-    kind = draw(st.sampled_from(["table", "counts", "version", "codec", "v1_shape"]))
-    if kind == "table":
+    """A bad table name or count, the protocol version, a reply codec, a v1 shape, or a bad
+    push origin."""
+    kind = draw(st.sampled_from(["table", "counts", "version", "codec", "v1_shape", "origin"]))
+    push = body.get("push", body)
+    if kind == "origin" and "seq" in push:
+        break_origin(draw, push)
+    elif kind == "table":
         bad = draw(st.sampled_from(["", "nope", "USER"]) | VALUES)
         if "tables" in part:
             part["tables"] = draw(st.sampled_from([[bad], bad, [], [part["tables"][0]] * 2]))

@@ -179,7 +179,8 @@ async def test_bad_pooled_requests_get_clear_errors_and_change_nothing(cluster, 
             request, reply = {"pooled_lookup": (PooledLookupRequest, PooledLookupReply),
                               "pooled_push": (PooledPushRequest, PooledPushReply)}[stream]
             await getattr(ps._shards[0], stream).request(
-                request(table="user", ids=raw_array(mine), **extra), reply)
+                request(table="user", ids=raw_array(mine), **extra,
+                        **({"client": 1, "seq": 1} if stream == "pooled_push" else {})), reply)
         assert digest(cluster) == state
         with pytest.raises(InvalidArgument, match="add up"):  # checked before sending, too
             await ps.pooled_lookup("user", ids, [39])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import grpc
 import msgpack
 import numpy as np
@@ -30,6 +32,14 @@ class Raw:
 
     def to_wire(self):
         return self.body
+
+
+_SEQS = itertools.count(1)
+
+
+def origin() -> dict:
+    """The (client, seq) every push body carries; a fresh number each time."""
+    return {"client": 99, "seq": next(_SEQS)}
 
 
 def addresses(cluster):
@@ -110,12 +120,12 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
         n = [mine.size]
         grads = [raw_array(np.ones((mine.size, 8), np.float32))]
         bodies = {
-            "unknown_table": ("push", {"tables": ["nope"], "counts": n, "ids": raw_array(mine),
+            "unknown_table": ("push", {**origin(), "tables": ["nope"], "counts": n, "ids": raw_array(mine),
                                        "grads": grads}, "'nope'"),
-            "wrong_dim": ("push", {"tables": ["user"], "counts": n, "ids": raw_array(mine),
+            "wrong_dim": ("push", {**origin(), "tables": ["user"], "counts": n, "ids": raw_array(mine),
                                    "grads": [raw_array(np.ones((mine.size, 3), np.float32))]},
                           "dim"),
-            "length_mismatch": ("push", {"tables": ["user"], "counts": n, "ids": raw_array(mine),
+            "length_mismatch": ("push", {**origin(), "tables": ["user"], "counts": n, "ids": raw_array(mine),
                                          "grads": [raw_array(np.ones((mine.size + 1, 8),
                                                                      np.float32))]}, "rows|must be"),
             "float_ids": ("lookup", {"tables": ["user"], "counts": n,
@@ -125,7 +135,7 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
                                      "codec": "zip9"}, "zip9"),
             "v1_single_table": ("lookup", {"table": "user", "ids": raw_array(mine)},
                                 "unknown fields"),
-            "v1_push_with_lookup": ("push", {"tables": ["user"], "counts": n,
+            "v1_push_with_lookup": ("push", {**origin(), "tables": ["user"], "counts": n,
                                              "ids": raw_array(mine), "grads": grads,
                                              "lookup": {"tables": ["user"], "counts": n,
                                                         "ids": raw_array(mine)}},
@@ -151,7 +161,7 @@ async def test_ids_of_another_shard_are_rejected(cluster):
         state = digest(cluster)
         with pytest.raises(WrongShard, match="do not belong to shard 0"):
             await ps._shards[0].push.request(Raw({
-                "tables": ["user"], "counts": [foreign.size], "ids": raw_array(foreign),
+                **origin(), "tables": ["user"], "counts": [foreign.size], "ids": raw_array(foreign),
                 "grads": [raw_array(np.ones((foreign.size, 8), np.float32))]}), PushReply)
     assert digest(cluster) == state
 
@@ -206,8 +216,8 @@ async def test_truncated_array_buffer_is_invalid_argument(cluster):
     state = digest(cluster)
     grads = raw_array(np.ones((1, 8), np.float32)).to_wire()
     grads["data"] = bytes(grads["data"])[:-4]
-    body = {"tables": ["user"], "counts": [1], "ids": raw_array(np.array([2], np.uint64)),
-            "grads": [grads]}
+    body = {**origin(), "tables": ["user"], "counts": [1],
+            "ids": raw_array(np.array([2], np.uint64)), "grads": [grads]}
     async with PSClient(addresses(cluster)) as ps:
         with pytest.raises(InvalidArgument, match="needs 32 bytes"):
             await ps._shards[int(shard_of(2, 2))].push.request(Raw(body), PushReply)
@@ -297,7 +307,7 @@ _MINE = np.arange(20, dtype=np.uint64)[shard_of(np.arange(20, dtype=np.uint64), 
 def _push_body(case: str) -> dict:
     n = _MINE.size
     both = np.r_[_MINE, _MINE]
-    body = {"tables": ["user"], "counts": [n], "ids": raw_array(_MINE),
+    body = {**origin(), "tables": ["user"], "counts": [n], "ids": raw_array(_MINE),
             "grads": [raw_array(np.ones((n, 8), np.float32))]}
     changes = {
         "two_dims": {"tables": ["user", "item"], "counts": [n, n], "ids": raw_array(both),

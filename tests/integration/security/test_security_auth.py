@@ -19,7 +19,7 @@ from services.loader.service import LoaderService
 from tests.integration.ps.conftest import digest
 from tests.integration.security.conftest import TOKEN, stream_once
 
-PUSH = encode_message({"tables": ["item"], "counts": [4],
+PUSH = encode_message({"client": 1, "seq": 1, "tables": ["item"], "counts": [4],
                        "ids": raw_array(np.arange(4, dtype=np.uint64)),
                        "grads": [raw_array(np.ones((4, 4), np.float32))]}, rid=1)
 

@@ -4,6 +4,7 @@ admin body size. Going over one gets a clear error and leaves every table as it 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import grpc
 import httpx
@@ -21,9 +22,11 @@ from services.common.wire import decode_message, encode_message
 from tests.conftest import eventually
 from tests.integration.security.conftest import stream_once, table_state
 
+_SEQS = itertools.count(1)
+
 
 def push_body(n: int, dim: int = 4, table: str = "item") -> bytes:
-    return encode_message({"tables": [table], "counts": [n],
+    return encode_message({"client": 1, "seq": next(_SEQS), "tables": [table], "counts": [n],
                            "ids": raw_array(np.arange(n, dtype=np.uint64)),
                            "grads": [raw_array(np.ones((n, dim), np.float32))]}, rid=7)
 

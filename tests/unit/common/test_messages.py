@@ -24,7 +24,7 @@ def _lookup() -> m.LookupRequest:
 
 
 def _push() -> m.PushRequest:
-    return m.PushRequest(tables=["user"], counts=[3], ids=raw_array(IDS),
+    return m.PushRequest(client=7, seq=1, tables=["user"], counts=[3], ids=raw_array(IDS),
                          grads=[raw_array(np.ones((3, 4), np.float32))])
 
 
@@ -46,7 +46,7 @@ SAMPLES: dict[type[m.Message], m.Message] = {
     m.PooledLookupRequest: m.PooledLookupRequest(table="user", ids=raw_array(IDS),
                                                  lengths=raw_array(np.array([1, 2]))),
     m.PooledLookupReply: m.PooledLookupReply(pooled=raw_array(np.ones((2, 4), np.float32))),
-    m.PooledPushRequest: m.PooledPushRequest(table="user", ids=raw_array(IDS),
+    m.PooledPushRequest: m.PooledPushRequest(client=7, seq=1, table="user", ids=raw_array(IDS),
                                              lengths=raw_array(np.array([1, 2])),
                                              grads=raw_array(np.ones((2, 4), np.float32))),
     m.PooledPushReply: m.PooledPushReply(applied=3, dropped_nonfinite=0, not_admitted=0),

@@ -1,0 +1,109 @@
+"""One PS shard as :class:`~clients.ps_client.PSClient` sees it: a channel, a stream per
+method, codec state, and the numbering that makes pushes idempotent.
+
+Every push message carries ``(client, seq)``: the client's random id (drawn once per
+``PSClient``) and a sequence number per shard, raised by one per message and never reused,
+also across reconnects. A retry resends the very same message (``MultiplexedStream`` encodes
+a request once), so the shard applies it once and answers the first ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+
+from clients._stream import MultiplexedStream
+from services.common import messages as msg
+from services.common.codecs import Codec, RowEncoder
+from services.common.errors import error_from_grpc
+from services.common.rpc import open_channel
+from services.common.wire import decode_message, encode_message
+
+if TYPE_CHECKING:
+    from clients.ps_client import PSClient
+
+__all__ = ["PushNumbers", "ShardConnection"]
+
+R = TypeVar("R", bound=msg.Message)
+SERVICE = "/persimmon.PS/"
+
+
+class PushNumbers:
+    """A client id (random, 63 bits: a non-negative msgpack int64) and, per shard, the next
+    push sequence number (from 1)."""
+
+    def __init__(self, client_id: int | None = None) -> None:
+        self.client_id = secrets.randbits(63) if client_id is None else client_id
+        self._next: dict[int, itertools.count[int]] = {}
+
+    def next(self, shard: int) -> int:
+        """A fresh sequence number for a push to shard ``shard``."""
+        counter = self._next.get(shard)
+        if counter is None:
+            counter = self._next[shard] = itertools.count(1)
+        return next(counter)
+
+
+class ShardConnection:
+    """Channel and streams to shard ``index`` of ``client``; reopened on failure."""
+
+    def __init__(self, client: PSClient, index: int) -> None:
+        self.client = client
+        self.index = index
+        self.address = client.addresses[index]
+        self.channel = self._open()
+        self._reconnecting = asyncio.Lock()
+        self.lookup = self._stream("Lookup")
+        self.push = self._stream("Push")
+        self.push_then_lookup = self._stream("PushThenLookup")
+        self.grads_encoders: dict[str, RowEncoder] = {}  # per table: residuals per id
+        self.grads_encoder = RowEncoder(client.grads_codec)  # a whole message's, no residuals
+        self.grads_per_table = self.grads_encoder.feedback is not None
+        self.pooled_lookup = self._stream("PooledLookup")
+        self.pooled_push = self._stream("PooledPush")
+        self.pooled_grads_codec: Codec | None = None
+
+    def next_seq(self) -> int:
+        """The sequence number of the next push message to this shard."""
+        return self.client.push_numbers.next(self.index)
+
+    def _open(self) -> grpc.aio.Channel:
+        return open_channel(self.address, self.client.security, self.client._max_message_bytes)
+
+    def _stream(self, method: str) -> MultiplexedStream:
+        return MultiplexedStream(self.channel, SERVICE + method, reconnect=self.reconnect,
+                                 retry_s=self.client.retry_s,
+                                 metadata=self.client.security.metadata())
+
+    async def reconnect(self, failed: grpc.aio.Channel) -> grpc.aio.Channel:
+        """A fresh channel to this shard's (re-resolved) address, once per failed channel."""
+        async with self._reconnecting:
+            ready = failed.get_state() == grpc.ChannelConnectivity.READY
+            if failed is self.channel and not ready:  # a READY channel is kept: no cascade
+                await self.client.resolve()
+                self.address = self.client.addresses[self.index]
+                self.channel = self._open()
+                for stream in vars(self).values():
+                    if isinstance(stream, MultiplexedStream):
+                        stream.rebind(self.channel)
+                await failed.close()
+            return self.channel
+
+    async def unary(self, method: str, request: msg.Message, reply: type[R], timeout: float) -> R:
+        call = self.channel.unary_unary(SERVICE + method)
+        try:
+            return reply.from_wire(decode_message(await call(
+                encode_message(request.to_wire()), timeout=timeout,
+                metadata=self.client.security.metadata())))
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_grpc(exc.code(), f"{self.address}: {exc.details()}") from exc
+
+    async def close(self) -> None:
+        for stream in (self.lookup, self.push, self.push_then_lookup, self.pooled_lookup,
+                       self.pooled_push):
+            await stream.close()
+        await self.channel.close()

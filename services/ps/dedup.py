@@ -1,0 +1,220 @@
+"""Idempotent pushes: a shard's bounded memory of the pushes it applied, per client.
+
+Every push over the wire carries its origin ``(client, seq)``: a client id drawn at random by
+the client and a sequence number the client raises by one per push message to this shard (a
+retry resends the same message, so the same number). :class:`PushWindow` remembers, per
+client, the highest number applied and every number applied within the last ``window`` below
+it, each with a fingerprint of the message and the ack the shard answered. A push is then:
+
+- new (above the highest, or inside the window and not applied yet): applied, remembered;
+- already applied, same fingerprint (a retry): not applied again, answered with its ack;
+- already applied, another fingerprint (a number reused for a different push), or in flight
+  for a request on other tables: :class:`FailedPrecondition`, nothing applied;
+- below the window (too old to tell): :class:`FailedPrecondition`, nothing applied.
+
+At most ``max_clients`` clients are remembered; a new one evicts the least recently seen
+(an evicted client's retries would be applied again: keep the cap far above the number of
+clients that push within a retry period). The window travels in the shard's checkpoints
+(:meth:`PushWindow.snapshot` / :meth:`PushWindow.restore`), taken under the same table locks
+as the rows, so a restored shard knows exactly the pushes its rows hold.
+
+Thread-safe: :meth:`claim` and :meth:`commit` run under the pushed tables' locks, in any
+thread; one lock guards the window itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.ps.store import PushResult
+
+__all__ = ["DEFAULT_MAX_CLIENTS", "DEFAULT_WINDOW", "PushOrigin", "PushWindow", "fingerprint"]
+
+DEFAULT_WINDOW = 1024
+DEFAULT_MAX_CLIENTS = 4096
+_MAX = 2**63  # client ids and sequence numbers are non-negative int64 (msgpack ints)
+
+
+class PushOrigin(NamedTuple):
+    """Who sent a push: the client's id and the push's sequence number on this shard."""
+
+    client: int
+    seq: int
+
+
+def fingerprint(*parts: str | Sequence[int] | np.ndarray) -> int:
+    """A CRC-32 of a push's content (table names, counts, ids, gradients), to tell a retry
+    (same content) from a sequence number reused for another push."""
+    crc = 0
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            crc = zlib.crc32(str((part.dtype.str, part.shape)).encode(), crc)
+            crc = zlib.crc32(np.ascontiguousarray(part).data, crc)
+        else:
+            crc = zlib.crc32(repr(part).encode(), crc)
+    return crc
+
+
+@dataclass(slots=True)
+class _Client:
+    highest: int = 0  # 0: none applied yet (sequence numbers start at 1)
+    applied: dict[int, tuple[int, PushResult]] = field(default_factory=dict)  # seq → (fp, ack)
+    pending: dict[int, int] = field(default_factory=dict)  # seq → fp, being applied
+
+
+class PushWindow:
+    """Per-client windows of applied sequence numbers with their acks (see the module)."""
+
+    def __init__(self, window: int = DEFAULT_WINDOW,
+                 max_clients: int = DEFAULT_MAX_CLIENTS) -> None:
+        if window < 1 or max_clients < 1:
+            raise ValueError(f"window and max_clients must be >= 1, got {window}, {max_clients}")
+        self.window = window
+        self.max_clients = max_clients
+        self._clients: OrderedDict[int, _Client] = OrderedDict()  # least recently seen first
+        self._lock = threading.Lock()
+        self.evicted = 0
+        self.retries = 0  # pushes answered from the window instead of applied
+
+    @staticmethod
+    def check_origin(origin: PushOrigin) -> PushOrigin:
+        """``origin`` if well formed, else :class:`InvalidArgument`."""
+        client, seq = origin
+        if type(client) is not int or not 0 <= client < _MAX:
+            raise InvalidArgument(f"push client id must be an int in [0, 2**63), got {client!r}")
+        if type(seq) is not int or not 1 <= seq < _MAX:
+            raise InvalidArgument(f"push sequence number must be an int in [1, 2**63), "
+                                  f"got {seq!r}")
+        return origin
+
+    def claim(self, origin: PushOrigin, fp: int) -> PushResult | None:
+        """The ack of an already applied push (a retry), or None when the caller must apply it
+        and then :meth:`commit` (or :meth:`abandon`); raises when it must not be applied."""
+        client, seq = self.check_origin(origin)
+        with self._lock:
+            state = self._touch(client)
+            done = state.applied.get(seq)
+            if done is not None:
+                if done[0] != fp:
+                    raise FailedPrecondition(
+                        f"push sequence number {seq} of client {client:#x} was already used for "
+                        "a different push; nothing applied")
+                self.retries += 1
+                return done[1]
+            if seq in state.pending:
+                raise FailedPrecondition(
+                    f"push sequence number {seq} of client {client:#x} is being applied by "
+                    "another push; nothing applied")
+            low = state.highest - self.window
+            if seq <= low:
+                raise FailedPrecondition(
+                    f"push sequence number {seq} of client {client:#x} is below this shard's "
+                    f"window ({low + 1}..{state.highest}): too old to tell whether it was "
+                    "applied; nothing applied")
+            state.pending[seq] = fp
+            return None
+
+    def commit(self, origin: PushOrigin, result: PushResult) -> None:
+        """Remember that the claimed push ``origin`` was applied and answered ``result``."""
+        client, seq = origin
+        with self._lock:
+            state = self._touch(client)
+            fp = state.pending.pop(seq)
+            state.applied[seq] = (fp, result)
+            if seq > state.highest:
+                state.highest = seq
+            if len(state.applied) > 2 * self.window:  # amortised: prune once per window
+                low = state.highest - self.window
+                state.applied = {s: v for s, v in state.applied.items() if s > low}
+
+    def abandon(self, origin: PushOrigin) -> None:
+        """Forget a claim whose push failed before it changed anything."""
+        client, seq = origin
+        with self._lock:
+            state = self._clients.get(client)
+            if state is not None:
+                state.pending.pop(seq, None)
+
+    def _touch(self, client: int) -> _Client:
+        state = self._clients.get(client)
+        if state is None:
+            while len(self._clients) >= self.max_clients and self._evict_one():
+                pass
+            state = self._clients[client] = _Client()
+        else:
+            self._clients.move_to_end(client)
+        return state
+
+    def _evict_one(self) -> bool:
+        for client, state in self._clients.items():  # least recently seen first
+            if not state.pending:
+                del self._clients[client]
+                self.evicted += 1
+                return True
+        return False
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"clients": len(self._clients), "evicted": self.evicted,
+                    "retries": self.retries,
+                    "entries": sum(len(s.applied) for s in self._clients.values())}
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """The applied pushes as arrays (clients least recently seen first; pending claims
+        are left out: their rows are not applied either)."""
+        with self._lock:
+            clients = list(self._clients.items())
+            entries = [(i, seq, fp, ack) for i, (_, state) in enumerate(clients)
+                       for seq, (fp, ack) in state.applied.items()]
+        return {
+            "clients": np.array([c for c, _ in clients], dtype=np.uint64),
+            "highest": np.array([s.highest for _, s in clients], dtype=np.int64),
+            "entry_client": np.array([e[0] for e in entries], dtype=np.int64),
+            "entry_seq": np.array([e[1] for e in entries], dtype=np.int64),
+            "entry_fp": np.array([e[2] for e in entries], dtype=np.uint64),
+            "entry_ack": np.array([(a.applied, a.dropped_nonfinite, a.not_admitted)
+                                   for *_, a in entries], dtype=np.int64).reshape(-1, 3),
+        }
+
+    def restore(self, arrays: dict[str, np.ndarray] | None) -> None:
+        """Replace the window by a :meth:`snapshot`'s (None: empty)."""
+        clients: OrderedDict[int, _Client] = OrderedDict()
+        if arrays is not None:
+            _check_snapshot(arrays)
+            for client, highest in zip(arrays["clients"].tolist(), arrays["highest"].tolist(),
+                                       strict=True):
+                clients[int(client)] = _Client(highest=int(highest))
+            order = list(clients.values())
+            for i, seq, fp, ack in zip(arrays["entry_client"].tolist(),
+                                       arrays["entry_seq"].tolist(),
+                                       arrays["entry_fp"].tolist(),
+                                       arrays["entry_ack"].tolist(), strict=True):
+                order[i].applied[int(seq)] = (int(fp), PushResult(*map(int, ack)))
+        with self._lock:
+            self._clients = clients
+
+
+_SNAPSHOT_KEYS = ("clients", "highest", "entry_client", "entry_seq", "entry_fp", "entry_ack")
+
+
+def _check_snapshot(arrays: dict[str, np.ndarray]) -> None:
+    missing = [k for k in _SNAPSHOT_KEYS if k not in arrays]
+    if missing:
+        raise FailedPrecondition(f"push window snapshot lacks {missing}")
+    n, e = arrays["clients"].shape[0], arrays["entry_seq"].shape[0]
+    ok = arrays["highest"].shape == (n,) and arrays["entry_ack"].shape == (e, 3) \
+        and arrays["entry_client"].shape == arrays["entry_fp"].shape == (e,) \
+        and (e == 0 or 0 <= int(arrays["entry_client"].min()) <= int(
+            arrays["entry_client"].max()) < n)
+    if not ok:
+        raise FailedPrecondition("push window snapshot arrays do not fit together")
