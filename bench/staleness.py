@@ -12,7 +12,12 @@ largest staleness a lookup really saw, and plots throughput and AUC against S.
 ``--data default`` (the default) is ``SyntheticConfig()``: 8 features with long-tailed
 vocabularies, so a step has 8 tables of lookups and pushes to overlap with compute.
 ``--data small`` is :data:`services.local.compare.PLANTED`: 4 features of a few dozen ids,
-so every batch reads and writes the same hot rows.
+so every batch reads and writes the same hot rows; ``--data criteo`` the Criteo-shaped profile
+(26 features, vocabularies capped at 200k ids, Zipf 1.1).
+
+The S rows bound every table (``hot_ratio=0``): they show what the window costs. The last row
+is the default hybrid mode, S = 8 with the hot tables (few distinct ids per batch) at
+``hot_staleness=1``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from rich.table import Table
 
 from bench import save_plot, write_json
 from services.common.errors import ConfigError
-from services.loader.synthetic import SyntheticConfig
+from services.loader.synthetic import SyntheticConfig, synthetic_profile
 from services.local.compare import PLANTED, TRAINING, train_configs
 from services.worker.config import TrainerConfig
 
@@ -34,18 +39,26 @@ __all__ = ["STALENESS", "register_bench", "run", "staleness_config", "staleness_
 
 console = Console(stderr=True)
 STALENESS: tuple[int | None, ...] = (0, 1, 2, 4, 8, 16, 32, None)   # None: unbounded
-DATA = {"small": PLANTED, "default": SyntheticConfig(seed=0)}
+DATA = {"small": PLANTED, "default": SyntheticConfig(seed=0),
+        "criteo": synthetic_profile("criteo", max_vocab=200_000)}
+DEFAULT_ROW = "8+hot"  # the default hybrid settings, as the last row
 _ASYNC_PREFETCH = 64
 
 
-def staleness_config(s: int | None, base: TrainerConfig = TRAINING) -> TrainerConfig:
-    """S = 0: sync mode; S >= 1: hybrid with bound S; None: async (unbounded)."""
+def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> TrainerConfig:
+    """S = 0: sync mode; S >= 1: hybrid with bound S on every table; None: async
+    (unbounded); :data:`DEFAULT_ROW`: hybrid as configured by default (S = 8, hot tables at
+    ``hot_staleness``)."""
     base = replace(base, sync="allreduce")
     if s is None:
         return replace(base, mode="async", prefetch=_ASYNC_PREFETCH)
+    if s == DEFAULT_ROW:
+        defaults = TrainerConfig()
+        return replace(base, mode="hybrid", staleness=defaults.staleness,
+                       hot_ratio=defaults.hot_ratio, hot_staleness=defaults.hot_staleness)
     if s == 0:
         return replace(base, mode="sync", staleness=0)
-    return replace(base, mode="hybrid", staleness=s)
+    return replace(base, mode="hybrid", staleness=int(s), hot_ratio=0.0)
 
 
 def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
@@ -54,6 +67,7 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
     """Every bound on the same data; the JSON-ready result (see the module docstring)."""
     if data not in DATA:
         raise ConfigError(f"unknown data {data!r}; available: {sorted(DATA)}")
+    staleness = (*staleness, DEFAULT_ROW)
     configs = [staleness_config(s) for s in staleness]
     summaries, oracle = train_configs(configs, rows=rows, batch_size=batch_size,
                                       eval_rows=eval_rows, workers=workers, data=DATA[data])
@@ -61,13 +75,16 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
                     None)
     runs = [{"staleness": s, "mode": x["mode"], "samples_per_s": x["samples_per_s"],
              "auc": x["auc"], "auc_gap": (base_auc - x["auc"]) if base_auc is not None else None,
-             "staleness_max": x["staleness_max"], "staleness_mean": x["staleness_mean"]}
+             "staleness_max": x["staleness_max"], "staleness_mean": x["staleness_mean"],
+             "hot_tables": x.get("hot_tables", [])}
             for s, x in zip(staleness, summaries, strict=True)]
     return {"workers": workers, "rows": rows, "batch_size": batch_size, "data": data,
             "oracle_auc": oracle, "runs": runs}
 
 
-def _label(s: int | None) -> str:
+def _label(s: int | str | None) -> str:
+    if s == DEFAULT_ROW:
+        return "8, hot tables 1 (default)"
     return "unbounded" if s is None else str(s)
 
 

@@ -31,15 +31,20 @@ class TrainerConfig:
     ``max(S, 1)`` semaphore slots before its lookup and frees it when its push is
     acknowledged, so a lookup sees at most ``S - 1`` earlier pushes still unacknowledged
     (never more than S). ``sync`` is S = 0 (one batch at a time, bit-reproducible);
-    ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead).
+    ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead). In ``hybrid``
+    mode the *hot* tables (``hot_ratio``: at most that many distinct ids per sample in the
+    first batch) have the bound ``hot_staleness`` instead: stale updates of rows that every
+    batch touches cost most of hybrid's AUC gap to sync (docs/training.md).
     """
 
     mode: str = field(default="hybrid", metadata={"help": "sync, hybrid or async"})
     staleness: int = field(default=8, metadata={"help": "hybrid: batches in flight (S)"})
     prefetch: int = field(default=8, metadata={"help": "async: lookups ahead of compute"})
-    hot_ratio: float = field(default=0.0, metadata={
+    hot_ratio: float = field(default=0.3, metadata={
         "help": "hybrid: tables whose first batch has at most this many distinct ids per "
-                "sample (hot rows) are looked up synchronously (0: none)"})
+                "sample (hot rows) get hot_staleness instead of staleness (0: none)"})
+    hot_staleness: int = field(default=1, metadata={
+        "help": "hybrid: the staleness bound of hot tables (1: synchronous)"})
     dense_optimizer: str = field(default="adam", metadata={
         "help": "adam, adagrad, sgd, onebit_adam or onebit_lamb (these all-reduce themselves)"})
     onebit_freeze_step: int = field(default=100, metadata={
@@ -88,8 +93,7 @@ class TrainerConfig:
             raise ConfigError(f"staleness must be an int >= 0, got {self.staleness!r}")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, got {self.prefetch}")
-        if not 0 <= self.hot_ratio <= 1:
-            raise ConfigError(f"hot_ratio must be in [0, 1], got {self.hot_ratio}")
+        self._check_hot()
         if self.dense_optimizer not in DENSE_OPTIMIZERS:
             raise ConfigError(f"dense_optimizer must be one of {DENSE_OPTIMIZERS}, "
                               f"got {self.dense_optimizer!r}")
@@ -109,6 +113,13 @@ class TrainerConfig:
         if self.ps_retry_s < 0:
             raise ConfigError(f"ps_retry_s must be >= 0, got {self.ps_retry_s}")
         self._check_sync()
+
+    def _check_hot(self) -> None:
+        if not 0 <= self.hot_ratio <= 1:
+            raise ConfigError(f"hot_ratio must be in [0, 1], got {self.hot_ratio}")
+        if isinstance(self.hot_staleness, bool) or not isinstance(self.hot_staleness, int) \
+                or self.hot_staleness < 1:
+            raise ConfigError(f"hot_staleness must be an int >= 1, got {self.hot_staleness!r}")
 
     def sync_config(self) -> SyncConfig:
         """The dense sync strategy these settings choose (``SyncConfig.build`` makes it)."""

@@ -19,11 +19,11 @@ and looks up on its own, but never before an earlier batch still carried by a pu
 start in batch order, else a batch could miss the pushes of earlier batches not yet looked
 up, beyond the bound.
 
-*Hot tables* are looked up synchronously whatever the window: a table whose first batch holds
-at most ``hot_ratio`` distinct ids per sample (its rows are touched by nearly every batch) gets
-its rows for batch t only after batch t-1's push to it is acknowledged, in the same message
-(:class:`_SyncChain`). Stale updates hurt such rows most: every one of the S batches in
-flight moves them. The other tables keep the window.
+*Hot tables* have a window of their own, ``hot_window`` (1: synchronous): a table whose first
+batch holds at most ``hot_ratio`` distinct ids per sample (its rows are touched by nearly every
+batch) gets its rows for batch t only once the push of batch t - hot_window to it is
+acknowledged, in the same message (:class:`_HotChain`). Stale updates hurt such rows most:
+every one of the batches in flight moves them. The other tables keep ``window``.
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
@@ -136,13 +136,14 @@ class EmbeddingPipeline:
     of the first batch, table named like the feature). ``window``: staleness slots (None:
     unbounded, async mode); ``prefetch``: lookups ahead of compute when unbounded.
     ``timers`` get the seconds of every lookup and push. ``hot_ratio``: tables whose first
-    batch has at most this many distinct ids per sample are looked up synchronously (None or
-    0: none; only with a window above 1).
+    batch has at most this many distinct ids per sample get ``hot_window`` slots of their own
+    (None or 0: no hot tables; only with a window above ``hot_window``).
     """
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  tables: Mapping[str, str] | None = None,
-                 timers: StepTimers | None = None, hot_ratio: float | None = None) -> None:
+                 timers: StepTimers | None = None, hot_ratio: float | None = None,
+                 hot_window: int = 1) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
@@ -156,10 +157,13 @@ class EmbeddingPipeline:
             raise ConfigError("tables must map at least one feature to a PS table")
         if hot_ratio is not None and not 0 <= hot_ratio <= 1:
             raise ConfigError(f"hot_ratio must be in [0, 1] or None, got {hot_ratio!r}")
+        if isinstance(hot_window, bool) or not isinstance(hot_window, int) or hot_window < 1:
+            raise ConfigError(f"hot_window must be an int >= 1, got {hot_window!r}")
         self._timers = timers
-        self._hot_ratio = hot_ratio if window is not None and window > 1 else None
+        self._hot_ratio = hot_ratio if window is not None and window > hot_window else None
+        self._hot_window = hot_window
         self.hot_tables: list[str] = []  # decided at the first plan
-        self._chain: _SyncChain | None = None
+        self._chain: _HotChain | None = None
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._slots: asyncio.Semaphore | None = None
         self._riders: collections.deque[_Rider] = collections.deque()
@@ -225,7 +229,7 @@ class EmbeddingPipeline:
                 self.hot_tables = [t for t, ids in first.unique.items() if ids.size <= limit]
                 self._groups = self._table_groups(self.hot_tables)
                 hot = [i for i, g in enumerate(self._groups) if g[0] in self.hot_tables]
-                self._chain = _SyncChain(self, hot) if hot else None
+                self._chain = _HotChain(self, hot, self._hot_window) if hot else None
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
 
@@ -339,6 +343,8 @@ class EmbeddingPipeline:
             while (item := await ahead.get()) is not None:
                 rows, staleness = await item.looked_up
                 hot = await item.hot if item.hot is not None else None
+                if not self._windowed(item.plan):
+                    staleness = 0  # every table is hot: each lookup saw every earlier push
                 await put(Prepared(item.batch, item.plan, self._merge(item.plan, rows, hot),
                                    staleness))
             await put(None)
@@ -444,25 +450,26 @@ class EmbeddingPipeline:
         return [rows for _, rows in done]
 
 
-class _SyncChain:
-    """The hot groups' rows, one batch at a time: a batch's lookup starts only once the
-    previous batch's push to these groups is acknowledged; that push carries the next
-    batch's lookup when it is planned already (one message per shard and group), else the
-    next batch looks up on its own after it."""
+class _HotChain:
+    """The hot groups' rows under a window of ``window`` batches: a batch's lookup starts only
+    once the push of the batch ``window`` before it is acknowledged; that push carries the
+    lookup when the batch is planned already (one message per shard and group), else the
+    batch looks up on its own after it. Window 1 is synchronous."""
 
-    def __init__(self, pipeline: EmbeddingPipeline, groups: list[int]) -> None:
+    def __init__(self, pipeline: EmbeddingPipeline, groups: list[int], window: int) -> None:
         self.pipeline = pipeline
         self.groups = groups
+        self.window = window
         self._waiting: collections.deque[tuple[BatchPlan, asyncio.Future[Rows]]] = \
             collections.deque()
-        self._out = False  # a batch has its rows and its push is not acknowledged yet
+        self._out = 0  # batches looked up whose push is not acknowledged yet
 
     def reset(self) -> None:
         """Forget the batches of a finished run."""
         for _, future in self._waiting:
             future.cancel()
         self._waiting.clear()
-        self._out = False
+        self._out = 0
 
     def request(self, plan: BatchPlan) -> asyncio.Future[Rows]:
         """The future rows of ``plan``'s hot groups (batches must request in their order)."""
@@ -472,12 +479,11 @@ class _SyncChain:
         return future
 
     def _advance(self) -> None:
-        if self._out or not self._waiting:
-            return
-        plan, future = self._waiting.popleft()
-        self._out = True
-        task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups))
-        task.add_done_callback(functools.partial(_settle, future))
+        while self._out < self.window and self._waiting:
+            plan, future = self._waiting.popleft()
+            self._out += 1
+            task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups))
+            task.add_done_callback(functools.partial(_settle, future))
 
     async def push(self, plan: BatchPlan, grads: Rows) -> None:
         """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
@@ -501,7 +507,7 @@ class _SyncChain:
                                            else Unavailable("the push it rode on was cancelled"))
             raise
         if following is None:
-            self._out = False
+            self._out -= 1
             self._advance()
 
 

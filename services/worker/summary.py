@@ -90,7 +90,8 @@ class FitSummary:
     ``auc``/``logloss`` are the final held-out figures when ``fit`` evaluated (then
     ``eval_samples`` is set), else the progressive (pre-update) training figures
     (``train_auc``/``train_logloss``). ``loss`` is the mean of the latest 50 training losses,
-    ``recent_losses`` this fit's latest ones (at most ``RECENT_LOSSES``), ``loss_curve`` the
+    ``staleness_max``/``staleness_mean`` are those of the windowed tables; ``hot_tables``
+    (looked up under ``hot_staleness``) are listed apart. ``recent_losses`` this fit's latest ones (at most ``RECENT_LOSSES``), ``loss_curve`` the
     whole fit as ``(first step, mean loss)`` spans; ``history`` holds every evaluation.
     Timings are mean milliseconds per step; byte counts are per stream (and codec).
     """
@@ -104,6 +105,7 @@ class FitSummary:
     loss: float = math.nan
     staleness_max: int = 0
     staleness_mean: float = 0.0
+    hot_tables: list[str] = field(default_factory=list)
     step_wall_ms: float = 0.0
     step_cpu_ms: float = 0.0
     batch_wait_ms: float = 0.0

@@ -134,7 +134,8 @@ class Trainer:
         self.pipeline = EmbeddingPipeline(
             rows_client if rows_client is not None else self._connected_ps(),
             window=self.config.window, prefetch=self.config.prefetch, tables=tables,
-            timers=self.progress, hot_ratio=self.config.hot_ratio or None)
+            timers=self.progress, hot_ratio=self.config.hot_ratio or None,
+            hot_window=self.config.hot_staleness)
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -444,6 +445,7 @@ class Trainer:
             samples_per_s=samples / seconds if seconds > 0 else 0.0,
             loss=float(np.mean(recent[-50:])) if steps_done else math.nan,
             staleness_max=staleness.max, staleness_mean=staleness.mean,
+            hot_tables=list(self.pipeline.hot_tables),
             step_wall_ms=timing["step_wall_ms"], step_cpu_ms=timing["step_cpu_ms"],
             batch_wait_ms=timing["batch_wait_ms"],
             worker_cpu_ms_per_step=1e3 * cpu_seconds / steps_done if steps_done else 0.0,

@@ -46,8 +46,9 @@ def test_bench_staleness_reports_every_bound(tmp_path: Path) -> None:
     result = bench(tmp_path, "staleness", "--staleness", "0,2,unbounded")
     assert finite(result["oracle_auc"])
     runs = result["runs"]
-    assert [r["staleness"] for r in runs] == [0, 2, None]
-    assert [r["mode"] for r in runs] == ["sync", "hybrid", "async"]
+    assert [r["staleness"] for r in runs] == [0, 2, None, "8+hot"]
+    assert [r["mode"] for r in runs] == ["sync", "hybrid", "async", "hybrid"]
+    assert runs[1]["hot_tables"] == [] and len(runs[3]["hot_tables"]) == 8  # planted: all hot
     for r in runs:
         assert finite(r["samples_per_s"]) and r["samples_per_s"] > 0
         assert finite(r["auc"]) and 0 < r["auc"] < 1
@@ -60,6 +61,9 @@ def test_staleness_bounds_map_to_trainer_modes() -> None:
     assert (staleness_config(0).mode, staleness_config(0).window) == ("sync", 1)
     assert (staleness_config(16).mode, staleness_config(16).window) == ("hybrid", 16)
     assert staleness_config(None).mode == "async" and staleness_config(None).window is None
+    assert staleness_config(16).hot_ratio == 0  # the S rows bound every table
+    default = staleness_config("8+hot")
+    assert (default.staleness, default.hot_staleness) == (8, 1) and default.hot_ratio > 0
     assert staleness_list("0, 4,unbounded") == (0, 4, None)
     with pytest.raises(argparse.ArgumentTypeError, match="bad staleness '-1'"):
         staleness_list("-1")
@@ -68,5 +72,5 @@ def test_staleness_bounds_map_to_trainer_modes() -> None:
 def test_benches_reject_unknown_choices_before_starting_anything() -> None:
     with pytest.raises(ConfigError, match="unknown strategies \\['allgather'\\]"):
         sync_bench.run(strategies=["allreduce", "allgather"])
-    with pytest.raises(ConfigError, match="unknown data 'criteo'"):
-        staleness_bench.run(data="criteo")
+    with pytest.raises(ConfigError, match="unknown data 'avazu'"):
+        staleness_bench.run(data="avazu")

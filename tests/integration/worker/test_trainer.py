@@ -81,7 +81,9 @@ async def test_ps_client_process_trains_exactly_as_in_process(cluster: LocalPS,
 async def test_hybrid_staleness_never_exceeds_bound(cluster: LocalPS,
                                                     data: SyntheticDataset) -> None:
     s = 2
-    async with trainer(cluster, "hy_", mode="hybrid", staleness=s, admin_port=0) as t:
+    # hot_ratio 0: every table under the window (the planted tables are all hot)
+    async with trainer(cluster, "hy_", mode="hybrid", staleness=s, admin_port=0,
+                       hot_ratio=0.0) as t:
         summary = await t.fit(data.batches(128, 128 * 40))
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{t.admin_port}") as http:
             progress = (await http.get("/v1/progress")).json()
@@ -119,6 +121,9 @@ async def test_hybrid_training_beats_chance_on_test_split(cluster: LocalPS,
     assert summary.logloss < 0.56  # the constant predictor's logloss is ~0.58
     assert [h["step"] for h in t.history] == [40, 79] == [h["step"] for h in summary.history]
     assert summary.samples_per_s > 0 and summary.staleness_max <= 4
+    # every planted table has few distinct ids per batch: all hot, so synchronous
+    assert sorted(summary.hot_tables) == sorted(tables_of("le_").values())
+    assert summary.staleness_max == 0
 
 
 async def test_bad_settings_and_inputs_are_clear_errors(cluster: LocalPS,

@@ -261,15 +261,17 @@ def two_feature_batch(b: int) -> Batch:
                          "g": Jagged(np.full(4, ROW_ID, np.uint64), np.ones(4, np.int32))})
 
 
-async def test_hot_tables_are_looked_up_synchronously_inside_a_wider_window() -> None:
-    """With hot_ratio 0.3, the table of 1 distinct id per 4 samples is hot: its row sees every
-    earlier push (window 1), while the cold table's row still misses up to window - 1 (a hot
-    lookup that starts before the previous batch's hot push is acknowledged fails this)."""
-    window = 3
+@pytest.mark.parametrize("hot_window", [1, 2])
+async def test_hot_tables_have_a_window_of_their_own(hot_window: int) -> None:
+    """With hot_ratio 0.3, the table of 1 distinct id per 4 samples is hot: its row misses at
+    most hot_window - 1 earlier pushes (none when synchronous), while the cold table's row
+    still misses up to window - 1 (a hot lookup that starts before the push hot_window
+    batches earlier is acknowledged fails this)."""
+    window = 4
     gate = PushGate()
     shards = InProcessShards([table(name="t"), table(name="u")], gate=gate)
     pipeline = EmbeddingPipeline(shards, window=window, tables={"f": "t", "g": "u"},
-                                 hot_ratio=0.3)
+                                 hot_ratio=0.3, hot_window=hot_window)
     pipeline.begin()
     prepared: asyncio.Queue[Prepared | None] = asyncio.Queue()
     errors: list[BaseException] = []
@@ -300,11 +302,15 @@ async def test_hot_tables_are_looked_up_synchronously_inside_a_wider_window() ->
         await pipeline.settle()
     assert not errors, errors
     assert pipeline.hot_tables == ["u"]
-    assert len(missed["u"]) == N and max(missed["u"]) == 0  # hot: every earlier push seen
+    assert len(missed["u"]) == N and max(missed["u"]) == hot_window - 1
     assert max(missed["t"]) == window - 1  # cold: as stale as the window allows
 
 
-def test_hot_ratio_is_checked() -> None:
+def test_hot_settings_are_checked() -> None:
     for bad in (-0.1, 1.5):
         with pytest.raises(ConfigError, match="hot_ratio"):
             EmbeddingPipeline(InProcessShards([table()]), window=2, hot_ratio=bad)
+    for bad_window in (0, True, 1.5):
+        with pytest.raises(ConfigError, match="hot_window"):
+            EmbeddingPipeline(InProcessShards([table()]), window=2,
+                              hot_window=bad_window)  # type: ignore[arg-type]
