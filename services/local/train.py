@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
+from urllib.parse import parse_qsl, urlencode
 
 from services.common.config import print_config
 from services.common.errors import ConfigError
@@ -45,11 +46,15 @@ def data_specs(args: argparse.Namespace) -> tuple[str, str | None]:
 
     train = str(args.train_data)
     rows = _synthetic_rows(train)
+    profile = ""  # the planted data set's parameters (profile, max_vocab, zipf), split apart
     if rows is not None:
-        train = f"synthetic:{rows}"
+        query = parse_qsl(train.partition("?")[2], keep_blank_values=True)
+        profile = urlencode([(k, v) for k, v in query if k != "split"])
+        train = f"synthetic:{rows}" + (f"?{profile}" if profile else "")
     evaluation = args.eval_data
     if evaluation is None and rows is not None:
-        evaluation = f"synthetic:{args.eval_rows}?split=test"
+        evaluation = f"synthetic:{args.eval_rows}?" + "&".join(filter(None, [profile,
+                                                                           "split=test"]))
     for spec in (train, evaluation):
         if spec is not None:
             SourceSpec.parse(spec)  # a clear ConfigError before any process starts
@@ -61,10 +66,12 @@ def _oracle(train_spec: str, eval_spec: str | None, seed: int) -> dict[str, floa
     if _synthetic_rows(train_spec) is None or eval_spec is None \
             or not eval_spec.startswith("synthetic:") or "split=test" not in eval_spec:
         return None
-    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+    from services.loader.config import SourceSpec
+    from services.loader.sources.synthetic import synthetic_config_of
+    from services.loader.synthetic import SyntheticDataset
 
     rows = int(eval_spec.split(":", 1)[1].partition("?")[0])
-    return SyntheticDataset(SyntheticConfig(seed=seed)).oracle(rows)
+    return SyntheticDataset(synthetic_config_of(SourceSpec.parse(train_spec), seed)).oracle(rows)
 
 
 def _sparse_features(admin_url: str) -> list[str]:
@@ -121,13 +128,16 @@ class PlantedData:
             raise ConfigError("without --loader, --train-data must be synthetic[:ROWS]")
 
     def data(self, args: argparse.Namespace, rank: int, world: int) -> InProcessData:
-        from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+        from services.loader.config import SourceSpec
+        from services.loader.sources.synthetic import synthetic_config_of
+        from services.loader.synthetic import SyntheticDataset
 
         train_spec, eval_spec = data_specs(args)
         rows = _synthetic_rows(train_spec)
         if rows is None:
             raise ConfigError("without --loader, --train-data must be synthetic[:ROWS]")
-        dataset = SyntheticDataset(SyntheticConfig(seed=args.data_seed))
+        dataset = SyntheticDataset(synthetic_config_of(SourceSpec.parse(train_spec),
+                                                       args.data_seed))
         train = [b for _ in range(args.epochs) for b in dataset.batches(args.batch_size, rows)]
         test = list(dataset.batches(4096, args.eval_rows, "test"))
         return InProcessData(features=dataset.config.sparse_names, train=train[rank::world],

@@ -26,10 +26,11 @@ from services.loader.synthetic import (
     synthetic_profile,
 )
 
-__all__ = ["SyntheticSource"]
+__all__ = ["SyntheticSource", "synthetic_config_of"]
 
 
-def _profile_of(spec: SourceSpec, seed: int) -> SyntheticConfig:
+def synthetic_config_of(spec: SourceSpec, seed: int) -> SyntheticConfig:
+    """The planted data set a ``synthetic:`` spec names (its profile, max_vocab, zipf)."""
     zipf = spec.params.get("zipf")
     try:
         exponent = float(zipf) if zipf else None
@@ -48,7 +49,7 @@ class SyntheticSource:
         self.split = spec.params.get("split", "train")
         if self.split not in ("train", "test"):
             raise ConfigError(f"synthetic split must be train or test, got {self.split!r}")
-        self.dataset = SyntheticDataset(synthetic or _profile_of(spec, config.seed))
+        self.dataset = SyntheticDataset(synthetic or synthetic_config_of(spec, config.seed))
         self.dataset.transform = config.dense_transform()
         self.schema = self.dataset.layout.schema
         self.state = StateFile(config.state_file, spec.text)

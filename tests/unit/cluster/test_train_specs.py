@@ -1,0 +1,31 @@
+"""``persimmon train``'s data specs: the planted profile's parameters reach both splits."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.common.errors import ConfigError
+from services.local.train import data_specs
+
+
+def specs(train: str, eval_data: str | None = None) -> tuple[str, str | None]:
+    return data_specs(argparse.Namespace(train_data=train, eval_data=eval_data, eval_rows=4096))
+
+
+def test_the_profile_travels_to_the_test_split():
+    train, test = specs("synthetic:1000?profile=criteo&max_vocab=5000&zipf=1.2")
+    assert train == "synthetic:1000?profile=criteo&max_vocab=5000&zipf=1.2"
+    assert test == "synthetic:4096?profile=criteo&max_vocab=5000&zipf=1.2&split=test"
+    assert specs("synthetic") == ("synthetic:65536", "synthetic:4096?split=test")
+    # a split given with the training data is the training data's own business
+    assert specs("synthetic:10?split=test&profile=toy")[0] == "synthetic:10?profile=toy"
+    assert specs("synthetic:10", "criteo:x.tsv")[1] == "criteo:x.tsv"
+
+
+def test_bad_specs_fail_before_anything_starts():
+    with pytest.raises(ConfigError, match="row count"):
+        specs("synthetic:many")
+    with pytest.raises(ConfigError):
+        specs("synthetic:10?profile=criteo&colour=red")
