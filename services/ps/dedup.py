@@ -8,8 +8,10 @@ it, each with a fingerprint of the message and the ack the shard answered. A pus
 
 - new (above the highest, or inside the window and not applied yet): applied, remembered;
 - already applied, same fingerprint (a retry): not applied again, answered with its ack;
-- already applied, another fingerprint (a number reused for a different push), or in flight
-  for a request on other tables: :class:`FailedPrecondition`, nothing applied;
+- already applied, another fingerprint (a number reused for a different push: other tables,
+  counts, ids or lengths, or gradients that differ in size or in their first
+  ``SAMPLED_BYTES`` bytes), or in flight for a request on other tables:
+  :class:`FailedPrecondition`, nothing applied;
 - below the window (too old to tell): :class:`FailedPrecondition`, nothing applied.
 
 At most ``max_clients`` clients are remembered; a new one evicts the least recently seen
@@ -29,17 +31,19 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.ps.store import PushResult
 
-__all__ = ["DEFAULT_MAX_CLIENTS", "DEFAULT_WINDOW", "PushOrigin", "PushWindow", "fingerprint"]
+__all__ = ["DEFAULT_MAX_CLIENTS", "DEFAULT_WINDOW", "SAMPLED_BYTES", "PushOrigin", "PushWindow",
+           "fingerprint"]
 
 DEFAULT_WINDOW = 1024
 DEFAULT_MAX_CLIENTS = 4096
+SAMPLED_BYTES = 4096  # of each gradient array, in a push's fingerprint
 _MAX = 2**63  # client ids and sequence numbers are non-negative int64 (msgpack ints)
 
 
@@ -50,17 +54,24 @@ class PushOrigin(NamedTuple):
     seq: int
 
 
-def fingerprint(*parts: str | Sequence[int] | np.ndarray) -> int:
-    """A CRC-32 of a push's content (table names, counts, ids, gradients), to tell a retry
-    (same content) from a sequence number reused for another push."""
-    crc = 0
-    for part in parts:
-        if isinstance(part, np.ndarray):
-            crc = zlib.crc32(str((part.dtype.str, part.shape)).encode(), crc)
-            crc = zlib.crc32(np.ascontiguousarray(part).data, crc)
-        else:
-            crc = zlib.crc32(repr(part).encode(), crc)
+def fingerprint(meta: tuple[Any, ...], whole: Sequence[np.ndarray],
+                sampled: Sequence[np.ndarray] = ()) -> int:
+    """A CRC-32 of a push's content, to tell a retry (the same message) from a sequence
+    number reused for another push: ``meta`` (table names, counts), every byte of ``whole``
+    (ids, lengths), and the size and first ``SAMPLED_BYTES`` bytes of each of ``sampled``
+    (gradients: hashing all of them would cost a tenth of a push)."""
+    crc = zlib.crc32(repr((meta, [a.nbytes for a in sampled])).encode())
+    for a in whole:
+        crc = zlib.crc32(_bytes(a), crc)
+    for a in sampled:
+        data = _bytes(a)
+        crc = zlib.crc32(data if data.nbytes <= SAMPLED_BYTES
+                         else data.cast("B")[:SAMPLED_BYTES], crc)
     return crc
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    return (a if a.flags.c_contiguous else np.ascontiguousarray(a)).data
 
 
 @dataclass(slots=True)
@@ -126,7 +137,7 @@ class PushWindow:
         """Remember that the claimed push ``origin`` was applied and answered ``result``."""
         client, seq = origin
         with self._lock:
-            state = self._touch(client)
+            state = self._clients[client]  # a client with a claim in flight is never evicted
             fp = state.pending.pop(seq)
             state.applied[seq] = (fp, result)
             if seq > state.highest:

@@ -149,7 +149,8 @@ class Shard:
         table = self.table(name)
         table.validate_push(self.check_ids(ids), grads)
         with self._holding([name]):
-            return self._once(origin, (name, ids, grads), lambda: table.push(ids, grads))
+            return self._once(origin, lambda: fingerprint((name,), [ids], [grads]),
+                              lambda: table.push(ids, grads))
 
     @contextlib.contextmanager
     def _holding(self, names: Sequence[str]) -> Iterator[None]:
@@ -160,15 +161,15 @@ class Shard:
                 stack.enter_context(self._locks[name])
             yield
 
-    def _once(self, origin: PushOrigin | None, content: tuple[Any, ...],
+    def _once(self, origin: PushOrigin | None, content: Callable[[], int],
               apply: Callable[[], PushResult]) -> PushResult:
-        """``apply()``, at most once per ``origin``: a retry (same ``content``) gets the first
-        ack. The caller holds the pushed tables' locks, so the window and the rows change
-        together."""
+        """``apply()``, at most once per ``origin``: a retry (same ``content()``
+        fingerprint) gets the first ack. The caller holds the pushed tables' locks, so the
+        window and the rows change together."""
         if origin is None:
             return apply()
         window = self.pushes
-        done = window.claim(origin, fingerprint(*content))
+        done = window.claim(origin, content())
         if done is not None:
             return done
         try:
@@ -247,11 +248,8 @@ class Shard:
                        origin: PushOrigin | None = None) -> PushResult:
         """Apply several tables' gradients: one ``(len(ids), dim)`` array, or one array per
         table (all tables or none, at most once per ``origin``)."""
-        if origin is not None:
-            PushWindow.check_origin(origin)
         parts, _ = self._table_slices(tables, counts, ids)
-        content = (list(tables), list(counts), ids,
-                   *([grads] if isinstance(grads, np.ndarray) else grads))
+        sampled = [grads] if isinstance(grads, np.ndarray) else list(grads)
         if isinstance(grads, np.ndarray):
             if grads.ndim != 2 or grads.shape[0] != ids.size:
                 raise InvalidArgument(f"grads must be ({ids.size}, dim), got {grads.shape}")
@@ -269,7 +267,8 @@ class Shard:
                               not_admitted=sum(r.not_admitted for r in results))
 
         with self._holding(tables):
-            return self._once(origin, content, apply)
+            return self._once(origin, lambda: fingerprint((tuple(tables), tuple(counts)), [ids],
+                                                          sampled), apply)
 
     def push_then_lookup_sync(self, push: PushParts, lookup: LookupParts, *,
                               origin: PushOrigin | None = None
@@ -331,8 +330,6 @@ class Shard:
         """Apply the per-sample pooled gradients ``grads`` (``(len(lengths), dim)``): each id
         of sample ``b`` gets ``grads[b]`` (summed over its occurrences) — sum pooling's
         backward, done here (at most once per ``origin``)."""
-        if origin is not None:
-            PushWindow.check_origin(origin)
         table = self.table(name)
         self.check_ids(ids)
         lengths = self.check_lengths(ids, lengths)
@@ -344,7 +341,7 @@ class Shard:
         expanded = np.repeat(grads, lengths, axis=0)
         table.validate_push(ids, expanded)
         with self._holding([name]):
-            return self._once(origin, (name, ids, lengths, grads),
+            return self._once(origin, lambda: fingerprint((name,), [ids, lengths], [grads]),
                               lambda: table.push(ids, expanded))
 
     async def pooled_lookup(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -14,3 +14,12 @@ def test_bench_store_smoke(capsys):
     main(["1000", "4"])
     out = capsys.readouterr().out
     assert "EmbeddingTable" in out and "python dict" in out and "store_vs_dict" in out
+
+
+def test_bench_push_dedup_smoke(capsys):
+    from bench.push_dedup import bench_push_dedup
+
+    r = bench_push_dedup(batch=64, seconds=0.0)
+    assert r["rounds"] >= 3 and r["batch_ids"] == 64
+    assert r["rows_per_s_with_check"] > 0 and r["rows_per_s_without"] > 0
+    assert r["ratio"] > 0 and r["retry_answer_ms"] > 0

@@ -12,7 +12,7 @@ from services.common import messages as m
 from services.common.codecs import raw_array
 from services.common.errors import FailedPrecondition, InvalidArgument, MalformedMessage
 from services.ps.config import PSConfig
-from services.ps.dedup import PushOrigin, PushWindow, fingerprint
+from services.ps.dedup import SAMPLED_BYTES, PushOrigin, PushWindow, fingerprint
 from services.ps.shard import INLINE_IDS, Shard
 from services.ps.store import PushResult
 from tests.unit.ps.counting import applied_counts, count_grads, counting_table
@@ -135,12 +135,26 @@ def test_a_damaged_snapshot_is_refused():
 
 
 def test_fingerprint_tells_content_apart():
-    g = np.ones((3, 2), np.float32)
-    base = fingerprint(["t"], [3], np.arange(3, dtype=np.uint64), g)
-    assert base == fingerprint(["t"], [3], np.arange(3, dtype=np.uint64), g.copy())
-    assert base != fingerprint(["t"], [3], np.arange(3, dtype=np.uint64), 2 * g)
-    assert base != fingerprint(["u"], [3], np.arange(3, dtype=np.uint64), g)
-    assert base != fingerprint(["t"], [3], np.arange(1, 4, dtype=np.uint64), g)
+    ids, g = np.arange(3, dtype=np.uint64), np.ones((3, 2), np.float32)
+    base = fingerprint((("t",), (3,)), [ids], [g])
+    assert base == fingerprint((("t",), (3,)), [ids.copy()], [g.copy()])
+    assert base != fingerprint((("t",), (3,)), [ids], [2 * g])
+    assert base != fingerprint((("t",), (3,)), [ids], [g[:, :1]])  # size
+    assert base != fingerprint((("u",), (3,)), [ids], [g])
+    assert base != fingerprint((("t",), (3,)), [ids + 1], [g])
+
+
+def test_fingerprint_samples_the_gradients():
+    """Gradients count by shape and their first SAMPLED_BYTES bytes (hashing all would cost
+    a tenth of a push): a change past them goes unseen, one inside is seen."""
+    ids, g = np.arange(4096, dtype=np.uint64), np.ones((4096, 16), np.float32)
+    later, early = g.copy(), g.copy()
+    later[-1, -1] = 5
+    early.reshape(-1)[SAMPLED_BYTES // 4 - 1] = 5
+    base = fingerprint((), [ids], [g])
+    assert fingerprint((), [ids], [later]) == base
+    assert fingerprint((), [ids], [early]) != base
+    assert fingerprint((), [ids], [np.asfortranarray(g)]) == base  # any memory layout
 
 
 # ---- messages -----------------------------------------------------------------------------
