@@ -1,7 +1,8 @@
 """The docs show code that works: every ```python block of README.md and docs/*.md runs.
 
 Each block runs as a script in a fresh interpreter (the way a user runs one), in an empty
-temporary directory, with a deadline; it passes when it exits 0. A block is skipped only when
+temporary directory, with a deadline; it passes when it exits 0 and, where the text after it
+says "It prints `X...`", its output holds X. A block is skipped only when
 the line just before its fence is ``<!-- not-run -->`` (kept for the few that need a cluster).
 Also checked, so that docs and code cannot drift apart: a ```yaml block of PS ``tables`` is
 a config ``persimmon ps --check-config`` accepts; every ``persimmon``/``python -m bench``
@@ -28,6 +29,7 @@ NOT_RUN = "<!-- not-run -->"
 DEADLINE_S = 240
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
+_PRINTS = re.compile(r"^It prints `([^`]+)`")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,7 @@ class Block:
     lang: str
     code: str
     skipped: bool
+    prints: str | None = None  # "It prints `X...`" just after the block: the output holds X
 
     @property
     def name(self) -> str:
@@ -59,8 +62,10 @@ def code_blocks(path: Path) -> list[Block]:
         if end == len(lines):
             raise AssertionError(f"{path.relative_to(ROOT)}:{i + 1}: unclosed code fence")
         before = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
+        after = next((line.strip() for line in lines[end + 1:] if line.strip()), "")
+        prints = _PRINTS.match(after)
         blocks.append(Block(path, i + 1, opening.group(1), "\n".join(lines[i + 1:end]) + "\n",
-                            before == NOT_RUN))
+                            before == NOT_RUN, prints.group(1).rstrip(". ") if prints else None))
         i = end + 1
     return blocks
 
@@ -88,6 +93,9 @@ def test_python_example_runs(block: Block, tmp_path: Path) -> None:
                              f"{exc.stdout or ''}{exc.stderr or ''}") from exc
     assert done.returncode == 0, (f"{block.name} exited {done.returncode}\n"
                                   f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+    if block.prints:
+        assert block.prints in done.stdout, (f"{block.name}: the docs say it prints "
+                                             f"{block.prints!r}...; it printed {done.stdout!r}")
 
 
 PS_YAML = [b for path in DOCS for b in code_blocks(path)
