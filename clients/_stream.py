@@ -89,7 +89,12 @@ class MultiplexedStream:
             async with self._write_lock:
                 call = self._ensure_open()
                 self._pending[rid] = (future, call)
-                await call.write(raw)
+                try:
+                    await call.write(raw)
+                except grpc.aio.AioRpcError as exc:  # the call had ended (e.g. its peer died,
+                    # INTERNAL "Internal error from Core"): this request was not served on it
+                    raise Unavailable(f"{self._method} stream ended before the request was "
+                                      f"written: {exc.code().name} {exc.details()}") from exc
             self.bytes_out += len(raw)
             response = await future
         except grpc.aio.AioRpcError as exc:
