@@ -42,7 +42,7 @@ __all__ = ["DEFAULT_MAX_CLIENTS", "DEFAULT_WINDOW", "SAMPLED_BYTES", "PushOrigin
            "fingerprint"]
 
 DEFAULT_WINDOW = 1024
-DEFAULT_MAX_CLIENTS = 4096
+DEFAULT_MAX_CLIENTS = 1024  # at ~0.3 MB per client with a full window: ~300 MB at the cap
 SAMPLED_BYTES = 4096  # of each gradient array, in a push's fingerprint
 _MAX = 2**63  # client ids and sequence numbers are non-negative int64 (msgpack ints)
 
@@ -77,7 +77,8 @@ def _bytes(a: np.ndarray) -> memoryview:
 @dataclass(slots=True)
 class _Client:
     highest: int = 0  # 0: none applied yet (sequence numbers start at 1)
-    applied: dict[int, tuple[int, PushResult]] = field(default_factory=dict)  # seq → (fp, ack)
+    # seq → (fingerprint, applied, dropped_nonfinite, not_admitted): the ack, packed
+    applied: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)  # seq → fp, being applied
 
 
@@ -119,7 +120,7 @@ class PushWindow:
                         f"push sequence number {seq} of client {client:#x} was already used for "
                         "a different push; nothing applied")
                 self.retries += 1
-                return done[1]
+                return PushResult(*done[1:])
             if seq in state.pending:
                 raise FailedPrecondition(
                     f"push sequence number {seq} of client {client:#x} is being applied by "
@@ -139,10 +140,11 @@ class PushWindow:
         with self._lock:
             state = self._clients[client]  # a client with a claim in flight is never evicted
             fp = state.pending.pop(seq)
-            state.applied[seq] = (fp, result)
+            state.applied[seq] = (fp, result.applied, result.dropped_nonfinite,
+                                  result.not_admitted)
             if seq > state.highest:
                 state.highest = seq
-            if len(state.applied) > 2 * self.window:  # amortised: prune once per window
+            if len(state.applied) > self.window + self.window // 4 + 1:  # amortised
                 low = state.highest - self.window
                 state.applied = {s: v for s, v in state.applied.items() if s > low}
 
@@ -185,16 +187,15 @@ class PushWindow:
         are left out: their rows are not applied either)."""
         with self._lock:
             clients = list(self._clients.items())
-            entries = [(i, seq, fp, ack) for i, (_, state) in enumerate(clients)
-                       for seq, (fp, ack) in state.applied.items()]
+            entries = [(i, seq, done) for i, (_, state) in enumerate(clients)
+                       for seq, done in state.applied.items()]
         return {
             "clients": np.array([c for c, _ in clients], dtype=np.uint64),
             "highest": np.array([s.highest for _, s in clients], dtype=np.int64),
             "entry_client": np.array([e[0] for e in entries], dtype=np.int64),
             "entry_seq": np.array([e[1] for e in entries], dtype=np.int64),
-            "entry_fp": np.array([e[2] for e in entries], dtype=np.uint64),
-            "entry_ack": np.array([(a.applied, a.dropped_nonfinite, a.not_admitted)
-                                   for *_, a in entries], dtype=np.int64).reshape(-1, 3),
+            "entry_fp": np.array([e[2][0] for e in entries], dtype=np.uint64),
+            "entry_ack": np.array([e[2][1:] for e in entries], dtype=np.int64).reshape(-1, 3),
         }
 
     def restore(self, arrays: dict[str, np.ndarray] | None) -> None:
@@ -210,7 +211,7 @@ class PushWindow:
                                        arrays["entry_seq"].tolist(),
                                        arrays["entry_fp"].tolist(),
                                        arrays["entry_ack"].tolist(), strict=True):
-                order[i].applied[int(seq)] = (int(fp), PushResult(*map(int, ack)))
+                order[i].applied[int(seq)] = (int(fp), *(int(x) for x in ack))
         with self._lock:
             self._clients = clients
 
