@@ -23,6 +23,7 @@ is the default hybrid mode, S = 8 with the hot tables (few distinct ids per batc
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import replace
 from typing import Any
 
@@ -63,23 +64,39 @@ def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> Tra
 
 def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
         workers: int = 4, data: str = "default",
-        staleness: tuple[int | None, ...] = STALENESS) -> dict[str, Any]:
-    """Every bound on the same data; the JSON-ready result (see the module docstring)."""
+        staleness: tuple[int | None, ...] = STALENESS, seeds: int = 1) -> dict[str, Any]:
+    """Every bound on the same data, once per seed (the data set's and the dense model's);
+    the JSON-ready result (see the module docstring). With several seeds, ``auc`` is the mean
+    over the seeds and ``auc_gap`` the mean of the paired per-seed gaps to S = 0."""
     if data not in DATA:
         raise ConfigError(f"unknown data {data!r}; available: {sorted(DATA)}")
-    staleness = (*staleness, DEFAULT_ROW)
-    configs = [staleness_config(s) for s in staleness]
-    summaries, oracle = train_configs(configs, rows=rows, batch_size=batch_size,
-                                      eval_rows=eval_rows, workers=workers, data=DATA[data])
-    base_auc = next((x["auc"] for s, x in zip(staleness, summaries, strict=True) if s == 0),
-                    None)
-    runs = [{"staleness": s, "mode": x["mode"], "samples_per_s": x["samples_per_s"],
-             "auc": x["auc"], "auc_gap": (base_auc - x["auc"]) if base_auc is not None else None,
-             "staleness_max": x["staleness_max"], "staleness_mean": x["staleness_mean"],
-             "hot_tables": x.get("hot_tables", [])}
-            for s, x in zip(staleness, summaries, strict=True)]
+    if seeds < 1:
+        raise ConfigError(f"seeds must be >= 1, got {seeds}")
+    bounds = (*staleness, DEFAULT_ROW)
+    per_seed, oracles = [], []
+    for seed in range(seeds):
+        configs = [replace(staleness_config(s), seed=seed) for s in bounds]
+        summaries, oracle = train_configs(configs, rows=rows, batch_size=batch_size,
+                                          eval_rows=eval_rows, workers=workers,
+                                          data=replace(DATA[data], seed=seed))
+        per_seed.append(summaries)
+        oracles.append(oracle)
+    runs = []
+    for k, s in enumerate(bounds):
+        xs = [summaries[k] for summaries in per_seed]
+        aucs = [x["auc"] for x in xs]
+        base = [summaries[bounds.index(0)]["auc"] for summaries in per_seed] \
+            if 0 in bounds else None
+        gaps = [b - a for a, b in zip(aucs, base, strict=True)] if base else None
+        runs.append({"staleness": s, "mode": xs[0]["mode"],
+                     "samples_per_s": statistics.median(x["samples_per_s"] for x in xs),
+                     "auc": statistics.fmean(aucs), "auc_per_seed": aucs,
+                     "auc_gap": statistics.fmean(gaps) if gaps else None, "gap_per_seed": gaps,
+                     "staleness_max": max(x["staleness_max"] for x in xs),
+                     "staleness_mean": statistics.fmean(x["staleness_mean"] for x in xs),
+                     "hot_tables": xs[0].get("hot_tables", [])})
     return {"workers": workers, "rows": rows, "batch_size": batch_size, "data": data,
-            "oracle_auc": oracle, "runs": runs}
+            "seeds": seeds, "oracle_auc": statistics.fmean(oracles), "runs": runs}
 
 
 def _label(s: int | str | None) -> str:
@@ -115,6 +132,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 def _print_table(result: dict[str, Any]) -> None:
     table = Table(title=f"persimmon bench staleness ({result['workers']} gloo workers, "
                         f"{result['rows']:,} rows of '{result['data']}' planted data, "
+                        f"{result['seeds']} seed(s), "
                         f"oracle AUC {result['oracle_auc']:.4f})")
     for col in ("S", "mode", "samples/s", "vs S=0", "AUC", "gap to S=0", "max staleness seen"):
         table.add_column(col, justify="right")
@@ -142,7 +160,8 @@ def staleness_list(text: str) -> tuple[int | None, ...]:
 
 def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
-                 workers=args.workers, data=args.data, staleness=args.staleness)
+                 workers=args.workers, data=args.data, staleness=args.staleness,
+                 seeds=args.seeds)
     _print_table(result)
     png = save_plot(plot, result, args.plot, "staleness")
     console.print(f"samples/s and AUC against S: {png}")
@@ -158,6 +177,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-rows", type=int, default=16_384, help="held-out rows")
     parser.add_argument("--batch-size", type=int, default=128, help="rows per worker step")
     parser.add_argument("--workers", type=int, default=4, help="gloo worker processes")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="data and model seeds 0..N-1: AUCs are means, gaps paired")
     parser.add_argument("--data", default="default", choices=sorted(DATA),
                         help="planted data: default (8 long-tailed features) or small")
     parser.add_argument("--staleness", type=staleness_list,

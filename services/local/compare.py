@@ -93,12 +93,14 @@ def train_configs(configs: Sequence[TrainerConfig], *, rows: int, batch_size: in
     train = list(dataset.batches(batch_size, rows))
     test = list(dataset.batches(4096, eval_rows, "test"))
     features = dataset.config.sparse_names
+    model = model or ModelConfig(name="dlrm")
     prefixes = ["warm_", *(f"r{k}_" for k in range(len(configs)))]
     tables = [t for p in prefixes
-              for t in ps_table_configs({f: dim for f in features}, prefix=p, lr=ps_lr)]
+              for t in ps_table_configs({f: model.table_dim(dim) for f in features},
+                                        prefix=p, lr=ps_lr)]
     with LocalPS(shards, tables) as ps:
         per_rank = run_local_ranks(_rank_runs, workers, ps.addresses, features, list(configs),
-                                   model or ModelConfig(name="dlrm"), train, test,
+                                   model, train, test,
                                    timeout_s=timeout_s)
     summaries = []
     for k in range(len(configs)):

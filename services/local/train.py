@@ -83,7 +83,8 @@ def _sparse_features(admin_url: str) -> list[str]:
 
 def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: TrainerConfig,
                            model: ModelConfig, workers: int = 1, shards: int = 2,
-                           dim: int = 16, ps_lr: float = 0.05, batch_size: int = 512,
+                           dim: int = 16, ps_lr: float = 0.05, ps_optimizer: str = "adagrad",
+                           batch_size: int = 512,
                            epochs: int = 1, data_seed: int = 0,
                            on_cluster: Callable[[Any, list[str]], None] | None = None
                            ) -> dict[str, Any]:
@@ -103,7 +104,8 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                                                        world_size=workers, seed=data_seed))
                        if eval_data else None)
         features = _sparse_features(loader.admin_url)
-        tables = ps_table_configs({f: dim for f in features}, lr=ps_lr)
+        tables = ps_table_configs({f: model.table_dim(dim) for f in features}, lr=ps_lr,
+                                  optimizer=ps_optimizer)
         cluster = stack.enter_context(LocalPS(shards, tables, registry=config.registry))
         if on_cluster is not None:
             on_cluster(cluster, [str(t["name"]) for t in tables])
@@ -154,7 +156,8 @@ def _run_train(args: argparse.Namespace) -> int:
     summary = train_on_local_cluster(
         train_data=train_spec, eval_data=eval_spec, config=config,
         model=ModelConfig(name=args.model), workers=args.workers, shards=args.shards,
-        dim=args.dim, ps_lr=args.ps_lr, batch_size=args.batch_size, epochs=args.epochs,
+        dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
+        batch_size=args.batch_size, epochs=args.epochs,
         data_seed=args.data_seed)
     return report_summary(summary, args.summary_json)
 
@@ -165,5 +168,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--shards", type=int, default=2, help="PS shard processes")
     train.add_argument("--workers", type=int, default=1, help="worker processes (gloo)")
     train.add_argument("--dim", type=int, default=16, help="embedding dimension")
-    train.add_argument("--ps-lr", type=float, default=0.05, help="PS Adagrad learning rate")
+    train.add_argument("--ps-lr", type=float, default=0.05, help="PS learning rate")
+    train.add_argument("--ps-optimizer", default="adagrad",
+                       choices=["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"],
+                       help="the PS tables' optimizer")
     train.set_defaults(func=_run_train)

@@ -11,11 +11,13 @@ Every model is built as ``Model(*, sparse_dims, num_dense, <arch params>)`` and 
 - The result is ``(B,)`` logits (apply ``sigmoid`` for probabilities).
 
 Embeddings live on the parameter server, so the models own no embedding tables. First-order
-("wide", per-id scalar weight) terms are computed as a linear layer over the pooled vectors and
-the dense features: the scalar weight of an id is then ``w_f · e_id``, a learned projection of
-its embedding, which needs no extra table on the PS. Models whose interaction needs one common
-dimension (DLRM, DeepFM) project each table with a different dim through a bias-free linear
-layer.
+("wide", per-id scalar weight) terms of DeepFM and Wide&Deep are true per-id weights when
+``id_weights`` is set (off by default: on movielens it measured no better): every table then has one column more than the
+embedding (:meth:`ModelConfig.table_dim`), the id's own weight, pooled like the rest and summed
+over the features; the other columns are the embedding. Without it, the first-order term is a
+linear layer over the pooled vectors (``w_f · e_id``, a projection of the embedding). Models
+whose interaction needs one common dimension (DLRM, DeepFM) project each table with a
+different dim through a bias-free linear layer.
 """
 
 from __future__ import annotations
@@ -101,19 +103,24 @@ def _check_sizes(name: str, sizes: Sequence[int], *, allow_empty: bool = True) -
 class _RecModel(nn.Module):
     """Shared input handling: feature order, validation, projection to a common dim."""
 
-    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int) -> None:
+    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
+                 id_weights: bool = False) -> None:
         super().__init__()
         if not sparse_dims:
             raise ConfigError("sparse_dims must name at least one sparse feature")
+        low = 2 if id_weights else 1
         for fname, dim in sparse_dims.items():
-            if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
-                raise ConfigError(f"sparse_dims[{fname!r}] must be a positive int, got {dim!r}")
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim < low:
+                raise ConfigError(f"sparse_dims[{fname!r}] must be an int >= {low}, got {dim!r}")
         if not isinstance(num_dense, int) or isinstance(num_dense, bool) or num_dense < 0:
             raise ConfigError(f"num_dense must be an int >= 0, got {num_dense!r}")
         self.feature_names: list[str] = list(sparse_dims)
         self.sparse_dims: dict[str, int] = dict(sparse_dims)
+        self.id_weights = id_weights
+        # the embedding part of each table (the last column is the id's weight, if any)
+        self.embedding_dims = {f: d - 1 if id_weights else d for f, d in sparse_dims.items()}
         self.num_dense = num_dense
-        self.flat_dim = sum(self.sparse_dims.values()) + num_dense
+        self.flat_dim = sum(self.embedding_dims.values()) + num_dense
 
     def _features(self, pooled: Mapping[str, Tensor], dense: Tensor) -> list[Tensor]:
         """The pooled tensors in feature order, checked against ``dense``'s batch size."""
@@ -133,11 +140,18 @@ class _RecModel(nn.Module):
             out.append(t)
         return out
 
+    def _split(self, feats: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
+        """(the embeddings, the sum of the ids' first-order weights ``(B,)``) of the pooled
+        tensors; no weights without ``id_weights``."""
+        if not self.id_weights:
+            return feats, None
+        return [t[:, :-1] for t in feats], torch.stack([t[:, -1] for t in feats], 1).sum(1)
+
     def _projections(self, dim: int) -> nn.ModuleDict:
         """Bias-free projections to ``dim`` for the tables whose dim differs."""
         return nn.ModuleDict({
             f"p{i}": nn.Linear(d, dim, bias=False)
-            for i, d in enumerate(self.sparse_dims.values()) if d != dim})
+            for i, d in enumerate(self.embedding_dims.values()) if d != dim})
 
     def _project(self, proj: nn.ModuleDict, feats: list[Tensor]) -> list[Tensor]:
         return [proj[f"p{i}"](t) if f"p{i}" in proj else t for i, t in enumerate(feats)]
@@ -172,28 +186,34 @@ class DLRM(_RecModel):
 
 
 class DeepFM(_RecModel):
-    """DeepFM: first-order linear part + FM second-order part + deep MLP, summed.
+    """DeepFM: first-order part + FM second-order part + deep MLP, summed.
 
     Fields are the sparse features plus (when ``num_dense > 0``) one field made from the dense
-    vector by a linear layer. The FM dim is ``fm_dim`` or, when None, the largest table dim.
+    vector by a linear layer. The FM dim is ``fm_dim`` or, when None, the largest embedding
+    dim. The first-order part is the ids' own weights and a linear layer over the dense
+    features with ``id_weights``, else a linear layer over every pooled vector and the dense.
     """
 
     def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
-                 deep_mlp: Sequence[int] = (128, 64), fm_dim: int | None = None) -> None:
-        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+                 deep_mlp: Sequence[int] = (128, 64), fm_dim: int | None = None,
+                 id_weights: bool = False) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense, id_weights=id_weights)
         deep = _check_sizes("deep_mlp", deep_mlp)
         if fm_dim is not None and (not isinstance(fm_dim, int) or fm_dim <= 0):
             raise ConfigError(f"fm_dim must be a positive int or None, got {fm_dim!r}")
-        dim = fm_dim or max(self.sparse_dims.values())
+        dim = fm_dim or max(self.embedding_dims.values())
         self.proj = self._projections(dim)
         self.dense_field = nn.Linear(num_dense, dim) if num_dense else None
         n_fields = len(self.feature_names) + (1 if num_dense else 0)
-        self.linear = nn.Linear(self.flat_dim, 1)
+        self.linear = nn.Linear(num_dense if id_weights else self.flat_dim, 1)
         self.deep = mlp(n_fields * dim, deep, out_dim=1)
 
     def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
-        feats = self._features(pooled, dense)
-        first = self.linear(torch.cat([*feats, dense], dim=1)).squeeze(1)
+        feats, id_weights = self._split(self._features(pooled, dense))
+        if id_weights is None:
+            first = self.linear(torch.cat([*feats, dense], dim=1)).squeeze(1)
+        else:
+            first = id_weights + self.linear(dense).squeeze(1)
         fields = self._project(self.proj, feats)
         if self.dense_field is not None:
             fields.append(self.dense_field(dense))
@@ -256,18 +276,23 @@ class DCNv2(_RecModel):
 
 
 class WideAndDeep(_RecModel):
-    """Wide&Deep: a linear (wide) part and a deep MLP over ``[pooled..., dense]``, summed."""
+    """Wide&Deep: a linear (wide) part and a deep MLP over ``[embeddings..., dense]``, summed;
+    with ``id_weights`` the wide part is the ids' own weights and a linear layer over dense."""
 
     def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
-                 deep_mlp: Sequence[int] = (128, 64)) -> None:
-        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+                 deep_mlp: Sequence[int] = (128, 64), id_weights: bool = False) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense, id_weights=id_weights)
         deep = _check_sizes("deep_mlp", deep_mlp)
-        self.wide = nn.Linear(self.flat_dim, 1)
+        self.wide = nn.Linear(num_dense if id_weights else self.flat_dim, 1)
         self.deep = mlp(self.flat_dim, deep, out_dim=1)
 
     def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
-        x = torch.cat([*self._features(pooled, dense), dense], dim=1)
-        return (self.wide(x) + self.deep(x)).squeeze(1)
+        feats, id_weights = self._split(self._features(pooled, dense))
+        x = torch.cat([*feats, dense], dim=1)
+        wide = self.wide(x if id_weights is None else dense).squeeze(1)
+        if id_weights is not None:
+            wide = wide + id_weights
+        return wide + self.deep(x).squeeze(1)
 
 
 MODELS: dict[str, type[_RecModel]] = {
@@ -280,9 +305,9 @@ MODELS: dict[str, type[_RecModel]] = {
 # The architecture keywords each model accepts (besides sparse_dims and num_dense).
 _ARCH_PARAMS: dict[str, tuple[str, ...]] = {
     "dlrm": ("bottom_mlp", "top_mlp"),
-    "deepfm": ("deep_mlp", "fm_dim"),
+    "deepfm": ("deep_mlp", "fm_dim", "id_weights"),
     "dcnv2": ("cross_layers", "cross_rank", "deep_mlp", "structure"),
-    "wide_deep": ("deep_mlp",),
+    "wide_deep": ("deep_mlp", "id_weights"),
 }
 
 
@@ -311,6 +336,7 @@ class ModelConfig:
     cross_rank: int | None = None
     structure: str = "stacked"
     fm_dim: int | None = None
+    id_weights: bool = False  # deepfm, wide_deep: a per-id weight column in every table
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:
@@ -331,6 +357,15 @@ class ModelConfig:
         """The keywords of this config that the named model takes."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {k: values[k] for k in _ARCH_PARAMS[self.name]}
+
+    def table_dim(self, embedding_dim: int) -> int:
+        """The PS table dim this model needs for embeddings of ``embedding_dim``: one more
+        when its tables hold each id's first-order weight."""
+        return embedding_dim + 1 if self.uses_id_weights else embedding_dim
+
+    @property
+    def uses_id_weights(self) -> bool:
+        return self.id_weights and "id_weights" in _ARCH_PARAMS[self.name]
 
     def build(self, *, sparse_dims: Mapping[str, int], num_dense: int) -> nn.Module:
         return build_model(self.name, sparse_dims=sparse_dims, num_dense=num_dense, **self.arch())

@@ -148,7 +148,7 @@ def test_bad_inputs_are_clear_errors() -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"sparse_dims": {}, "num_dense": 1}, "at least one sparse feature"),
-    ({"sparse_dims": {"a": 0}, "num_dense": 1}, "positive int"),
+    ({"sparse_dims": {"a": 0}, "num_dense": 1}, "an int >= 1"),
     ({"sparse_dims": {"a": 4}, "num_dense": -1}, "num_dense"),
     ({"sparse_dims": {"a": 4}, "num_dense": 1, "bottom_mlp": []}, "at least one layer"),
     ({"sparse_dims": {"a": 4}, "num_dense": 1, "top_mlp": [8, 0]}, "positive layer sizes"),
@@ -169,7 +169,7 @@ def test_build_model_errors() -> None:
 
 def test_model_config_from_dict_builds_and_rejects() -> None:
     cfg = from_dict(ModelConfig, {"name": "deepfm", "deep_mlp": [16, 8], "fm_dim": 4})
-    assert cfg.arch() == {"deep_mlp": [16, 8], "fm_dim": 4}
+    assert cfg.arch() == {"deep_mlp": [16, 8], "fm_dim": 4, "id_weights": False}
     model = cfg.build(sparse_dims=DIMS, num_dense=2)
     pooled, _ = _inputs()
     assert model(pooled, torch.zeros(6, 2)).shape == (6,)
@@ -190,3 +190,31 @@ def test_pick_device() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             pick_device("cuda")
+
+
+@pytest.mark.parametrize("name", ["deepfm", "wide_deep"])
+def test_id_weights_are_the_last_column_added_to_the_logit(name: str) -> None:
+    """With id_weights, each table's last column is the id's own first-order weight: raising
+    it by d raises the logit by exactly d (the FM, deep and dense parts never see it)."""
+    torch.manual_seed(0)
+    model = build_model(name, sparse_dims=DIMS, num_dense=3, id_weights=True)
+    pooled, dense = _inputs()
+    base = model(pooled, dense)
+    for feature, delta in (("user", 0.75), ("cat", -2.0)):
+        moved = dict(pooled)
+        moved[feature] = pooled[feature].clone()
+        moved[feature][:, -1] += delta
+        torch.testing.assert_close(model(moved, dense), base + delta)
+    # any other column moves the logit by something else
+    moved = dict(pooled, user=pooled["user"].clone())
+    moved["user"][:, 0] += 0.75
+    assert not torch.allclose(model(moved, dense), base + 0.75)
+
+
+def test_table_dim_counts_the_id_weight_column() -> None:
+    assert ModelConfig(name="deepfm", id_weights=True).table_dim(16) == 17
+    assert ModelConfig(name="wide_deep", id_weights=True).table_dim(16) == 17
+    assert ModelConfig(name="deepfm").table_dim(16) == 16  # off by default
+    assert ModelConfig(name="dlrm", id_weights=True).table_dim(16) == 16  # no first order
+    with pytest.raises(ConfigError, match=">= 2"):
+        build_model("deepfm", sparse_dims={"a": 1}, num_dense=0, id_weights=True)
