@@ -14,7 +14,11 @@ Same planted data, same DLRM, same batches, in one run:
 
 Keys: ``vs_local`` = hybrid / local samples/s (goal >= 0.75), ``hybrid_vs_sync`` (goal >= 1.5;
 the same system, only the mode differs) and ``hybrid_vs_fastest_sync`` (against whichever
-sync run was faster).
+sync run was faster). The hybrid runs bound every table by S (``hot_ratio=0``);
+``hybrid_hot`` is hybrid as configured by default (hot tables synchronous), ``hot_vs_sync``
+its ratio to sync. ``vs_torch`` and ``vs_torchrec``: Persimmon's fastest run against plain
+torch and TorchRec (:mod:`bench.peers`) with one thread per core, same batches and model.
+``--profile criteo`` trains on the Criteo-shaped planted profile instead of the toy one.
 
 The default batch is 2048 rows, a small one for recommendation training; every step costs
 Persimmon a message per shard whatever its size, so smaller batches lower ``vs_local``
@@ -40,20 +44,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
 from bench import write_json
+from bench.peers import torch_baseline, torchrec_available, torchrec_baseline
 from services.common.batch import Batch
-from services.common.scoring import auc
 
 __all__ = ["RUNS", "hybrid_ceiling", "median_run", "paired_ratios", "register_bench", "run"]
 
@@ -62,14 +64,19 @@ _PS_LR = 0.05
 _DENSE_LR = 3e-3
 PS_NICE = 10  # the shards run beside the worker at a lower priority, as a co-located PS should
 RUNS = {  # key: what the table calls it
-    "local": "one process: nn.EmbeddingBag + sparse Adagrad (baseline)",
-    "hybrid": "Persimmon: 1 worker + 2 PS shards, hybrid S=8",
+    "local": "plain torch, 1 thread: nn.EmbeddingBag + sparse Adagrad (baseline)",
+    "torch": "plain torch with every core's thread",
+    "torchrec": "TorchRec DMP, fused kernel, row-wise Adagrad, every core's thread",
+    "hybrid": "Persimmon: 1 worker + 2 PS shards, hybrid S=8 on every table",
+    "hybrid_hot": "the same, hybrid as by default (hot tables synchronous)",
     "sync": "Persimmon: 1 worker + 2 PS shards, sync",
-    "hybrid_in_process": "the same, hybrid, PS client in the worker process",
+    "hybrid_in_process": "the same, hybrid S=8 on every table, PS client in the worker process",
     "sync_in_process": "the same, sync, PS client in the worker process",
 }
-_PERSIMMON_RUNS = {"hybrid": ("hybrid", True), "sync": ("sync", True),  # key: mode, ps_process
-                   "hybrid_in_process": ("hybrid", False), "sync_in_process": ("sync", False)}
+_PERSIMMON_RUNS = {  # key: mode, ps_process, hot_ratio
+    "hybrid": ("hybrid", True, 0.0), "hybrid_hot": ("hybrid", True, None),
+    "sync": ("sync", True, 0.0), "hybrid_in_process": ("hybrid", False, 0.0),
+    "sync_in_process": ("sync", False, 0.0)}
 
 
 def _warm_up_torch() -> None:
@@ -84,54 +91,9 @@ def _warm_up_torch() -> None:
         optimizer.step()
 
 
-def _local_baseline(train: Sequence[Batch], test: Sequence[Batch], features: list[str],
-                    dim: int, seed: int) -> dict[str, float]:
-    """Samples/s and test AUC of the one-process torch model."""
-    from services.worker.models import ModelConfig
-
-    vocab = {f: np.unique(np.concatenate([b.sparse[f].values for b in (*train, *test)]))
-             for f in features}
-
-    def inputs(batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        out = {}
-        for f in features:
-            jag = batch.sparse[f]
-            rows = torch.from_numpy(np.searchsorted(vocab[f], jag.values).astype(np.int64))
-            offsets = np.zeros(jag.lengths.size, dtype=np.int64)
-            np.cumsum(jag.lengths[:-1], out=offsets[1:])
-            out[f] = (rows, torch.from_numpy(offsets))
-        return out
-
-    train_in = [(inputs(b), torch.tensor(b.dense), torch.tensor(b.labels)) for b in train]
-    torch.manual_seed(seed)
-    tables = torch.nn.ModuleDict({f: torch.nn.EmbeddingBag(vocab[f].size, dim, mode="mean",
-                                                           sparse=True) for f in features})
-    for t in tables.values():
-        torch.nn.init.uniform_(t.weight, -0.01, 0.01)  # the PS tables' default initializer
-    model = ModelConfig(name="dlrm").build(sparse_dims=dict.fromkeys(features, dim),
-                                           num_dense=train[0].num_dense)
-    sparse_opt = torch.optim.Adagrad(list(tables.parameters()), lr=_PS_LR)
-    dense_opt = torch.optim.Adam(model.parameters(), lr=_DENSE_LR, fused=True)  # as the Trainer
-    started = time.perf_counter()
-    for ids, dense, labels in train_in:
-        pooled = {f: tables[f](*ids[f]) for f in features}
-        loss = F.binary_cross_entropy_with_logits(model(pooled, dense), labels)
-        sparse_opt.zero_grad()
-        dense_opt.zero_grad()
-        loss.backward()
-        sparse_opt.step()
-        dense_opt.step()
-    seconds = time.perf_counter() - started
-    with torch.no_grad():
-        scores = [model({f: tables[f](*v) for f, v in inputs(b).items()},
-                        torch.tensor(b.dense)).numpy() for b in test]
-    labels = np.concatenate([b.labels for b in test])
-    return {"samples_per_s": sum(b.size for b in train) / seconds,
-            "auc": auc(labels, np.concatenate(scores))}
-
-
 def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str], dim: int,
-               seed: int, mode: str, ps_process: bool) -> dict[str, Any]:
+               seed: int, mode: str, ps_process: bool, hot_ratio: float | None
+               ) -> dict[str, Any]:
     from services.local.processes import LocalPS
     from services.worker.config import TrainerConfig, ps_table_configs
     from services.worker.local import run_local_training
@@ -140,6 +102,8 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
     tables = ps_table_configs(dict.fromkeys(features, dim), lr=_PS_LR)
     config = TrainerConfig(mode=mode, staleness=8, lr=_DENSE_LR, pooling="mean", seed=seed,
                            ps_process=ps_process)
+    if hot_ratio is not None:
+        config = replace(config, hot_ratio=hot_ratio)
     with LocalPS(2, tables, nice=PS_NICE) as cluster:
         ps_pids = [p.pid for p in cluster.procs]
         before = [_cpu_seconds(pid) for pid in ps_pids]
@@ -185,36 +149,53 @@ def hybrid_ceiling(hybrid: dict[str, Any], sync_ms_per_step: float, cores: int) 
     return sync_ms_per_step / floor
 
 
-def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int = 0,
-        repeats: int = 9) -> dict[str, Any]:
-    """Train every way of :data:`RUNS` on the same batches, ``repeats`` times in turn; the
-    median run of each way and the median of each ratio within a repeat.
+def _baseline(key: str, train: Sequence[Batch], test: Sequence[Batch], features: list[str],
+              dim: int, seed: int, cores: int) -> dict[str, Any]:
+    """One peer's run (:mod:`bench.peers`); torch is back at one thread afterwards."""
+    peer = torchrec_baseline if key == "torchrec" else torch_baseline
+    try:
+        return peer(train, test, features, dim=dim, seed=seed, ps_lr=_PS_LR, dense_lr=_DENSE_LR,
+                    threads=1 if key == "local" else cores)
+    finally:
+        torch.set_num_threads(1)
 
-    torch runs one intra-op thread in every run (2 cores: the PS processes need the other)."""
+
+def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int = 0,
+        repeats: int = 9, profile: str = "toy") -> dict[str, Any]:
+    """Train every way of :data:`RUNS` on the same batches of the planted ``profile``,
+    ``repeats`` times in turn; the median run of each way and the median of each ratio within
+    a repeat. TorchRec runs only where it is installed.
+
+    Persimmon's torch runs one intra-op thread (2 cores: the PS processes need the other);
+    ``local`` one, ``torch`` and ``torchrec`` one per core."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     torch.set_num_threads(1)
     _warm_up_torch()
-    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+    from services.loader.synthetic import SyntheticDataset, synthetic_profile
 
-    data = SyntheticDataset(SyntheticConfig(seed=seed))
+    data = SyntheticDataset(synthetic_profile(profile, seed=seed))
     features = data.config.sparse_names
     train = list(data.batches(batch_size, rows))
     test = list(data.batches(4096, 16384, "test"))
-    every: dict[str, list[dict[str, Any]]] = {key: [] for key in RUNS}
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count()) or 1
+    keys = [k for k in RUNS if k != "torchrec" or torchrec_available()]
+    every: dict[str, list[dict[str, Any]]] = {key: [] for key in keys}
     for repeat in track(range(repeats), description="bench train repeats", console=console):
         # every other repeat in reverse order: a drift of the machine's speed within a repeat
         # favours neither side of a ratio over the whole run
-        for key in (RUNS if repeat % 2 == 0 else reversed(RUNS)):
+        for key in (keys if repeat % 2 == 0 else reversed(keys)):
             every[key].append(
-                _local_baseline(train, test, features, dim, seed) if key == "local" else
-                _persimmon(train, test, features, dim, seed, *_PERSIMMON_RUNS[key]))
+                _persimmon(train, test, features, dim, seed, *_PERSIMMON_RUNS[key])
+                if key in _PERSIMMON_RUNS else
+                _baseline(key, train, test, features, dim, seed, cores))
     runs = {key: median_run(values) for key, values in every.items()}
     for r in runs.values():
         r["ms_per_step"] = 1e3 * batch_size / r["samples_per_s"]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    per_repeat = paired_ratios(every, batch_size, cores or 1)
-    return {"rows": rows, "batch_size": batch_size, "repeats": repeats, "cores": cores,
+    per_repeat = paired_ratios(every, batch_size, cores)
+    return {"profile": profile, "rows": rows, "batch_size": batch_size, "repeats": repeats,
+            "cores": cores,
             "oracle_auc": data.oracle(16384)["auc"], "runs": runs,
             **{key: statistics.median(values) if values else None
                for key, values in per_repeat.items()},
@@ -226,11 +207,18 @@ def paired_ratios(every: dict[str, list[dict[str, Any]]], batch_size: int, cores
     """Each ratio within each repeat: the runs of one repeat ran within half a minute of each
     other, on the machine as it was then (no ceilings without the PS's CPU)."""
     speed = {key: [r["samples_per_s"] for r in values] for key, values in every.items()}
-    out: dict[str, list[float]] = {"vs_local": [], "hybrid_vs_sync": [],
+    out: dict[str, list[float]] = {"vs_local": [], "vs_torch": [], "vs_torchrec": [],
+                                   "hybrid_vs_sync": [], "hot_vs_sync": [],
                                    "hybrid_vs_fastest_sync": [], "hybrid_vs_sync_ceiling": []}
     for i, hybrid in enumerate(speed["hybrid"]):
         sync, in_process = speed["sync"][i], speed["sync_in_process"][i]
         out["vs_local"].append(hybrid / speed["local"][i])
+        best = max(speed[k][i] for k in _PERSIMMON_RUNS if k in speed)
+        for peer in ("torch", "torchrec"):  # Persimmon's fastest way against the peer
+            if peer in speed:
+                out[f"vs_{peer}"].append(best / speed[peer][i])
+        if "hybrid_hot" in speed:
+            out["hot_vs_sync"].append(speed["hybrid_hot"][i] / sync)
         out["hybrid_vs_sync"].append(hybrid / sync)
         out["hybrid_vs_fastest_sync"].append(hybrid / max(sync, in_process))
         ceiling = hybrid_ceiling(every["hybrid"][i], 1e3 * batch_size / sync, cores)
@@ -245,6 +233,8 @@ def _print_table(result: dict[str, Any]) -> None:
     for column in ("run", "samples/s", "ms/step", "test AUC"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for key, name in RUNS.items():
+        if key not in result["runs"]:
+            continue
         r = result["runs"][key]
         table.add_row(name, f"{r['samples_per_s']:,.0f}", f"{r['ms_per_step']:.2f}",
                       f"{r['auc']:.4f}")
@@ -263,11 +253,16 @@ def _print_table(result: dict[str, Any]) -> None:
                   f"{result['cores']} cores from the work measured: "
                   f"{'?' if ceiling is None else f'{ceiling:.2f}'})   hybrid vs the fastest "
                   f"sync {result['hybrid_vs_fastest_sync']:.2f}")
+    peers = "   ".join(f"{key} {result[key]:.2f}" for key in ("vs_torch", "vs_torchrec",
+                                                              "hot_vs_sync")
+                       if result.get(key) is not None)
+    console.print(f"Persimmon's fastest run against the peers, and the default hybrid mode "
+                  f"against sync: {peers}")
 
 
 def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, seed=args.seed,
-                 repeats=args.repeats)
+                 repeats=args.repeats, profile=args.profile)
     _print_table(result)
     write_json(result, args.json)
     return 0
@@ -279,6 +274,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rows", type=int, default=524288, help="planted training rows")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default="toy", choices=["toy", "criteo"],
+                        help="the planted data set (criteo: 26 features, up to 1M ids each)")
     parser.add_argument("--repeats", type=int, default=9,
                         help="runs of each way, in turn; the median is reported")
     parser.set_defaults(func=_main)
