@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-
 from bench import register_benches
-from services.common.commands import command_parser, run_parsed
+from services.common.commands import run_commands
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, sub = command_parser("python -m bench", "Run a benchmark and print its table.")
-    register_benches(sub)
-    return run_parsed(parser, sys.argv[1:] if argv is None else argv)
+    return run_commands(register_benches, argv, prog="python -m bench",
+                        description="Run a benchmark and print its table.")
 
 
 if __name__ == "__main__":

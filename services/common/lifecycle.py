@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -11,10 +12,17 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-__all__ = ["AsyncService", "ServingService", "freeze_startup_objects", "run_service",
-           "serve_from_flags"]
+__all__ = ["AsyncService", "ServingService", "cancel_and_wait", "freeze_startup_objects",
+           "run_service", "serve_from_flags"]
 
 log = logging.getLogger(__name__)
+
+
+async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it has finished unwinding."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 class AsyncService:

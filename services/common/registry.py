@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
+from services.common.lifecycle import cancel_and_wait
 
 __all__ = ["Heartbeat", "InProcessRegistry", "Member", "RedisRegistry", "Registry",
            "discover_shards", "open_registry"]
@@ -237,9 +238,7 @@ class Heartbeat:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
             with contextlib.suppress(Unavailable):
                 await self.registry.deregister(self.member.kind, self.member.index)

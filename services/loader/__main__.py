@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 
-from services.common.commands import command_parser, run_parsed
-from services.common.config import add_flags, flag_values, load_config
+from services.common.commands import add_service_command, run_commands
+from services.common.config import flag_values, load_config
 from services.common.lifecycle import serve_from_flags
 from services.loader.config import LoaderConfig
 
@@ -57,20 +56,17 @@ def _synth(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``loader`` (with its ``produce`` subcommand) and ``synth`` to ``subparsers``."""
-    loader = subparsers.add_parser(
-        "loader", help="run a data loader (or: loader produce, to fill a Kafka topic)",
+    loader = add_service_command(
+        subparsers, "loader", LoaderConfig, _run,
+        help="run a data loader (or: loader produce, to fill a Kafka topic)",
         description="Run a data loader. Settings come from --config YAML, PERSIMMON_LOADER_* "
                     "environment variables and flags (flags win). SPEC is criteo:GLOB, "
                     "avazu:GLOB, parquet:GLOB, csv:GLOB?schema=FILE, "
                     "kafka://HOST:PORT/TOPIC?group=G, redis://HOST:PORT/STREAM?group=G "
-                    "or synthetic:ROWS.")
-    loader.add_argument("--config", help="YAML file with loader settings")
-    loader.add_argument("--check-config", action="store_true",
-                        help="print the effective config and exit")
-    loader.add_argument("--ready-file", help="write the bound ports here as JSON once serving "
-                        "(launchers that pass port 0 wait for it)")
-    add_flags(loader, LoaderConfig)
-    loader.set_defaults(func=_run)
+                    "or synthetic:ROWS.",
+        config_help="YAML file with loader settings",
+        ready_help="write the bound ports here as JSON once serving (launchers that pass "
+                   "port 0 wait for it)")
     sub = loader.add_subparsers(dest="loader_command", required=False, metavar="produce")
     produce = sub.add_parser("produce", help="send every line of FILE to a Kafka topic")
     produce.add_argument("--topic", required=True)
@@ -93,10 +89,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.loader [--log-level LEVEL] loader|synth ...``."""
-    parser, sub = command_parser("python -m services.loader",
-                                 "Run a data loader, fill a Kafka topic or write planted data.")
-    register_cli(sub)
-    return run_parsed(parser, sys.argv[1:] if argv is None else argv)
+    return run_commands(register_cli, argv, prog="python -m services.loader",
+                        description="Run a data loader, fill a Kafka topic or write planted "
+                                    "data.")
 
 
 if __name__ == "__main__":

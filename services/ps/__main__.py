@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.common.commands import run_single
-from services.common.config import add_flags, flag_values, load_config
+from services.common.commands import add_service_command, run_single
+from services.common.config import flag_values, load_config
 from services.common.lifecycle import serve_from_flags
 from services.ps.config import PSConfig
 
@@ -25,17 +25,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "ps", help="run one embedding parameter server shard",
+    add_service_command(
+        subparsers, "ps", PSConfig, _run, help="run one embedding parameter server shard",
         description="Run one PS shard. Settings come from --config YAML, PERSIMMON_PS_* "
-                    "environment variables and flags (flags win).")
-    parser.add_argument("--config", help="YAML file with PS settings and tables")
-    parser.add_argument("--check-config", action="store_true",
-                        help="print the effective config and exit")
-    parser.add_argument("--ready-file", help="write the bound ports here as JSON once serving "
-                        "(launchers that pass port 0 wait for it)")
-    add_flags(parser, PSConfig)
-    parser.set_defaults(func=_run)
+                    "environment variables and flags (flags win).",
+        config_help="YAML file with PS settings and tables",
+        ready_help="write the bound ports here as JSON once serving (launchers that pass "
+                   "port 0 wait for it)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 import time
 import uuid
@@ -44,7 +43,7 @@ from services.common.errors import (
     InvalidArgument,
     NotFound,
 )
-from services.common.files import fsync_dir
+from services.common.files import fsync_dir, publish_dir, write_durable
 from services.common.sharding import shard_of
 from services.ps.store import EmbeddingTable, TableSnapshot
 from services.ps.tables import TableConfig
@@ -72,10 +71,7 @@ def _write_array(directory: Path, name: str, array: np.ndarray) -> dict[str, Any
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
     data = buf.getvalue()
-    with open(directory / name, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_durable(directory / name, data)
     return {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
@@ -163,13 +159,8 @@ def write_checkpoint(root: Path | str, checkpoint_id: str, shard_id: int, num_sh
         if pushes is not None:
             manifest["pushes"] = {key: _write_array(tmp, f"pushes-{key}.npy", arr)
                                   for key, arr in sorted(pushes.items())}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        os.rename(tmp, final)
-        fsync_dir(ckpt_dir)
+        write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        publish_dir(tmp, final)  # into ckpt_dir
         fsync_dir(root)
     except BaseException:
         for name, snap in snaps.items():

@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from services.common.checkpoints import latest_complete
-from services.common.commands import command_parser, run_parsed
+from services.common.commands import add_service_command, run_commands
 from services.common.config import add_flags, flag_values, from_dict, load_config, print_config
 from services.common.errors import ConfigError, NotFound
 from services.common.lifecycle import run_service
@@ -109,16 +108,13 @@ def register_cli(subparsers: argparse._SubParsersAction, *,
         print(json.dumps(summary, indent=1, sort_keys=True), flush=True)
         return 0
 
-    serve = subparsers.add_parser(
-        "serve", help="serve predictions from the model versions in a directory",
+    add_service_command(
+        subparsers, "serve", ServeConfig, run_serve,
+        help="serve predictions from the model versions in a directory",
         description="Serve predictions over REST from the newest complete model version in "
-                    "--model-dir, hot-swapping to newer ones as they appear.")
-    serve.add_argument("--config", help="YAML file with serve settings")
-    serve.add_argument("--check-config", action="store_true",
-                       help="print the effective config and exit")
-    serve.add_argument("--ready-file", help="write the bound port here as JSON once serving")
-    add_flags(serve, ServeConfig)
-    serve.set_defaults(func=run_serve)
+                    "--model-dir, hot-swapping to newer ones as they appear.",
+        config_help="YAML file with serve settings",
+        ready_help="write the bound port here as JSON once serving")
 
     export = subparsers.add_parser(
         "export", help="write a model version from a job checkpoint",
@@ -132,9 +128,8 @@ def register_cli(subparsers: argparse._SubParsersAction, *,
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.serve serve|export ...`` without the PS's functions injected:
     use the ``persimmon`` command."""
-    parser, sub = command_parser("python -m services.serve", "Serve or export model versions.")
-    register_cli(sub)
-    return run_parsed(parser, sys.argv[1:] if argv is None else argv)
+    return run_commands(register_cli, argv, prog="python -m services.serve",
+                        description="Serve or export model versions.")
 
 
 if __name__ == "__main__":

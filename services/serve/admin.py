@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict
 
 from services.common.admin import ErrorBody, make_admin_app
-from services.common.errors import InvalidArgument, NotFound, PersimmonError
-from services.serve.server import check_records
+from services.common.errors import NotFound, PersimmonError
+from services.serve.server import check_records, count_records
 
 if TYPE_CHECKING:
     from services.serve.predictor import Predictor
@@ -49,16 +49,7 @@ class PredictRequest(BaseModel):
 
     def count(self) -> int:
         """The number of records the request holds (checked again once featurized)."""
-        given = [x for x in (self.records, self.lines, self.ids) if x is not None]
-        if len(given) != 1:
-            raise InvalidArgument("give exactly one of 'records', 'lines' or 'ids'")
-        if self.ids is not None:
-            first = next(iter(self.ids.values()), None)
-            if not isinstance(first, list):
-                raise InvalidArgument("'ids' must map each sparse feature to per-record id "
-                                      "lists")
-            return len(first)
-        return len(given[0])
+        return count_records(records=self.records, lines=self.lines, ids=self.ids)
 
 
 class ServeMetrics:

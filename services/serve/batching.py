@@ -12,7 +12,6 @@ retry later).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import Internal, InvalidArgument, PersimmonError, Unavailable
+from services.common.lifecycle import cancel_and_wait
 from services.serve.predictor import Predictor
 from services.serve.spec import Features
 
@@ -71,9 +71,7 @@ class MicroBatcher:
     async def close(self) -> None:
         """Stop batching; requests still waiting get Unavailable."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         while not self._queue.empty():
             pending = self._queue.get_nowait()

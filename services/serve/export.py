@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
 import time
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from services.common.files import fsync_dir
+from services.common.files import publish_dir, read_json, write_durable
 from services.serve.rows import (
     ROW_DTYPES,
     EmbeddingRows,
@@ -122,10 +121,7 @@ def tables_from_snapshots(chains: Mapping[str, Sequence[SnapshotLike]]) -> dict[
 
 
 def _write_file(directory: Path, name: str, data: bytes) -> dict[str, Any]:
-    with open(directory / name, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_durable(directory / name, data)
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
@@ -205,13 +201,8 @@ def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
             "pooling": pooling, "row_dtype": row_dtype, "tables": entries, "files": files,
             "source": dict(source or {}), "base": base,
         }
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        os.rename(tmp, final)
-        fsync_dir(root)
+        write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        publish_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -310,12 +301,8 @@ def open_tables(model_dir: Path | str, chain: Sequence[Mapping[str, Any]],
 def read_manifest(version_dir: Path | str) -> dict[str, Any]:
     """The manifest of a version directory (checked for shape, not checksums)."""
     path = Path(version_dir) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise NotFound(f"{path.parent.name!r} is not a complete model version") from exc
-    except (OSError, ValueError) as exc:
-        raise FailedPrecondition(f"model manifest {path} is unreadable: {exc}") from exc
+    manifest = read_json(path, what="model manifest",
+                         absent=f"{path.parent.name!r} is not a complete model version")
     required = ("version_id", "step", "created", "model", "features", "sparse_dims",
                 "num_dense", "pooling", "row_dtype", "tables", "files")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION \

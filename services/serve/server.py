@@ -47,16 +47,7 @@ class PredictRequest(Message):
 
     def count(self) -> int:
         """The number of records the request holds (checked again once featurized)."""
-        given = [x for x in (self.records, self.lines, self.ids) if x is not None]
-        if len(given) != 1:
-            raise InvalidArgument("give exactly one of 'records', 'lines' or 'ids'")
-        if self.ids is not None:
-            first = next(iter(self.ids.values()), None)
-            if not isinstance(first, list):
-                raise InvalidArgument("'ids' must map each sparse feature to per-record id "
-                                      "lists")
-            return len(first)
-        return len(given[0])
+        return count_records(records=self.records, lines=self.lines, ids=self.ids)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,6 +75,21 @@ class ServeServicer:
             version=answer.version_id, step=answer.step,
             probabilities=raw_array(np.ascontiguousarray(answer.probabilities,
                                                          dtype=np.float32))))
+
+
+def count_records(*, records: list[Any] | None, lines: list[Any] | None,
+                  ids: dict[str, Any] | None) -> int:
+    """The number of records a predict request holds, given exactly one of its three forms
+    (REST and gRPC alike; checked again once featurized)."""
+    given = [x for x in (records, lines, ids) if x is not None]
+    if len(given) != 1:
+        raise InvalidArgument("give exactly one of 'records', 'lines' or 'ids'")
+    if ids is not None:
+        first = next(iter(ids.values()), None)
+        if not isinstance(first, list):
+            raise InvalidArgument("'ids' must map each sparse feature to per-record id lists")
+        return len(first)
+    return len(given[0])
 
 
 def check_records(records: int, limit: int) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.common.files import atomic_write
+from services.common.files import atomic_write, read_json
 
 __all__ = ["JOB_MANIFEST", "is_complete", "latest_complete", "list_job_checkpoints",
            "read_job_manifest", "read_part", "write_job_manifest", "write_part"]
@@ -97,12 +97,8 @@ def write_job_manifest(root: Path | str, checkpoint_id: str, *, step: int, num_s
 def read_job_manifest(root: Path | str, checkpoint_id: str) -> dict[str, Any]:
     _check(checkpoint_id, _ID_RE, "checkpoint id")
     path = Path(root) / checkpoint_id / JOB_MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise NotFound(f"job checkpoint {checkpoint_id!r} is absent or incomplete") from exc
-    except (OSError, ValueError) as exc:
-        raise FailedPrecondition(f"job manifest {path} is unreadable: {exc}") from exc
+    manifest = read_json(path, what="job manifest",
+                         absent=f"job checkpoint {checkpoint_id!r} is absent or incomplete")
     if not isinstance(manifest, dict) or manifest.get("checkpoint_id") != checkpoint_id:
         raise FailedPrecondition(f"job manifest {path} does not describe {checkpoint_id!r}")
     return manifest

@@ -3,10 +3,7 @@ versions, and a server on port 0."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import inspect
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from services.serve.spec import FeatureSpec
 from services.worker.models import ModelConfig
 from services.worker.pooling import pool_batch
 from services.worker.trainer import Trainer
+from tests.conftest import eventually as _eventually
 
 SPEC = FeatureSpec(layout="json", dense=["I1", "I2"], sparse=["C1", "C2", "C3"],
                    multi_hot={"C3": "|"}, buckets={"C2": 50})
@@ -138,13 +136,6 @@ def _dict(config: TableConfig) -> dict[str, Any]:
 
 async def eventually(predicate: Callable[[], bool | Awaitable[bool]],
                      timeout: float = 20.0) -> None:
-    """Poll ``predicate`` (plain or async) until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return
-        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
-        await asyncio.sleep(0.02)
+    """:func:`tests.conftest.eventually` with a longer default deadline (versions load
+    slowly on shared cores)."""
+    await _eventually(predicate, timeout)

@@ -197,7 +197,7 @@ def test_a_failed_write_leaves_nothing_and_keeps_the_changes(tmp_path, monkeypat
     def broken_rename(src, dst):
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(ckpt.os, "rename", broken_rename)
+    monkeypatch.setattr(os, "rename", broken_rename)
     with pytest.raises(OSError, match="injected"):
         write_checkpoint(tmp_path, "c2", 0, 1, {"emb": table}, incremental=True, parent="c1")
     monkeypatch.undo()

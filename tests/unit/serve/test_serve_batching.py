@@ -21,14 +21,23 @@ def body(n: int, **change: object) -> dict:
     return {"records": [{**RECORD, "C1": f"a{i}", **change} for i in range(n)]}
 
 
+def _batcher(tmp_path: Path, make_version: MakeVersion, *, max_records: int,
+             max_queued_records: int) -> tuple[str, Predictor, MicroBatcher, list[int]]:
+    """A new version, its Predictor, and a (not started) batcher over it that notes each
+    batch's size in the returned list."""
+    version_id = make_version()["version_id"]
+    predictor = Predictor.load(tmp_path / "models" / version_id, initial_rows=ps_initial_rows)
+    batches: list[int] = []
+    batcher = MicroBatcher(lambda: predictor, max_records=max_records, max_wait_s=0.5,
+                           max_queued_records=max_queued_records,
+                           on_batch=lambda n, _: batches.append(n))
+    return version_id, predictor, batcher, batches
+
+
 async def test_requests_that_wait_together_share_one_forward_pass(
         tmp_path: Path, make_version: MakeVersion) -> None:
-    m = make_version()
-    predictor = Predictor.load(tmp_path / "models" / m["version_id"],
-                               initial_rows=ps_initial_rows)
-    batches: list[int] = []
-    batcher = MicroBatcher(lambda: predictor, max_records=100, max_wait_s=0.5,
-                           max_queued_records=1000, on_batch=lambda n, _: batches.append(n))
+    version_id, predictor, batcher, batches = _batcher(
+        tmp_path, make_version, max_records=100, max_queued_records=1000)
     batcher.start()
     try:
         sizes = [1, 3, 2, 4]
@@ -41,17 +50,13 @@ async def test_requests_that_wait_together_share_one_forward_pass(
     for n, answer in zip(sizes, results[:4], strict=True):
         alone = predictor.predict(predictor.featurize(body(n)))
         np.testing.assert_allclose(answer.probabilities, alone, atol=1e-6)
-        assert answer.version_id == m["version_id"]
+        assert answer.version_id == version_id
 
 
 async def test_batches_close_at_max_records_and_queue_is_bounded(
         tmp_path: Path, make_version: MakeVersion) -> None:
-    m = make_version()
-    predictor = Predictor.load(tmp_path / "models" / m["version_id"],
-                               initial_rows=ps_initial_rows)
-    batches: list[int] = []
-    batcher = MicroBatcher(lambda: predictor, max_records=4, max_wait_s=0.5,
-                           max_queued_records=10, on_batch=lambda n, _: batches.append(n))
+    _, _, batcher, batches = _batcher(tmp_path, make_version, max_records=4,
+                                      max_queued_records=10)
     with pytest.raises(Unavailable):  # not started
         await batcher.submit(body(1), 1)
     batcher.start()
