@@ -23,18 +23,10 @@ from typing import Any, TypeVar
 
 import grpc
 
+from services.common import messages as msg
 from services.common.auth import ClientSecurity
 from services.common.batch import Batch
 from services.common.errors import InvalidArgument, error_from_grpc
-from services.common.messages import (
-    AckReply,
-    AckRequest,
-    BatchesReply,
-    BatchesRequest,
-    DescribeReply,
-    DescribeRequest,
-    Message,
-)
 from services.common.rpc import open_channel
 from services.common.tls import ClientTLS
 from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message
@@ -42,7 +34,7 @@ from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_messa
 __all__ = ["LoaderClient", "SyncLoaderClient"]
 
 T = TypeVar("T")
-R = TypeVar("R", bound=Message)
+R = TypeVar("R", bound=msg.Message)
 _SERVICE = "/persimmon.Loader/"
 _RETRY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
@@ -76,7 +68,7 @@ class LoaderClient:
             self._channel = open_channel(self.address, self._security, self._max_message_bytes)
         return self._channel
 
-    async def _unary(self, method: str, request: Message, reply: type[R],
+    async def _unary(self, method: str, request: msg.Message, reply: type[R],
                      timeout: float = 30.0) -> R:
         call = self._chan().unary_unary(_SERVICE + method)
         try:
@@ -89,20 +81,21 @@ class LoaderClient:
     async def describe(self) -> dict[str, Any]:
         """Feature names, dense width, batch size and world size of the loader (the fields of
         :class:`~services.common.messages.DescribeReply`)."""
-        return (await self._unary("Describe", DescribeRequest(), DescribeReply)).to_wire()
+        reply = await self._unary("Describe", msg.DescribeRequest(), msg.DescribeReply)
+        return reply.to_wire()
 
     async def ack(self, batches: Batch | int | Iterable[Batch | int]) -> dict[str, Any]:
         """Acknowledge batches (objects or ids); returns ``{acked, unknown}``."""
         items = [batches] if isinstance(batches, Batch | int) else list(batches)
         ids = [b.batch_id if isinstance(b, Batch) else int(b) for b in items]
-        reply = await self._unary("Ack", AckRequest(batch_ids=ids), AckReply)
+        reply = await self._unary("Ack", msg.AckRequest(batch_ids=ids), msg.AckReply)
         self._outstanding.difference_update(ids)
         return reply.to_wire()
 
     async def batches(self) -> AsyncGenerator[Batch, None]:
         """This rank's batches until the loader's end marker, reconnecting on failures."""
-        request = encode_message(BatchesRequest(rank=self.rank, world_size=self.world_size,
-                                                credits=self.credits).to_wire())
+        request = encode_message(msg.BatchesRequest(
+            rank=self.rank, world_size=self.world_size, credits=self.credits).to_wire())
         deadline: float | None = None
         while True:
             call = self._chan().unary_stream(_SERVICE + "Batches")(
@@ -111,7 +104,7 @@ class LoaderClient:
                 async for raw in call:
                     deadline = None
                     self.bytes_in += len(raw)
-                    item = BatchesReply.from_wire(
+                    item = msg.BatchesReply.from_wire(
                         decode_message(raw, max_bytes=self._max_message_bytes))
                     if item.kind == "end" or item.batch is None:
                         return

@@ -10,12 +10,27 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["AsyncService", "ServingService", "cancel_and_wait", "freeze_startup_objects",
            "run_service", "serve_from_flags"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def settle(future: asyncio.Future[T], task: asyncio.Future[T]) -> None:
+    """Give ``future`` the outcome of the finished ``task`` (its result, its exception or its
+    cancellation), unless ``future`` is already done."""
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif (exc := task.exception()) is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(task.result())
 
 
 async def cancel_and_wait(task: asyncio.Task[Any]) -> None:

@@ -14,8 +14,9 @@ not need it).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from services.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from services.worker.config import TrainerConfig, ps_table_configs
@@ -53,15 +54,4 @@ _HOME = {
     "pool_batch": "pooling", "ps_table_configs": "config", "run_local_training": "local",
 }
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _HOME)

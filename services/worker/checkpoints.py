@@ -46,6 +46,7 @@ from services.common.checkpoints import (
     write_part,
 )
 from services.common.errors import InvalidArgument, error_from_http
+from services.common.lifecycle import settle
 from services.common.registry import Registry, discover_shards
 
 __all__ = ["JobCheckpointer", "JobControl", "StopTraining", "dense_part", "fit_with_checkpoints",
@@ -190,14 +191,7 @@ class JobControl:
                 waiting: list[asyncio.Future[dict[str, Any]]]) -> None:
         self._writes.discard(task)
         for future in waiting:
-            if future.done():
-                continue
-            if task.cancelled():
-                future.cancel()
-            elif (exc := task.exception()) is not None:
-                future.set_exception(exc)
-            else:
-                future.set_result(task.result())
+            settle(future, task)
 
     def _parts(self) -> dict[str, bytes]:
         return {"dense": dense_part(self._dense_state())}

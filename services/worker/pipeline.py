@@ -58,6 +58,7 @@ import numpy as np
 from clients.rows import RowsClient
 from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
+from services.common.lifecycle import settle
 from services.worker.pooling import BatchPlan, plan_batch
 
 __all__ = ["Batches", "EmbeddingPipeline", "Prepared", "StepTimers", "iterate"]
@@ -483,7 +484,7 @@ class _HotChain:
             plan, future = self._waiting.popleft()
             self._out += 1
             task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups))
-            task.add_done_callback(functools.partial(_settle, future))
+            task.add_done_callback(functools.partial(settle, future))
 
     async def push(self, plan: BatchPlan, grads: Rows) -> None:
         """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
@@ -509,15 +510,3 @@ class _HotChain:
         if following is None:
             self._out -= 1
             self._advance()
-
-
-def _settle(future: asyncio.Future[Rows], task: asyncio.Future[Rows]) -> None:
-    """Copy a lookup task's outcome to the future a batch awaits."""
-    if future.done():
-        return
-    if task.cancelled():
-        future.cancel()
-    elif (exc := task.exception()) is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(task.result())

@@ -16,16 +16,7 @@
 
 from __future__ import annotations
 
-from services.common.checkpoints.jobs import (
-    JOB_MANIFEST,
-    is_complete,
-    latest_complete,
-    list_job_checkpoints,
-    read_job_manifest,
-    read_part,
-    write_job_manifest,
-    write_part,
-)
+from services.common.checkpoints import jobs
+from services.common.checkpoints.jobs import *  # noqa: F403 - the package's API is jobs'
 
-__all__ = ["JOB_MANIFEST", "is_complete", "latest_complete", "list_job_checkpoints",
-           "read_job_manifest", "read_part", "write_job_manifest", "write_part"]
+__all__ = list(jobs.__all__)

@@ -15,26 +15,16 @@ id with error feedback kept per id.
 
 from __future__ import annotations
 
+from services.common.codecs import registry
 from services.common.codecs.array import ALLOWED_DTYPES, MAX_ARRAY_ELEMENTS, WireArray
 from services.common.codecs.base import Codec, CodecStats, ErrorFeedback
 from services.common.codecs.lossless import WRAPPERS
-from services.common.codecs.registry import (
-    CODECS,
-    available_codecs,
-    decode_array,
-    decoder,
-    encode_array,
-    get_codec,
-    raw_array,
-    register_codec,
-    split_codec_name,
-)
+from services.common.codecs.registry import *  # noqa: F403 - exported as registry.__all__
 from services.common.codecs.rows import RowEncoder, RowResiduals, codec_without_feedback
 from services.common.codecs.streams import CodecSpec, StreamCodecs, WireStats, WireStatsCollector
 
 __all__ = [
     "ALLOWED_DTYPES",
-    "CODECS",
     "MAX_ARRAY_ELEMENTS",
     "WRAPPERS",
     "Codec",
@@ -47,13 +37,6 @@ __all__ = [
     "WireArray",
     "WireStats",
     "WireStatsCollector",
-    "available_codecs",
     "codec_without_feedback",
-    "decode_array",
-    "decoder",
-    "encode_array",
-    "get_codec",
-    "raw_array",
-    "register_codec",
-    "split_codec_name",
+    *registry.__all__,
 ]
