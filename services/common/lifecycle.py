@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 __all__ = ["AsyncService", "ServingService", "cancel_and_wait", "freeze_startup_objects",
-           "run_service", "serve_from_flags"]
+           "run_service", "serve_from_flags", "settle"]
 
 log = logging.getLogger(__name__)
 
