@@ -10,7 +10,6 @@ import pytest
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.sharding import shard_of
-from services.ps import checkpoint as ckpt
 from services.ps.checkpoint import (
     list_checkpoints,
     read_checkpoint,
