@@ -12,21 +12,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 import grpc
 
 from clients._stream import MultiplexedStream
 from services.common import messages as msg
+from services.common.auth import ClientSecurity
 from services.common.codecs import Codec, RowEncoder
 from services.common.errors import error_from_grpc
 from services.common.rpc import open_channel
 from services.common.wire import decode_message, encode_message
 
-if TYPE_CHECKING:
-    from clients.ps_client import PSClient
-
-__all__ = ["PushNumbers", "ShardConnection"]
+__all__ = ["PushNumbers", "ShardConnection", "ShardOwner"]
 
 R = TypeVar("R", bound=msg.Message)
 SERVICE = "/persimmon.PS/"
@@ -48,10 +47,29 @@ class PushNumbers:
         return next(counter)
 
 
+class ShardOwner(Protocol):
+    """What a shard connection reads of the client that owns it (a ``PSClient``)."""
+
+    @property
+    def addresses(self) -> Sequence[str]: ...
+    @property
+    def grads_codec(self) -> str: ...
+    @property
+    def retry_s(self) -> float: ...
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def security(self) -> ClientSecurity: ...
+    @property
+    def push_numbers(self) -> PushNumbers: ...
+
+    async def resolve(self) -> None: ...
+
+
 class ShardConnection:
     """Channel and streams to shard ``index`` of ``client``; reopened on failure."""
 
-    def __init__(self, client: PSClient, index: int) -> None:
+    def __init__(self, client: ShardOwner, index: int) -> None:
         self.client = client
         self.index = index
         self.address = client.addresses[index]
@@ -72,7 +90,7 @@ class ShardConnection:
         return self.client.push_numbers.next(self.index)
 
     def _open(self) -> grpc.aio.Channel:
-        return open_channel(self.address, self.client.security, self.client._max_message_bytes)
+        return open_channel(self.address, self.client.security, self.client.max_message_bytes)
 
     def _stream(self, method: str) -> MultiplexedStream:
         return MultiplexedStream(self.channel, SERVICE + method, reconnect=self.reconnect,

@@ -128,7 +128,7 @@ class PSClient:
         self.timeout = timeout
         self.retry_s = retry_s
         self.resolver = resolver
-        self._max_message_bytes = max_message_bytes
+        self.max_message_bytes = max_message_bytes
         self.security = ClientSecurity.resolve(token=token, tls=tls)
         self._shards: list[ShardConnection] = []
         self.push_numbers = PushNumbers()  # this client's id and per-shard push numbers

@@ -25,8 +25,9 @@ from services.common.errors import NotFound, PersimmonError
 from services.serve.server import check_records, count_records
 
 if TYPE_CHECKING:
+    from services.serve.batching import MicroBatcher
     from services.serve.predictor import Predictor
-    from services.serve.service import ServeService
+    from services.serve.versions import VersionManager
 
 __all__ = ["PredictRequest", "ServeMetrics", "make_serve_admin"]
 
@@ -89,9 +90,11 @@ class ServeMetrics:
         self.swaps.inc()
 
 
-def make_serve_admin(service: ServeService, *, config: Callable[[], dict[str, Any]]) -> FastAPI:
-    app = make_admin_app(title="Persimmon prediction server", registry=service.metrics.registry,
-                         config=config, ready=lambda: service.versions.active is not None)
+def make_serve_admin(*, metrics: ServeMetrics, manager: VersionManager, batcher: MicroBatcher,
+                     max_request_records: int, config: Callable[[], dict[str, Any]]
+                     ) -> FastAPI:
+    app = make_admin_app(title="Persimmon prediction server", registry=metrics.registry,
+                         config=config, ready=lambda: manager.active is not None)
 
     @app.post("/v1/predict", tags=["predict"], responses=_ERRORS)
     async def predict(body: PredictRequest) -> dict[str, Any]:
@@ -100,13 +103,13 @@ def make_serve_admin(service: ServeService, *, config: Callable[[], dict[str, An
         code = "200"
         try:
             records = body.count()
-            check_records(records, service.config.max_request_records)
-            answer = await service.batcher.submit(body.model_dump(exclude_none=True), records)
+            check_records(records, max_request_records)
+            answer = await batcher.submit(body.model_dump(exclude_none=True), records)
         except PersimmonError as exc:
             code = str(exc.http_status)
             raise
         finally:
-            service.metrics.request_seconds.labels(code=code).observe(
+            metrics.request_seconds.labels(code=code).observe(
                 time.perf_counter() - started)
         return {"version": answer.version_id, "step": answer.step,
                 "probabilities": answer.probabilities.tolist()}
@@ -114,22 +117,22 @@ def make_serve_admin(service: ServeService, *, config: Callable[[], dict[str, An
     @app.get("/v1/versions", tags=["versions"])
     async def versions() -> dict[str, Any]:
         """The complete versions in the model directory, oldest first, and the active one."""
-        active = service.versions.active
+        active = manager.active
         return {"active": active.describe() if active is not None else None,
-                "pinned": service.versions.pinned,
-                "versions": await service.versions.listing()}
+                "pinned": manager.pinned,
+                "versions": await manager.listing()}
 
     @app.post("/v1/versions/{version_id}/activate", tags=["versions"], responses=_ERRORS)
     async def activate(version_id: VersionId) -> dict[str, Any]:
         """Serve this version from now on and pin it (a rollback); ``latest`` unpins and
         follows the newest version again. A version that fails its checks is a 412."""
-        predictor = await service.versions.activate(version_id)
-        return {"active": predictor.describe(), "pinned": service.versions.pinned}
+        predictor = await manager.activate(version_id)
+        return {"active": predictor.describe(), "pinned": manager.pinned}
 
     @app.get("/v1/versions/active", tags=["versions"], responses=_ERRORS)
     async def active() -> dict[str, Any]:
         """The version answering now."""
-        predictor = service.versions.active
+        predictor = manager.active
         if predictor is None:
             raise NotFound("no model version is loaded yet")
         return predictor.describe()

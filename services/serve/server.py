@@ -25,7 +25,7 @@ from services.common.messages import Message, decode, encode
 from services.common.rpc import generic_service, unary_handler
 
 if TYPE_CHECKING:
-    from services.serve.service import ServeService
+    from services.serve.batching import MicroBatcher
 
 __all__ = ["SERVICE_NAME", "PredictReply", "PredictRequest", "ServeServicer"]
 
@@ -58,10 +58,11 @@ class PredictReply(Message):
 
 
 class ServeServicer:
-    """Predict calls into the service's micro-batcher."""
+    """Predict calls into the service's micro-batcher, ``max_request_records`` at most."""
 
-    def __init__(self, service: ServeService) -> None:
-        self.service = service
+    def __init__(self, batcher: MicroBatcher, *, max_request_records: int) -> None:
+        self.batcher = batcher
+        self.max_request_records = max_request_records
 
     def handlers(self) -> grpc.GenericRpcHandler:
         return generic_service(SERVICE_NAME, {"Predict": unary_handler(self._predict)})
@@ -69,8 +70,8 @@ class ServeServicer:
     async def _predict(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = decode(PredictRequest, raw)
         records = request.count()
-        check_records(records, self.service.config.max_request_records)
-        answer = await self.service.batcher.submit(request.body(), records)
+        check_records(records, self.max_request_records)
+        answer = await self.batcher.submit(request.body(), records)
         return encode(PredictReply(
             version=answer.version_id, step=answer.step,
             probabilities=raw_array(np.ascontiguousarray(answer.probabilities,

@@ -63,10 +63,14 @@ class ServeService(ServingService):
                         self.config.model_dir)
         self.batcher.start()
         self._grpc, self.grpc_port = make_server(
-            [ServeServicer(self).handlers()], self.config.host, self.config.grpc_port,
+            [ServeServicer(self.batcher, max_request_records=self.config.max_request_records
+                           ).handlers()], self.config.host, self.config.grpc_port,
             max_message_bytes=self.config.max_message_bytes)
         await self._grpc.start()
-        app = make_serve_admin(self, config=lambda: config_to_dict(self.config))
+        app = make_serve_admin(metrics=self.metrics, manager=self.versions,
+                               batcher=self.batcher,
+                               max_request_records=self.config.max_request_records,
+                               config=lambda: config_to_dict(self.config))
         self._admin = AdminServer(app, self.config.host, self.config.admin_port)
         self.admin_port = await self._admin.start()
         self.spawn(self._watch(), "version-watcher")
