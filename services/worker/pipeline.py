@@ -166,6 +166,7 @@ class EmbeddingPipeline:
         self.hot_tables: list[str] = []  # decided at the first plan
         self._chain: _HotChain | None = None
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
+        self._windowed: list[int] = []  # the groups under the staleness window (not hot)
         self._slots: asyncio.Semaphore | None = None
         self._riders: collections.deque[_Rider] = collections.deque()
         self._unacked = 0  # batches whose lookup started and whose push is not acknowledged
@@ -224,6 +225,7 @@ class EmbeddingPipeline:
         if self._groups is None:
             await self._ensure_dims()
             self._groups = self._table_groups()
+            self._windowed = list(range(len(self._groups)))
             if self._hot_ratio:
                 first = plan_batch(features, table_of=self.tables, groups=self._groups)
                 limit = self._hot_ratio * max(batch.size, 1)
@@ -231,6 +233,7 @@ class EmbeddingPipeline:
                 self._groups = self._table_groups(self.hot_tables)
                 hot = [i for i, g in enumerate(self._groups) if g[0] in self.hot_tables]
                 self._chain = _HotChain(self, hot, self._hot_window) if hot else None
+                self._windowed = [i for i in range(len(self._groups)) if i not in hot]
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
 
@@ -246,17 +249,12 @@ class EmbeddingPipeline:
             if self._timers is not None:
                 self._timers.lookup_seconds.observe(time.perf_counter() - started)
 
-    def _windowed(self, plan: BatchPlan) -> list[int]:
-        """The plan's groups under the staleness window (all but the hot ones)."""
-        hot = set(self._chain.groups) if self._chain is not None else set()
-        return [i for i in range(len(plan.groups)) if i not in hot]
-
     def _merge(self, plan: BatchPlan, windowed: Rows, hot: Rows | None) -> Rows:
         if hot is None:
             return windowed
         assert self._chain is not None
         out: list[np.ndarray | None] = [None] * len(plan.groups)
-        for i, rows in zip(self._windowed(plan), windowed, strict=True):
+        for i, rows in zip(self._windowed, windowed, strict=True):
             out[i] = rows
         for i, rows in zip(self._chain.groups, hot, strict=True):
             out[i] = rows
@@ -326,14 +324,14 @@ class EmbeddingPipeline:
                 raise
 
     async def _look_up(self, plan: BatchPlan, staleness: int) -> tuple[Rows, int]:
-        return await self.lookup(plan, self._windowed(plan)), staleness
+        return await self.lookup(plan, self._windowed), staleness
 
     async def _ride(self, rider: _Rider) -> tuple[Rows, int]:
         """A rider's rows: from the push it rode on, or its own lookup when it was handed the
         slot only (it came after that push had left)."""
         rows, staleness = await rider.future
         if rows is None:
-            rows = await self.lookup(rider.plan, self._windowed(rider.plan))
+            rows = await self.lookup(rider.plan, self._windowed)
         return rows, staleness
 
     async def _hand_over(self, ahead: asyncio.Queue[_Ahead | None],
@@ -344,7 +342,7 @@ class EmbeddingPipeline:
             while (item := await ahead.get()) is not None:
                 rows, staleness = await item.looked_up
                 hot = await item.hot if item.hot is not None else None
-                if not self._windowed(item.plan):
+                if not self._windowed:
                     staleness = 0  # every table is hot: each lookup saw every earlier push
                 await put(Prepared(item.batch, item.plan, self._merge(item.plan, rows, hot),
                                    staleness))
@@ -386,14 +384,13 @@ class EmbeddingPipeline:
         rider = state.rider = self._riders.popleft() if self._riders else None
         if rider is not None:
             self._carried += 1
-        windowed = self._windowed(item.plan)
         hot_push = (asyncio.ensure_future(self._chain.push(item.plan, grads))
                     if self._chain is not None else None)
         try:
             started = time.perf_counter()
             if rider is None:
                 await asyncio.gather(*(self.rows.push_sharded(item.plan.groups[i].layout,
-                                                              grads[i]) for i in windowed))
+                                                              grads[i]) for i in self._windowed))
             else:
                 state.rows = await self._push_then_lookup(item.plan, grads, rider.plan)
                 if self._timers is not None:
@@ -445,9 +442,8 @@ class EmbeddingPipeline:
     async def _push_then_lookup(self, plan: BatchPlan, grads: Rows, then: BatchPlan) -> Rows:
         """Push ``plan``'s gradients and look ``then`` up, one message per shard and group
         (every batch has the same features, so both plans have the same groups)."""
-        windowed = self._windowed(plan)
         done = await asyncio.gather(*(self.rows.push_then_lookup(
-            plan.groups[i].layout, grads[i], then.groups[i].layout) for i in windowed))
+            plan.groups[i].layout, grads[i], then.groups[i].layout) for i in self._windowed))
         return [rows for _, rows in done]
 
 
