@@ -52,16 +52,12 @@ STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _strip(summary: Any) -> dict[str, Any]:
-    return {k: v for k, v in summary_dict(summary).items() if k != "losses"}
-
-
 async def _train_one(rank: int, world: int, addresses: list[str], tables: dict[str, str],
                      config: TrainerConfig, model: ModelConfig, train: list[Batch],
                      test: list[Batch]) -> dict[str, Any]:
     async with Trainer(model=model, ps_addresses=addresses, tables=tables,
                        config=config) as trainer:
-        return _strip(await trainer.fit(train[rank::world], eval_batches=test[rank::world]))
+        return summary_dict(await trainer.fit(train[rank::world], eval_batches=test[rank::world]))
 
 
 async def _train_all(rank: int, world: int, addresses: list[str], features: list[str],

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -198,20 +197,16 @@ async def _fit(trainer: Any, batches: Any, test: Any, args: argparse.Namespace,
 
 
 def summary_dict(summary: Any) -> dict[str, Any]:
-    """A fit summary (one with ``as_dict()``, a dataclass or a mapping) as a plain dict, for
-    JSON and for adding the oracle's metrics."""
+    """A fit summary (a :class:`FitSummary` or a mapping) as a plain dict, for JSON and for
+    adding the oracle's metrics."""
     as_dict = getattr(summary, "as_dict", None)
-    if callable(as_dict):
-        return dict(as_dict())
-    if dataclasses.is_dataclass(summary) and not isinstance(summary, type):
-        return dataclasses.asdict(summary)
-    return dict(summary)
+    return dict(as_dict() if callable(as_dict) else summary)
 
 
 def report_summary(summary: Mapping[str, Any], path: str | None) -> int:
-    """Print the summary's headline keys as JSON; write all of it (but the per-step losses) to
-    ``path`` when given. Returns 0 (the exit status)."""
-    summary = {k: v for k, v in summary_dict(summary).items() if k != "losses"}
+    """Print the summary's headline keys as JSON; write all of it to ``path`` when given.
+    Returns 0 (the exit status)."""
+    summary = summary_dict(summary)
     print(json.dumps({k: summary[k] for k in SUMMARY_KEYS if k in summary}, indent=2))
     if path:
         with open(path, "w") as f:
