@@ -1,9 +1,12 @@
 """``persimmon train``: a local cluster on this machine, trained end to end.
 
 :func:`train_on_local_cluster` starts a loader process for the training data and one for the
-held-out data (loader specs such as ``criteo:day_*.gz`` or ``synthetic:ROWS``), PS shard
-processes with one table per sparse feature the loader reports, and N gloo workers; the demo
-calls it too. :class:`PlantedData` is what ``persimmon worker`` trains on without ``--loader``:
+held-out data (loader specs such as ``criteo:day_*.gz`` or ``synthetic:ROWS``), the PS shards
+with one table per sparse feature the loader reports, and N gloo workers; the demo calls it
+too. Where the shards run is :data:`PS_PLACEMENTS`: with one worker they are embedded in the
+worker's process by default (the PS's own shards, reached without sockets or serialization:
+the fastest path on one machine); with more workers, or codecs on the PS wire, they are
+gRPC shard processes. :class:`PlantedData` is what ``persimmon worker`` trains on without ``--loader``:
 planted data generated in the worker's process.
 """
 
@@ -12,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import urllib.request
-from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -24,7 +26,33 @@ from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.service import InProcessData, report_summary, summary_dict
 
-__all__ = ["PlantedData", "data_specs", "register_cli", "train_on_local_cluster"]
+__all__ = ["PS_PLACEMENTS", "PlantedData", "data_specs", "ps_placement", "register_cli",
+           "train_on_local_cluster"]
+
+PS_PLACEMENTS = {
+    "auto": "embedded for one worker without PS-wire codecs, else processes",
+    "embedded": "the shards in the worker's process: no sockets, no serialization (1 worker)",
+    "processes": "one gRPC shard process per shard, on loopback ports",
+}
+
+
+def ps_placement(ps: str, workers: int, config: TrainerConfig) -> str:
+    """Where the shards run (``embedded`` or ``processes``) for ``--ps`` = ``ps``; a
+    ConfigError for an embedded PS that cannot serve these settings."""
+    if ps not in PS_PLACEMENTS:
+        raise ConfigError(f"--ps must be one of {sorted(PS_PLACEMENTS)}, got {ps!r}")
+    wire = [name for name in ("rows_codec", "grads_codec")
+            if getattr(config, name) != "none"]
+    blockers = ([f"{workers} workers (embedded shards serve one)"] if workers != 1 else []) \
+        + [f"{name}={getattr(config, name)} (nothing crosses a wire)" for name in wire] \
+        + (["ps_process"] if config.ps_process else []) \
+        + (["a registry"] if config.registry else [])
+    if ps == "auto":
+        return "processes" if blockers else "embedded"
+    if ps == "embedded" and blockers:
+        raise ConfigError(f"--ps embedded cannot serve {', '.join(blockers)}: use --ps "
+                          "processes")
+    return ps
 
 
 def _synthetic_rows(spec: str) -> int | None:
@@ -85,16 +113,16 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                            model: ModelConfig, workers: int = 1, shards: int = 2,
                            dim: int = 16, ps_lr: float = 0.05, ps_optimizer: str = "adagrad",
                            batch_size: int = 512,
-                           epochs: int = 1, data_seed: int = 0,
-                           on_cluster: Callable[[Any, list[str]], None] | None = None
+                           epochs: int = 1, data_seed: int = 0, ps: str = "auto"
                            ) -> dict[str, Any]:
-    """Start loaders and PS shards on loopback ports, train ``workers`` gloo ranks, stop
-    everything; return the summary (with ``oracle_auc`` for planted data).
-
-    ``on_cluster(cluster, tables)`` runs once the PS is up, before training (the demo starts
-    its progress bar there)."""
+    """Start loaders on loopback ports and the PS shards where ``ps`` places them
+    (:func:`ps_placement`), train ``workers`` gloo ranks, stop everything; return the
+    summary (with ``oracle_auc`` for planted data and ``ps`` = where the shards ran)."""
     from services.local.processes import LocalLoader, LocalPS
+    from services.ps.inprocess import InProcessShards
     from services.worker.local import run_local_training
+
+    placement = ps_placement(ps, workers, config)
 
     with ExitStack() as stack:
         loader = stack.enter_context(LocalLoader(train_data, batch_size=batch_size,
@@ -106,13 +134,17 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
         features = _sparse_features(loader.admin_url)
         tables = ps_table_configs({f: model.table_dim(dim) for f in features}, lr=ps_lr,
                                   optimizer=ps_optimizer)
-        cluster = stack.enter_context(LocalPS(shards, tables, registry=config.registry))
-        if on_cluster is not None:
-            on_cluster(cluster, [str(t["name"]) for t in tables])
+        if placement == "embedded":
+            embedded = InProcessShards(tables, num_shards=shards).warm_up()
+            where: dict[str, Any] = {"rows_client": embedded}
+        else:
+            cluster = stack.enter_context(LocalPS(shards, tables, registry=config.registry))
+            where = {"ps_addresses": cluster.addresses}
         summary = summary_dict(run_local_training(
-            ps_addresses=cluster.addresses, loader=loader.address,
+            **where, loader=loader.address,
             eval_loader=eval_loader.address if eval_loader else None, model=model,
             config=config, num_workers=workers))
+    summary["ps"] = placement
     oracle = _oracle(train_data, eval_data, data_seed)
     if oracle is not None:
         summary.update(oracle_auc=oracle["auc"], oracle_logloss=oracle["logloss"])
@@ -151,6 +183,7 @@ def _run_train(args: argparse.Namespace) -> int:
     config = load_trainer_config(args)
     print_config("train", config)
     train_spec, eval_spec = data_specs(args)
+    ps_placement(args.ps, args.workers, config)  # a clear ConfigError before anything starts
     if args.check_config:
         return 0
     summary = train_on_local_cluster(
@@ -158,14 +191,17 @@ def _run_train(args: argparse.Namespace) -> int:
         model=ModelConfig(name=args.model), workers=args.workers, shards=args.shards,
         dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
         batch_size=args.batch_size, epochs=args.epochs,
-        data_seed=args.data_seed)
+        data_seed=args.data_seed, ps=args.ps)
     return report_summary(summary, args.summary_json)
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train", help="train on a local cluster (loaders, PS, workers)")
     add_training_flags(train)
-    train.add_argument("--shards", type=int, default=2, help="PS shard processes")
+    train.add_argument("--shards", type=int, default=2, help="PS shards")
+    train.add_argument("--ps", default="auto", choices=list(PS_PLACEMENTS),
+                       help="where the PS shards run: " + "; ".join(
+                           f"{k}: {v}" for k, v in PS_PLACEMENTS.items()))
     train.add_argument("--workers", type=int, default=1, help="worker processes (gloo)")
     train.add_argument("--dim", type=int, default=16, help="embedding dimension")
     train.add_argument("--ps-lr", type=float, default=0.05, help="PS learning rate")

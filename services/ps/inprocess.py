@@ -115,6 +115,13 @@ class InProcessShards:
     def num_shards(self) -> int:
         return len(self.shards)
 
+    def warm_up(self) -> InProcessShards:
+        """Compile every table's kernels now (numba), as a PS process does before it serves,
+        so that the first training steps are not charged for it."""
+        for shard in self.shards:
+            shard.warm_up()
+        return self
+
     async def connect(self) -> InProcessShards:
         """Nothing to connect: here for symmetry with the network clients."""
         return self

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from clients.loader_client import LoaderClient
+from clients.rows import RowsClient
 from services.common.batch import Batch
 from services.common.errors import ConfigError
 from services.worker.config import TrainerConfig
@@ -38,12 +39,13 @@ async def read_loader(address: str, rank: int, world: int) -> list[Batch]:
 async def _train(rank: int, world: int, ps_addresses: Sequence[str],
                  tables: Mapping[str, str] | None, model: ModelConfig, config: TrainerConfig,
                  train: Sequence[Batch] | str, test: Sequence[Batch] | str | None,
-                 on_step: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+                 on_step: Callable[[dict[str, Any]], None] | None,
+                 rows_client: RowsClient | None = None) -> dict[str, Any]:
     """One rank: ``train``/``test`` are this rank's batches or a loader address."""
     if isinstance(test, str):
         test = await read_loader(test, rank, world)
     async with Trainer(model=model, ps_addresses=ps_addresses, tables=tables, config=config,
-                       on_step=on_step) as trainer:
+                       on_step=on_step, rows_client=rows_client) as trainer:
         if isinstance(train, str):
             credits = (config.window or config.prefetch) + 2
             async with LoaderClient(train, rank=rank, world_size=world,
@@ -68,7 +70,8 @@ def _rank(rank: int, world: int, ps_addresses: Sequence[str], tables: Mapping[st
                               _share(train, rank, world) or [], _share(test, rank, world), None))
 
 
-def run_local_training(*, ps_addresses: Sequence[str],
+def run_local_training(*, ps_addresses: Sequence[str] = (),
+                       rows_client: RowsClient | None = None,
                        train_batches: Sequence[Batch] | None = None, loader: str | None = None,
                        eval_batches: Sequence[Batch] | None = None,
                        eval_loader: str | None = None,
@@ -80,9 +83,14 @@ def run_local_training(*, ps_addresses: Sequence[str],
     """Train and return rank 0's summary (:meth:`FitSummary.as_dict`), with ``samples_per_s`` and ``wire_bytes`` summed over
     the workers and ``num_workers`` added. Give ``train_batches`` or ``loader`` (an address),
     and optionally ``eval_batches`` or ``eval_loader``. ``on_step`` runs only with one worker
-    (in this process); with more, workers are forked processes joined by a gloo group."""
+    (in this process); with more, workers are forked processes joined by a gloo group.
+    ``rows_client`` (one worker only): reach the rows through it instead of ``ps_addresses``
+    (e.g. the PS's shards in this process)."""
     if num_workers < 1:
         raise ConfigError(f"num_workers must be >= 1, got {num_workers}")
+    if rows_client is not None and num_workers != 1:
+        raise ConfigError("a rows_client serves one worker (this process); "
+                          f"got num_workers={num_workers}")
     if (train_batches is None) == (loader is None):
         raise ConfigError("give either train_batches or a loader address")
     if eval_batches is not None and eval_loader is not None:
@@ -96,7 +104,7 @@ def run_local_training(*, ps_addresses: Sequence[str],
     test: Sequence[Batch] | str | None = eval_loader if eval_loader is not None else eval_batches
     if num_workers == 1:
         summary = asyncio.run(_train(0, 1, ps_addresses, tables, model, config, train, test,
-                                     on_step))
+                                     on_step, rows_client))
         summary["num_workers"] = 1
         return summary
     results = run_local_ranks(_rank, num_workers, list(ps_addresses), tables, model, config,

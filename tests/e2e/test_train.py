@@ -1,5 +1,6 @@
-"""Whole training runs at tiny size, as a user runs them: ``persimmon demo`` and
-``persimmon train`` in their own processes (loader, PS shards and workers as processes)."""
+"""Whole training runs at tiny size, as a user runs them: ``persimmon demo`` (two workers: PS
+shard processes over gRPC) and ``persimmon train`` (one worker: its shards embedded in the
+worker's process by default) in their own processes, loaders as processes."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_demo_at_tiny_size_reaches_the_oracle_bound(tmp_path: Path) -> None:
     assert summary["auc"] >= summary["oracle_auc"] - TINY_TOLERANCE, summary
     assert summary["auc"] <= summary["oracle_auc"] + 0.01
     assert summary["num_workers"] == 2 and summary["mode"] == "hybrid"
+    assert summary["ps"] == "processes"  # more than one worker: the remote path
     assert summary["steps"] == 65536 // 256 // 2
     assert summary["staleness_max"] == 0 and len(summary["hot_tables"]) == 8  # all hot
     assert summary["eval_samples"] == 8192  # both workers' shares of the test split
@@ -56,7 +58,10 @@ def test_train_on_criteo_files_written_by_synth(tmp_path: Path) -> None:
     assert summary["staleness_max"] == 0
     assert meta["oracle"]["auc"] - 0.05 < summary["auc"] < meta["oracle"]["auc"] + 0.01
     assert summary["eval_samples"] == 8192
-    assert set(summary["wire_bytes"]) >= {"lookup_out", "lookup_in", "push_out", "push_in"}
+    # one worker: the shards ran in its process (the default), so no PS byte crossed a wire
+    assert summary["ps"] == "embedded"
+    assert summary["wire_bytes"] == dict.fromkeys(("lookup_out", "lookup_in", "push_out",
+                                                   "push_in"), 0)
 
 
 def test_train_rejects_a_bad_data_spec_before_starting_anything(tmp_path: Path) -> None:
@@ -64,3 +69,5 @@ def test_train_rejects_a_bad_data_spec_before_starting_anything(tmp_path: Path) 
     assert proc.returncode == 2 and "unknown source kind 'bogus'" in proc.stderr
     proc = _persimmon("train", "--train-data", "synthetic:many", cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and "bad row count" in proc.stderr
+    proc = _persimmon("train", "--ps", "embedded", "--workers", "2", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "--ps embedded cannot serve 2 workers" in proc.stderr
