@@ -3,45 +3,64 @@
 from __future__ import annotations
 
 import math
+import os
+import socket
+import threading
+import time
 
+import pytest
+
+from bench.netem import LatencyProxy
 from bench.peers import torchrec_available
 from bench.train import RUNS, hybrid_ceiling, median_run, paired_ratios, run
 
 
-def test_bench_train_reports_both_ratios_from_its_own_runs() -> None:
-    result = run(rows=4096, batch_size=512, repeats=1)
+def test_bench_train_reports_every_ratio_from_its_own_runs() -> None:
+    result = run(rows=4096, batch_size=512, repeats=1, rtt_ms=(1.0,))
     runs = result["runs"]
     assert set(runs) == set(RUNS) - (set() if torchrec_available() else {"torchrec"})
     for r in runs.values():
         assert r["samples_per_s"] > 0 and 0.5 < r["auc"] <= 1.0
         assert r["samples_per_s_runs"] == [r["samples_per_s"]]
         assert math.isclose(r["ms_per_step"], 1e3 * 512 / r["samples_per_s"])
-    assert math.isclose(result["vs_local"],
-                        runs["hybrid"]["samples_per_s"] / runs["local"]["samples_per_s"])
-    assert math.isclose(result["hybrid_vs_sync"],
-                        runs["hybrid"]["samples_per_s"] / runs["sync"]["samples_per_s"])
-    assert math.isclose(result["hybrid_vs_fastest_sync"], runs["hybrid"]["samples_per_s"] / max(
-        runs["sync"]["samples_per_s"], runs["sync_in_process"]["samples_per_s"]))
-    for key in ("hybrid", "sync", "hybrid_in_process", "sync_in_process"):
+    speed = {key: r["samples_per_s"] for key, r in runs.items()}
+    assert math.isclose(result["vs_local"], speed["hybrid"] / speed["local"])
+    assert math.isclose(result["hybrid_vs_sync"], speed["hybrid"] / speed["sync"])
+    assert math.isclose(result["embedded_vs_processes"], speed["sync_embedded"] / speed["sync"])
+    for key in ("default", "sync_embedded", "hybrid_embedded", "hybrid", "hybrid_hot", "sync"):
         assert 0 < runs[key]["step_cpu_ms"] <= 1.2 * runs[key]["step_wall_ms"]
         assert runs[key]["batch_wait_ms"] >= 0
-        cpu = runs[key]["cpu_ms_per_step"]  # this process and the PS processes did work
-        assert cpu["worker"] >= runs[key]["step_cpu_ms"] * 0.9 and cpu["ps"] > 0
+        cpu = runs[key]["cpu_ms_per_step"]
+        assert cpu["worker"] >= runs[key]["step_cpu_ms"] * 0.9
+    for key in ("hybrid", "hybrid_hot", "sync"):  # the shard processes did work and held memory
+        assert runs[key]["cpu_ms_per_step"]["ps"] > 0 and runs[key]["ps_peak_rss_mb"] > 10
+    for key in ("default", "sync_embedded", "hybrid_embedded"):  # the shards in this process
+        assert runs[key]["cpu_ms_per_step"]["ps"] == 0.0
+        # a 16-float row and its Adagrad state, the index and the arena's slack
+        assert runs[key]["bytes_per_row"] >= 2 * 16 * 4
+    assert result["peak_rss_mb"] > 50  # torch alone holds more
     floor = max(sum(runs["hybrid"]["cpu_ms_per_step"].values()) / result["cores"],
                 runs["hybrid"]["step_cpu_ms"])
     assert math.isclose(result["hybrid_vs_sync_ceiling"], runs["sync"]["ms_per_step"] / floor)
+    with_torchrec = int(torchrec_available())
     assert {k: len(v) for k, v in result["ratios_per_repeat"].items()} == {
-        "vs_local": 1, "vs_torch": 1, "vs_torchrec": int(torchrec_available()),
-        "hybrid_vs_sync": 1, "hot_vs_sync": 1, "hybrid_vs_fastest_sync": 1,
+        "vs_local": 1, "vs_torch": 1, "vs_torchrec": with_torchrec,
+        "default_vs_torchrec": with_torchrec, "sync_vs_torchrec": with_torchrec,
+        "embedded_vs_processes": 1, "hybrid_vs_sync": 1, "hot_vs_sync": 1,
         "hybrid_vs_sync_ceiling": 1}
-    fastest = max(runs[k]["samples_per_s"] for k in ("hybrid", "hybrid_hot", "sync",
-                                                     "hybrid_in_process", "sync_in_process"))
-    assert math.isclose(result["vs_torch"], fastest / runs["torch"]["samples_per_s"])
-    assert math.isclose(result["hot_vs_sync"],
-                        runs["hybrid_hot"]["samples_per_s"] / runs["sync"]["samples_per_s"])
-    assert runs["hybrid_hot"]["staleness_max"] == 0  # the toy tables are all hot
-    assert runs["sync"]["staleness_max"] == 0 and runs["hybrid"]["staleness_max"] <= 8
-    assert runs["sync_in_process"]["staleness_max"] == 0
+    fastest = max(speed[k] for k in ("default", "sync_embedded", "hybrid_embedded", "hybrid",
+                                     "hybrid_hot", "sync"))
+    assert math.isclose(result["vs_torch"], fastest / speed["torch"])
+    assert math.isclose(result["hot_vs_sync"], speed["hybrid_hot"] / speed["sync"])
+    for key in ("default", "hybrid_hot", "sync", "sync_embedded"):
+        assert runs[key]["staleness_max"] == 0  # sync, or hybrid with the toy tables all hot
+    assert runs["hybrid"]["staleness_max"] <= 8 and runs["hybrid_embedded"]["staleness_max"] <= 8
+    [row] = result["rtt"]  # the remote path again, behind the latency proxy
+    assert row["rtt_ms"] == 1.0 and 0.5 < row["measured_rtt_ms"] < 50
+    assert row["auc_sync"] == runs["sync"]["auc"]  # sync is deterministic: the proxy only delays
+    for key in ("hybrid", "hot", "sync"):
+        assert 0.5 < row[f"auc_{key}"] <= 1.0
+    assert row["hybrid_vs_sync"] > 0 and row["hot_vs_sync"] > 0
 
 
 def test_median_run_is_the_middle_by_samples_per_s() -> None:
@@ -66,11 +85,48 @@ def test_ratios_pair_the_runs_of_each_repeat() -> None:
                  "cpu_ms_per_step": {"worker": 2.0, "ps": 2.0}} for v in speeds]
 
     every = {"local": runs(100, 50), "hybrid": runs(150, 75), "sync": runs(100, 50),
-             "sync_in_process": runs(120, 40), "hybrid_in_process": runs(1, 1),
+             "sync_embedded": runs(120, 40), "hybrid_embedded": runs(1, 1), "default": runs(1, 1),
              "hybrid_hot": runs(110, 60), "torch": runs(300, 50)}
     ratios = paired_ratios(every, batch_size=1000, cores=2)
     assert ratios["vs_local"] == [1.5, 1.5] and ratios["hybrid_vs_sync"] == [1.5, 1.5]
-    assert ratios["hybrid_vs_fastest_sync"] == [1.25, 1.5]
+    assert ratios["embedded_vs_processes"] == [1.2, 0.8]
     assert ratios["vs_torch"] == [0.5, 1.5] and ratios["vs_torchrec"] == []  # not run
+    assert ratios["default_vs_torchrec"] == [] and ratios["sync_vs_torchrec"] == []
     assert ratios["hot_vs_sync"] == [1.1, 1.2]
     assert ratios["hybrid_vs_sync_ceiling"] == [10_000 / 2, 20_000 / 2]  # sync ms / CPU floor
+
+
+def _echo_server() -> socket.socket:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        client, _ = listener.accept()
+        with client:
+            while data := client.recv(65536):
+                client.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+def test_latency_proxy_delays_each_round_trip_and_keeps_every_byte() -> None:
+    listener = _echo_server()
+    target = f"127.0.0.1:{listener.getsockname()[1]}"
+    payload = os.urandom(300_000)
+    with LatencyProxy([target], rtt_ms=20.0) as proxy:
+        host, port = proxy.addresses[0].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            started = time.perf_counter()
+            s.sendall(b"ping")
+            assert s.recv(4) == b"ping"
+            assert time.perf_counter() - started >= 0.019  # both directions were held
+            s.sendall(payload)
+            got = bytearray()
+            while len(got) < len(payload):
+                got += s.recv(65536)
+        assert bytes(got) == payload  # in order, nothing lost or repeated
+        assert 18 < proxy.measured_rtt_ms() < 200
+    listener.close()
+    for bad in ({"rtt_ms": -1.0}, {"rtt_ms": 1.0, "bandwidth_mbps": 0.0}):
+        with pytest.raises(ValueError):
+            LatencyProxy([target], **bad)
