@@ -23,10 +23,11 @@ if TYPE_CHECKING:
     from clients.loader_client import LoaderClient, SyncLoaderClient
     from clients.ps_client import PSClient, PushAck, SyncPSClient
     from clients.ps_process import PSClientProcess
-    from clients.rows import ProcessCPU, PushCounts, RowsClient
+    from clients.rows import DirectRows, ProcessCPU, PushCounts, RowsClient
 
 __all__ = [
     "AdminClient",
+    "DirectRows",
     "LoaderClient",
     "PSClient",
     "PSClientProcess",
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 _HOME = {
-    "AdminClient": "admin_client", "LoaderClient": "loader_client", "PSClient": "ps_client",
+    "AdminClient": "admin_client", "DirectRows": "rows", "LoaderClient": "loader_client", "PSClient": "ps_client",
     "PSClientProcess": "ps_process", "ProcessCPU": "rows", "PushAck": "ps_client",
     "PushCounts": "rows", "RowsClient": "rows", "SyncLoaderClient": "loader_client",
     "SyncPSClient": "ps_client",

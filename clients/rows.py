@@ -25,7 +25,7 @@ import numpy as np
 from services.common.codecs import WireStats
 from services.common.sharding import ShardedIds
 
-__all__ = ["ProcessCPU", "PushCounts", "RowsClient"]
+__all__ = ["DirectRows", "ProcessCPU", "PushCounts", "RowsClient"]
 
 
 class PushCounts(Protocol):
@@ -95,3 +95,23 @@ class ProcessCPU(Protocol):
     (a worker's CPU per step counts them with its own)."""
 
     async def cpu_seconds(self) -> float: ...
+
+
+@runtime_checkable
+class DirectRows(Protocol):
+    """A rows client whose rows live in this process can also serve a layout from any thread,
+    without the event loop: the worker's compute thread reads and updates its hot tables
+    this way, each step seeing every earlier step's update (no round trip to wait for).
+    ``direct`` is False where calls must go through the event loop after all (e.g. a test's
+    push gate)."""
+
+    @property
+    def direct(self) -> bool: ...
+
+    def lookup_now(self, layout: ShardedIds) -> np.ndarray:
+        """:meth:`RowsClient.lookup_sharded`, in the calling thread."""
+        ...
+
+    def push_now(self, layout: ShardedIds, grads: np.ndarray) -> PushCounts:
+        """:meth:`RowsClient.push_sharded`, applied before it returns, in the calling thread."""
+        ...

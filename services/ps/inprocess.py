@@ -5,8 +5,10 @@ and serves a worker's step calls (``lookup_sharded``, ``push_sharded``, ``push_t
 ``tables``) on them directly: a layout's share for shard ``k`` (the ids
 :func:`services.common.sharding.shard_of` gives ``k``, as on the gRPC path) goes to shard
 ``k``'s multi-table calls, which validate before they apply, as the gRPC servicer does. It
-is a ``clients.rows.RowsClient`` by its shape (the PS does not import the clients); nothing
-crosses a wire, so ``wire_bytes()`` is all zeros and ``codec_stats`` stays empty.
+is a ``clients.rows.RowsClient`` by its shape (the PS does not import the clients), and a
+``clients.rows.DirectRows`` (``lookup_now``/``push_now`` serve from the calling thread: a
+worker's compute thread updates its hot tables so); nothing crosses a wire, so
+``wire_bytes()`` is all zeros and ``codec_stats`` stays empty.
 
 A :class:`PushGate` holds pushes until the caller releases them, in arrival order: a test of
 the worker's embedding pipeline decides when each push is applied and acknowledged.
@@ -140,6 +142,27 @@ class InProcessShards:
         found = [config_to_dict(t.config) for t in self.shards[0].tables.values()]
         self.dims = {t["name"]: int(t["dim"]) for t in found}
         return found
+
+    @property
+    def direct(self) -> bool:
+        """Whether ``lookup_now``/``push_now`` may serve (not while a gate holds pushes)."""
+        return self.gate is None
+
+    def lookup_now(self, layout: ShardedIds) -> np.ndarray:
+        """:meth:`lookup_sharded` in the calling thread (the tables' locks keep it safe)."""
+        dim = self._check_layout(layout)
+        return _rows([self.shards[k].lookup_many_sync(layout.tables, layout.counts[k].tolist(),
+                                                      ids)
+                      for k, ids in self._shares(layout)], dim)
+
+    def push_now(self, layout: ShardedIds, grads: np.ndarray) -> PushResult:
+        """:meth:`push_sharded` in the calling thread, applied when it returns (a gate holds
+        only :meth:`push_sharded`'s pushes)."""
+        dim = self._check_layout(layout)
+        _check_grads(layout, grads, dim)
+        return _sum([self.shards[k].push_many_sync(
+            layout.tables, layout.counts[k].tolist(), ids,
+            grads[layout.bounds[k]:layout.bounds[k + 1]]) for k, ids in self._shares(layout)])
 
     def wire_bytes(self) -> dict[str, int]:
         """Bytes on the wire per stream: none crossed one."""

@@ -23,7 +23,11 @@ up, beyond the bound.
 batch holds at most ``hot_ratio`` distinct ids per sample (its rows are touched by nearly every
 batch) gets its rows for batch t only once the push of batch t - hot_window to it is
 acknowledged, in the same message (:class:`_HotChain`). Stale updates hurt such rows most:
-every one of the batches in flight moves them. The other tables keep ``window``.
+every one of the batches in flight moves them. The other tables keep ``window``. Where the
+rows live in this process (a :class:`clients.rows.DirectRows`, e.g. embedded shards) and
+``hot_window`` is 1, the compute thread itself reads a batch's hot rows just before its step
+(:meth:`EmbeddingPipeline.read_hot`) and applies their gradients just after
+(:meth:`EmbeddingPipeline.apply_hot`): synchronous hot tables with no round trip to wait for.
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
@@ -55,7 +59,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from clients.rows import RowsClient
+from clients.rows import DirectRows, RowsClient
 from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
 from services.common.lifecycle import settle
@@ -65,6 +69,7 @@ __all__ = ["Batches", "EmbeddingPipeline", "Prepared", "StepTimers", "iterate"]
 
 Batches = AsyncIterable[Batch] | Iterable[Batch]
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
+_NOT_READ = np.empty((0, 0), dtype=np.float32)  # a direct hot group's rows before read_hot
 
 
 class _Histogram(Protocol):
@@ -165,6 +170,8 @@ class EmbeddingPipeline:
         self._hot_window = hot_window
         self.hot_tables: list[str] = []  # decided at the first plan
         self._chain: _HotChain | None = None
+        self._direct_hot: list[int] = []  # hot groups the compute thread reads and updates
+        self._direct_rows: DirectRows | None = None  # the rows client they are read from
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._windowed: list[int] = []  # the groups under the staleness window (not hot)
         self._slots: asyncio.Semaphore | None = None
@@ -232,7 +239,11 @@ class EmbeddingPipeline:
                 self.hot_tables = [t for t, ids in first.unique.items() if ids.size <= limit]
                 self._groups = self._table_groups(self.hot_tables)
                 hot = [i for i, g in enumerate(self._groups) if g[0] in self.hot_tables]
-                self._chain = _HotChain(self, hot, self._hot_window) if hot else None
+                if hot and self._hot_window == 1 and isinstance(self.rows, DirectRows) \
+                        and self.rows.direct:
+                    self._direct_hot, self._direct_rows = hot, self.rows
+                elif hot:
+                    self._chain = _HotChain(self, hot, self._hot_window)
                 self._windowed = [i for i in range(len(self._groups)) if i not in hot]
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
@@ -250,15 +261,32 @@ class EmbeddingPipeline:
                 self._timers.lookup_seconds.observe(time.perf_counter() - started)
 
     def _merge(self, plan: BatchPlan, windowed: Rows, hot: Rows | None) -> Rows:
-        if hot is None:
+        """Every group's rows in group order; a direct hot group's are empty until
+        :meth:`read_hot` (the compute thread) fills them."""
+        if hot is None and not self._direct_hot:
             return windowed
-        assert self._chain is not None
-        out: list[np.ndarray | None] = [None] * len(plan.groups)
+        out = [_NOT_READ] * len(plan.groups)
         for i, rows in zip(self._windowed, windowed, strict=True):
             out[i] = rows
-        for i, rows in zip(self._chain.groups, hot, strict=True):
-            out[i] = rows
-        return [r for r in out if r is not None]
+        if hot is not None:
+            assert self._chain is not None
+            for i, rows in zip(self._chain.groups, hot, strict=True):
+                out[i] = rows
+        return out
+
+    def read_hot(self, item: Prepared) -> None:
+        """Fill ``item``'s direct hot groups' rows now (from the compute thread, just before
+        its step): they include every earlier step's :meth:`apply_hot`."""
+        if self._direct_rows is not None:
+            for i in self._direct_hot:
+                item.rows[i] = self._direct_rows.lookup_now(item.plan.groups[i].layout)
+
+    def apply_hot(self, item: Prepared, grads: Rows) -> None:
+        """Apply ``item``'s direct hot groups' gradients now (from the compute thread, just
+        after its step); :meth:`push` sends the other groups'."""
+        if self._direct_rows is not None:
+            for i in self._direct_hot:
+                self._direct_rows.push_now(item.plan.groups[i].layout, grads[i])
 
     # ---- one run: lookups ahead of compute ----------------------------------------------
 

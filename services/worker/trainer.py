@@ -342,6 +342,7 @@ class Trainer:
         step. Returns the loss, the logits and the row gradients (one array per group)."""
         if self._forward is None or self._optimizer is None or self.module is None:
             raise FailedPrecondition("build the model first: await trainer.build(batch)")
+        self.pipeline.read_hot(item)
         pooled, dense, labels = self._inputs(item)
         if not self.module.training:  # after an evaluation (a walk over every submodule)
             self.module.train()
@@ -356,7 +357,9 @@ class Trainer:
         self._optimizer.step()
         if self._sync is not None:
             self._sync.after_step(self.step)
-        return float(loss.item()), logits.detach().cpu().numpy(), pooled.row_grads()
+        grads = pooled.row_grads()
+        self.pipeline.apply_hot(item, grads)
+        return float(loss.item()), logits.detach().cpu().numpy(), grads
 
     def _eval_step(self, item: Prepared) -> np.ndarray:
         assert self.module is not None

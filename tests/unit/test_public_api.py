@@ -12,7 +12,7 @@ import pytest
 
 EXPORTED = {
     "clients": {
-        "AdminClient", "LoaderClient", "PSClient", "PSClientProcess", "ProcessCPU", "PushAck",
+        "AdminClient", "DirectRows", "LoaderClient", "PSClient", "PSClientProcess", "ProcessCPU", "PushAck",
         "PushCounts", "RowsClient", "SyncLoaderClient", "SyncPSClient",
     },
     "services.worker": {
@@ -45,11 +45,14 @@ def test_the_clients_do_not_import_torch() -> None:
 
 
 def test_every_rows_client_implementation_is_one() -> None:
-    from clients import ProcessCPU, PSClient, PSClientProcess, RowsClient
+    from clients import DirectRows, ProcessCPU, PSClient, PSClientProcess, RowsClient
     from services.ps.inprocess import InProcessShards
 
     in_process = InProcessShards([{"name": "t", "dim": 4}])
-    for client in (PSClient(["127.0.0.1:1"]), PSClientProcess(["127.0.0.1:1"]), in_process):
+    remote = (PSClient(["127.0.0.1:1"]), PSClientProcess(["127.0.0.1:1"]))
+    for client in (*remote, in_process):
         assert isinstance(client, RowsClient), type(client)
     assert isinstance(PSClientProcess(["127.0.0.1:1"]), ProcessCPU)
     assert not isinstance(in_process, ProcessCPU) and not isinstance(object(), RowsClient)
+    assert isinstance(in_process, DirectRows) and in_process.direct  # rows in this process
+    assert not any(isinstance(client, DirectRows) for client in remote)

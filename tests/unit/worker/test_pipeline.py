@@ -306,6 +306,67 @@ async def test_hot_tables_have_a_window_of_their_own(hot_window: int) -> None:
     assert max(missed["t"]) == window - 1  # cold: as stale as the window allows
 
 
+class DirectGatedShards(InProcessShards):
+    """In-process shards whose pushes through the event loop wait at a gate, while the
+    compute thread's direct calls (``lookup_now``/``push_now``) serve at once."""
+
+    @property
+    def direct(self) -> bool:
+        return True
+
+    async def lookup_sharded(self, layout):  # type: ignore[no-untyped-def]
+        assert "u" not in layout.tables, "a direct hot table was looked up on the event loop"
+        return await super().lookup_sharded(layout)
+
+
+async def test_direct_hot_tables_see_every_earlier_push_with_no_round_trip() -> None:
+    """Rows in this process: the compute side reads the hot table's rows just before each
+    step (read_hot) and applies its gradients just after (apply_hot), so every step sees
+    every earlier step's push to it, exactly once, and never through the event loop; the
+    cold table's pushes wait at the gate and stay as stale as the window allows (a hot read
+    at lookup time fails the first, a hot push also sent by push() the exact values)."""
+    window = 4
+    gate = PushGate()
+    shards = DirectGatedShards([table(name="t"), table(name="u")], gate=gate)
+    pipeline = EmbeddingPipeline(shards, window=window, tables={"f": "t", "g": "u"},
+                                 hot_ratio=0.3)
+    pipeline.begin()
+    prepared: asyncio.Queue[Prepared | None] = asyncio.Queue()
+    errors: list[BaseException] = []
+    feeding = asyncio.create_task(pipeline.feed([two_feature_batch(b) for b in range(N)],
+                                                prepared.put, errors.append))
+    missed: dict[str, list[int]] = {"t": [], "u": []}
+    try:
+        async with asyncio.timeout(30):
+            while (item := await next_item(prepared, gate)) is not None:
+                b = item.batch.batch_id
+                pipeline.read_hot(item)  # what the Trainer's compute thread does first
+                grads = []
+                for group, rows in zip(item.plan.groups, item.rows, strict=True):
+                    (name,) = group.layout.tables
+                    at = group.layout.ids == ROW_ID
+                    applied = set(np.flatnonzero(rows[at][0] == 1).tolist())
+                    assert np.isin(rows[at][0], (0.0, 1.0)).all()  # each push applied once
+                    assert applied <= set(range(b))
+                    missed[name].append(b - len(applied))
+                    grad = np.zeros((group.layout.ids.size, N), np.float32)
+                    grad[at, b] = -1.0
+                    grads.append(grad)
+                pipeline.apply_hot(item, grads)
+                pipeline.push(item, grads)
+            await gate.until(lambda held, came: came == N)  # only the cold table's pushes
+            gate.release(gate.held)
+            await pipeline.drain()
+    finally:
+        feeding.cancel()
+        gate.release(gate.held)
+        await pipeline.settle()
+    assert not errors, errors
+    assert pipeline.hot_tables == ["u"]
+    assert missed["u"] == [0] * N
+    assert max(missed["t"]) == window - 1
+
+
 def test_hot_settings_are_checked() -> None:
     for bad in (-0.1, 1.5):
         with pytest.raises(ConfigError, match="hot_ratio"):
