@@ -63,9 +63,11 @@ from services.worker.compression import (
     ActivationSparsifier,
     CodecAverager,
     CommStats,
+    Lamb,
     OnebitAdam,
     OnebitLamb,
     make_comm_hook,
+    sqrt_scaled_lr,
 )
 from services.worker.compute import DONE, ComputeThread, distributed
 from services.worker.config import TrainerConfig
@@ -84,7 +86,9 @@ ONEBIT_OPTIMIZERS: dict[str, type[OnebitAdam | OnebitLamb]] = {
 StepResult = tuple[float, np.ndarray, list[np.ndarray], float]
 
 
-def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig, batch: int
+                    ) -> torch.optim.Optimizer:
+    """The dense optimizer; ``batch``: rows per step over every rank (LAMB's lr scaling)."""
     lr = config.lr
     if name in ONEBIT_OPTIMIZERS:  # they refuse embedding modules (ConfigError) and sparse grads
         return ONEBIT_OPTIMIZERS[name](module, lr=lr, freeze_step=config.onebit_freeze_step)
@@ -93,6 +97,11 @@ def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig) -> torc
         return torch.optim.Adam(params, lr=lr, fused=True)  # one kernel for every tensor
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
+    if name == "lamb":
+        if config.lamb_base_batch:
+            lr = sqrt_scaled_lr(lr, batch, config.lamb_base_batch)
+        return Lamb(params, lr=lr, warmup_steps=config.lamb_warmup_steps,
+                    decay_steps=config.lamb_decay_steps)
     return torch.optim.SGD(params, lr=lr, momentum=config.momentum)
 
 
@@ -265,7 +274,9 @@ class Trainer:
             for p in self.module.parameters():
                 dist.broadcast(p.data, 0)
         self._forward = self._sync.prepare(self.module) if self._sync else self.module
-        self._optimizer = _make_optimizer(self.config.dense_optimizer, self.module, self.config)
+        world = dist.get_world_size() if several else 1
+        self._optimizer = _make_optimizer(self.config.dense_optimizer, self.module, self.config,
+                                          batch.size * world)
         if onebit:
             self._dense_stats = getattr(self._optimizer, "stats", None)
 
