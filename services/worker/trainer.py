@@ -161,8 +161,9 @@ class Trainer:
         self._report_loss: Callable[[float], Any] | None = None  # adaquant hook
         cfg = self.config
         self._shared_loss = adapts_to_loss(cfg.dense_codec) or adapts_to_loss(cfg.grads_codec)
-        # the s of the adaquant codecs, step by step: "dense" (hook or averager), "grads" (PS)
-        self.adaquant_levels: dict[str, list[int]] = {"dense": [], "grads": []}
+        # the s of the adaquant codecs at the latest steps: "dense" (hook, averager), "grads" (PS)
+        self.adaquant_levels: dict[str, collections.deque[int]] = {
+            stream: collections.deque(maxlen=RECENT_LOSSES) for stream in ("dense", "grads")}
         self._activations = (ActivationSparsifier(self.config.activation_keep)
                              if self.config.activation_keep < 1 else None)
         self.on_step = on_step

@@ -35,7 +35,7 @@ def _dense_rank(rank: int, world: int) -> dict[str, Any]:
                            lr=0.05, dense_optimizer="sgd",
                            dense_codec="adaquant:s0=16,window=1") as t:
             summary = await t.fit(batches)
-        return {"levels": t.adaquant_levels["dense"], "losses": summary.recent_losses,
+        return {"levels": list(t.adaquant_levels["dense"]), "losses": summary.recent_losses,
                 "dense": summary.dense_bytes}
 
     return asyncio.run(train())
@@ -64,7 +64,7 @@ async def test_grads_adaquant_through_the_child_process_rises_from_s0(cluster: L
                        mode="sync", lr=1e-2, ps_process=True,
                        grads_codec="adaquant:s0=2,window=4") as t:
         summary = await t.fit(batches)
-    levels = t.adaquant_levels["grads"]
+    levels = list(t.adaquant_levels["grads"])
     assert len(levels) == 2 * STEPS and levels[0] == 2
     assert levels[-1] > 2, levels                         # more levels as the loss fell
     assert np.mean(summary.recent_losses[-4:]) < np.mean(summary.recent_losses[:4])
