@@ -86,8 +86,8 @@ ONEBIT_OPTIMIZERS: dict[str, type[OnebitAdam | OnebitLamb]] = {
 StepResult = tuple[float, np.ndarray, list[np.ndarray], float]
 
 
-def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig, batch: int
-                    ) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig, *,
+                    batch: int | None = None) -> torch.optim.Optimizer:
     """The dense optimizer; ``batch``: rows per step over every rank (LAMB's lr scaling)."""
     lr = config.lr
     if name in ONEBIT_OPTIMIZERS:  # they refuse embedding modules (ConfigError) and sparse grads
@@ -99,6 +99,8 @@ def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig, batch: 
         return torch.optim.Adagrad(params, lr=lr)
     if name == "lamb":
         if config.lamb_base_batch:
+            if batch is None:
+                raise ConfigError("lamb_base_batch scales the lr by the batch: give the batch")
             lr = sqrt_scaled_lr(lr, batch, config.lamb_base_batch)
         return Lamb(params, lr=lr, warmup_steps=config.lamb_warmup_steps,
                     decay_steps=config.lamb_decay_steps)
@@ -277,7 +279,7 @@ class Trainer:
         self._forward = self._sync.prepare(self.module) if self._sync else self.module
         world = dist.get_world_size() if several else 1
         self._optimizer = _make_optimizer(self.config.dense_optimizer, self.module, self.config,
-                                          batch.size * world)
+                                          batch=batch.size * world)
         if onebit:
             self._dense_stats = getattr(self._optimizer, "stats", None)
 
