@@ -392,7 +392,8 @@ class Trainer:
         return float(value.item())
 
     async def _report_grads_loss(self, loss: float) -> None:
-        """Feed the mean loss to the rows client's adaquant grads codec before the step's push."""
+        """Feed the mean loss to the rows client's adaquant grads codec before the step's push
+        (in hybrid mode a push not yet encoded when the next step reports may use its s)."""
         report = getattr(self.rows, "report_loss", None)
         if report is not None and adapts_to_loss(self.config.grads_codec):
             levels = await report(loss)

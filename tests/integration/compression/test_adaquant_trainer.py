@@ -1,18 +1,15 @@
-"""AdaQuant driven by the Trainer's loss: the same s on every rank (the mean loss over the
-ranks, not each rank's own) on the dense all-reduce, and the PS push path through the
-child-process client, with s starting at s0 and rising as the loss falls."""
+"""AdaQuant driven by the Trainer's loss on the dense all-reduce: the same s on every rank (the
+mean loss over the ranks, not each rank's own). The PS push path's is in
+test_trainer_compression.py."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
-from services.local.processes import LocalPS
 from services.ps.inprocess import InProcessShards
 from services.worker.config import ps_table_configs
 from services.worker.distributed import run_local_ranks
@@ -50,23 +47,3 @@ def test_dense_adaquant_uses_the_mean_loss_of_every_rank() -> None:
            for r in (r0, r1)]
     assert own[0] != own[1]  # each rank's own loss would have given the ranks different s
     assert r0["dense"]["steps"] == STEPS and r0["dense"]["ratio"] > 4
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalPS]:
-    with LocalPS(2, ps_table_configs({f: 8 for f in FEATURES})) as ps:
-        yield ps
-
-
-async def test_grads_adaquant_through_the_child_process_rises_from_s0(cluster: LocalPS) -> None:
-    batches = list(SyntheticDataset(DATA).batches(128, 128 * 2 * STEPS))
-    async with Trainer(model=ModelConfig(name="dlrm"), ps_addresses=cluster.addresses,
-                       mode="sync", lr=1e-2, ps_process=True,
-                       grads_codec="adaquant:s0=2,window=4") as t:
-        summary = await t.fit(batches)
-    levels = list(t.adaquant_levels["grads"])
-    assert len(levels) == 2 * STEPS and levels[0] == 2
-    assert levels[-1] > 2, levels                         # more levels as the loss fell
-    assert np.mean(summary.recent_losses[-4:]) < np.mean(summary.recent_losses[:4])
-    sent = summary.codec_bytes["grads_up"]["adaquant"]["sent"]
-    assert sent["arrays"] == 2 * 2 * STEPS and sent["wire_bytes"] < sent["raw_bytes"] / 4
