@@ -24,7 +24,9 @@ Rows, by stream:
 Ratio = fp32 bytes / bytes sent; ΔAUC = baseline AUC − AUC (positive = worse). JSON keys
 with goals: ``dense_dct_ratio`` ≥ 100 with ``dense_dct_delta_auc`` ≤ 0.001,
 ``embedding_best_ratio`` ≥ 8 with ``embedding_best_delta_auc`` ≤ 0.002, ``onebit_adam_ratio``
-≥ 5 with ``onebit_adam_delta_auc`` ≤ 0.001.
+≥ 5 with ``onebit_adam_delta_auc`` ≤ 0.001, ``adaquant_ps_ratio`` (qsgd s=15's gradient bytes
+over adaquant's, s following the workers' mean loss from s0 = 2) ≥ 1 with
+``adaquant_ps_delta_auc`` ≤ 0.002.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ _SEEDED = ("auc", "delta_auc", "ratio", "bytes_per_step")  # row figures average
 EMBEDDING_GOAL = 0.002
 GOALS = {"dense_dct_ratio": (">=", 100.0), "dense_dct_delta_auc": ("<=", 0.001),
          "embedding_best_ratio": (">=", 8.0), "embedding_best_delta_auc": ("<=", EMBEDDING_GOAL),
-         "onebit_adam_ratio": (">=", 5.0), "onebit_adam_delta_auc": ("<=", 0.001)}
+         "onebit_adam_ratio": (">=", 5.0), "onebit_adam_delta_auc": ("<=", 0.001),
+         "adaquant_ps_ratio": (">=", 1.0), "adaquant_ps_delta_auc": ("<=", EMBEDDING_GOAL)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,16 +112,21 @@ CASES = [
 ]
 
 
+def _stream_bytes(summary: dict[str, Any], stream: str, direction: str) -> tuple[float, float]:
+    """(fp32 bytes, wire bytes) of one stream's payloads, every codec."""
+    raw = wire = 0.0
+    for per_dir in summary.get("codec_bytes", {}).get(stream, {}).values():
+        counts = per_dir.get(direction, {})
+        raw += counts.get("raw_bytes", 0)
+        wire += counts.get("wire_bytes", 0)
+    return raw, wire
+
+
 def _payload(summary: dict[str, Any]) -> tuple[float, float]:
     """(fp32 bytes, wire bytes) of the rows down and gradients up payloads."""
-    raw = wire = 0.0
-    stats = summary.get("codec_bytes", {})
-    for stream, direction in (("rows_down", "received"), ("grads_up", "sent")):
-        for per_dir in stats.get(stream, {}).values():
-            counts = per_dir.get(direction, {})
-            raw += counts.get("raw_bytes", 0)
-            wire += counts.get("wire_bytes", 0)
-    return raw, wire
+    rows, grads = _stream_bytes(summary, "rows_down", "received"), _stream_bytes(
+        summary, "grads_up", "sent")
+    return rows[0] + grads[0], rows[1] + grads[1]
 
 
 def _row(case: Case, s: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +145,8 @@ def _row(case: Case, s: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         msgs = sum(s["wire_bytes"].values()) / steps
         base_msgs = sum(base["wire_bytes"].values()) / max(base["steps"], 1)
         row.update(bytes_per_step=wire / steps, ratio=raw / wire if wire else 1.0,
-                   ps_msg_bytes_per_step=msgs, ps_msg_ratio=base_msgs / msgs)
+                   ps_msg_bytes_per_step=msgs, ps_msg_ratio=base_msgs / msgs,
+                   grads_bytes_per_step=_stream_bytes(s, "grads_up", "sent")[1] / steps)
     return row
 
 
@@ -231,6 +240,10 @@ def _summary_keys(pairs: list[tuple[Case, dict[str, Any]]]) -> dict[str, Any]:
         row = find(name)
         if row is not None:
             out[f"{key}_ratio"], out[f"{key}_delta_auc"] = row["ratio"], row["delta_auc"]
+    ada, qsgd = find("grads adaquant"), find("grads qsgd s=15")
+    if ada is not None and qsgd is not None and ada["grads_bytes_per_step"]:
+        out["adaquant_ps_ratio"] = qsgd["grads_bytes_per_step"] / ada["grads_bytes_per_step"]
+        out["adaquant_ps_delta_auc"] = ada["delta_auc"]
     best = next((r for c, r in pairs if c.role == "best"), None)
     if best is None:  # no combination fitted the goal: report the best single PS row instead
         ps = [r for c, r in pairs if c.stream == "ps"]

@@ -7,6 +7,11 @@ processes, once per strategy (fresh PS tables each time, same batches, same seed
 (ring). It reports samples/s, dense bytes per step (per worker), held-out AUC against the
 data's oracle AUC and the final consensus distance, and plots AUC against samples seen.
 
+The ``lamb_large_batch`` row: LAMB (``dense_optimizer=lamb``) at the batch size above and at
+``lamb_scale`` (8) times it, on the same rows (so 1/8 of the steps), the large run's lr scaled
+by the square root of the batch ratio (``lamb_base_batch``, the large-batch papers' rule) and
+both warmed up over the first 10% of their steps; it reports each run's AUC and steps.
+
 The planted data is small on purpose (:data:`services.local.compare.PLANTED`: 4 features,
 vocabularies of 10-50 ids): a strategy that trains worse shows as a gap to the oracle.
 """
@@ -31,9 +36,31 @@ __all__ = ["register_bench", "run"]
 console = Console(stderr=True)
 
 
+LAMB_LR = 1e-2  # the small-batch LAMB run's lr
+
+
+def lamb_large_batch(*, rows: int, batch_size: int, eval_rows: int, workers: int,
+                     scale: int) -> dict[str, Any]:
+    """LAMB at ``batch_size`` and at ``scale`` times it (sqrt-scaled lr) on the same rows."""
+    runs = []
+    for batch in (batch_size, scale * batch_size):
+        steps = rows // batch // workers
+        config = replace(TRAINING, dense_optimizer="lamb", lr=LAMB_LR,
+                         lamb_warmup_steps=max(1, steps // 10),
+                         lamb_base_batch=batch_size * workers)
+        [summary], oracle = train_configs([config], rows=rows, batch_size=batch,
+                                          eval_rows=eval_rows, workers=workers)
+        runs.append({"batch_size": batch, "steps": summary["steps"], "auc": summary["auc"],
+                     "samples_per_s": summary["samples_per_s"]})
+    small, large = runs
+    return {"scale": scale, "small": small, "large": large,
+            "auc_delta": large["auc"] - small["auc"],
+            "steps_ratio": large["steps"] / small["steps"] if small["steps"] else 0.0}
+
+
 def run(*, rows: int = 131_072, batch_size: int = 128, eval_rows: int = 16_384,
-        workers: int = 4, evals: int = 8, strategies: Sequence[str] = tuple(STRATEGIES)
-        ) -> dict[str, Any]:
+        workers: int = 4, evals: int = 8, strategies: Sequence[str] = tuple(STRATEGIES),
+        lamb_scale: int = 8) -> dict[str, Any]:
     """Every strategy on the same data; the JSON-ready result (see the module docstring)."""
     unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown:
@@ -53,8 +80,13 @@ def run(*, rows: int = 131_072, batch_size: int = 128, eval_rows: int = 16_384,
                     "blocking_time_per_step": sync["blocking_seconds"] / max(sync["steps"], 1),
                     "curve": [{"samples": h["step"] * batch_size * workers, "auc": h["auc"]}
                               for h in s["history"]]})
-    return {"workers": workers, "rows": rows, "batch_size": batch_size,
-            "oracle_auc": oracle, "strategies": out}
+    result = {"workers": workers, "rows": rows, "batch_size": batch_size,
+              "oracle_auc": oracle, "strategies": out}
+    if lamb_scale:
+        result["lamb_large_batch"] = lamb_large_batch(
+            rows=rows, batch_size=batch_size, eval_rows=eval_rows, workers=workers,
+            scale=lamb_scale)
+    return result
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -93,6 +125,13 @@ def _print_table(result: dict[str, Any]) -> None:
                       f"{1000 * s['sync_time_per_step']:.2f}",
                       f"{1000 * s['blocking_time_per_step']:.2f}")
     Console(width=150).print(table)
+    lamb = result.get("lamb_large_batch")
+    if lamb:
+        small, large = lamb["small"], lamb["large"]
+        console.print(f"lamb_large_batch: batch {large['batch_size']} per worker "
+                      f"({lamb['scale']}x) AUC {large['auc']:.4f} in {large['steps']} steps vs "
+                      f"batch {small['batch_size']} AUC {small['auc']:.4f} in {small['steps']} "
+                      f"steps: ΔAUC {lamb['auc_delta']:+.4f}, steps x{lamb['steps_ratio']:.3f}")
     console.print("sync ms/step: time in communication (shadow: on its background thread); "
                   "blocking ms/step: the training thread inside the strategy after backward "
                   "and after the optimizer step (DDP's all-reduce waits inside backward).")
@@ -100,7 +139,8 @@ def _print_table(result: dict[str, Any]) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
-                 workers=args.workers, strategies=args.strategies.split(","))
+                 workers=args.workers, strategies=args.strategies.split(","),
+                 lamb_scale=args.lamb_scale)
     _print_table(result)
     png = save_plot(plot, result, args.plot, "sync")
     console.print(f"AUC against samples seen: {png}")
@@ -118,4 +158,6 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--workers", type=int, default=4, help="gloo worker processes")
     parser.add_argument("--strategies", default=",".join(STRATEGIES),
                         help="comma-separated strategies to compare")
+    parser.add_argument("--lamb-scale", type=int, default=8,
+                        help="the lamb_large_batch row's batch multiple (0: no such row)")
     parser.set_defaults(func=_main)

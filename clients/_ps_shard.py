@@ -20,7 +20,7 @@ import grpc
 from clients._stream import MultiplexedStream
 from services.common import messages as msg
 from services.common.auth import ClientSecurity
-from services.common.codecs import Codec, RowEncoder
+from services.common.codecs import Codec, RowEncoder, codec_without_feedback
 from services.common.errors import error_from_grpc
 from services.common.rpc import open_channel
 from services.common.wire import decode_message, encode_message
@@ -83,7 +83,12 @@ class ShardConnection:
         self.grads_per_table = self.grads_encoder.feedback is not None
         self.pooled_lookup = self._stream("PooledLookup")
         self.pooled_push = self._stream("PooledPush")
-        self.pooled_grads_codec: Codec | None = None
+        self.pooled_grads_codec: Codec = codec_without_feedback(client.grads_codec)[0]
+
+    def grads_codecs(self) -> list[Codec]:
+        """Every codec this shard's gradients go through (whole messages, per table, pooled)."""
+        return [self.grads_encoder.codec, *(e.codec for e in self.grads_encoders.values()),
+                self.pooled_grads_codec]
 
     def next_seq(self) -> int:
         """The sequence number of the next push message to this shard."""

@@ -32,7 +32,6 @@ from services.common.codecs import (
     RowEncoder,
     WireArray,
     WireStats,
-    codec_without_feedback,
     decode_array,
     get_codec,
     raw_array,
@@ -440,8 +439,6 @@ class PSClient:
         requests = []
         for k, ids_k, held, counts in parts:
             shard = self._shards[k]
-            if shard.pooled_grads_codec is None:
-                shard.pooled_grads_codec = codec_without_feedback(self.grads_codec)[0]
             body = shard.pooled_grads_codec.to_wire(grads[held])
             self._sent("pooled_grads_up", body, grads[held])
             requests.append(shard.pooled_push.request(msg.PooledPushRequest(
@@ -457,6 +454,18 @@ class PSClient:
 
     def _sent(self, stream: str, arr: WireArray, x: np.ndarray) -> None:
         self.codec_stats.add(stream, arr.codec, "sent", 4 * x.size, arr.nbytes)
+
+    async def report_loss(self, loss: float) -> int | None:
+        """Feed the training loss (the workers' mean) to every shard's adaptive grads codec
+        (``adaquant``); returns the s its next pushes use (None when the codec does not adapt).
+        A bad loss is an InvalidArgument and changes no codec."""
+        levels = None
+        for shard in self._shards:
+            for codec in shard.grads_codecs():
+                report = getattr(codec, "report_loss", None)
+                if callable(report):
+                    levels = report(loss)
+        return levels
 
     def grads_residual(self, table: str, ids: Any) -> np.ndarray:
         """What per-id error feedback still owes the PS for ``ids`` (zeros when it owes none)."""

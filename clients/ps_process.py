@@ -3,9 +3,9 @@
 A trainer's process runs its dense compute in a thread; the PS traffic of every step (grpc.aio,
 msgpack, codecs) would otherwise run on the same interpreter and take the GIL from compute.
 :class:`PSClientProcess` starts a child process that holds a real :class:`PSClient` and serves
-the step's three calls (``lookup_sharded``, ``push_sharded``, ``push_then_lookup``) and
-``tables`` over a socket pair: each request is one length-prefixed pickle (protocol 5; arrays travel as raw
-buffers), answered in any order by request id, many in flight. Errors come back as the
+the step's three calls (``lookup_sharded``, ``push_sharded``, ``push_then_lookup``),
+``report_loss`` (the adaquant grads codec's s) and ``tables`` over a socket pair: each request
+is one length-prefixed pickle (protocol 5; arrays travel as raw buffers), answered in any order by request id, many in flight. Errors come back as the
 Persimmon error the child raised. The child's byte counters come back with every answer, so
 ``wire_bytes()`` and ``codec_stats`` read as a :class:`PSClient`'s: it is a
 :class:`clients.rows.RowsClient` (and a :class:`clients.rows.ProcessCPU`). The child runs at a lower
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
 # PSClient's step calls, and its table configs
-_SERVED = ("lookup_sharded", "push_sharded", "push_then_lookup", "tables")
+_SERVED = ("lookup_sharded", "push_sharded", "push_then_lookup", "tables", "report_loss")
 _START_TIMEOUT_S = 120.0  # a spawned interpreter imports numpy, numba and grpc first
 
 
@@ -237,6 +237,11 @@ class PSClientProcess:
         tables: list[dict[str, Any]] = await self._call("tables")
         self.dims.update({t["name"]: int(t["dim"]) for t in tables})
         return tables
+
+    async def report_loss(self, loss: float) -> int | None:
+        """:meth:`PSClient.report_loss`, in the child: requests are handled in the order they
+        are sent, so every push sent after it uses the new s."""
+        return await self._call("report_loss", loss)
 
     async def cpu_seconds(self) -> float:
         """CPU seconds the child process has used so far."""

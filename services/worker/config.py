@@ -17,7 +17,7 @@ from services.worker.sync import STRATEGIES, SyncConfig
 __all__ = ["DENSE_OPTIMIZERS", "MODES", "SYNC_FIELDS", "TrainerConfig", "ps_table_configs"]
 
 MODES = ("sync", "hybrid", "async")
-DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd", "onebit_adam", "onebit_lamb")
+DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd", "lamb", "onebit_adam", "onebit_lamb")
 # the fields that choose the dense sync strategy (``--sync`` and its parameters)
 SYNC_FIELDS = ("sync", "sync_period", "sync_group_size", "sync_schedule", "sync_elastic_alpha",
                "gossip_topology")
@@ -46,7 +46,16 @@ class TrainerConfig:
     hot_staleness: int = field(default=1, metadata={
         "help": "hybrid: the staleness bound of hot tables (1: synchronous)"})
     dense_optimizer: str = field(default="adam", metadata={
-        "help": "adam, adagrad, sgd, onebit_adam or onebit_lamb (these all-reduce themselves)"})
+        "help": "adam, adagrad, sgd, lamb, onebit_adam or onebit_lamb (these two all-reduce "
+                "themselves)"})
+    lamb_warmup_steps: int = field(default=0, metadata={
+        "help": "lamb: steps of linear lr warm-up from 0"})
+    lamb_decay_steps: int = field(default=0, metadata={
+        "help": "lamb: the step where the lr, decaying linearly after the warm-up, reaches 0 "
+                "(0: no decay)"})
+    lamb_base_batch: int = field(default=0, metadata={
+        "help": "lamb: the batch (rows per step, all ranks) lr was tuned for; the lr used is "
+                "lr·sqrt(batch / lamb_base_batch) (0: lr as given)"})
     onebit_freeze_step: int = field(default=100, metadata={
         "help": "onebit_adam/onebit_lamb: fp32 warm-up steps before 1-bit compression"})
     dense_codec: str = field(default="none", metadata={
@@ -152,10 +161,24 @@ class TrainerConfig:
         if self.momentum and self.dense_optimizer != "sgd":
             raise ConfigError(f"momentum is a setting of dense_optimizer 'sgd', not "
                               f"{self.dense_optimizer!r}")
+        self._check_lamb()
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
             raise ConfigError(f"admin_port must be in [0, 65535], got {self.admin_port}")
+
+    def _check_lamb(self) -> None:
+        names = ("lamb_warmup_steps", "lamb_decay_steps", "lamb_base_batch")
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+            if value and self.dense_optimizer != "lamb":
+                raise ConfigError(f"{name} is a setting of dense_optimizer 'lamb', not "
+                                  f"{self.dense_optimizer!r}")
+        if self.lamb_decay_steps and self.lamb_decay_steps <= self.lamb_warmup_steps:
+            raise ConfigError(f"lamb_decay_steps must be 0 or more than lamb_warmup_steps, got "
+                              f"{self.lamb_decay_steps} <= {self.lamb_warmup_steps}")
 
     def _check_compression(self) -> None:
         if self.dense_codec not in HOOK_NAMES:

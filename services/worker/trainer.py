@@ -55,6 +55,7 @@ from clients.rows import ProcessCPU, RowsClient
 from services.common.admin import AdminServer
 from services.common.batch import Batch
 from services.common.codecs import WireStatsCollector
+from services.common.codecs.qsgd import adapts_to_loss
 from services.common.config import config_to_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.worker.admin import WorkerProgress, make_worker_admin
@@ -62,9 +63,11 @@ from services.worker.compression import (
     ActivationSparsifier,
     CodecAverager,
     CommStats,
+    Lamb,
     OnebitAdam,
     OnebitLamb,
     make_comm_hook,
+    sqrt_scaled_lr,
 )
 from services.worker.compute import DONE, ComputeThread, distributed
 from services.worker.config import TrainerConfig
@@ -79,10 +82,13 @@ __all__ = ["Trainer"]
 
 ONEBIT_OPTIMIZERS: dict[str, type[OnebitAdam | OnebitLamb]] = {
     "onebit_adam": OnebitAdam, "onebit_lamb": OnebitLamb}
-StepResult = tuple[float, np.ndarray, list[np.ndarray]]  # loss, logits, row gradients
+# loss, logits, row gradients, and the loss's mean over the ranks (NaN when no codec adapts)
+StepResult = tuple[float, np.ndarray, list[np.ndarray], float]
 
 
-def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig, *,
+                    batch: int | None = None) -> torch.optim.Optimizer:
+    """The dense optimizer; ``batch``: rows per step over every rank (LAMB's lr scaling)."""
     lr = config.lr
     if name in ONEBIT_OPTIMIZERS:  # they refuse embedding modules (ConfigError) and sparse grads
         return ONEBIT_OPTIMIZERS[name](module, lr=lr, freeze_step=config.onebit_freeze_step)
@@ -91,6 +97,13 @@ def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig) -> torc
         return torch.optim.Adam(params, lr=lr, fused=True)  # one kernel for every tensor
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
+    if name == "lamb":
+        if config.lamb_base_batch:
+            if batch is None:
+                raise ConfigError("lamb_base_batch scales the lr by the batch: give the batch")
+            lr = sqrt_scaled_lr(lr, batch, config.lamb_base_batch)
+        return Lamb(params, lr=lr, warmup_steps=config.lamb_warmup_steps,
+                    decay_steps=config.lamb_decay_steps)
     return torch.optim.SGD(params, lr=lr, momentum=config.momentum)
 
 
@@ -148,6 +161,11 @@ class Trainer:
         self._sync = sync
         self._dense_stats: CommStats | None = None  # bytes of the dense exchange we set up
         self._report_loss: Callable[[float], Any] | None = None  # adaquant hook
+        cfg = self.config
+        self._shared_loss = adapts_to_loss(cfg.dense_codec) or adapts_to_loss(cfg.grads_codec)
+        # the s of the adaquant codecs at the latest steps: "dense" (hook, averager), "grads" (PS)
+        self.adaquant_levels: dict[str, collections.deque[int]] = {
+            stream: collections.deque(maxlen=RECENT_LOSSES) for stream in ("dense", "grads")}
         self._activations = (ActivationSparsifier(self.config.activation_keep)
                              if self.config.activation_keep < 1 else None)
         self.on_step = on_step
@@ -259,7 +277,9 @@ class Trainer:
             for p in self.module.parameters():
                 dist.broadcast(p.data, 0)
         self._forward = self._sync.prepare(self.module) if self._sync else self.module
-        self._optimizer = _make_optimizer(self.config.dense_optimizer, self.module, self.config)
+        world = dist.get_world_size() if several else 1
+        self._optimizer = _make_optimizer(self.config.dense_optimizer, self.module, self.config,
+                                          batch=batch.size * world)
         if onebit:
             self._dense_stats = getattr(self._optimizer, "stats", None)
 
@@ -270,12 +290,14 @@ class Trainer:
         if cfg.sync == "allreduce":
             state, hook = make_comm_hook(cfg.dense_codec)
             self._dense_stats = state.stats
-            self._report_loss = getattr(state, "report_loss", None)
+            self._report_loss = (state.report_loss if adapts_to_loss(cfg.dense_codec)
+                                 else None)
             return cfg.sync_config().build(comm_hook=(state, hook))
         averager = CodecAverager(cfg.dense_codec) if cfg.dense_codec != "none" else None
         if averager is not None:
             self._dense_stats = averager.stats
-            self._report_loss = averager.report_loss
+            self._report_loss = (averager.report_loss if adapts_to_loss(cfg.dense_codec)
+                                 else None)
         return cfg.sync_config().build(averager=averager)
 
     def codec_rows(self) -> list[dict[str, Any]]:
@@ -348,8 +370,9 @@ class Trainer:
             self.module.train()
         logits = self._forward(pooled.pooled, dense)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
+        shared = self._mean_loss(loss) if self._shared_loss else math.nan
         if self._report_loss is not None:
-            self._report_loss(float(loss.item()))
+            self.adaquant_levels["dense"].append(self._report_loss(shared))
         self._optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self._sync is not None:
@@ -359,7 +382,26 @@ class Trainer:
             self._sync.after_step(self.step)
         grads = pooled.row_grads()
         self.pipeline.apply_hot(item, grads)
-        return float(loss.item()), logits.detach().cpu().numpy(), grads
+        return float(loss.item()), logits.detach().cpu().numpy(), grads, shared
+
+    @staticmethod
+    def _mean_loss(loss: torch.Tensor) -> float:
+        """The step's loss averaged over the ranks (collective), what adaquant's s follows:
+        every rank reports the same value, so every rank's codecs use the same s."""
+        value = loss.detach().to("cpu", torch.float64).reshape(1)
+        if distributed():
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        return float(value.item())
+
+    async def _report_grads_loss(self, loss: float) -> None:
+        """Feed the mean loss to the rows client's adaquant grads codec before the step's push
+        (in hybrid mode a push not yet encoded when the next step reports may use its s)."""
+        report = getattr(self.rows, "report_loss", None)
+        if report is not None and adapts_to_loss(self.config.grads_codec):
+            levels = await report(loss)
+            if levels is not None:
+                self.adaquant_levels["grads"].append(levels)
 
     def _eval_step(self, item: Prepared) -> np.ndarray:
         assert self.module is not None
@@ -412,8 +454,10 @@ class Trainer:
             while (got := await compute.results.get()) is not DONE:
                 if isinstance(got, BaseException):
                     raise got
-                item, (loss, logits, grads) = got
+                item, (loss, logits, grads, shared) = got
                 self.progress.training()
+                if self._shared_loss:
+                    await self._report_grads_loss(shared)
                 self.pipeline.push(item, grads)
                 train_acc.add_step(item.batch.labels, logits, loss)
                 self.recent_losses.append(loss)

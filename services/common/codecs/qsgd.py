@@ -11,7 +11,8 @@ codes from different senders must be decoded before they are summed.
 AdaQuantFL (Jhunjhunwala et al. 2021): ``s_k = ceil(sqrt(F_0 / F_k) · s_0)`` clipped to
 ``[s_min, s_max]``, where ``F_0`` is the first reported training loss and ``F_k`` the mean
 of the last ``window`` reports (:meth:`AdaQuantCodec.report_loss`): few levels early,
-more as the loss falls.
+more as the loss falls. The Trainer reports the mean of each step's loss over every rank to
+every adaquant codec it drives (dense hook, averager, PS pushes), so all ranks use the same s.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from services.common.codecs.bits import (
 )
 from services.common.errors import ConfigError, InvalidArgument, MalformedMessage
 
-__all__ = ["MAX_LEVELS", "AdaQuantCodec", "QSGDCodec", "code_width"]
+__all__ = ["MAX_LEVELS", "AdaQuantCodec", "QSGDCodec", "adapts_to_loss", "code_width"]
 
 MAX_LEVELS = (1 << 15) - 1
 MAX_BUCKET = 1 << 30
@@ -45,6 +46,11 @@ MAX_BUCKET = 1 << 30
 def code_width(levels: int) -> int:
     """Bits per element: ``ceil(log2(s + 1))`` level bits plus one sign bit."""
     return int(levels).bit_length() + 1
+
+
+def adapts_to_loss(spec: str) -> bool:
+    """Whether codec ``spec`` (``"adaquant:s0=4+zstd"``) is adaquant, whose s needs the loss."""
+    return str(spec).split("+")[0].partition(":")[0] == AdaQuantCodec.name
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:

@@ -1,4 +1,5 @@
-"""Compression on the worker: DDP comm hooks, compressed collectives, 1-bit optimizers, DCT-MP.
+"""Compression on the worker: DDP comm hooks, compressed collectives, 1-bit optimizers, DCT-MP,
+and LAMB (the large-batch optimizer 1-bit LAMB compresses).
 
 The codecs themselves live in :mod:`services.common.codecs` (one registry for every path);
 this package applies them to torch.distributed traffic between the NN workers.
@@ -20,6 +21,7 @@ from services.worker.compression.collectives import (
     padded_size,
 )
 from services.worker.compression.hooks import HOOK_NAMES, make_comm_hook
+from services.worker.compression.lamb import Lamb, lr_factor, sqrt_scaled_lr, trust_ratio
 from services.worker.compression.optim import OnebitAdam, OnebitLamb, dense_parameters
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "ActivationSparsifier",
     "CodecAverager",
     "CommStats",
+    "Lamb",
     "OnebitAdam",
     "OnebitLamb",
     "OnebitReducer",
@@ -34,7 +37,10 @@ __all__ = [
     "compressed_allreduce",
     "dense_parameters",
     "kept_per_sample",
+    "lr_factor",
     "make_comm_hook",
     "padded_size",
+    "sqrt_scaled_lr",
     "threshold_activations",
+    "trust_ratio",
 ]

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from services.common.codecs.quant import ONEBIT_EMBEDDING_REFUSAL
 from services.common.errors import ConfigError, InvalidArgument
 from services.worker.compression.collectives import CommStats, OnebitReducer, world_of
+from services.worker.compression.lamb import trust_ratio
 
 __all__ = ["EMBEDDING_REFUSAL", "OnebitAdam", "OnebitLamb", "dense_parameters"]
 
@@ -307,9 +308,8 @@ class OnebitLamb(_OnebitOptimizer):
             if group["weight_decay"]:
                 update.add_(p, alpha=group["weight_decay"])
             p_norm, u_norm = float(p.norm()), float(update.norm())
-            coeff = 1.0
+            coeff = trust_ratio(p_norm, u_norm, group["min_coeff"], group["max_coeff"])
             if p_norm > 0 and u_norm > 0:
-                coeff = min(max(p_norm / u_norm, group["min_coeff"]), group["max_coeff"])
                 st["coeff_freeze"] = (self.coeff_beta * st["coeff_freeze"]
                                       + (1 - self.coeff_beta) * coeff)
             self.last_coeffs.append(coeff)

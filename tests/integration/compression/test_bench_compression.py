@@ -19,7 +19,8 @@ def test_bench_compression_smoke(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "compression", "--rows", "1024",
          "--batch-size", "64", "--eval-rows", "1024", "--warmup", "0.5",
-         "--cases", "rows int8,dense dct,1-bit adam,embedding pair", "--seeds", "2",
+         "--cases", "grads qsgd,grads adaquant,dense dct,1-bit adam,embedding pair",
+         "--seeds", "2",
          "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -29,8 +30,9 @@ def test_bench_compression_smoke(tmp_path) -> None:
         assert isinstance(result[key], float) and math.isfinite(result[key]), key
     names = [r["name"] for r in result["rows_table"]]
     assert names[:2] == ["fp32 (baseline)", "fp32 (repeat: noise)"]
-    # no grads codec alone: no max-ratio pair; the declared pair ran over two seeds
-    assert names[2:] == ["rows int8", EMBEDDING_PAIR.name, "dense dct 0.5%", "1-bit Adam"]
+    # no rows codec alone: no max-ratio pair; the declared pair ran over two seeds
+    assert names[2:] == ["grads qsgd s=15", "grads adaquant", EMBEDDING_PAIR.name,
+                         "dense dct 0.5%", "1-bit Adam"]
     assert result["embedding_best"] == EMBEDDING_PAIR.name and result["seeds"] == 2
     seeds = result["embedding_best_seeds"]
     assert [s["seed"] for s in seeds] == [0, 1]
@@ -42,6 +44,7 @@ def test_bench_compression_smoke(tmp_path) -> None:
         assert row["bytes_per_step"] > 0 and row["ratio"] > 0
     assert result["rows_table"][0]["delta_auc"] == 0.0
     assert result["dense_dct_ratio"] > 50 and result["onebit_adam_ratio"] > 1
+    assert result["adaquant_ps_ratio"] > 1  # s of 2-3 levels: 3 bits a code against 5
 
 
 def test_case_selection_keeps_the_baselines() -> None:

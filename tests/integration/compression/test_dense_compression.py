@@ -74,17 +74,31 @@ def _onebit_rank(rank: int, world: int) -> dict:
               "server_error": es.numpy().copy(), "ar_bytes": reducer.stats.as_dict()}
 
     adams: list[OnebitAdam] = []
+    adam_v: list[np.ndarray] = []  # v after every step, warm-up and compressed
+
+    class RecordingAdam(OnebitAdam):
+        def step(self, closure=None):  # type: ignore[no-untyped-def]
+            out = super().step(closure)
+            adam_v.append(_variances(self))
+            return out
 
     def make_adam(params):  # type: ignore[no-untyped-def]
-        adams.append(OnebitAdam(params, lr=ADAM_LR, freeze_step=LS_FREEZE))
+        adams.append(RecordingAdam(params, lr=ADAM_LR, freeze_step=LS_FREEZE))
         return adams[-1]
 
     adam_loss, adam_x = _train_least_squares(make_adam, _rows(rank), world)
-    result.update(adam_loss=adam_loss, adam_x=adam_x, adam_bytes=adams[0].stats.as_dict())
+    result.update(adam_loss=adam_loss, adam_x=adam_x, adam_bytes=adams[0].stats.as_dict(),
+                  adam_v=np.stack(adam_v))
 
     factors: list[list[float]] = []
+    lamb_v: list[np.ndarray] = []
 
     class RecordingLamb(OnebitLamb):
+        def step(self, closure=None):  # type: ignore[no-untyped-def]
+            out = super().step(closure)
+            lamb_v.append(_variances(self))
+            return out
+
         def _compressed_step(self, params):  # type: ignore[no-untyped-def]
             super()._compressed_step(params)
             factors.append(list(self.last_factors))
@@ -92,8 +106,16 @@ def _onebit_rank(rank: int, world: int) -> dict:
     lamb_loss, lamb_x = _train_least_squares(
         lambda p: RecordingLamb(p, lr=LAMB_LR, freeze_step=LS_FREEZE, betas=(0.9, 0.99)),
         _rows(rank), world)
-    result.update(lamb_loss=lamb_loss, lamb_x=lamb_x, lamb_factors=np.array(factors))
+    result.update(lamb_loss=lamb_loss, lamb_x=lamb_x, lamb_factors=np.array(factors),
+                  lamb_v=np.stack(lamb_v))
     return result
+
+
+def _variances(opt: OnebitAdam | OnebitLamb) -> np.ndarray:
+    """The variance the update divides by (1-bit LAMB's fresh one too, when it exists)."""
+    st = next(iter(opt.state.values()))
+    fresh = st.get("exp_avg_sq_fresh", torch.full_like(st["exp_avg_sq"], np.nan))
+    return torch.stack([st["exp_avg_sq"], fresh]).numpy().copy()
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +189,25 @@ def test_onebit_adam_matches_adam_on_least_squares(onebit_ranks):
     assert abs(onebit_loss - adam_loss) <= 0.05 * adam_loss, (onebit_loss, adam_loss)
     for r in onebit_ranks[1:]:  # every rank holds the same parameters
         assert np.array_equal(r["adam_x"], onebit_ranks[0]["adam_x"])
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_onebit_variance_is_frozen_bit_for_bit_after_the_warm_up(onebit_ranks, name):
+    """From the first compressed step on, v never changes by a single bit (a v updated from
+    the decompressed momentum, even if equal on every rank, fails); 1-bit LAMB's v_fresh does
+    move, so the records are live."""
+    for r in onebit_ranks:
+        v = r[f"{name}_v"]                          # (steps, [v, v_fresh], dim)
+        assert v.shape == (LS_STEPS, 2, LS_DIM)
+        frozen = v[LS_FREEZE:, 0]
+        assert np.array_equal(frozen.view(np.uint32),
+                              np.broadcast_to(frozen[0], frozen.shape).view(np.uint32))
+        assert np.all(frozen[0] >= v[LS_FREEZE - 1, 0])   # the warm-up's v, floored at most
+        assert not np.array_equal(v[LS_FREEZE - 2, 0], v[LS_FREEZE - 1, 0])  # it moved before
+        assert np.array_equal(frozen, onebit_ranks[0][f"{name}_v"][LS_FREEZE:, 0])
+    if name == "lamb":
+        fresh = onebit_ranks[0]["lamb_v"][LS_FREEZE:, 1]
+        assert not np.array_equal(fresh[0], fresh[-1])
 
 
 def test_onebit_adam_sends_less(onebit_ranks):

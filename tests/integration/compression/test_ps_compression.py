@@ -56,24 +56,51 @@ async def test_grads_residual_kept_per_id_through_the_ps(cluster, codec):
     assert sent_bytes < 12 * 80 * 4 * 4  # and the pushes were smaller than fp32 grads
 
 
-@pytest.mark.parametrize("codec", ["qsgd", "adaquant"])
-async def test_quantized_grads_are_decoded_on_the_ps_before_its_optimizer(cluster, codec):
+def _check_quantized(applied: np.ndarray, grads: np.ndarray, ids: np.ndarray, levels: int
+                     ) -> np.ndarray:
+    """Assert the applied step is a decoded QSGD value with s = ``levels`` (each shard's push
+    is one bucket, fewer than 256 elements); return the levels l of every element."""
+    steps = np.zeros_like(applied)
+    for k in range(2):
+        mine = shard_of(ids, 2) == k
+        norm = np.linalg.norm(grads[mine])
+        steps[mine] = applied[mine] / (norm / levels)
+        np.testing.assert_allclose(steps[mine], np.round(steps[mine]), atol=1e-3)
+        assert np.abs(steps[mine]).max() <= levels + 1e-3
+        assert np.all(np.abs(applied[mine] - grads[mine]) <= norm / levels * (1 + 1e-4))
+    assert not np.allclose(applied, grads, atol=1e-3)  # quantized, not raw
+    return np.abs(np.round(steps)).astype(int)
+
+
+async def test_quantized_grads_are_decoded_on_the_ps_before_its_optimizer(cluster):
     """The applied SGD step is a decoded QSGD value: sign·l·‖bucket‖/s with integer l ≤ s."""
     ids = np.arange(64, dtype=np.uint64)
     grads = np.random.default_rng(1).standard_normal((64, 4)).astype(np.float32)
-    async with PSClient(_addresses(cluster), grads_codec=codec) as ps:
+    async with PSClient(_addresses(cluster), grads_codec="qsgd") as ps:
         before = await ps.lookup("item", ids)
         await ps.push_unique("item", ids, grads)
         applied = (before - await ps.lookup("item", ids)) / SGD_LR
-    levels = 15 if codec == "qsgd" else 2  # the codecs' defaults
-    for k in range(2):  # each shard's push is one bucket (fewer than 256 elements)
-        mine = shard_of(ids, 2) == k
-        norm = np.linalg.norm(grads[mine])
-        steps = applied[mine] / (norm / levels)
-        np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
-        assert np.abs(steps).max() <= levels + 1e-3
-        assert np.all(np.abs(applied[mine] - grads[mine]) <= norm / levels * (1 + 1e-4))
-    assert not np.allclose(applied, grads, atol=1e-3)  # quantized, not raw
+    _check_quantized(applied, grads, ids, 15)
+
+
+async def test_adaquant_pushes_use_more_levels_as_the_reported_loss_falls(cluster):
+    """s = ceil(sqrt(F_0/F_k)·s_0): 2, 4, 8 as the loss falls 1 → 1/4 → 1/16, and the PS
+    decodes each push with the s its message carries (a codec stuck at s = 2 sends only
+    even multiples of ‖bucket‖/8 and misses the error bound ‖bucket‖/8)."""
+    ids = np.arange(64, dtype=np.uint64)
+    rng = np.random.default_rng(1)
+    async with PSClient(_addresses(cluster), grads_codec="adaquant:window=1") as ps:
+        for loss, levels in ((1.0, 2), (0.25, 4), (0.0625, 8)):
+            assert await ps.report_loss(loss) == levels
+            grads = rng.standard_normal((64, 4)).astype(np.float32)
+            before = await ps.lookup("item", ids)
+            await ps.push_unique("item", ids, grads)
+            applied = (before - await ps.lookup("item", ids)) / SGD_LR
+            used = _check_quantized(applied, grads, ids, levels)
+        assert np.any(used % 2 == 1)  # levels a coarser s cannot send
+        with pytest.raises(InvalidArgument, match="finite"):
+            await ps.report_loss(float("nan"))
+        assert await ps.report_loss(0.0625) == 8  # the bad report changed nothing
 
 
 async def test_uniform_rows_down_within_half_a_step(cluster):

@@ -21,7 +21,7 @@ from services.worker.trainer import Trainer
 
 DATA = SyntheticConfig(seed=5)
 FEATURES = DATA.sparse_names
-PREFIXES = ("mp_", "ob_", "bad_")
+PREFIXES = ("mp_", "ob_", "bad_", "ada_")
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +93,19 @@ def test_bad_compression_combinations_are_config_errors(cluster: LocalPS) -> Non
         trainer(cluster, "bad_", dense_codec="gzip")
     with pytest.raises(ConfigError, match="activation_keep"):
         trainer(cluster, "bad_", activation_keep=0.0)
+
+
+async def test_grads_adaquant_through_the_child_process_rises_from_s0(cluster: LocalPS) -> None:
+    """The PS push path's adaquant, fed the mean loss through the PS client's child process:
+    s starts at s0 = 2 and rises as the loss falls; every push is adaquant-coded."""
+    steps = 24
+    batches = list(SyntheticDataset(DATA).batches(128, 128 * steps))
+    async with trainer(cluster, "ada_", ps_process=True,
+                       grads_codec="adaquant:s0=2,window=4") as t:
+        summary = await t.fit(batches)
+    levels = list(t.adaquant_levels["grads"])
+    assert len(levels) == steps and levels[0] == 2
+    assert levels[-1] > 2, levels                         # more levels as the loss fell
+    assert np.mean(summary.recent_losses[-4:]) < np.mean(summary.recent_losses[:4])
+    sent = summary.codec_bytes["grads_up"]["adaquant"]["sent"]
+    assert sent["arrays"] == 2 * steps and sent["wire_bytes"] < sent["raw_bytes"] / 4

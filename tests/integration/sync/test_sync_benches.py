@@ -34,12 +34,16 @@ def finite(x: Any) -> bool:
 
 
 def test_bench_sync_reports_every_strategy(tmp_path: Path) -> None:
-    result = bench(tmp_path, "sync")
+    result = bench(tmp_path, "sync", "--lamb-scale", "2")
     assert finite(result["oracle_auc"]) and 0.5 < result["oracle_auc"] < 1
     assert [s["name"] for s in result["strategies"]] == list(STRATEGIES)
     for s in result["strategies"]:
         assert all(finite(s[k]) for k in ("samples_per_s", "bytes_per_step", "auc")), s
         assert s["samples_per_s"] > 0 and s["bytes_per_step"] > 0 and 0 < s["auc"] < 1
+    lamb = result["lamb_large_batch"]                 # 2048 rows, 2 workers: 8 and 4 steps
+    assert (lamb["small"]["steps"], lamb["large"]["steps"]) == (8, 4)
+    assert lamb["large"]["batch_size"] == 256 and lamb["steps_ratio"] == 0.5
+    assert finite(lamb["auc_delta"]) and 0 < lamb["large"]["auc"] < 1
 
 
 def test_bench_staleness_reports_every_bound(tmp_path: Path) -> None:

@@ -47,17 +47,25 @@ class HeldAverager:
         return mean_allreduce(flat, group, size)
 
 
+MOVE = 0.01  # what rank r's training adds to every parameter per held step: (r + 1)·MOVE
+
+
 def shadow_never_blocks(rank: int) -> dict[str, Any]:
-    """The shadow thread is held inside its first round while training takes 30 steps."""
+    """The shadow thread is held inside its first round while training takes 30 steps that
+    move the parameters; the round's result must keep those moves."""
     held = HeldAverager()
     sync = make_sync("shadow", averager=held)
     sync.prepare(torch.nn.Linear(64, 64))
+    start = flatten(sync.params)                     # equal on both ranks after prepare
     with torch.no_grad():
         for p in sync.params:
             p.add_(float(rank))
     sync.after_step(0)                               # hands the first snapshot over
     out: dict[str, Any] = {"entered": held.entered.wait(timeout=60)}
     for step in range(1, 31):                        # the round cannot finish meanwhile
+        with torch.no_grad():                        # while training moves the parameters
+            for p in sync.params:
+                p.add_((rank + 1) * MOVE)
         sync.after_step(step)
     out.update(steps_while_held=sync.stats.steps, syncs_while_held=sync.stats.syncs,
                in_flight_while_held=sync.rounds_in_flight)
@@ -66,6 +74,9 @@ def shadow_never_blocks(rank: int) -> dict[str, Any]:
     while sync.stats.syncs == 0:                     # applied at a later step boundary
         sync.after_step(step)
         step += 1
+    # snapshots were start + rank (mean: start + 0.5); the 30 moves made meanwhile are kept
+    out["after_round"] = float((flatten(sync.params) - start).sub(0.5).abs().max()), \
+        float((flatten(sync.params) - start - 0.5 - 30 * (rank + 1) * MOVE).abs().max())
     sync.close()
     out["consensus"] = sync.consensus_distance()
     out["mean_param"] = float(flatten(sync.params).mean())
@@ -128,6 +139,9 @@ def test_shadow_thread_never_blocks_the_training_step(two: list[dict[str, Any]])
         assert shadow["steps_while_held"] == 31               # and training went on
         assert shadow["syncs_while_held"] == 0 and shadow["in_flight_while_held"] == 1
         assert shadow["consensus"] < 1e-6
+        off_mean, off_kept = shadow["after_round"]
+        assert off_kept < 1e-5          # the snapshots' mean plus this rank's held-round moves
+        assert off_mean > 0.29          # (overwriting with the mean would lose the moves)
     assert two[0]["shadow"]["mean_param"] == pytest.approx(two[1]["shadow"]["mean_param"])
 
 
