@@ -10,10 +10,11 @@ in this process (:class:`~services.serve.predictor.Predictor`, one thread, no se
   clients over REST (``POST /v1/predict``) and gRPC (``persimmon.Serve/Predict``), divided by
   the in-process records/s (floors 0.5 and 0.7).
 - ``latency``: p50/p99 ms of batch-1 REST requests with 1 and 8 concurrent clients.
-- ``swap_*``: 8 clients send batches of 8 lines, first steady, then while a new version is
-  written every ``--swap-every`` s for ``--swap-seconds`` s. Versions differ in their output
-  bias only (so every answer tells its version): an answer whose probabilities are not its
-  version's own is a mixed one. ``swap_p99_ratio`` is p99 during swaps over steady p99.
+- ``swap_*``: 8 clients send batches of 8 lines, first steady, then while a new version
+  appears every ``--swap-every`` s for ``--swap-seconds`` s (written beforehand, renamed into
+  the model directory). Versions differ in their output bias only (so every answer tells its
+  version): an answer whose probabilities are not its version's own is a mixed one.
+  ``swap_p99_ratio`` is p99 during swaps over steady p99.
 - ``incremental_export_ratio``: bytes of an incremental export after 1% of a
   ``--export-rows`` table's rows changed, over the full export's bytes (goal <= 0.05).
 """
@@ -156,6 +157,8 @@ async def _throughput(url: str, address: str, batches: list[list[str]], seconds:
                       ) -> dict[str, float]:
     out = {}
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        for lines in batches:  # warm-up: the server's numba kernels
+            await _rest(http, lines)()
         turn = iter(range(10**12))
         latencies, failed, elapsed = await _load(
             lambda: _rest(http, batches[next(turn) % len(batches)])(), CLIENTS, seconds)
@@ -169,6 +172,9 @@ async def _throughput(url: str, address: str, batches: list[list[str]], seconds:
 
         async def grpc_call() -> PredictReply:
             return decode(PredictReply, await predict(bodies[next(turn) % len(bodies)]))
+
+        for _ in bodies:
+            await grpc_call()
 
         latencies, failed, elapsed = await _load(grpc_call, CLIENTS, seconds)
         out["grpc_records_per_s"] = len(latencies) * BATCH / elapsed
@@ -190,24 +196,27 @@ async def _latency(url: str, lines: list[str], seconds: float) -> dict[str, Any]
 async def _swaps(url: str, models: Path, base: dict[str, Any], probe: list[str],
                  tables: dict[str, TableRows], swap_seconds: float, swap_every: float
                  ) -> dict[str, Any]:
-    """Steady p99, then p99, failures and mixed answers while versions are swapped in."""
+    """Steady p99, then p99, failures and mixed answers while versions are swapped in:
+    written beforehand (on the base, only the bias differs) and renamed into the model
+    directory every ``swap_every`` s."""
     answers: dict[str, list[list[float]]] = {}
 
     def keep(answer: dict[str, Any]) -> None:
         answers.setdefault(answer["version"], []).append(answer["probabilities"])
 
     written: list[str] = [base["version_id"]]
+    staging = models.parent / "staging"
+    staging.mkdir()
+    (staging / base["version_id"]).symlink_to(models / base["version_id"])
+    staged = [_write(staging, base["step"] + i, tables, bias=0.25 + 0.05 * i,
+                     base=base["version_id"])["version_id"]
+              for i in range(1, max(round(swap_seconds / swap_every), 1) + 1)]
 
     async def write_versions() -> None:
-        step = base["step"]
-        deadline = time.monotonic() + swap_seconds
-        while len(written) == 1 or time.monotonic() < deadline - swap_every / 2:
+        for version in staged:
             await asyncio.sleep(swap_every)
-            step += 1
-            manifest = await asyncio.to_thread(  # no row changed: only the bias differs
-                _write, models, step, tables, bias=0.25 + 0.05 * (step - 1),
-                base=base["version_id"], keep=4)
-            written.append(manifest["version_id"])
+            os.rename(staging / version, models / version)  # complete, at once
+            written.append(version)
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         steady, steady_failed, _ = await _load(_rest(http, probe), SWAP_CLIENTS,
