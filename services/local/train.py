@@ -125,7 +125,8 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
 
 
 def _online_export(config: TrainerConfig, model: ModelConfig, checkpoint_dir: str | None,
-                   ps_admin_urls: list[str], loader_admin_url: str) -> Any:
+                   ps_admin_urls: list[str], loader_admin_url: str
+                   ) -> Callable[[Any], object] | None:
     """Rank 0's model exports on ``config``'s cadence (``attach``), or None without
     ``export_dir``."""
     if checkpoint_dir is None:

@@ -5,7 +5,8 @@
 attaches it). :meth:`OnlineExport.attach` makes an :class:`OnlineExporter` the trainer's
 ``after_step`` hook. At a step where an export is due the trainer waits while the exporter
 
-1. waits until every push is acknowledged, so the PS holds exactly this step's rows,
+1. waits until every push of this rank is acknowledged (with one worker the PS then holds
+   exactly this step's rows; other ranks' last pushes may still be on their way),
 2. writes a job checkpoint of this step (every PS shard's tables and the dense part),
 3. exports it as a model version into DIR (:func:`export_job_checkpoint`): a full version
    every ``full_every`` exports, in between one holding only the rows changed since the
@@ -111,7 +112,7 @@ class OnlineExporter:
     async def export(self) -> dict[str, Any]:
         """Export the trainer's model now (call between steps); returns the manifest."""
         s, trainer = self.settings, self.trainer
-        await trainer.pipeline.drain()  # the PS has every push of this step, and no later
+        await trainer.pipeline.drain()  # the PS has this rank's pushes up to this step
         step = int(trainer.step)
         checkpoint_id = f"export-{step:010d}-{uuid.uuid4().hex[:6]}"
         await self.checkpointer.checkpoint(step, checkpoint_id, parts={
