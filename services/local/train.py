@@ -13,8 +13,11 @@ planted data generated in the worker's process.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import tempfile
 import urllib.request
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -46,7 +49,9 @@ def ps_placement(ps: str, workers: int, config: TrainerConfig) -> str:
     blockers = ([f"{workers} workers (embedded shards serve one)"] if workers != 1 else []) \
         + [f"{name}={getattr(config, name)} (nothing crosses a wire)" for name in wire] \
         + (["ps_process"] if config.ps_process else []) \
-        + (["a registry"] if config.registry else [])
+        + (["a registry"] if config.registry else []) \
+        + (["export_dir (exports are made from PS shard checkpoints)"]
+           if config.export_dir else [])
     if ps == "auto":
         return "processes" if blockers else "embedded"
     if ps == "embedded" and blockers:
@@ -134,21 +139,43 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
         features = _sparse_features(loader.admin_url)
         tables = ps_table_configs({f: model.table_dim(dim) for f in features}, lr=ps_lr,
                                   optimizer=ps_optimizer)
+        exports = stack.enter_context(tempfile.TemporaryDirectory(prefix="persimmon-export-")) \
+            if config.export_dir else None  # the PS checkpoints each export is made from
+        attach = None
         if placement == "embedded":
             embedded = InProcessShards(tables, num_shards=shards).warm_up()
             where: dict[str, Any] = {"rows_client": embedded}
         else:
-            cluster = stack.enter_context(LocalPS(shards, tables, registry=config.registry))
+            cluster = stack.enter_context(LocalPS(shards, tables, exports,
+                                                  registry=config.registry))
             where = {"ps_addresses": cluster.addresses}
+            attach = _online_export(config, model, exports, cluster.admin_urls,
+                                    loader.admin_url)
         summary = summary_dict(run_local_training(
             **where, loader=loader.address,
             eval_loader=eval_loader.address if eval_loader else None, model=model,
-            config=config, num_workers=workers))
+            config=config, num_workers=workers, attach=attach))
     summary["ps"] = placement
     oracle = _oracle(train_data, eval_data, data_seed)
     if oracle is not None:
         summary.update(oracle_auc=oracle["auc"], oracle_logloss=oracle["logloss"])
     return summary
+
+
+def _online_export(config: TrainerConfig, model: ModelConfig, checkpoint_dir: str | None,
+                   ps_admin_urls: list[str], loader_admin_url: str
+                   ) -> Callable[[Any], object] | None:
+    """Rank 0's model exports on ``config``'s cadence (``attach``), or None without
+    ``export_dir``."""
+    if checkpoint_dir is None:
+        return None
+    from services.ps.checkpoint import read_checkpoint
+    from services.serve.online import OnlineExport, loader_feature_spec
+
+    return OnlineExport.from_config(
+        config, checkpoint_dir=checkpoint_dir, ps_admin_urls=ps_admin_urls, model=model,
+        spec=loader_feature_spec(loader_admin_url),
+        read_shards=functools.partial(read_checkpoint, shard_id=0, num_shards=1)).attach
 
 
 class PlantedData:

@@ -50,6 +50,7 @@ from services.serve.rows import (
     TableRows,
     decode_rows,
     encode_rows,
+    find_sorted,
 )
 from services.serve.spec import FeatureSpec
 from services.worker.models import ModelConfig
@@ -249,15 +250,15 @@ def _base_tables(root: Path, base: str, tables: Mapping[str, TableRows],
 
 def _delta(below: EmbeddingRows, table: TableRows, row_dtype: str
            ) -> tuple[TableRows, np.ndarray]:
-    """The rows of ``table`` that differ from ``below`` as stored, and the ids ``below``
-    holds that ``table`` does not (tombstones, sorted)."""
+    """The rows of ``table`` (ids sorted) that differ from ``below`` as stored, and the ids
+    ``below`` holds that ``table`` does not (tombstones, sorted)."""
     stored, scale = encode_rows(table.rows, row_dtype)
     have, old = below.stored(table.ids)
     changed = ~have | np.any(old != decode_rows(stored, scale), axis=1)
     live = below.live_ids()
     rows = TableRows(name=table.name, ids=table.ids[changed], rows=table.rows[changed],
                      config=table.config)
-    return rows, live[~np.isin(live, table.ids)]
+    return rows, live[~find_sorted(table.ids, live)[0]]
 
 
 def version_chain(model_dir: Path | str, version_id: str) -> list[dict[str, Any]]:

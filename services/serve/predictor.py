@@ -60,14 +60,21 @@ class Predictor:
 
     @classmethod
     def load(cls, version_dir: Path | str, *, initial_rows: InitialRows,
-             verify: bool = True) -> Predictor:
-        """Load and check a version; any problem is a FailedPrecondition naming it."""
+             verify: bool = True, verified: set[str] | None = None) -> Predictor:
+        """Load and check a version; any problem is a FailedPrecondition naming it.
+
+        ``verified``: versions (``id@created``) whose checksums were checked before (a
+        version never changes once complete), skipped; the versions checked now are added."""
         directory = Path(version_dir)
         chain = version_chain(directory.parent, directory.name)
         manifest = chain[-1]
+        keys = [f"{m['version_id']}@{m['created']}" for m in chain]
         if verify:
-            for m in chain:
-                verify_version(directory.parent / m["version_id"], m)
+            for m, key in zip(chain, keys, strict=True):
+                if verified is None or key not in verified:
+                    verify_version(directory.parent / m["version_id"], m)
+        if verify and verified is not None:
+            verified.update(keys)
         try:
             spec = FeatureSpec.from_dict(_json(directory / SPEC))
             model_config = from_dict(ModelConfig, manifest["model"], where="manifest model")

@@ -25,7 +25,7 @@ import numpy as np
 from services.common.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["ROW_DTYPES", "EmbeddingRows", "InitialRows", "RowLayer", "TableRows", "decode_rows",
-           "encode_rows"]
+           "encode_rows", "find_sorted"]
 
 ROW_DTYPES = ("float32", "float16", "int8")
 
@@ -80,7 +80,7 @@ def decode_rows(stored: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
     return rows * scale[:, None] if scale is not None else rows
 
 
-def _find(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def find_sorted(sorted_ids: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(mask of ``ids`` present in ``sorted_ids``, their positions there)."""
     n = int(sorted_ids.shape[0])
     pos = np.searchsorted(sorted_ids, ids) if n else np.zeros(ids.size, dtype=np.int64)
@@ -110,7 +110,7 @@ class RowLayer:
 
     def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mask of ``ids`` this layer holds, their float32 rows)."""
-        found, pos = _find(self.ids, ids)
+        found, pos = find_sorted(self.ids, ids)
         scale = self.scale[pos] if self.scale is not None else None
         return found, decode_rows(self.rows[pos], scale)
 
@@ -143,7 +143,7 @@ class EmbeddingRows:
             have[pending[found]] = True
             pending = pending[~found]
             if layer.tombstones.size and pending.size:
-                pending = pending[~_find(layer.tombstones, ids[pending])[0]]
+                pending = pending[~find_sorted(layer.tombstones, ids[pending])[0]]
         return have, out
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:

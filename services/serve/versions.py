@@ -50,6 +50,7 @@ class VersionManager:
         self.pinned: str | None = None
         self.refused: dict[str, str] = {}  # version id -> why it was refused
         self._refused_at: dict[str, int] = {}  # version id -> its manifest's mtime then
+        self._verified: set[str] = set()  # checksums checked (a base is checked once)
         self._lock = asyncio.Lock()
         self.swaps = 0
 
@@ -116,7 +117,7 @@ class VersionManager:
         try:
             predictor = await asyncio.to_thread(Predictor.load, self.model_dir / version_id,
                                                 initial_rows=self._initial_rows,
-                                                verify=self._verify)
+                                                verify=self._verify, verified=self._verified)
         except PersimmonError as exc:
             self._refuse(version_id, exc)
             raise

@@ -93,6 +93,18 @@ class TrainerConfig:
         "help": "shadow: elastic averaging weight (unset: plain averaging)"})
     gossip_topology: str = field(default="ring", metadata={
         "help": "gossip: ring, exp or onepeer_exp"})
+    export_dir: str | None = field(default=None, metadata={
+        "help": "write model versions of the running job here, on the export_every_* "
+                "cadence (rank 0; persimmon serve --model-dir DIR serves them)"})
+    export_every_steps: int = field(default=0, metadata={
+        "help": "export a model version every N steps (0: never)"})
+    export_every_s: float = field(default=0.0, metadata={
+        "help": "export a model version every T seconds (0: never)"})
+    export_keep: int = field(default=5, metadata={
+        "help": "keep the newest K exported versions and their bases (0: all)"})
+    export_full_every: int = field(default=8, metadata={
+        "help": "every Nth export is a full version, the others hold only the rows changed "
+                "since the previous one (1: all full)"})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -122,6 +134,18 @@ class TrainerConfig:
         if self.ps_retry_s < 0:
             raise ConfigError(f"ps_retry_s must be >= 0, got {self.ps_retry_s}")
         self._check_sync()
+        self._check_export()
+
+    def _check_export(self) -> None:
+        if self.export_every_steps < 0 or not self.export_every_s >= 0:
+            raise ConfigError("export_every_steps and export_every_s must be >= 0")
+        if self.export_keep < 0 or self.export_full_every < 1:
+            raise ConfigError(f"export_keep must be >= 0 and export_full_every >= 1, got "
+                              f"{self.export_keep} and {self.export_full_every}")
+        cadence = bool(self.export_every_steps or self.export_every_s)
+        if cadence != bool(self.export_dir):
+            raise ConfigError("model exports need both export_dir and a cadence "
+                              "(export_every_steps or export_every_s)")
 
     def _check_hot(self) -> None:
         if not 0 <= self.hot_ratio <= 1:

@@ -40,12 +40,16 @@ async def _train(rank: int, world: int, ps_addresses: Sequence[str],
                  tables: Mapping[str, str] | None, model: ModelConfig, config: TrainerConfig,
                  train: Sequence[Batch] | str, test: Sequence[Batch] | str | None,
                  on_step: Callable[[dict[str, Any]], None] | None,
+                 attach: Callable[[Trainer], object] | None = None,
                  rows_client: RowsClient | None = None) -> dict[str, Any]:
-    """One rank: ``train``/``test`` are this rank's batches or a loader address."""
+    """One rank: ``train``/``test`` are this rank's batches or a loader address;
+    ``attach(trainer)`` runs on rank 0 before training."""
     if isinstance(test, str):
         test = await read_loader(test, rank, world)
     async with Trainer(model=model, ps_addresses=ps_addresses, tables=tables, config=config,
                        on_step=on_step, rows_client=rows_client) as trainer:
+        if attach is not None and rank == 0:
+            attach(trainer)
         if isinstance(train, str):
             credits = (config.window or config.prefetch) + 2
             async with LoaderClient(train, rank=rank, world_size=world,
@@ -65,9 +69,11 @@ def _share(batches: Sequence[Batch] | str | None, rank: int, world: int
 
 def _rank(rank: int, world: int, ps_addresses: Sequence[str], tables: Mapping[str, str] | None,
           model: ModelConfig, config: TrainerConfig, train: Sequence[Batch] | str,
-          test: Sequence[Batch] | str | None) -> dict[str, Any]:
+          test: Sequence[Batch] | str | None, attach: Callable[[Trainer], object] | None
+          ) -> dict[str, Any]:
     return asyncio.run(_train(rank, world, ps_addresses, tables, model, config,
-                              _share(train, rank, world) or [], _share(test, rank, world), None))
+                              _share(train, rank, world) or [], _share(test, rank, world), None,
+                              attach))
 
 
 def run_local_training(*, ps_addresses: Sequence[str] = (),
@@ -78,12 +84,14 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
                        tables: Mapping[str, str] | None = None,
                        model: ModelConfig | None = None, config: TrainerConfig | None = None,
                        num_workers: int = 1, timeout_s: float = 600.0,
-                       on_step: Callable[[dict[str, Any]], None] | None = None
+                       on_step: Callable[[dict[str, Any]], None] | None = None,
+                       attach: Callable[[Trainer], object] | None = None
                        ) -> dict[str, Any]:
     """Train and return rank 0's summary (:meth:`FitSummary.as_dict`), with ``samples_per_s`` and ``wire_bytes`` summed over
     the workers and ``num_workers`` added. Give ``train_batches`` or ``loader`` (an address),
     and optionally ``eval_batches`` or ``eval_loader``. ``on_step`` runs only with one worker
     (in this process); with more, workers are forked processes joined by a gloo group.
+    ``attach(trainer)`` runs on rank 0 before training (it must pickle: model exports).
     ``rows_client`` (one worker only): reach the rows through it instead of ``ps_addresses``
     (e.g. the PS's shards in this process)."""
     if num_workers < 1:
@@ -104,11 +112,11 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
     test: Sequence[Batch] | str | None = eval_loader if eval_loader is not None else eval_batches
     if num_workers == 1:
         summary = asyncio.run(_train(0, 1, ps_addresses, tables, model, config, train, test,
-                                     on_step, rows_client))
+                                     on_step, attach, rows_client))
         summary["num_workers"] = 1
         return summary
     results = run_local_ranks(_rank, num_workers, list(ps_addresses), tables, model, config,
-                              train, test, backend="gloo", timeout_s=timeout_s)
+                              train, test, attach, backend="gloo", timeout_s=timeout_s)
     summary = dict(results[0])
     summary["num_workers"] = num_workers
     summary["samples"] = sum(r["samples"] for r in results)

@@ -77,6 +77,10 @@ def check_worker_args(args: argparse.Namespace, config: TrainerConfig,
                           "`persimmon worker` command")
     if args.checkpoint_dir and not (args.ps_admin or config.registry):
         raise ConfigError("--checkpoint-dir needs --ps-admin (PS admin URLs) or --registry")
+    if config.export_dir:
+        raise ConfigError("persimmon worker does not export model versions yet: use "
+                          "persimmon train --export-dir, or persimmon export of the job's "
+                          "checkpoints")
     if args.loader == "registry" and not config.registry:
         raise ConfigError("--loader registry needs --registry")
     if args.resume and (args.loader or not args.checkpoint_dir):

@@ -39,7 +39,7 @@ import asyncio
 import collections
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -115,7 +115,8 @@ class Trainer:
     width, after ``torch.manual_seed(seed)``). ``tables`` maps each sparse feature to its PS
     table (default: every feature of the first batch, table named like the feature); a
     feature's dim is its table's dim on the PS. Settings are a :class:`TrainerConfig` or its
-    fields as keywords. ``on_step(info)`` is called after every step (progress bars).
+    fields as keywords. ``on_step(info)`` is called after every step (progress bars);
+    ``after_step(info)``, when set, is awaited after it (training waits: model exports).
 
     ``rows_client``: reach the rows through this :class:`RowsClient` instead of the PS at
     ``ps_addresses`` (then give no addresses, registry or ``ps_process``); it is used as given
@@ -169,6 +170,7 @@ class Trainer:
         self._activations = (ActivationSparsifier(self.config.activation_keep)
                              if self.config.activation_keep < 1 else None)
         self.on_step = on_step
+        self.after_step: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self._connected = False
         self.progress.registry.register(WireStatsCollector(self.codec_rows))
         self._admin: AdminServer | None = None
@@ -432,7 +434,8 @@ class Trainer:
         every = self.config.eval_every if eval_batches is not None else 0
         compute: ComputeThread[Prepared] = ComputeThread(
             self.train_step, room=None if self.config.window is not None else self.config.prefetch,
-            eval_every=every, pause_each_step=self.on_step is not None)
+            eval_every=every,
+            pause_each_step=self.on_step is not None or self.after_step is not None)
         loader = batches if isinstance(batches, LoaderClient) else None
         self.pipeline.begin(acknowledge=loader.ack if loader is not None else None)
         compute.started_cpu = await self._cpu_seconds()  # reset if this fit builds the model
@@ -467,10 +470,14 @@ class Trainer:
                                           staleness=item.staleness)
                 self.step += 1
                 samples += item.batch.size
-                if self.on_step is not None:
-                    self.on_step({"step": self.step, "loss": loss, "staleness": item.staleness,
-                                  "samples": samples, "samples_per_s":
-                                  samples / (time.perf_counter() - compute.started)})
+                if self.on_step is not None or self.after_step is not None:
+                    info = {"step": self.step, "loss": loss, "staleness": item.staleness,
+                            "samples": samples,
+                            "samples_per_s": samples / (time.perf_counter() - compute.started)}
+                    if self.on_step is not None:
+                        self.on_step(info)
+                    if self.after_step is not None:
+                        await self.after_step(info)
                 if every and self.step % every == 0:
                     await self._evaluate_into_history(eval_batches)  # type: ignore[arg-type]
                 if compute.pauses_after(self.step):  # the thread waited for on_step / eval

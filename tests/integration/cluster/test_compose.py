@@ -16,7 +16,7 @@ import yaml
 from services.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
-PERSIMMON_SERVICES = {"ps-0", "ps-1", "loader", "worker-0", "worker-1"}
+PERSIMMON_SERVICES = {"ps-0", "ps-1", "loader", "worker-0", "worker-1", "serve"}
 
 
 def compose_binary() -> Path:

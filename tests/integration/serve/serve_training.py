@@ -69,7 +69,11 @@ def batch(batch_id: int, recs: list[dict[str, Any]], rng: np.random.Generator) -
 
 async def trainer_probabilities(trainer: Trainer, recs: list[dict[str, Any]]) -> np.ndarray:
     """The trainer's own eval forward of ``recs``: PS lookups, its pooling, its model."""
-    b = batch(0, recs, np.random.default_rng(0))
+    return await trainer_predict(trainer, batch(0, recs, np.random.default_rng(0)))
+
+
+async def trainer_predict(trainer: Trainer, b: Batch) -> np.ndarray:
+    """The trainer's own eval forward of batch ``b``."""
     plan = await trainer.pipeline.plan(b)
     rows = await trainer.pipeline.lookup(plan)
     assert trainer.module is not None

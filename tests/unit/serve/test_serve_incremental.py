@@ -121,3 +121,24 @@ def test_a_version_whose_base_is_gone_is_refused(tmp_path: Path) -> None:
         Predictor.load(tmp_path / "v2", initial_rows=ps_initial_rows)
     with pytest.raises(InvalidArgument):
         write(tmp_path, "v3", rows, base="v1/../v2")
+
+
+
+def corrupt(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-1] + b"\x01")
+
+
+def test_a_base_checked_once_is_not_checked_again_but_a_new_version_is(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    rows = random_rows(rng)
+    write(tmp_path, "v1", rows)
+    seen: set[str] = set()
+    Predictor.load(tmp_path / "v1", initial_rows=ps_initial_rows, verified=seen)
+    write(tmp_path, "v2", evolve(rng, rows), base="v1")
+    corrupt(tmp_path / "v1" / "t0-rows.npy")  # after v1 was checked
+    Predictor.load(tmp_path / "v2", initial_rows=ps_initial_rows, verified=set(seen))
+    with pytest.raises(FailedPrecondition, match="corrupt"):  # a process that never saw v1
+        Predictor.load(tmp_path / "v2", initial_rows=ps_initial_rows, verified=set())
+    corrupt(tmp_path / "v2" / "t1-rows.npy")
+    with pytest.raises(FailedPrecondition, match="corrupt"):  # v2 itself is checked
+        Predictor.load(tmp_path / "v2", initial_rows=ps_initial_rows, verified=set(seen))
