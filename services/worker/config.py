@@ -18,9 +18,11 @@ __all__ = ["DENSE_OPTIMIZERS", "MODES", "SYNC_FIELDS", "TrainerConfig", "ps_tabl
 
 MODES = ("sync", "hybrid", "async")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd", "onebit_adam", "onebit_lamb")
+# strategies that take no codec (they exchange their own payload, not a flat average)
+UNCOMPRESSED_SYNCS = ("gossip", "hierarchical", "sfb")
 # the fields that choose the dense sync strategy (``--sync`` and its parameters)
 SYNC_FIELDS = ("sync", "sync_period", "sync_group_size", "sync_schedule", "sync_elastic_alpha",
-               "gossip_topology")
+               "gossip_topology", "ranks_per_node")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,6 +86,8 @@ class TrainerConfig:
         "help": "shadow: elastic averaging weight (unset: plain averaging)"})
     gossip_topology: str = field(default="ring", metadata={
         "help": "gossip: ring, exp or onepeer_exp"})
+    ranks_per_node: int = field(default=2, metadata={
+        "help": "hierarchical: ranks per node (consecutive ranks; the first leads)"})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -125,7 +129,8 @@ class TrainerConfig:
         """The dense sync strategy these settings choose (``SyncConfig.build`` makes it)."""
         return SyncConfig(name=self.sync, every=self.sync_period,
                           group_size=self.sync_group_size, schedule=self.sync_schedule,
-                          elastic_alpha=self.sync_elastic_alpha, topology=self.gossip_topology)
+                          elastic_alpha=self.sync_elastic_alpha, topology=self.gossip_topology,
+                          ranks_per_node=self.ranks_per_node)
 
     def _check_sync(self) -> None:
         self.sync_config()
@@ -136,8 +141,8 @@ class TrainerConfig:
                               f"it needs sync 'allreduce', got {self.sync!r}")
         if self.dense_codec == "none":
             return
-        if self.sync == "gossip":
-            raise ConfigError("gossip sends parameters to its neighbours uncompressed; "
+        if self.sync in UNCOMPRESSED_SYNCS:
+            raise ConfigError(f"{self.sync} sends its payload uncompressed; "
                               f"dense_codec must be 'none', got {self.dense_codec!r}")
         try:   # parameter averaging goes through a codec (CodecAverager), not a DDP hook
             get_codec(self.dense_codec)

@@ -12,6 +12,10 @@ name            what it does                                            paramete
 ``shadow``      average in a background thread, write back the delta    every, elastic_alpha,
                                                                         timeout_s, averager
 ``gossip``      average with ring / exponential-graph neighbours        topology, every
+``hierarchical`` average gradients: reduce in each node, all-reduce the  ranks_per_node
+                leaders, broadcast back (NCCL / Horovod style)
+``sfb``         average gradients; linear layers where B(m+n) < mn send   -
+                each sample's factors instead (sufficient factors)
 ==============  ======================================================  =====================
 
 ``make_sync(name, **params)`` builds one; :class:`SyncConfig` is the flat form for flags and
@@ -39,6 +43,8 @@ from services.worker.sync.base import (
     mean_allreduce,
 )
 from services.worker.sync.gossip import GOSSIP_TOPOLOGIES, GossipSync, gossip_plan
+from services.worker.sync.hierarchical import HierarchicalSync, node_layout
+from services.worker.sync.sfb import SFBSync, sfb_plan
 from services.worker.sync.shadow import ShadowSync
 
 __all__ = [
@@ -50,7 +56,9 @@ __all__ = [
     "BaseSync",
     "DSSync",
     "GossipSync",
+    "HierarchicalSync",
     "LocalSGD",
+    "SFBSync",
     "ShadowSync",
     "SyncConfig",
     "SyncStats",
@@ -60,6 +68,8 @@ __all__ = [
     "gossip_plan",
     "make_sync",
     "mean_allreduce",
+    "node_layout",
+    "sfb_plan",
     "strategy_params",
 ]
 
@@ -69,6 +79,8 @@ STRATEGIES: dict[str, type[BaseSync]] = {
     "ds_sync": DSSync,
     "shadow": ShadowSync,
     "gossip": GossipSync,
+    "hierarchical": HierarchicalSync,
+    "sfb": SFBSync,
 }
 
 
@@ -112,6 +124,7 @@ class SyncConfig:
     use_ddp: bool = True
     bucket_cap_mb: float = 25.0
     timeout_s: float = 300.0
+    ranks_per_node: int = 2
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
@@ -129,6 +142,7 @@ class SyncConfig:
             raise ConfigError(f"sync group_size must be >= 2, got {self.group_size}")
         if self.elastic_alpha is not None and not 0 < self.elastic_alpha <= 1:
             raise ConfigError(f"sync elastic_alpha must be in (0, 1], got {self.elastic_alpha}")
+        node_layout(self.ranks_per_node, self.ranks_per_node)
 
     def params(self) -> dict[str, Any]:
         """The fields strategy ``name`` takes (``every`` only when set)."""

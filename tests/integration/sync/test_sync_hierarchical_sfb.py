@@ -1,0 +1,104 @@
+"""Hierarchical all-reduce and SFB on 4 real gloo ranks: both equal the flat all-reduce.
+
+One 4-rank run does every check and returns plain numbers; the tests assert on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from services.common.errors import ConfigError
+from services.worker.distributed import run_local_ranks
+from services.worker.sync import make_sync
+from services.worker.sync.base import copy_flat_, flatten
+
+
+def wide_model(seed: int) -> torch.nn.Module:
+    """Two layers where 8 rows of factors are smaller than the gradient, one where not."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+
+def against_flat(rank: int, world: int, name: str, **params: Any) -> dict[str, Any]:
+    """Train with ``name`` beside a replica averaged by a flat all-reduce; the largest
+    gradient difference over 3 steps. Ranks have batches of 5..8 rows (SFB pads)."""
+    sync = make_sync(name, **params)
+    model = wide_model(seed=rank)          # prepare makes every replica rank 0's (seed 0)
+    forward = sync.prepare(model)
+    reference = wide_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    diff, scale = 0.0, 0.0
+    for step in range(3):
+        x, y = torch.randn(5 + rank, 40, generator=gen), torch.randn(5 + rank, 1, generator=gen)
+        for net, o in ((forward, opt), (reference, ref_opt)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+        sync.after_backward(step)
+        ref_grads = [p.grad for p in reference.parameters()]
+        ref = flatten(ref_grads)
+        dist.all_reduce(ref)
+        copy_flat_(ref_grads, ref.div_(world))
+        got = flatten([p.grad for p in model.parameters()])
+        diff, scale = max(diff, float((got - ref).abs().max())), max(scale, float(ref.abs().max()))
+        opt.step()
+        ref_opt.step()
+        sync.after_step(step)
+    sync.close()
+    return {"diff": diff, "scale": scale, "stats": sync.stats.as_dict(),
+            "factor_layers": getattr(sync, "factor_layers", None),
+            "param_bytes": sum(p.numel() * 4 for p in model.parameters())}
+
+
+def bad_layout() -> str:
+    sync = make_sync("hierarchical", ranks_per_node=3)
+    try:
+        sync.prepare(torch.nn.Linear(2, 2))
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def checks(rank: int, world: int) -> dict[str, Any]:
+    return {"hier": against_flat(rank, world, "hierarchical", ranks_per_node=2),
+            "hier_k1": against_flat(rank, world, "hierarchical", ranks_per_node=1),
+            "sfb": against_flat(rank, world, "sfb"),
+            "bad_layout": bad_layout()}
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return run_local_ranks(checks, 4, timeout_s=120)
+
+
+@pytest.mark.parametrize("name", ["hier", "hier_k1", "sfb"])
+def test_gradients_equal_the_flat_allreduce(four: list[dict[str, Any]], name: str) -> None:
+    for r in four:
+        assert r[name]["scale"] > 1e-3                        # there is a gradient to compare
+        assert r[name]["diff"] <= 1e-6 * r[name]["scale"] + 1e-7, (name, r[name])
+
+
+def test_hierarchical_sends_one_payload_per_node_across_nodes(
+        four: list[dict[str, Any]]) -> None:
+    flat_cross = 4 * four[0]["hier"]["param_bytes"]   # all 4 ranks' payload in one collective
+    for r in four:
+        assert r["hier"]["stats"]["cross_node_bytes"] / 3 == flat_cross / 2   # K = 2: half
+        assert r["hier_k1"]["stats"]["cross_node_bytes"] / 3 == flat_cross   # K = 1: flat
+
+
+def test_sfb_sends_factors_for_the_wide_layers_only(four: list[dict[str, Any]]) -> None:
+    for r in four:
+        assert r["sfb"]["factor_layers"] == 2                 # 64x40 and 64x64; not 1x64
+        assert r["sfb"]["stats"]["bytes_per_step"] < 0.5 * r["sfb"]["param_bytes"]
+
+
+def test_a_node_size_that_does_not_divide_the_world_is_refused(
+        four: list[dict[str, Any]]) -> None:
+    for r in four:
+        assert "must divide the world size 4" in r["bad_layout"]
