@@ -19,10 +19,10 @@ __all__ = ["DENSE_OPTIMIZERS", "MODES", "SYNC_FIELDS", "TrainerConfig", "ps_tabl
 MODES = ("sync", "hybrid", "async")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd", "onebit_adam", "onebit_lamb")
 # strategies that take no codec (they exchange their own payload, not a flat average)
-UNCOMPRESSED_SYNCS = ("gossip", "hierarchical", "sfb")
+UNCOMPRESSED_SYNCS = ("gossip", "hierarchical", "sfb", "gadmm")
 # the fields that choose the dense sync strategy (``--sync`` and its parameters)
 SYNC_FIELDS = ("sync", "sync_period", "sync_group_size", "sync_schedule", "sync_elastic_alpha",
-               "gossip_topology", "ranks_per_node")
+               "gossip_topology", "ranks_per_node", "gadmm_rho")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -88,6 +88,7 @@ class TrainerConfig:
         "help": "gossip: ring, exp or onepeer_exp"})
     ranks_per_node: int = field(default=2, metadata={
         "help": "hierarchical: ranks per node (consecutive ranks; the first leads)"})
+    gadmm_rho: float = field(default=0.1, metadata={"help": "gadmm: the ADMM penalty rho"})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -130,7 +131,7 @@ class TrainerConfig:
         return SyncConfig(name=self.sync, every=self.sync_period,
                           group_size=self.sync_group_size, schedule=self.sync_schedule,
                           elastic_alpha=self.sync_elastic_alpha, topology=self.gossip_topology,
-                          ranks_per_node=self.ranks_per_node)
+                          ranks_per_node=self.ranks_per_node, rho=self.gadmm_rho)
 
     def _check_sync(self) -> None:
         self.sync_config()

@@ -16,6 +16,8 @@ name            what it does                                            paramete
                 leaders, broadcast back (NCCL / Horovod style)
 ``sfb``         average gradients; linear layers where B(m+n) < mn send   -
                 each sample's factors instead (sufficient factors)
+``gadmm``       GADMM: a chain, heads and tails alternately send their   every, rho
+                parameters to their two neighbours; ADMM duals
 ==============  ======================================================  =====================
 
 ``make_sync(name, **params)`` builds one; :class:`SyncConfig` is the flat form for flags and
@@ -42,6 +44,7 @@ from services.worker.sync.base import (
     consensus_distance,
     mean_allreduce,
 )
+from services.worker.sync.gadmm import GADMMSync
 from services.worker.sync.gossip import GOSSIP_TOPOLOGIES, GossipSync, gossip_plan
 from services.worker.sync.hierarchical import HierarchicalSync, node_layout
 from services.worker.sync.sfb import SFBSync, sfb_plan
@@ -55,6 +58,7 @@ __all__ = [
     "Averager",
     "BaseSync",
     "DSSync",
+    "GADMMSync",
     "GossipSync",
     "HierarchicalSync",
     "LocalSGD",
@@ -81,6 +85,7 @@ STRATEGIES: dict[str, type[BaseSync]] = {
     "gossip": GossipSync,
     "hierarchical": HierarchicalSync,
     "sfb": SFBSync,
+    "gadmm": GADMMSync,
 }
 
 
@@ -125,6 +130,7 @@ class SyncConfig:
     bucket_cap_mb: float = 25.0
     timeout_s: float = 300.0
     ranks_per_node: int = 2
+    rho: float = 0.1
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
@@ -143,6 +149,8 @@ class SyncConfig:
         if self.elastic_alpha is not None and not 0 < self.elastic_alpha <= 1:
             raise ConfigError(f"sync elastic_alpha must be in (0, 1], got {self.elastic_alpha}")
         node_layout(self.ranks_per_node, self.ranks_per_node)
+        if not self.rho > 0:
+            raise ConfigError(f"sync rho must be > 0, got {self.rho}")
 
     def params(self) -> dict[str, Any]:
         """The fields strategy ``name`` takes (``every`` only when set)."""
