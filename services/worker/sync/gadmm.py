@@ -158,7 +158,8 @@ def _exchange(edges: ChainEdges, own: Tensor, sending: bool) -> int:
     if sending:
         works = [dist.isend(own.contiguous(), dst=n) for n in edges.neighbours]
         for work in works:
-            work.wait()
+            if work is not None:   # None: this rank is not in the group (never here)
+                work.wait()
         return len(works) * own.numel() * own.element_size()
     for n in edges.neighbours:
         buf = torch.empty_like(own)
