@@ -49,6 +49,9 @@ STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {
     "ds_sync": {"sync_group_size": 2},
     "shadow": {},
     "gossip": {"gossip_topology": "ring"},
+    "hierarchical": {"ranks_per_node": 2},
+    "sfb": {},
+    "gadmm": {},
 }
 
 

@@ -34,8 +34,8 @@ from torch import Tensor
 from services.common.errors import ConfigError
 from services.worker.sync.base import BaseSync, add_flat_, check_every, flatten
 
-__all__ = ["ChainEdges", "GADMMSync", "LogisticWorker", "logistic_objective", "run_chain",
-           "simulate"]
+__all__ = ["ChainEdges", "GADMMSync", "LogisticWorker", "logistic_objective",
+           "planted_logistic", "run_chain", "simulate"]
 
 
 class ChainEdges:
@@ -89,6 +89,18 @@ def logistic_objective(theta: Tensor, x: Tensor, y: Tensor, *, total: int, l2: f
     global mean log-loss plus L2 (``share`` = 1/N), or the whole objective (share 1)."""
     loss = F.binary_cross_entropy_with_logits(x @ theta, y, reduction="sum") / total
     return loss + share * l2 / 2 * theta.dot(theta)
+
+
+def planted_logistic(rows: int, dim: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """A logistic-regression problem (float64 rows with an intercept column, 0/1 labels drawn
+    from a planted model), sorted by the first feature: contiguous slices are non-iid."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=g, dtype=torch.float64)
+    x[:, -1] = 1.0
+    w = torch.randn(dim, generator=g, dtype=torch.float64)
+    y = (torch.rand(rows, generator=g, dtype=torch.float64) < torch.sigmoid(x @ w)).double()
+    order = torch.argsort(x[:, 0])
+    return x[order], y[order]
 
 
 class LogisticWorker:
