@@ -4,7 +4,7 @@ Four gloo workers (forked once) train a DLRM on planted synthetic data against P
 processes, once per strategy (fresh PS tables each time, same batches, same seed):
 ``allreduce`` (DDP every step, the baseline), ``local_sgd`` (average every 8 steps),
 ``ds_sync`` (pairs, hypercube regrouping), ``shadow`` (background averaging), ``gossip``
-(ring), ``hierarchical`` (2 ranks per node), ``sfb`` and ``gadmm``. It reports samples/s,
+(ring), ``hierarchical`` (2 ranks per node) and ``sfb``. It reports samples/s,
 dense bytes per step (per worker), held-out AUC against the data's oracle AUC and the final
 consensus distance, and plots AUC against samples seen. Bytes crossing nodes per step (all
 ranks) are reported for ``allreduce`` (every rank's payload enters the world collective) and
@@ -34,7 +34,7 @@ from bench import save_plot, write_json
 from services.common.errors import ConfigError
 from services.local.compare import STRATEGY_SETTINGS, TRAINING, train_configs
 from services.worker.models import ModelConfig, build_model
-from services.worker.sync import STRATEGIES, sfb_plan
+from services.worker.sync import sfb_plan
 from services.worker.sync.gadmm import (
     LogisticWorker,
     logistic_objective,
@@ -48,12 +48,12 @@ console = Console(stderr=True)
 
 
 def run(*, rows: int = 131_072, batch_size: int = 128, eval_rows: int = 16_384,
-        workers: int = 4, evals: int = 8, strategies: Sequence[str] = tuple(STRATEGIES)
-        ) -> dict[str, Any]:
+        workers: int = 4, evals: int = 8,
+        strategies: Sequence[str] = tuple(STRATEGY_SETTINGS)) -> dict[str, Any]:
     """Every strategy on the same data; the JSON-ready result (see the module docstring)."""
-    unknown = sorted(set(strategies) - set(STRATEGIES))
+    unknown = sorted(set(strategies) - set(STRATEGY_SETTINGS))
     if unknown:
-        raise ConfigError(f"unknown strategies {unknown}; available: {list(STRATEGIES)}")
+        raise ConfigError(f"unknown strategies {unknown}; available: {list(STRATEGY_SETTINGS)}")
     steps = rows // batch_size // workers
     base = replace(TRAINING, eval_every=max(1, steps // evals))
     configs = [replace(base, sync=name, **STRATEGY_SETTINGS[name]) for name in strategies]
@@ -251,7 +251,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-rows", type=int, default=16_384, help="held-out rows")
     parser.add_argument("--batch-size", type=int, default=128, help="rows per worker step")
     parser.add_argument("--workers", type=int, default=4, help="gloo worker processes")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+    parser.add_argument("--strategies", default=",".join(STRATEGY_SETTINGS),
                         help="comma-separated strategies to compare")
     parser.add_argument("--sfb", action="store_true",
                         help="also: SFB on a wide DLRM at 16 rows per worker")

@@ -51,8 +51,7 @@ STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {
     "gossip": {"gossip_topology": "ring"},
     "hierarchical": {"ranks_per_node": 2},
     "sfb": {},
-    "gadmm": {},
-}
+}  # not gadmm: it is for convex models (bench sync --gadmm), these runs train a DLRM
 
 
 async def _train_one(rank: int, world: int, addresses: list[str], tables: dict[str, str],

@@ -140,6 +140,9 @@ class TrainerConfig:
         if self.dense_optimizer.startswith("onebit"):
             raise ConfigError(f"{self.dense_optimizer} all-reduces the gradients itself; "
                               f"it needs sync 'allreduce', got {self.sync!r}")
+        if self.sync == "gadmm" and self.dense_optimizer != "sgd":
+            raise ConfigError("gadmm needs dense_optimizer 'sgd': with Adam's or Adagrad's "
+                              "rescaled steps its duals grow without bound (docs/training.md)")
         if self.dense_codec == "none":
             return
         if self.sync in UNCOMPRESSED_SYNCS:

@@ -53,8 +53,11 @@ def test_bad_gadmm_input_is_refused() -> None:
     with pytest.raises(ConfigError, match="rho"):
         SyncConfig(name="gadmm", rho=0.0)
     with pytest.raises(ConfigError, match="uncompressed"):
-        TrainerConfig(sync="gadmm", dense_codec="fp16")
-    assert TrainerConfig(sync="gadmm", gadmm_rho=0.5).sync_config().params() == {"rho": 0.5}
+        TrainerConfig(sync="gadmm", dense_optimizer="sgd", dense_codec="fp16")
+    with pytest.raises(ConfigError, match="needs dense_optimizer 'sgd'"):
+        TrainerConfig(sync="gadmm")                              # Adam, the default
+    config = TrainerConfig(sync="gadmm", dense_optimizer="sgd", gadmm_rho=0.5)
+    assert config.sync_config().params() == {"rho": 0.5}
 
 
 def test_the_lr_model_is_one_linear_layer_over_embeddings_and_dense() -> None:
