@@ -86,7 +86,7 @@ def _cross_node(name: str, sync: dict[str, Any], workers: int) -> float | None:
 SFB_WIDE = ModelConfig(name="dlrm", bottom_mlp=[512, 16], top_mlp=[512, 512])
 
 
-def sfb_rows(*, rows: int = 16_384, batch_size: int = 16, eval_rows: int = 16_384,
+def sfb_rows(*, rows: int = 8192, batch_size: int = 16, eval_rows: int = 16_384,
              workers: int = 4) -> dict[str, Any]:
     """allreduce (DDP) against sfb on :data:`SFB_WIDE` at small per-worker batches, and
     which layers of the default DLRM (Criteo: 13 dense, 26 tables of 16) SFB would factor
