@@ -94,6 +94,7 @@ class SFBSync(BaseSync):
         rows = torch.tensor([float(t.rows) for t in self.taps], dtype=torch.float64)
         if self.taps:
             dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+            self.stats.bytes_sent += rows.numel() * rows.element_size()
         factored = [(t, int(b)) for t, b in zip(self.taps, rows.tolist(), strict=True)
                     if sfb_pays(int(b), t.layer.out_features, t.layer.in_features)]
         self.factor_layers = len(factored)
