@@ -1,24 +1,24 @@
 """Dense synchronisation strategies for the NN workers, chosen by name.
 
-==============  ======================================================  =====================
-name            what it does                                            parameters
-==============  ======================================================  =====================
-``allreduce``   average gradients every step (DDP; comm-hook slot)      use_ddp, bucket_cap_mb,
+================  ====================================================  =======================
+name              what it does                                          parameters
+================  ====================================================  =======================
+``allreduce``     average gradients every step (DDP; comm-hook slot)    use_ddp, bucket_cap_mb,
                                                                         comm_hook, averager
-``local_sgd``   average parameters over all ranks every H steps         every (H), averager
-``ds_sync``     average inside small groups, reshuffled every round     group_size, schedule,
+``local_sgd``     average parameters over all ranks every H steps       every (H), averager
+``ds_sync``       average inside small groups, reshuffled every round   group_size, schedule,
                                                                         every, period, seed,
                                                                         averager
-``shadow``      average in a background thread, write back the delta    every, elastic_alpha,
+``shadow``        average in a background thread, write back the delta  every, elastic_alpha,
                                                                         timeout_s, averager
-``gossip``      average with ring / exponential-graph neighbours        topology, every
-``hierarchical`` average gradients: reduce in each node, all-reduce the  ranks_per_node
-                leaders, broadcast back (NCCL / Horovod style)
-``sfb``         average gradients; linear layers where B(m+n) < mn send   -
-                each sample's factors instead (sufficient factors)
-``gadmm``       GADMM: a chain, heads and tails alternately send their   every, rho
-                parameters to their two neighbours; ADMM duals
-==============  ======================================================  =====================
+``gossip``        average with ring / exponential-graph neighbours      topology, every
+``hierarchical``  average gradients: reduce in each node, all-reduce    ranks_per_node
+                  the leaders, broadcast back (NCCL / Horovod style)
+``sfb``           average gradients; linear layers where B(m+n) < mn
+                  send each sample's factors instead
+``gadmm``         GADMM: a chain; heads and tails alternately send      every, rho
+                  their parameters to their two neighbours
+================  ====================================================  =======================
 
 ``make_sync(name, **params)`` builds one; :class:`SyncConfig` is the flat form for flags and
 YAML (``--sync ds_sync --group-size 4``). See :mod:`services.worker.sync.base` for the call
