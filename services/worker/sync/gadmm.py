@@ -18,7 +18,8 @@ Each worker exchanges only with its two neighbours. Two forms here:
   of the edge terms to the local gradient before the optimizer step (a linearised local
   solve); every ``every`` steps one group sends its parameters (heads on even rounds, tails on
   odd), and the duals move after the tails' turn. It converges for convex models
-  (``--model lr``, the wide part); the run ends with the replicas' average.
+  (``--model lr``, the wide part) under plain SGD steps (Adam's rescaling lets the duals
+  grow without bound); the run ends with the replicas' average.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class ChainEdges:
             raise ConfigError(f"gadmm: index {index} is outside a chain of {world}")
         self.rho = float(rho)
         self.index = index
-        self.head = index % 2 == 0
         zero = torch.zeros_like(theta)
         self.left = theta.clone() if index > 0 else None     # θ_{n-1}, as last received
         self.right = theta.clone() if index < world - 1 else None
