@@ -3,9 +3,17 @@
 Four gloo workers (forked once) train a DLRM on planted synthetic data against PS shard
 processes, once per strategy (fresh PS tables each time, same batches, same seed):
 ``allreduce`` (DDP every step, the baseline), ``local_sgd`` (average every 8 steps),
-``ds_sync`` (pairs, hypercube regrouping), ``shadow`` (background averaging) and ``gossip``
-(ring). It reports samples/s, dense bytes per step (per worker), held-out AUC against the
-data's oracle AUC and the final consensus distance, and plots AUC against samples seen.
+``ds_sync`` (pairs, hypercube regrouping), ``shadow`` (background averaging), ``gossip``
+(ring), ``hierarchical`` (2 ranks per node) and ``sfb``. It reports samples/s,
+dense bytes per step (per worker), held-out AUC against the data's oracle AUC and the final
+consensus distance, and plots AUC against samples seen. Bytes crossing nodes per step (all
+ranks) are reported for ``allreduce`` (every rank's payload enters the world collective) and
+``hierarchical`` (the node leaders' only).
+
+``--sfb`` adds :func:`sfb_rows` (allreduce against SFB on a wide DLRM at 16 rows per worker,
+and the layer arithmetic of the default DLRM at batch 2048); ``--gadmm`` adds
+:func:`gadmm_rows` (GADMM against all-reduce L-BFGS on logistic regression: rounds and bytes
+to the centralised loss).
 
 The ``lamb_large_batch`` row: LAMB (``dense_optimizer=lamb``) at the batch size above and at
 ``lamb_scale`` (8) times it, on the same rows (so 1/8 of the steps), the large run's lr scaled
@@ -23,15 +31,23 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
 from services.common.errors import ConfigError
 from services.local.compare import STRATEGY_SETTINGS, TRAINING, train_configs
-from services.worker.sync import STRATEGIES
+from services.worker.models import ModelConfig, build_model
+from services.worker.sync import sfb_plan
+from services.worker.sync.gadmm import (
+    LogisticWorker,
+    logistic_objective,
+    planted_logistic,
+    simulate,
+)
 
-__all__ = ["register_bench", "run"]
+__all__ = ["gadmm_rows", "register_bench", "run", "sfb_rows"]
 
 console = Console(stderr=True)
 
@@ -59,12 +75,13 @@ def lamb_large_batch(*, rows: int, batch_size: int, eval_rows: int, workers: int
 
 
 def run(*, rows: int = 131_072, batch_size: int = 128, eval_rows: int = 16_384,
-        workers: int = 4, evals: int = 8, strategies: Sequence[str] = tuple(STRATEGIES),
-        lamb_scale: int = 8) -> dict[str, Any]:
+        workers: int = 4, evals: int = 8,
+        strategies: Sequence[str] = tuple(STRATEGY_SETTINGS), lamb_scale: int = 8
+        ) -> dict[str, Any]:
     """Every strategy on the same data; the JSON-ready result (see the module docstring)."""
-    unknown = sorted(set(strategies) - set(STRATEGIES))
+    unknown = sorted(set(strategies) - set(STRATEGY_SETTINGS))
     if unknown:
-        raise ConfigError(f"unknown strategies {unknown}; available: {list(STRATEGIES)}")
+        raise ConfigError(f"unknown strategies {unknown}; available: {list(STRATEGY_SETTINGS)}")
     steps = rows // batch_size // workers
     base = replace(TRAINING, eval_every=max(1, steps // evals))
     configs = [replace(base, sync=name, **STRATEGY_SETTINGS[name]) for name in strategies]
@@ -78,6 +95,7 @@ def run(*, rows: int = 131_072, batch_size: int = 128, eval_rows: int = 16_384,
                     "consensus_distance": sync["consensus_distance"],
                     "sync_time_per_step": sync["sync_time_per_step"],
                     "blocking_time_per_step": sync["blocking_seconds"] / max(sync["steps"], 1),
+                    "cross_node_bytes_per_step": _cross_node(name, sync, workers),
                     "curve": [{"samples": h["step"] * batch_size * workers, "auc": h["auc"]}
                               for h in s["history"]]})
     result = {"workers": workers, "rows": rows, "batch_size": batch_size,
@@ -87,6 +105,82 @@ def run(*, rows: int = 131_072, batch_size: int = 128, eval_rows: int = 16_384,
             rows=rows, batch_size=batch_size, eval_rows=eval_rows, workers=workers,
             scale=lamb_scale)
     return result
+
+
+def _cross_node(name: str, sync: dict[str, Any], workers: int) -> float | None:
+    """Payload bytes per step crossing nodes, all ranks together (None: not node-aware)."""
+    if name == "allreduce":
+        return sync["bytes_per_step"] * workers
+    if name == "hierarchical":
+        return sync["cross_node_bytes"] / max(sync["steps"], 1)
+    return None
+
+
+SFB_WIDE = ModelConfig(name="dlrm", bottom_mlp=[512, 16], top_mlp=[512, 512])
+
+
+def sfb_rows(*, rows: int = 8192, batch_size: int = 16, eval_rows: int = 16_384,
+             workers: int = 4) -> dict[str, Any]:
+    """allreduce (DDP) against sfb on :data:`SFB_WIDE` at small per-worker batches, and
+    which layers of the default DLRM (Criteo: 13 dense, 26 tables of 16) SFB would factor
+    at batch 2048 (none)."""
+    steps = rows // batch_size // workers
+    base = replace(TRAINING, eval_every=max(1, steps // 4))
+    summaries, oracle = train_configs([replace(base, sync=n) for n in ("allreduce", "sfb")],
+                                      rows=rows, batch_size=batch_size, eval_rows=eval_rows,
+                                      workers=workers, model=SFB_WIDE)
+    out = [{"name": name, "samples_per_s": s["samples_per_s"],
+            "bytes_per_step": s["sync"]["bytes_per_step"], "auc": s["auc"]}
+           for name, s in zip(("allreduce", "sfb"), summaries, strict=True)]
+    default = build_model("dlrm", sparse_dims={f"C{i}": 16 for i in range(26)}, num_dense=13)
+    return {"model": {"bottom_mlp": SFB_WIDE.bottom_mlp, "top_mlp": SFB_WIDE.top_mlp},
+            "batch_size": batch_size, "oracle_auc": oracle, "runs": out,
+            "default_dlrm_at_2048": sfb_plan(default, 2048)}
+
+
+def gadmm_rows(*, workers: int = 4, rows: int = 8192, dim: int = 16, l2: float = 1e-2,
+               rho: float = 0.01, tols: Sequence[float] = (1e-3, 1e-6),
+               max_rounds: int = 40) -> dict[str, Any]:
+    """GADMM (the exact form, a chain in this process) against all-reduce L-BFGS (one
+    all-reduce of the gradient and loss per function evaluation) on a non-iid logistic
+    regression: rounds until every model is within each tolerance of scikit-learn's optimum,
+    and the payload bytes per round of all workers together."""
+    from sklearn.linear_model import LogisticRegression
+
+    x, y = planted_logistic(rows, dim)
+    clf = LogisticRegression(C=1 / (l2 * rows), fit_intercept=False, tol=1e-12, max_iter=1000)
+    best = float(logistic_objective(torch.tensor(clf.fit(x.numpy(), y.numpy()).coef_[0]),
+                                    x, y, total=rows, l2=l2))
+
+    def gap(t: torch.Tensor) -> float:
+        return float(logistic_objective(t.detach(), x, y, total=rows, l2=l2)) - best
+
+    def first_below(gaps: list[float]) -> list[int | None]:
+        return [next((i + 1 for i, g in enumerate(gaps) if g < tol), None) for tol in tols]
+
+    chain = [LogisticWorker(xs, ys, index=i, world=workers, total=rows, rho=rho, l2=l2)
+             for i, (xs, ys) in enumerate(zip(x.chunk(workers), y.chunk(workers), strict=True))]
+    chain_gaps: list[float] = []
+    sent = simulate(chain, max_rounds,
+                    lambda r: chain_gaps.append(max(gap(w.theta) for w in chain)))
+    w = torch.zeros(dim, dtype=torch.float64, requires_grad=True)
+    lbfgs = torch.optim.LBFGS([w], lr=1, max_iter=max_rounds, tolerance_grad=1e-12,
+                              tolerance_change=1e-14, line_search_fn="strong_wolfe")
+    lbfgs_gaps: list[float] = []
+
+    def closure() -> torch.Tensor:
+        lbfgs.zero_grad()
+        loss = logistic_objective(w, x, y, total=rows, l2=l2)
+        loss.backward()
+        lbfgs_gaps.append(gap(w))
+        return loss
+
+    lbfgs.step(closure)
+    return {"workers": workers, "rows": rows, "dim": dim, "tols": list(tols), "runs": [
+        {"name": "gadmm", "rounds": first_below(chain_gaps),
+         "bytes_per_round": sent / max_rounds, "peers_per_worker": "1-2 (chain neighbours)"},
+        {"name": "allreduce_lbfgs", "rounds": first_below(lbfgs_gaps),
+         "bytes_per_round": workers * (dim + 1) * 8, "peers_per_worker": "all (a collective)"}]}
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -135,13 +229,55 @@ def _print_table(result: dict[str, Any]) -> None:
     console.print("sync ms/step: time in communication (shadow: on its background thread); "
                   "blocking ms/step: the training thread inside the strategy after backward "
                   "and after the optimizer step (DDP's all-reduce waits inside backward).")
+    cross = {s["name"]: s["cross_node_bytes_per_step"] for s in result["strategies"]
+             if s.get("cross_node_bytes_per_step") is not None}
+    if cross:
+        console.print("payload bytes crossing nodes per step (all ranks, 2 ranks per node): "
+                      + ", ".join(f"{k} {v:,.0f}" for k, v in cross.items()))
+
+
+def _print_extras(result: dict[str, Any]) -> None:
+    """The --sfb and --gadmm tables, when they ran."""
+    if "sfb" in result:
+        sfb = result["sfb"]
+        table = Table(title=f"SFB on DLRM bottom {sfb['model']['bottom_mlp']} top "
+                            f"{sfb['model']['top_mlp']}, {sfb['batch_size']} rows per worker")
+        for col in ("strategy", "samples/s", "dense bytes/step", "AUC"):
+            table.add_column(col)
+        for r in sfb["runs"]:
+            table.add_row(r["name"], f"{r['samples_per_s']:,.0f}",
+                          f"{r['bytes_per_step']:,.0f}", f"{r['auc']:.4f}")
+        Console(width=150).print(table)
+        layers = Table(title="default DLRM (13 dense, 26 tables of 16) at batch 2048")
+        for col in ("layer m x n", "gradient floats", "factor floats", "SFB"):
+            layers.add_column(col)
+        for r in sfb["default_dlrm_at_2048"]:
+            layers.add_row(f"{r['m']} x {r['n']}", f"{r['dense_floats']:,}",
+                           f"{r['factor_floats']:,}", "yes" if r["sfb"] else "no")
+        Console(width=150).print(layers)
+    if "gadmm" in result:
+        g = result["gadmm"]
+        table = Table(title=f"GADMM vs all-reduce, logistic regression ({g['workers']} workers, "
+                            f"{g['rows']:,} rows, d={g['dim']})")
+        for col in ("method", *(f"rounds to {t:g}" for t in g["tols"]),
+                    "bytes/round (all workers)", "peers per worker"):
+            table.add_column(col)
+        for r in g["runs"]:
+            table.add_row(r["name"], *map(str, r["rounds"]), f"{r['bytes_per_round']:,.0f}",
+                          r["peers_per_worker"])
+        Console(width=150).print(table)
 
 
 def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
                  workers=args.workers, strategies=args.strategies.split(","),
                  lamb_scale=args.lamb_scale)
+    if args.sfb:
+        result["sfb"] = sfb_rows(workers=args.workers)
+    if args.gadmm:
+        result["gadmm"] = gadmm_rows(workers=args.workers)
     _print_table(result)
+    _print_extras(result)
     png = save_plot(plot, result, args.plot, "sync")
     console.print(f"AUC against samples seen: {png}")
     write_json(result, args.json)
@@ -156,8 +292,12 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-rows", type=int, default=16_384, help="held-out rows")
     parser.add_argument("--batch-size", type=int, default=128, help="rows per worker step")
     parser.add_argument("--workers", type=int, default=4, help="gloo worker processes")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+    parser.add_argument("--strategies", default=",".join(STRATEGY_SETTINGS),
                         help="comma-separated strategies to compare")
     parser.add_argument("--lamb-scale", type=int, default=8,
                         help="the lamb_large_batch row's batch multiple (0: no such row)")
+    parser.add_argument("--sfb", action="store_true",
+                        help="also: SFB on a wide DLRM at 16 rows per worker")
+    parser.add_argument("--gadmm", action="store_true",
+                        help="also: GADMM against all-reduce L-BFGS on logistic regression")
     parser.set_defaults(func=_main)

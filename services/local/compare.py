@@ -49,7 +49,9 @@ STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {
     "ds_sync": {"sync_group_size": 2},
     "shadow": {},
     "gossip": {"gossip_topology": "ring"},
-}
+    "hierarchical": {"ranks_per_node": 2},
+    "sfb": {},
+}  # not gadmm: it is for convex models (bench sync --gadmm), these runs train a DLRM
 
 
 async def _train_one(rank: int, world: int, addresses: list[str], tables: dict[str, str],

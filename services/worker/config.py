@@ -18,9 +18,11 @@ __all__ = ["DENSE_OPTIMIZERS", "MODES", "SYNC_FIELDS", "TrainerConfig", "ps_tabl
 
 MODES = ("sync", "hybrid", "async")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd", "lamb", "onebit_adam", "onebit_lamb")
+# strategies that take no codec (they exchange their own payload, not a flat average)
+UNCOMPRESSED_SYNCS = ("gossip", "hierarchical", "sfb", "gadmm")
 # the fields that choose the dense sync strategy (``--sync`` and its parameters)
 SYNC_FIELDS = ("sync", "sync_period", "sync_group_size", "sync_schedule", "sync_elastic_alpha",
-               "gossip_topology")
+               "gossip_topology", "ranks_per_node", "gadmm_rho")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,6 +107,9 @@ class TrainerConfig:
     export_full_every: int = field(default=8, metadata={
         "help": "every Nth export is a full version, the others hold only the rows changed "
                 "since the previous one (1: all full)"})
+    ranks_per_node: int = field(default=2, metadata={
+        "help": "hierarchical: ranks per node (consecutive ranks; the first leads)"})
+    gadmm_rho: float = field(default=0.1, metadata={"help": "gadmm: the ADMM penalty rho"})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -158,7 +163,8 @@ class TrainerConfig:
         """The dense sync strategy these settings choose (``SyncConfig.build`` makes it)."""
         return SyncConfig(name=self.sync, every=self.sync_period,
                           group_size=self.sync_group_size, schedule=self.sync_schedule,
-                          elastic_alpha=self.sync_elastic_alpha, topology=self.gossip_topology)
+                          elastic_alpha=self.sync_elastic_alpha, topology=self.gossip_topology,
+                          ranks_per_node=self.ranks_per_node, rho=self.gadmm_rho)
 
     def _check_sync(self) -> None:
         self.sync_config()
@@ -167,10 +173,13 @@ class TrainerConfig:
         if self.dense_optimizer.startswith("onebit"):
             raise ConfigError(f"{self.dense_optimizer} all-reduces the gradients itself; "
                               f"it needs sync 'allreduce', got {self.sync!r}")
+        if self.sync == "gadmm" and self.dense_optimizer != "sgd":
+            raise ConfigError("gadmm needs dense_optimizer 'sgd': with Adam's or Adagrad's "
+                              "rescaled steps its duals grow without bound (docs/training.md)")
         if self.dense_codec == "none":
             return
-        if self.sync == "gossip":
-            raise ConfigError("gossip sends parameters to its neighbours uncompressed; "
+        if self.sync in UNCOMPRESSED_SYNCS:
+            raise ConfigError(f"{self.sync} sends its payload uncompressed; "
                               f"dense_codec must be 'none', got {self.dense_codec!r}")
         try:   # parameter averaging goes through a codec (CodecAverager), not a DDP hook
             get_codec(self.dense_codec)

@@ -1,4 +1,4 @@
-"""Dense recommendation models: DLRM, DeepFM, DCN-v2 and Wide&Deep.
+"""Dense recommendation models: DLRM, DeepFM, DCN-v2, Wide&Deep and logistic regression.
 
 Every model is built as ``Model(*, sparse_dims, num_dense, <arch params>)`` and called as
 ``model(pooled, dense) -> logits``:
@@ -39,6 +39,7 @@ __all__ = [
     "DLRM",
     "MODELS",
     "DeepFM",
+    "LogisticRegression",
     "ModelConfig",
     "WideAndDeep",
     "build_model",
@@ -295,11 +296,24 @@ class WideAndDeep(_RecModel):
         return wide + self.deep(x).squeeze(1)
 
 
+class LogisticRegression(_RecModel):
+    """Logistic regression: one linear layer over ``[embeddings..., dense]`` (a convex model
+    in its dense weights, for ``--sync gadmm``)."""
+
+    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+        self.linear = nn.Linear(self.flat_dim, 1)
+
+    def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
+        return self.linear(torch.cat([*self._features(pooled, dense), dense], dim=1)).squeeze(1)
+
+
 MODELS: dict[str, type[_RecModel]] = {
     "dlrm": DLRM,
     "deepfm": DeepFM,
     "dcnv2": DCNv2,
     "wide_deep": WideAndDeep,
+    "lr": LogisticRegression,
 }
 
 # The architecture keywords each model accepts (besides sparse_dims and num_dense).
@@ -308,12 +322,13 @@ _ARCH_PARAMS: dict[str, tuple[str, ...]] = {
     "deepfm": ("deep_mlp", "fm_dim", "id_weights"),
     "dcnv2": ("cross_layers", "cross_rank", "deep_mlp", "structure"),
     "wide_deep": ("deep_mlp", "id_weights"),
+    "lr": (),
 }
 
 
 def build_model(name: str, *, sparse_dims: Mapping[str, int], num_dense: int,
                 **arch: Any) -> nn.Module:
-    """Build the model ``name`` (dlrm, deepfm, dcnv2, wide_deep) with its arch keywords."""
+    """Build the model ``name`` (dlrm, deepfm, dcnv2, wide_deep, lr) with its arch keywords."""
     cls = MODELS.get(name)
     if cls is None:
         raise ConfigError(f"unknown model {name!r}; available: {sorted(MODELS)}")

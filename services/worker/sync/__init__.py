@@ -1,18 +1,24 @@
 """Dense synchronisation strategies for the NN workers, chosen by name.
 
-==============  ======================================================  =====================
-name            what it does                                            parameters
-==============  ======================================================  =====================
-``allreduce``   average gradients every step (DDP; comm-hook slot)      use_ddp, bucket_cap_mb,
+================  ====================================================  =======================
+name              what it does                                          parameters
+================  ====================================================  =======================
+``allreduce``     average gradients every step (DDP; comm-hook slot)    use_ddp, bucket_cap_mb,
                                                                         comm_hook, averager
-``local_sgd``   average parameters over all ranks every H steps         every (H), averager
-``ds_sync``     average inside small groups, reshuffled every round     group_size, schedule,
+``local_sgd``     average parameters over all ranks every H steps       every (H), averager
+``ds_sync``       average inside small groups, reshuffled every round   group_size, schedule,
                                                                         every, period, seed,
                                                                         averager
-``shadow``      average in a background thread, write back the delta    every, elastic_alpha,
+``shadow``        average in a background thread, write back the delta  every, elastic_alpha,
                                                                         timeout_s, averager
-``gossip``      average with ring / exponential-graph neighbours        topology, every
-==============  ======================================================  =====================
+``gossip``        average with ring / exponential-graph neighbours      topology, every
+``hierarchical``  average gradients: reduce in each node, all-reduce    ranks_per_node
+                  the leaders, broadcast back (NCCL / Horovod style)
+``sfb``           average gradients; linear layers where B(m+n) < mn
+                  send each sample's factors instead
+``gadmm``         GADMM: a chain; heads and tails alternately send      every, rho
+                  their parameters to their two neighbours
+================  ====================================================  =======================
 
 ``make_sync(name, **params)`` builds one; :class:`SyncConfig` is the flat form for flags and
 YAML (``--sync ds_sync --group-size 4``). See :mod:`services.worker.sync.base` for the call
@@ -38,7 +44,10 @@ from services.worker.sync.base import (
     consensus_distance,
     mean_allreduce,
 )
+from services.worker.sync.gadmm import GADMMSync
 from services.worker.sync.gossip import GOSSIP_TOPOLOGIES, GossipSync, gossip_plan
+from services.worker.sync.hierarchical import HierarchicalSync, node_layout
+from services.worker.sync.sfb import SFBSync, sfb_plan
 from services.worker.sync.shadow import ShadowSync
 
 __all__ = [
@@ -49,8 +58,11 @@ __all__ = [
     "Averager",
     "BaseSync",
     "DSSync",
+    "GADMMSync",
     "GossipSync",
+    "HierarchicalSync",
     "LocalSGD",
+    "SFBSync",
     "ShadowSync",
     "SyncConfig",
     "SyncStats",
@@ -60,6 +72,8 @@ __all__ = [
     "gossip_plan",
     "make_sync",
     "mean_allreduce",
+    "node_layout",
+    "sfb_plan",
     "strategy_params",
 ]
 
@@ -69,6 +83,9 @@ STRATEGIES: dict[str, type[BaseSync]] = {
     "ds_sync": DSSync,
     "shadow": ShadowSync,
     "gossip": GossipSync,
+    "hierarchical": HierarchicalSync,
+    "sfb": SFBSync,
+    "gadmm": GADMMSync,
 }
 
 
@@ -112,6 +129,8 @@ class SyncConfig:
     use_ddp: bool = True
     bucket_cap_mb: float = 25.0
     timeout_s: float = 300.0
+    ranks_per_node: int = 2
+    rho: float = 0.1
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
@@ -129,6 +148,9 @@ class SyncConfig:
             raise ConfigError(f"sync group_size must be >= 2, got {self.group_size}")
         if self.elastic_alpha is not None and not 0 < self.elastic_alpha <= 1:
             raise ConfigError(f"sync elastic_alpha must be in (0, 1], got {self.elastic_alpha}")
+        node_layout(self.ranks_per_node, self.ranks_per_node)
+        if not self.rho > 0:
+            raise ConfigError(f"sync rho must be > 0, got {self.rho}")
 
     def params(self) -> dict[str, Any]:
         """The fields strategy ``name`` takes (``every`` only when set)."""

@@ -55,6 +55,8 @@ class SyncStats:
     bytes_sent: int = 0            # payload bytes this rank handed to collectives / peers
     sync_seconds: float = 0.0      # time spent communicating (background time for shadow)
     blocking_seconds: float = 0.0  # time the training thread spent inside the strategy
+    cross_node_bytes: int = 0      # node-aware strategies: payload entering collectives that
+    #                                span nodes, summed over the ranks (0: not tracked)
 
     @property
     def bytes_per_step(self) -> float:
@@ -68,7 +70,8 @@ class SyncStats:
         return {"steps": self.steps, "syncs": self.syncs, "bytes_sent": self.bytes_sent,
                 "bytes_per_step": self.bytes_per_step, "sync_seconds": self.sync_seconds,
                 "sync_time_per_step": self.sync_time_per_step,
-                "blocking_seconds": self.blocking_seconds}
+                "blocking_seconds": self.blocking_seconds,
+                "cross_node_bytes": self.cross_node_bytes}
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ import bench.sync as sync_bench
 from bench.staleness import STALENESS, staleness_config, staleness_list
 from services.cli import main
 from services.common.errors import ConfigError
-from services.worker.sync import STRATEGIES
+from services.local.compare import STRATEGY_SETTINGS
 
 TINY = ["--rows", "2048", "--eval-rows", "2048", "--batch-size", "128", "--workers", "2"]
 
@@ -36,7 +36,7 @@ def finite(x: Any) -> bool:
 def test_bench_sync_reports_every_strategy(tmp_path: Path) -> None:
     result = bench(tmp_path, "sync", "--lamb-scale", "2")
     assert finite(result["oracle_auc"]) and 0.5 < result["oracle_auc"] < 1
-    assert [s["name"] for s in result["strategies"]] == list(STRATEGIES)
+    assert [s["name"] for s in result["strategies"]] == list(STRATEGY_SETTINGS)
     for s in result["strategies"]:
         assert all(finite(s[k]) for k in ("samples_per_s", "bytes_per_step", "auc")), s
         assert s["samples_per_s"] > 0 and s["bytes_per_step"] > 0 and 0 < s["auc"] < 1

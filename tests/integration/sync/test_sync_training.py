@@ -18,21 +18,20 @@ from typing import Any
 import pytest
 
 from services.local.compare import STRATEGY_SETTINGS, TRAINING, train_configs
-from services.worker.sync import STRATEGIES
 
 BOUND = 0.01
 
 
 @pytest.fixture(scope="module")
 def trained() -> tuple[dict[str, dict[str, Any]], float]:
-    names = list(STRATEGIES)
+    names = list(STRATEGY_SETTINGS)
     configs = [replace(TRAINING, sync=n, **STRATEGY_SETTINGS[n]) for n in names]
     summaries, oracle = train_configs(configs, rows=32_768, batch_size=128, eval_rows=16_384,
                                       workers=4, timeout_s=300)
     return dict(zip(names, summaries, strict=True)), oracle
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", list(STRATEGY_SETTINGS))
 def test_strategy_trains_planted_data_to_the_oracle_auc(
         trained: tuple[dict[str, dict[str, Any]], float], name: str) -> None:
     summaries, oracle = trained

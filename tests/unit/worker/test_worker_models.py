@@ -56,7 +56,7 @@ def test_same_seed_same_model_and_extra_keys_ignored(name: str) -> None:
     assert torch.equal(a(pooled, dense), b(extra, dense))
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(set(MODELS) - {"lr"}))  # lr: linear, no products
 def test_models_learn_a_planted_signal(name: str) -> None:
     torch.manual_seed(1)
     model = build_model(name, sparse_dims=DIMS, num_dense=3)
