@@ -64,7 +64,6 @@ from services.common.checkpoints.positions import (
     merge,
 )
 from services.common.errors import (
-    FailedPrecondition,
     InvalidArgument,
     PersimmonError,
     Unavailable,
@@ -219,7 +218,7 @@ class ConsistentCut:
         checkpoint_id = f"cut-{self.run}-{step:010d}"
         await drain()
         ranks = self.root / checkpoint_id / "ranks"
-        body = json.dumps({"step": step, "positions": self.positions}).encode()
+        body = json.dumps({"positions": self.positions}).encode()
 
         def publish() -> None:
             ranks.mkdir(parents=True, exist_ok=True)
@@ -234,9 +233,6 @@ class ConsistentCut:
         await self._wait(lambda: all(f.is_file() for f in files),
                          f"cut {checkpoint_id}: every rank's positions")
         reports = [json.loads(f.read_bytes()) for f in files]
-        if any(r["step"] != step for r in reports):
-            raise FailedPrecondition(f"cut {checkpoint_id}: ranks are at steps "
-                                     f"{[r['step'] for r in reports]}, not all at {step}")
         assert self.checkpointer is not None
         parts = {POSITIONS_PART: encode_positions(merge(r["positions"] for r in reports))}
         if dense is not None:
