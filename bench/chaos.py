@@ -11,7 +11,7 @@ steps the workers cut the job (:class:`~services.worker.checkpoints.ConsistentCu
 
 A seeded schedule of ``--kills`` SIGKILLs cycles over four roles: a PS shard, the loader, a
 worker, and a PS shard while a cut is in progress (after the workers' barrier, before the
-manifest). After each kill the job restarts from its newest complete cut, as an
+manifest); each lands after 0 to 2 complete cuts of the current run and a random gap. After each kill the job restarts from its newest complete cut, as an
 orchestrator would: the other workers and the loader are stopped, the killed shard restarts
 with ``--restore job``, the living shards restore the cut over their admin API, then the
 loader (at the cut's positions) and the workers (at the cut's step) start again.
@@ -254,6 +254,10 @@ class _Job:
         return any(p.poll() not in (None, 0) for p in self.workers) or any(
             p.poll() is not None for p in [*self.ps, self.loader] if p is not None)
 
+    def cuts_done(self) -> int:
+        """Complete cuts of the current run."""
+        return sum(1 for d in self.root.glob(f"cut-{self.run}-*") if (d / "job.json").exists())
+
     def cut_in_progress(self) -> bool:
         prefix = f"cut-{self.run}-"
         return any(d.name.startswith(prefix) and (d / "ranks").is_dir()
@@ -310,8 +314,11 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
 
 
 def _kill(job: _Job, role: str, rng: random.Random, max_gap: float) -> bool:
-    """SIGKILL one process of ``role`` at a random point; False when the job finished first."""
-    _wait(lambda: job.started() or job.finished() or job.failed(), 120, "the workers' start")
+    """SIGKILL one process of ``role`` at a random point (after 0 to 2 cuts of this run and a
+    random gap); False when the job finished first."""
+    cuts = rng.randint(0, 2)
+    _wait(lambda: job.cuts_done() >= cuts or job.finished() or job.failed(), 300,
+          f"{cuts} cuts of run {job.run}")
     if job.finished():
         return False
     time.sleep(rng.uniform(0.0, max_gap))
@@ -440,7 +447,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("chaos", help="SIGKILL every role; count each record once")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--seed", type=int, default=0, help="seeds the records and the kills")
-    parser.add_argument("--kills", type=int, default=24, help="SIGKILLs over the roles")
+    parser.add_argument("--kills", type=int, default=20, help="SIGKILLs over the roles")
     parser.add_argument("--records", type=int, default=20000, help="Kafka records")
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--cut-every", type=int, default=10, help="steps between cuts")

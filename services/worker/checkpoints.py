@@ -40,14 +40,11 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 
 from clients.admin_client import AdminClient
-from services.common.admin import AdminServer, make_admin_app
 from services.common.checkpoints import (
     JOB_MANIFEST,
     latest_complete,
@@ -72,6 +69,9 @@ from services.common.errors import (
 from services.common.files import atomic_write
 from services.common.lifecycle import settle
 from services.common.registry import Registry, discover_shards
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 __all__ = ["ConsistentCut", "JobCheckpointer", "JobControl", "StopTraining", "dense_part",
            "fit_with_checkpoints",
@@ -334,6 +334,8 @@ async def fit_with_checkpoints(trainer: Any, batches: Any, control: JobControl, 
     Returns (the fit summary, or None when stopped; the final checkpoint's manifest)."""
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, control.request_stop)
+    from services.common.admin import AdminServer
+
     admin = AdminServer(make_job_admin(control), host, admin_port) \
         if admin_port is not None else None
     trainer.on_step = control.on_step
@@ -357,6 +359,10 @@ async def fit_with_checkpoints(trainer: Any, batches: Any, control: JobControl, 
 def make_job_admin(control: JobControl) -> FastAPI:
     """Admin REST of the job: ``POST /v1/job/checkpoints`` (returns the manifest once the
     checkpoint is complete) and ``GET /v1/job/checkpoints`` (the complete ones)."""
+    from prometheus_client import CollectorRegistry  # the admin app's imports: on first use
+
+    from services.common.admin import make_admin_app
+
     root = control.checkpointer.root
     app = make_admin_app(title="Persimmon job", registry=CollectorRegistry(),
                          config=lambda: {"checkpoint_dir": str(root),
