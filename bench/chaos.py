@@ -200,7 +200,8 @@ class _Job:
             cmd = [*_SERVICE, "services.ps", "--log-level", "ERROR", "--config", str(config),
                    "--shard-id", str(k), "--num-shards", str(SHARDS),
                    "--checkpoint-dir", str(self.root)]
-            proc, grpc_port, admin_port = start_service(cmd, str(self.work / f"ps-{k}.ready"))
+            proc, grpc_port, admin_port = start_service(cmd, str(self.work / f"ps-{k}.ready"),
+                                                        timeout=300)
             self.ps.append(proc)
             self.ps_commands.append([*cmd, "--grpc-port", str(grpc_port),
                                      "--admin-port", str(admin_port)])
@@ -224,7 +225,7 @@ class _Job:
             [*_SERVICE, "services.loader", "--log-level", "ERROR", "loader", "--source",
              self.source, "--batch-size", str(a.batch_size), "--world-size", str(WORLD),
              "--checkpoint-dir", str(self.root), "--poll-timeout-ms", "20"],
-            str(self.work / "loader.ready"))
+            str(self.work / "loader.ready"), timeout=300)
         self.loader_address = f"127.0.0.1:{grpc_port}"
         self.loader_admin = f"http://127.0.0.1:{admin_port}"
         self.workers = [subprocess.Popen(
@@ -294,7 +295,7 @@ class _Job:
             else:
                 self.ps[k] = subprocess.Popen([*self.ps_commands[k], "--restore", "job"],
                                               stdout=subprocess.DEVNULL)
-                wait_ready(self.ps[k], self.ps_admin[k])
+                wait_ready(self.ps[k], self.ps_admin[k], timeout=300)
         self.run += 1
         self.start_rest()
 
