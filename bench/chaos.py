@@ -449,7 +449,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--seed", type=int, default=0, help="seeds the records and the kills")
     parser.add_argument("--kills", type=int, default=20, help="SIGKILLs over the roles")
-    parser.add_argument("--records", type=int, default=80000, help="Kafka records")
+    parser.add_argument("--records", type=int, default=80000,
+                        help="Kafka records: enough that the job outlasts the kills (the "
+                             "bench fails when it ends first)")
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--cut-every", type=int, default=10, help="steps between cuts")
     parser.add_argument("--window", type=int, default=4, help="pushes in flight per worker")
