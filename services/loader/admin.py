@@ -32,6 +32,11 @@ def make_loader_admin(pipeline: Pipeline, *, ready: Callable[[], bool],
         """Per partition: committed and read positions and the lag where the source has one."""
         return pipeline.source.offsets()
 
+    @app.post("/v1/cuts/{checkpoint_id}/commit", tags=["sources"])
+    async def commit_cut(checkpoint_id: str) -> dict[str, int]:
+        """Commit the source positions of a complete job cut (``--checkpoint-dir``)."""
+        return await pipeline.commit_cut(checkpoint_id)
+
     @app.get("/v1/workers", tags=["workers"])
     async def workers() -> dict[str, Any]:
         """Per worker rank: ready and in-flight batches, credits, deliveries and acks."""

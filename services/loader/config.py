@@ -155,6 +155,9 @@ class LoaderConfig:
         "help": "JSON-lines file that receives malformed records"})
     state_file: str | None = field(default=None, metadata={
         "help": "where file/synthetic sources keep committed positions (resume on restart)"})
+    checkpoint_dir: str | None = field(default=None, metadata={
+        "help": "job checkpoints (Kafka): start at the newest complete cut's positions and "
+                "commit offsets only for complete cuts, not at acks"})
     block_bytes: int = field(default=4 << 20, metadata={"help": "bytes of text parsed at once"})
     poll_records: int = field(default=4096, metadata={
         "help": "most Kafka/Redis records fetched at once"})
@@ -182,6 +185,9 @@ class LoaderConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.shuffle_buffer < 0 or self.world_size < 0:
             raise ValueError("shuffle_buffer and world_size must be >= 0")
+        if self.checkpoint_dir and self.shuffle_buffer:
+            raise ValueError("checkpoint_dir (job cuts) needs shuffle_buffer 0: shuffled "
+                             "batches hold no prefix of a partition, so no cut")
         if not 0 <= self.replica < self.replicas:
             raise ValueError(f"replica must be in [0, {self.replicas}), got {self.replica}")
         if self.max_message_bytes < 1024:

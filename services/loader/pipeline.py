@@ -15,14 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from services.common.errors import Internal, PersimmonError
+from services.common.checkpoints.positions import cut_positions
+from services.common.errors import FailedPrecondition, Internal, PersimmonError
 from services.common.wire import encode_message
 from services.loader.batching import Batcher, ChunkTracker, Rows
 from services.loader.config import LoaderConfig
 from services.loader.deadletter import DeadLetters
 from services.loader.dispatch import Dispatcher, Outgoing
 from services.loader.metrics import LoaderMetrics, RateMeter
-from services.loader.sources.base import Source, SourceBlock
+from services.loader.sources.base import Rewindable, Source, SourceBlock
 
 __all__ = ["Pipeline"]
 
@@ -131,9 +132,19 @@ class Pipeline:
             self._commit_wanted.set()
 
     async def commit_once(self) -> None:
+        """Commit acknowledged positions to the source (under job cuts, only complete cuts
+        commit: :meth:`commit_cut`)."""
         settled = self.tracker.take_settled()
-        if settled:
+        if settled and not self.config.checkpoint_dir:
             await self.source.commit(settled)
+
+    async def commit_cut(self, checkpoint_id: str) -> dict[str, int]:
+        """Commit the positions of the complete job cut ``checkpoint_id``; returns them."""
+        if not self.config.checkpoint_dir or not isinstance(self.source, Rewindable):
+            raise FailedPrecondition("this loader has no --checkpoint-dir (job cuts)")
+        positions = await asyncio.to_thread(cut_positions, self.config.checkpoint_dir,
+                                            checkpoint_id)
+        return await self.source.commit_positions(positions)
 
     async def commit_loop(self) -> None:
         """Commit whenever acks made something committable; a commit in progress when the

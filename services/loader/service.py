@@ -3,11 +3,14 @@ together; start with ``await service.start()``, which binds and reports the port
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 
 from services.common.admin import AdminServer
+from services.common.checkpoints.positions import cut_positions
+from services.common.errors import ConfigError
 from services.common.lifecycle import ServingService
 from services.common.registry import Heartbeat, Member
 from services.common.rpc import make_server
@@ -17,7 +20,7 @@ from services.loader.deadletter import DeadLetters
 from services.loader.dispatch import Dispatcher
 from services.loader.pipeline import Pipeline
 from services.loader.server import LoaderServicer
-from services.loader.sources import Source, make_source
+from services.loader.sources import Rewindable, Source, make_source
 
 __all__ = ["LoaderService"]
 
@@ -58,6 +61,13 @@ class LoaderService(ServingService):
                  self.admin_url)
 
     async def _bind(self) -> None:
+        if self.config.checkpoint_dir:  # start at the newest complete job cut
+            if not isinstance(self.source, Rewindable):
+                raise ConfigError(f"--checkpoint-dir (job cuts) needs a Kafka source, not "
+                                  f"{self.config.spec.kind.value}")
+            positions = await asyncio.to_thread(cut_positions, self.config.checkpoint_dir)
+            self.source.rewind(positions)
+            log.info("starting at the newest job cut: %s", positions or "the job's start")
         await self.source.start()
         self._source_started = True
         servicer = LoaderServicer(self.pipeline)

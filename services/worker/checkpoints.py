@@ -15,6 +15,16 @@ writes the job checkpoint in the background. After :meth:`JobControl.request_sto
 SIGTERM handler) the next step raises :class:`StopTraining`; the worker then writes a final
 checkpoint and exits cleanly.
 
+Consistent cuts (:class:`ConsistentCut`, exactly once with a Kafka loader under
+``--checkpoint-dir``): every rank stops at the same step, drains its in-flight pushes and
+writes the source positions of the batches it trained (``root/<id>/ranks/rank-<r>.json``:
+the barrier is the shared checkpoint root); rank 0 waits for all of them, merges the positions
+(:mod:`services.common.checkpoints.positions`), writes the PS parts, the dense part and the
+positions part, then the manifest, and asks the loader to commit the cut's offsets; the other
+ranks go on only once the manifest exists, so no push after the cut reaches a PS part. A job
+resumed from the cut (PS ``--restore job``, the loader at the cut's positions, the dense part)
+replays exactly the records after it.
+
 Resume: :func:`resume_state` reads the dense state of the newest complete job checkpoint (the
 PS shards restore theirs with ``--restore job``).
 """
@@ -30,26 +40,41 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 
 from clients.admin_client import AdminClient
-from services.common.admin import AdminServer, make_admin_app
 from services.common.checkpoints import (
+    JOB_MANIFEST,
     latest_complete,
     list_job_checkpoints,
+    read_job_manifest,
     read_part,
     write_job_manifest,
     write_part,
 )
-from services.common.errors import InvalidArgument, error_from_http
+from services.common.checkpoints.positions import (
+    POSITIONS_PART,
+    advance,
+    encode_positions,
+    merge,
+)
+from services.common.errors import (
+    InvalidArgument,
+    PersimmonError,
+    Unavailable,
+    error_from_http,
+)
+from services.common.files import atomic_write
 from services.common.lifecycle import settle
 from services.common.registry import Registry, discover_shards
 
-__all__ = ["JobCheckpointer", "JobControl", "StopTraining", "dense_part", "fit_with_checkpoints",
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+__all__ = ["ConsistentCut", "JobCheckpointer", "JobControl", "StopTraining", "dense_part",
+           "fit_with_checkpoints",
            "load_dense_part", "loader_offsets_part", "make_job_admin", "resume_state"]
 
 log = logging.getLogger(__name__)
@@ -159,6 +184,84 @@ class JobCheckpointer:
         return manifest
 
 
+class ConsistentCut:
+    """One rank's side of the job's consistent cuts (see the module docstring).
+
+    ``run`` names this incarnation of the job (the same on every rank, new at each restart),
+    so a cut left half-done by a crash is never mistaken for a new one. ``positions``: where
+    this incarnation started (the cut it resumed from). Rank 0 needs the ``checkpointer``.
+    """
+
+    def __init__(self, root: Path | str, *, rank: int, world: int, run: str,
+                 checkpointer: JobCheckpointer | None = None,
+                 positions: Mapping[str, int] | None = None,
+                 loader_admin_url: str | None = None, timeout_s: float = 120.0) -> None:
+        if not 0 <= rank < world:
+            raise InvalidArgument(f"rank must be in [0, {world}), got {rank}")
+        if rank == 0 and checkpointer is None:
+            raise InvalidArgument("rank 0 writes the cuts: it needs a checkpointer")
+        self.root = Path(root)
+        self.rank, self.world, self.run = rank, world, run
+        self.checkpointer = checkpointer
+        self.positions = dict(positions or {})
+        self.loader_admin_url = loader_admin_url
+        self.timeout_s = timeout_s
+
+    def trained(self, positions: Mapping[str, tuple[int, int]]) -> None:
+        """Count a trained batch's ``Batch.positions`` into this rank's positions."""
+        advance(self.positions, positions)
+
+    async def cut(self, step: int, *, drain: Callable[[], Awaitable[Any]],
+                  dense: bytes | None = None) -> dict[str, Any]:
+        """Cut the job at ``step`` (every rank at the same step, between two steps): drain
+        this rank's pushes, meet the other ranks, and return the complete cut's manifest."""
+        checkpoint_id = f"cut-{self.run}-{step:010d}"
+        await drain()
+        ranks = self.root / checkpoint_id / "ranks"
+        body = json.dumps({"positions": self.positions}).encode()
+
+        def publish() -> None:
+            ranks.mkdir(parents=True, exist_ok=True)
+            atomic_write(ranks / f"rank-{self.rank}.json", body)
+
+        await asyncio.to_thread(publish)
+        if self.rank != 0:
+            await self._wait(lambda: (self.root / checkpoint_id / JOB_MANIFEST).is_file(),
+                             f"cut {checkpoint_id}: rank 0's manifest")
+            return await asyncio.to_thread(read_job_manifest, self.root, checkpoint_id)
+        files = [ranks / f"rank-{r}.json" for r in range(self.world)]
+        await self._wait(lambda: all(f.is_file() for f in files),
+                         f"cut {checkpoint_id}: every rank's positions")
+        reports = [json.loads(f.read_bytes()) for f in files]
+        assert self.checkpointer is not None
+        parts = {POSITIONS_PART: encode_positions(merge(r["positions"] for r in reports))}
+        if dense is not None:
+            parts["dense"] = dense
+        manifest = await self.checkpointer.checkpoint(step, checkpoint_id, parts=parts)
+        if self.loader_admin_url is not None:
+            await self._commit_loader(checkpoint_id)
+        return manifest
+
+    async def _wait(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not await asyncio.to_thread(done):
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{what} did not come within {self.timeout_s:.0f} s")
+            await asyncio.sleep(0.005)
+
+    async def _commit_loader(self, checkpoint_id: str) -> None:
+        """Ask the loader to commit the cut's offsets (a failure is logged: the next cut
+        commits later offsets, and a resume reads the cut, not the commits)."""
+        try:
+            async with httpx.AsyncClient(base_url=str(self.loader_admin_url),
+                                         timeout=30.0) as http:
+                response = await http.post(f"/v1/cuts/{checkpoint_id}/commit")
+            if response.status_code != 200:
+                raise error_from_http(response.status_code, response.json())
+        except (httpx.HTTPError, PersimmonError) as exc:
+            log.warning("committing cut %s to the loader failed: %s", checkpoint_id, exc)
+
+
 class StopTraining(Exception):  # noqa: N818 - a request, not an error
     """Raised from ``on_step`` after :meth:`JobControl.request_stop` (e.g. SIGTERM)."""
 
@@ -231,6 +334,8 @@ async def fit_with_checkpoints(trainer: Any, batches: Any, control: JobControl, 
     Returns (the fit summary, or None when stopped; the final checkpoint's manifest)."""
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, control.request_stop)
+    from services.common.admin import AdminServer
+
     admin = AdminServer(make_job_admin(control), host, admin_port) \
         if admin_port is not None else None
     trainer.on_step = control.on_step
@@ -254,6 +359,10 @@ async def fit_with_checkpoints(trainer: Any, batches: Any, control: JobControl, 
 def make_job_admin(control: JobControl) -> FastAPI:
     """Admin REST of the job: ``POST /v1/job/checkpoints`` (returns the manifest once the
     checkpoint is complete) and ``GET /v1/job/checkpoints`` (the complete ones)."""
+    from prometheus_client import CollectorRegistry  # the admin app's imports: on first use
+
+    from services.common.admin import make_admin_app
+
     root = control.checkpointer.root
     app = make_admin_app(title="Persimmon job", registry=CollectorRegistry(),
                          config=lambda: {"checkpoint_dir": str(root),

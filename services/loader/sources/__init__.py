@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from services.loader.config import LoaderConfig, SourceKind
-from services.loader.sources.base import Source, SourceBlock
+from services.loader.sources.base import Rewindable, Source, SourceBlock
 
-__all__ = ["Source", "SourceBlock", "make_source"]
+__all__ = ["Rewindable", "Source", "SourceBlock", "make_source"]
 
 
 def make_source(config: LoaderConfig) -> Source:

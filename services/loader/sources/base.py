@@ -27,7 +27,7 @@ from services.loader.config import SourceSpec
 from services.loader.parsers import BadRecord, Parsed
 from services.loader.schema import FeatureSchema, TextLayout, criteo_layout, load_schema_file
 
-__all__ = ["Source", "SourceBlock", "StateFile", "message_layout", "parsed_block"]
+__all__ = ["Rewindable", "Source", "SourceBlock", "StateFile", "message_layout", "parsed_block"]
 
 
 @dataclass(slots=True)
@@ -80,6 +80,16 @@ class Source(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Rewindable(Protocol):
+    """A source that can start at a job cut's positions and commit a complete cut's (the
+    loader's ``--checkpoint-dir``; :mod:`services.common.checkpoints.positions`)."""
+
+    def rewind(self, positions: dict[str, int]) -> None: ...
+
+    async def commit_positions(self, positions: dict[str, int]) -> dict[str, int]: ...
 
 
 def message_layout(spec: SourceSpec) -> tuple[str, TextLayout | None, Any]:

@@ -4,7 +4,10 @@ Partitions are assigned explicitly (``assign()``, no group rebalancing): replica
 reads the partitions p with ``p % n == r``, so placement is deterministic. Reading starts
 at the group's committed offset (earliest when there is none). An offset is committed only
 when every record before it was acknowledged by a worker (see
-:class:`~services.loader.batching.ChunkTracker`), so a restarted loader loses nothing.
+:class:`~services.loader.batching.ChunkTracker`), so a restarted loader loses nothing. Under
+job cuts (:meth:`KafkaSource.rewind`, the loader's ``--checkpoint-dir``) reading starts at
+the cut's offsets instead, and offsets are committed only for complete cuts
+(:meth:`KafkaSource.commit_positions`).
 Malformed records go to the ``dead_letter`` topic when one is given.
 """
 
@@ -45,6 +48,7 @@ class KafkaSource:
         self._partitions: list[TopicPartition] = []
         self._committed: dict[int, int] = {}
         self._read: dict[int, int] = {}
+        self._rewind: dict[str, int] = {}
         self.records = 0
         self.malformed = 0
 
@@ -82,7 +86,9 @@ class KafkaSource:
             committed = await consumer.committed(tp)
             if committed is not None:
                 self._committed[tp.partition] = committed
-                consumer.seek(tp, committed)
+            start = self._rewind.get(self._key(tp.partition), committed)
+            if start is not None:
+                consumer.seek(tp, start)
         self._consumer = consumer
         if self.dead_letter_topic:
             self._producer = AIOKafkaProducer(bootstrap_servers=self.spec.target)
@@ -128,6 +134,26 @@ class KafkaSource:
             return
         for tp, offset in offsets.items():
             self._committed[tp.partition] = offset
+
+    def rewind(self, positions: dict[str, int]) -> None:
+        """Read, from :meth:`start` on, each partition named in ``positions`` (a cut's) from
+        its position there; the others from the group's committed offset."""
+        self._rewind = dict(positions)
+
+    async def commit_positions(self, positions: dict[str, int]) -> dict[str, int]:
+        """Commit a complete cut's offsets of this source's partitions; returns them."""
+        if self._consumer is None:
+            raise Unavailable("the Kafka source is not started")
+        offsets = {tp: positions[self._key(tp.partition)] for tp in self._partitions
+                   if self._key(tp.partition) in positions}
+        if offsets:
+            try:
+                await self._consumer.commit(offsets)
+            except KafkaError as exc:
+                raise Unavailable(f"kafka commit failed: {exc}") from exc
+        for tp, offset in offsets.items():
+            self._committed[tp.partition] = offset
+        return {self._key(tp.partition): offset for tp, offset in offsets.items()}
 
     async def dead_letter(self, block: SourceBlock) -> None:
         if self._producer is None or not block.bad:
