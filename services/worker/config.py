@@ -16,7 +16,7 @@ from services.worker.sync import STRATEGIES, SyncConfig
 
 __all__ = ["DENSE_OPTIMIZERS", "MODES", "SYNC_FIELDS", "TrainerConfig", "ps_table_configs"]
 
-MODES = ("sync", "hybrid", "async")
+MODES = ("sync", "global_sync", "hybrid", "async")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd", "onebit_adam", "onebit_lamb")
 # the fields that choose the dense sync strategy (``--sync`` and its parameters)
 SYNC_FIELDS = ("sync", "sync_period", "sync_group_size", "sync_schedule", "sync_elastic_alpha",
@@ -31,13 +31,17 @@ class TrainerConfig:
     ``max(S, 1)`` semaphore slots before its lookup and frees it when its push is
     acknowledged, so a lookup sees at most ``S - 1`` earlier pushes still unacknowledged
     (never more than S). ``sync`` is S = 0 (one batch at a time, bit-reproducible);
-    ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead). In ``hybrid``
+    ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead).
+    ``global_sync`` is ``sync`` across the workers: after each push is acknowledged every
+    worker waits for the others, so every worker's push of step t is applied before any
+    worker's lookup of step t + 1 (``sync`` bounds only a worker's own pushes). In ``hybrid``
     mode the *hot* tables (``hot_ratio``: at most that many distinct ids per sample in the
     first batch) have the bound ``hot_staleness`` instead: stale updates of rows that every
     batch touches cost most of hybrid's AUC gap to sync (docs/training.md).
     """
 
-    mode: str = field(default="hybrid", metadata={"help": "sync, hybrid or async"})
+    mode: str = field(default="hybrid", metadata={
+        "help": "sync, global_sync (sync across the workers), hybrid or async"})
     staleness: int = field(default=8, metadata={"help": "hybrid: batches in flight (S)"})
     prefetch: int = field(default=8, metadata={"help": "async: lookups ahead of compute"})
     hot_ratio: float = field(default=0.3, metadata={
@@ -177,7 +181,7 @@ class TrainerConfig:
     @property
     def window(self) -> int | None:
         """Batches allowed in flight (lookup taken, push not acknowledged); None: unbounded."""
-        if self.mode == "sync":
+        if self.mode in ("sync", "global_sync"):
             return 1
         if self.mode == "hybrid":
             return max(self.staleness, 1)
