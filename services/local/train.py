@@ -84,6 +84,8 @@ def _sparse_features(admin_url: str) -> list[str]:
 def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: TrainerConfig,
                            model: ModelConfig, workers: int = 1, shards: int = 2,
                            dim: int = 16, ps_lr: float = 0.05, ps_optimizer: str = "adagrad",
+                           ps_weight_decay: float = 0.0,
+                           ps_table_lr: dict[str, float] | None = None,
                            batch_size: int = 512,
                            epochs: int = 1, data_seed: int = 0,
                            on_cluster: Callable[[Any, list[str]], None] | None = None
@@ -105,7 +107,8 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                        if eval_data else None)
         features = _sparse_features(loader.admin_url)
         tables = ps_table_configs({f: model.table_dim(dim) for f in features}, lr=ps_lr,
-                                  optimizer=ps_optimizer)
+                                  optimizer=ps_optimizer, weight_decay=ps_weight_decay,
+                                  table_lr=ps_table_lr)
         cluster = stack.enter_context(LocalPS(shards, tables, registry=config.registry))
         if on_cluster is not None:
             on_cluster(cluster, [str(t["name"]) for t in tables])
@@ -155,11 +158,27 @@ def _run_train(args: argparse.Namespace) -> int:
         return 0
     summary = train_on_local_cluster(
         train_data=train_spec, eval_data=eval_spec, config=config,
-        model=ModelConfig(name=args.model), workers=args.workers, shards=args.shards,
+        model=ModelConfig(name=args.model, dense_norm=args.dense_norm),
+        workers=args.workers, shards=args.shards,
         dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
+        ps_weight_decay=args.ps_weight_decay, ps_table_lr=args.ps_table_lr,
         batch_size=args.batch_size, epochs=args.epochs,
         data_seed=args.data_seed)
     return report_summary(summary, args.summary_json)
+
+
+def _table_lrs(text: str) -> dict[str, float]:
+    """``FEATURE=LR[,FEATURE=LR...]`` as a dict."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"bad table lr {part!r}: FEATURE=LR")
+    return out
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -172,4 +191,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--ps-optimizer", default="adagrad",
                        choices=["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"],
                        help="the PS tables' optimizer")
+    train.add_argument("--ps-weight-decay", type=float, default=0.0,
+                       help="L2 of every PS table's rows (added to their gradients)")
+    train.add_argument("--ps-table-lr", type=_table_lrs, default=None,
+                       help="PS lr of some features' tables: FEATURE=LR[,FEATURE=LR...]")
+    train.add_argument("--dense-norm", action=argparse.BooleanOptionalAction,
+                       default=ModelConfig().dense_norm,
+                       help="standardise the dense features with statistics of the first "
+                            "training samples, kept in the model (models.DenseNorm)")
     train.set_defaults(func=_run_train)

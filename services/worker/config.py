@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common.codecs import get_codec
@@ -189,11 +190,19 @@ class TrainerConfig:
 
 
 def ps_table_configs(feature_dims: dict[str, int], *, prefix: str = "", lr: float = 0.05,
-                     optimizer: str = "adagrad", seed: int = 0) -> list[dict[str, object]]:
+                     optimizer: str = "adagrad", seed: int = 0, weight_decay: float = 0.0,
+                     table_lr: Mapping[str, float] | None = None) -> list[dict[str, object]]:
     """PS table configs (dicts for ``LocalPS``/YAML), one table ``prefix + feature`` each,
-    with the server-side optimizer that trains planted data well (Adagrad, lr 0.05)."""
+    with the server-side optimizer that trains planted data well (Adagrad, lr 0.05);
+    ``table_lr`` sets the lr of some features' tables, ``weight_decay`` every table's L2."""
     if not feature_dims:
         raise ConfigError("feature_dims must name at least one feature")
+    table_lr = dict(table_lr or {})
+    unknown = sorted(set(table_lr) - set(feature_dims))
+    if unknown:
+        raise ConfigError(f"table_lr names features {unknown} that are not among "
+                          f"{sorted(feature_dims)}")
     return [{"name": f"{prefix}{name}", "dim": int(dim), "seed": seed,
-             "optimizer": {"kind": optimizer, "lr": lr}}
+             "optimizer": {"kind": optimizer, "lr": table_lr.get(name, lr),
+                           "weight_decay": weight_decay}}
             for name, dim in feature_dims.items()]
