@@ -191,10 +191,12 @@ class TrainerConfig:
 
 def ps_table_configs(feature_dims: dict[str, int], *, prefix: str = "", lr: float = 0.05,
                      optimizer: str = "adagrad", seed: int = 0, weight_decay: float = 0.0,
+                     initial_accumulator: float = 0.0,
                      table_lr: Mapping[str, float] | None = None) -> list[dict[str, object]]:
     """PS table configs (dicts for ``LocalPS``/YAML), one table ``prefix + feature`` each,
     with the server-side optimizer that trains planted data well (Adagrad, lr 0.05);
-    ``table_lr`` sets the lr of some features' tables, ``weight_decay`` every table's L2."""
+    ``table_lr`` sets the lr of some features' tables, ``weight_decay`` every table's L2,
+    ``initial_accumulator`` the Adagrads' starting accumulator."""
     if not feature_dims:
         raise ConfigError("feature_dims must name at least one feature")
     table_lr = dict(table_lr or {})
@@ -204,5 +206,6 @@ def ps_table_configs(feature_dims: dict[str, int], *, prefix: str = "", lr: floa
                           f"{sorted(feature_dims)}")
     return [{"name": f"{prefix}{name}", "dim": int(dim), "seed": seed,
              "optimizer": {"kind": optimizer, "lr": table_lr.get(name, lr),
-                           "weight_decay": weight_decay}}
+                           "weight_decay": weight_decay,
+                           "initial_accumulator": initial_accumulator}}
             for name, dim in feature_dims.items()]
