@@ -206,8 +206,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                             "every element is +-lr)")
     train.add_argument("--ps-table-lr", type=_table_lrs, default=None,
                        help="PS lr of some features' tables: FEATURE=LR[,FEATURE=LR...]")
-    train.add_argument("--dense-norm", action=argparse.BooleanOptionalAction,
-                       default=ModelConfig().dense_norm,
+    train.add_argument("--dense-norm", action=argparse.BooleanOptionalAction, default=True,
                        help="standardise the dense features with statistics of the first "
                             "training samples, kept in the model (models.DenseNorm)")
     train.set_defaults(func=_run_train)

@@ -70,9 +70,7 @@ class Predictor:
                 verify_version(directory.parent / m["version_id"], m)
         try:
             spec = FeatureSpec.from_dict(_json(directory / SPEC))
-            # a version written before dense_norm existed was trained without it
-            model_config = from_dict(ModelConfig, {"dense_norm": False, **manifest["model"]},
-                                     where="manifest model")
+            model_config = from_dict(ModelConfig, manifest["model"], where="manifest model")
             model = model_config.build(sparse_dims=dict(manifest["sparse_dims"]),
                                        num_dense=int(manifest["num_dense"]))
             state = torch.load(io.BytesIO((directory / DENSE).read_bytes()), weights_only=True)

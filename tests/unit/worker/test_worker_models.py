@@ -172,7 +172,7 @@ def test_build_model_errors() -> None:
 def test_model_config_from_dict_builds_and_rejects() -> None:
     cfg = from_dict(ModelConfig, {"name": "deepfm", "deep_mlp": [16, 8], "fm_dim": 4})
     assert cfg.arch() == {"deep_mlp": [16, 8], "fm_dim": 4, "id_weights": False,
-                          "dense_norm": True}
+                          "dense_norm": False}
     model = cfg.build(sparse_dims=DIMS, num_dense=2)
     pooled, _ = _inputs()
     assert model(pooled, torch.zeros(6, 2)).shape == (6,)
