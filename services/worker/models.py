@@ -114,6 +114,10 @@ class DenseNorm(nn.Module):
     mode. The statistics are buffers (float64), so they travel in the state dict; before any
     training sample the module is the identity, and in eval mode it never updates them."""
 
+    count: Tensor  # samples merged so far
+    mean: Tensor   # (D,)
+    m2: Tensor     # (D,): sum of squared deviations from the mean
+
     def __init__(self, num_dense: int, *, warmup: int = 65_536, eps: float = 1e-6) -> None:
         super().__init__()
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
