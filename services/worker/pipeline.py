@@ -147,8 +147,9 @@ class EmbeddingPipeline:
     ``timers`` get the seconds of every lookup and push. ``hot_ratio``: tables whose first
     batch has at most this many distinct ids per sample get ``hot_window`` slots of their own
     (None or 0: no hot tables; only with a window above ``hot_window``). ``worker`` of
-    ``workers``: this worker's rank and the number of workers, in the step tags; ``barrier``: awaited by every acknowledged push before
-    its slot is freed (then no batch rides on a push; see the module doc).
+    ``workers``: this worker's rank and the number of workers, in the step tags;
+    ``barrier``: awaited by every acknowledged push before its slot is freed (then no batch
+    rides on a push; see the module doc).
     """
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from services.common.batch import Batch, Jagged
+from services.common.errors import ConfigError
 from services.ps.inprocess import InProcessShards, PushGate
 from services.worker.pipeline import EmbeddingPipeline, Prepared
 
@@ -145,3 +146,12 @@ async def test_the_ps_counts_the_pushes_of_every_worker_a_lookup_missed(window: 
     globals_ = ps_matches_rows(stats, seen)
     assert stats["own_staleness_max"] == window - 1
     assert max(globals_) > stats["own_staleness_max"]  # the other workers' pushes missed too
+
+
+def test_bad_worker_ranks_and_a_barrier_without_a_window_are_clear_errors() -> None:
+    shards = InProcessShards([table()])
+    for worker, workers in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ConfigError, match="worker must be in"):
+            EmbeddingPipeline(shards, window=1, worker=worker, workers=workers)
+    with pytest.raises(ConfigError, match="barrier needs a window"):
+        EmbeddingPipeline(shards, window=None, barrier=asyncio.Barrier(1).wait)
