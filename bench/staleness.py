@@ -15,9 +15,11 @@ vocabularies, so a step has 8 tables of lookups and pushes to overlap with compu
 so every batch reads and writes the same hot rows; ``--data criteo`` the Criteo-shaped profile
 (26 features, vocabularies capped at 200k ids, Zipf 1.1).
 
-The S rows bound every table (``hot_ratio=0``): they show what the window costs. The last row
-is the default hybrid mode, S = 8 with the hot tables (few distinct ids per batch) at
-``hot_staleness=1``.
+The S rows bound every table (``hot_ratio=0``): they show what the window costs. S = 0 bounds
+only a worker's own pushes; the ``global_sync`` row is synchronous across the workers (every
+worker's push of step t applied before any lookup of step t + 1), the baseline of a fair
+comparison with several workers. The last row is the default hybrid mode, S = 8 with the hot
+tables (few distinct ids per batch) at ``hot_staleness=1``.
 """
 
 from __future__ import annotations
@@ -43,14 +45,17 @@ STALENESS: tuple[int | None, ...] = (0, 1, 2, 4, 8, 16, 32, None)   # None: unbo
 DATA = {"small": PLANTED, "default": SyntheticConfig(seed=0),
         "criteo": synthetic_profile("criteo", max_vocab=200_000)}
 DEFAULT_ROW = "8+hot"  # the default hybrid settings, as the last row
+GLOBAL_ROW = "global_sync"  # synchronous across the workers, before the default row
 _ASYNC_PREFETCH = 64
 
 
 def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> TrainerConfig:
     """S = 0: sync mode; S >= 1: hybrid with bound S on every table; None: async
     (unbounded); :data:`DEFAULT_ROW`: hybrid as configured by default (S = 8, hot tables at
-    ``hot_staleness``)."""
+    ``hot_staleness``); :data:`GLOBAL_ROW`: global_sync mode."""
     base = replace(base, sync="allreduce")
+    if s == GLOBAL_ROW:
+        return replace(base, mode="global_sync", staleness=0)
     if s is None:
         return replace(base, mode="async", prefetch=_ASYNC_PREFETCH)
     if s == DEFAULT_ROW:
@@ -72,7 +77,7 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
         raise ConfigError(f"unknown data {data!r}; available: {sorted(DATA)}")
     if seeds < 1:
         raise ConfigError(f"seeds must be >= 1, got {seeds}")
-    bounds = (*staleness, DEFAULT_ROW)
+    bounds = (*staleness, GLOBAL_ROW, DEFAULT_ROW)
     per_seed, oracles = [], []
     for seed in range(seeds):
         configs = [replace(staleness_config(s), seed=seed) for s in bounds]
@@ -102,6 +107,8 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
 def _label(s: int | str | None) -> str:
     if s == DEFAULT_ROW:
         return "8, hot tables 1 (default)"
+    if s == GLOBAL_ROW:
+        return "0 across workers"
     return "unbounded" if s is None else str(s)
 
 

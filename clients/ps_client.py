@@ -90,6 +90,11 @@ def sum_duplicates(inverse: np.ndarray, num_unique: int, grads: np.ndarray) -> n
     return np.add.reduceat(grads[order], starts, axis=0)
 
 
+def _tag(layout: ShardedIds) -> list[int] | None:
+    """The layout's step tag as it travels (services.ps.staleness counts it)."""
+    return None if layout.tag is None else list(layout.tag)
+
+
 def _check_mode(mode: str) -> None:
     if mode not in ("sum", "mean"):
         raise InvalidArgument(f"pooling mode must be 'sum' or 'mean', got {mode!r}")
@@ -293,7 +298,8 @@ class PSClient:
     def _lookup_body(self, k: int, layout: ShardedIds) -> msg.LookupRequest:
         lo, hi = layout.bounds[k], layout.bounds[k + 1]
         return msg.LookupRequest(tables=list(layout.tables), counts=layout.counts[k].tolist(),
-                             ids=raw_array(layout.ids[lo:hi]), codec=self.rows_codec)
+                             ids=raw_array(layout.ids[lo:hi]), codec=self.rows_codec,
+                             tag=_tag(layout))
 
     def _push_body(self, k: int, layout: ShardedIds, grads: np.ndarray) -> msg.PushRequest:
         lo, hi = int(layout.bounds[k]), int(layout.bounds[k + 1])
@@ -301,7 +307,8 @@ class PSClient:
                                seq=self._shards[k].next_seq(), tables=list(layout.tables),
                                counts=layout.counts[k].tolist(),
                                ids=raw_array(layout.ids[lo:hi]),
-                               grads=self._grads_body(k, layout, lo, grads))
+                               grads=self._grads_body(k, layout, lo, grads),
+                               tag=_tag(layout))
 
     async def _rows_of(self, replies: Sequence[msg.LookupReply], layout: ShardedIds) -> np.ndarray:
         """The rows of the replies (in shard order) as one writable float32 array."""

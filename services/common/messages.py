@@ -273,6 +273,13 @@ def _check_seq(seq: int, where: str) -> None:
         raise MalformedMessage(f"{where}.seq must be a push sequence number >= 1, got {seq}")
 
 
+def _check_tag(tag: list[int] | None, where: str) -> None:
+    """A step tag is [worker rank, training step, workers] (services.ps.staleness)."""
+    if tag is not None and (len(tag) != 3 or min(tag) < 0 or tag[0] >= tag[2]):
+        raise MalformedMessage(f"{where}.tag must be [worker, step, workers], worker and step "
+                               f">= 0, worker < workers, got {tag}")
+
+
 def _check_rows(arr: WireArray, rows: int, what: str) -> None:
     if arr.ndim != 2 or arr.shape[0] != rows:
         raise MalformedMessage(f"{what} must be ({rows}, dim), got shape {list(arr.shape)}")
@@ -292,9 +299,11 @@ class LookupRequest(Message):
     counts: list[int] = field(metadata={"max_items": MAX_TABLES})
     ids: WireArray
     codec: str = "none"
+    tag: list[int] | None = field(default=None, metadata={"max_items": 3})
 
     def __post_init__(self) -> None:
         _check_parts(self.tables, self.counts, self.ids, "LookupRequest")
+        _check_tag(self.tag, "LookupRequest")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -316,9 +325,11 @@ class PushRequest(Message):
     counts: list[int] = field(metadata={"max_items": MAX_TABLES})
     ids: WireArray
     grads: list[WireArray] = field(metadata={"max_items": MAX_TABLES})
+    tag: list[int] | None = field(default=None, metadata={"max_items": 3})
 
     def __post_init__(self) -> None:
         _check_seq(self.seq, "PushRequest")
+        _check_tag(self.tag, "PushRequest")
         _check_parts(self.tables, self.counts, self.ids, "PushRequest")
         if len(self.grads) == 1:
             _check_rows(self.grads[0], self.ids.shape[0], "PushRequest.grads[0]")

@@ -131,13 +131,16 @@ class ShardedIds:
     """Unique ids of several tables ordered by shard, then table.
 
     The ids of ``tables[j]`` on shard ``k`` are ``ids[start:start + counts[k, j]]``, shard
-    ``k``'s whole share is ``ids[bounds[k]:bounds[k + 1]]``.
+    ``k``'s whole share is ``ids[bounds[k]:bounds[k + 1]]``. ``tag`` (worker rank, training
+    step, number of workers) travels with the layout's lookup and push, so that the PS counts the staleness of
+    each lookup over every worker's pushes (``services.ps.staleness``).
     """
 
     tables: tuple[str, ...]
     ids: np.ndarray     # uint64 (U,)
     counts: np.ndarray  # int64 (num_shards, len(tables))
     bounds: np.ndarray = field(init=False)  # (num_shards + 1,): each shard's share, lo to hi
+    tag: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         bounds = np.zeros(self.counts.shape[0] + 1, dtype=np.int64)

@@ -59,6 +59,10 @@ def ps_placement(ps: str, workers: int, config: TrainerConfig) -> str:
                           "processes")
     return ps
 
+# persimmon train shuffles its training rows: a file in some order (sorted by user, by date)
+# otherwise trains on batches of one user or one day (docs/benchmarks.md#quality)
+SHUFFLE_BUFFER = 131_072
+
 
 def _synthetic_rows(spec: str) -> int | None:
     """The row count of a ``synthetic:ROWS`` spec; None for any other source."""
@@ -117,7 +121,9 @@ def _sparse_features(admin_url: str) -> list[str]:
 def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: TrainerConfig,
                            model: ModelConfig, workers: int = 1, shards: int = 2,
                            dim: int = 16, ps_lr: float = 0.05, ps_optimizer: str = "adagrad",
-                           batch_size: int = 512,
+                           ps_weight_decay: float = 0.0, ps_initial_accumulator: float = 0.0,
+                           ps_table_lr: dict[str, float] | None = None,
+                           batch_size: int = 512, shuffle_buffer: int = 0,
                            epochs: int = 1, data_seed: int = 0, ps: str = "auto"
                            ) -> dict[str, Any]:
     """Start loaders on loopback ports and the PS shards where ``ps`` places them
@@ -132,13 +138,15 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
     with ExitStack() as stack:
         loader = stack.enter_context(LocalLoader(train_data, batch_size=batch_size,
                                                  world_size=workers, seed=data_seed,
-                                                 epochs=epochs))
+                                                 epochs=epochs, shuffle_buffer=shuffle_buffer))
         eval_loader = (stack.enter_context(LocalLoader(eval_data, batch_size=4096,
                                                        world_size=workers, seed=data_seed))
                        if eval_data else None)
         features = _sparse_features(loader.admin_url)
         tables = ps_table_configs({f: model.table_dim(dim) for f in features}, lr=ps_lr,
-                                  optimizer=ps_optimizer)
+                                  optimizer=ps_optimizer, weight_decay=ps_weight_decay,
+                                  initial_accumulator=ps_initial_accumulator,
+                                  table_lr=ps_table_lr)
         exports = stack.enter_context(tempfile.TemporaryDirectory(prefix="persimmon-export-")) \
             if config.export_dir else None  # the PS checkpoints each export is made from
         attach = None
@@ -215,11 +223,28 @@ def _run_train(args: argparse.Namespace) -> int:
         return 0
     summary = train_on_local_cluster(
         train_data=train_spec, eval_data=eval_spec, config=config,
-        model=ModelConfig(name=args.model), workers=args.workers, shards=args.shards,
+        model=ModelConfig(name=args.model, dense_norm=args.dense_norm),
+        workers=args.workers, shards=args.shards,
         dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
-        batch_size=args.batch_size, epochs=args.epochs,
+        ps_weight_decay=args.ps_weight_decay, ps_table_lr=args.ps_table_lr,
+        ps_initial_accumulator=args.ps_initial_accumulator,
+        batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer, epochs=args.epochs,
         data_seed=args.data_seed, ps=args.ps)
     return report_summary(summary, args.summary_json)
+
+
+def _table_lrs(text: str) -> dict[str, float]:
+    """``FEATURE=LR[,FEATURE=LR...]`` as a dict."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"bad table lr {part!r}: FEATURE=LR")
+    return out
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -235,4 +260,16 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--ps-optimizer", default="adagrad",
                        choices=["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"],
                        help="the PS tables' optimizer")
+    train.add_argument("--shuffle-buffer", type=int, default=SHUFFLE_BUFFER,
+                       help="training rows shuffled together by the loader (0: file order)")
+    train.add_argument("--ps-weight-decay", type=float, default=0.0,
+                       help="L2 of every PS table's rows (added to their gradients)")
+    train.add_argument("--ps-initial-accumulator", type=float, default=0.0,
+                       help="the PS Adagrads' starting accumulator (0: the first step of "
+                            "every element is +-lr)")
+    train.add_argument("--ps-table-lr", type=_table_lrs, default=None,
+                       help="PS lr of some features' tables: FEATURE=LR[,FEATURE=LR...]")
+    train.add_argument("--dense-norm", action=argparse.BooleanOptionalAction, default=True,
+                       help="standardise the dense features with statistics of the first "
+                            "training samples, kept in the model (models.DenseNorm)")
     train.set_defaults(func=_run_train)

@@ -4,11 +4,12 @@
 and serves a worker's step calls (``lookup_sharded``, ``push_sharded``, ``push_then_lookup``,
 ``tables``) on them directly: a layout's share for shard ``k`` (the ids
 :func:`services.common.sharding.shard_of` gives ``k``, as on the gRPC path) goes to shard
-``k``'s multi-table calls, which validate before they apply, as the gRPC servicer does. It
-is a ``clients.rows.RowsClient`` by its shape (the PS does not import the clients), and a
-``clients.rows.DirectRows`` (``lookup_now``/``push_now`` serve from the calling thread: a
-worker's compute thread updates its hot tables so); nothing crosses a wire, so
-``wire_bytes()`` is all zeros and ``codec_stats`` stays empty.
+``k``'s multi-table calls, which validate before they apply, as the gRPC servicer does (with
+the layouts' step tags, :mod:`services.ps.staleness`). It is a ``clients.rows.RowsClient`` by
+its shape (the PS does not import the clients), and a ``clients.rows.DirectRows``
+(``lookup_now``/``push_now`` serve from the calling thread: a worker's compute thread updates
+its hot tables so); nothing crosses a wire, so ``wire_bytes()`` is all zeros and
+``codec_stats`` stays empty.
 
 A :class:`PushGate` holds pushes until the caller releases them, in arrival order: a test of
 the worker's embedding pipeline decides when each push is applied and acknowledged.
@@ -34,6 +35,7 @@ from services.common.errors import InvalidArgument
 from services.common.sharding import ShardedIds
 from services.ps.config import PSConfig
 from services.ps.shard import Shard
+from services.ps.staleness import step_tags
 from services.ps.store import PushResult
 from services.ps.tables import TableConfig
 
@@ -173,9 +175,10 @@ class InProcessShards:
     async def lookup_sharded(self, layout: ShardedIds) -> np.ndarray:
         """Rows ``(len(layout.ids), dim)`` aligned with ``layout.ids``."""
         dim = self._check_layout(layout)
-        parts = await asyncio.gather(*(
-            self.shards[k].lookup_many(layout.tables, layout.counts[k].tolist(), ids)
-            for k, ids in self._shares(layout)))
+        with step_tags(lookup=layout.tag):
+            parts = await asyncio.gather(*(
+                self.shards[k].lookup_many(layout.tables, layout.counts[k].tolist(), ids)
+                for k, ids in self._shares(layout)))
         return _rows(parts, dim)
 
     async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushResult:
@@ -184,10 +187,11 @@ class InProcessShards:
         _check_grads(layout, grads, dim)
         if self.gate is not None:
             await self.gate.wait()
-        return _sum(await asyncio.gather(*(
-            self.shards[k].push_many(layout.tables, layout.counts[k].tolist(), ids,
-                                     grads[layout.bounds[k]:layout.bounds[k + 1]])
-            for k, ids in self._shares(layout))))
+        with step_tags(push=layout.tag):
+            return _sum(await asyncio.gather(*(
+                self.shards[k].push_many(layout.tables, layout.counts[k].tolist(), ids,
+                                         grads[layout.bounds[k]:layout.bounds[k + 1]])
+                for k, ids in self._shares(layout))))
 
     async def push_then_lookup(self, layout: ShardedIds, grads: np.ndarray,
                                then: ShardedIds) -> tuple[PushResult, np.ndarray]:
@@ -206,7 +210,8 @@ class InProcessShards:
                      grads[layout.bounds[k]:layout.bounds[k + 1]]) if k in pushed else None)
             lookup = (then.tables, then.counts[k].tolist(), asked[k]) if k in asked else None
             jobs.append(self._push_then_lookup_one(self.shards[k], push, lookup))
-        done = await asyncio.gather(*jobs)
+        with step_tags(push=layout.tag, lookup=then.tag):
+            done = await asyncio.gather(*jobs)
         return (_sum([r for r, _ in done if r is not None]),
                 _rows([rows for _, rows in done if rows is not None], then_dim))
 

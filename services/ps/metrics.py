@@ -1,4 +1,5 @@
-"""Prometheus metrics of a PS shard: table gauges read at scrape time, request histograms."""
+"""Prometheus metrics of a PS shard: table gauges read at scrape time (with the staleness of
+the tagged lookups, :mod:`services.ps.staleness`), request histograms."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ _COUNTERS = {"lookups": "Lookup requests", "pushes": "Push requests",
              "evictions": "Rows evicted by capacity", "expired": "Rows dropped by TTL",
              "dropped_nonfinite": "Gradients dropped for NaN/Inf",
              "not_admitted": "Ids not (yet) admitted"}
+_STALENESS = {  # services.ps.staleness
+    "global_staleness_max": "Most earlier pushes, of every worker, a tagged lookup missed",
+    "global_staleness_mean": "Mean earlier pushes, of every worker, a tagged lookup missed",
+    "own_staleness_max": "Most earlier pushes of its own worker a tagged lookup missed",
+    "own_staleness_mean": "Mean earlier pushes of its own worker a tagged lookup missed"}
 
 
 class _TableCollector(Collector):
@@ -44,6 +50,12 @@ class _TableCollector(Collector):
             for name, s in stats.items():
                 counter.add_metric([name], float(s[key]))
             yield counter
+        staleness = {name: self.shard.staleness.stats(name) for name in stats}
+        for key, doc in _STALENESS.items():
+            fam = GaugeMetricFamily(f"persimmon_ps_table_{key}", doc, labels=["table"])
+            for name, s in staleness.items():
+                fam.add_metric([name], float(s[key]))
+            yield fam
 
 
 class PSMetrics:

@@ -7,7 +7,9 @@ with INVALID_ARGUMENT (FAILED_PRECONDITION for another protocol version); a deco
 invalid request gets an in-band ``error`` for its ``rid`` and the stream goes on. Every part
 of a request is checked before any is served or applied. Every push names its origin
 (``client``, ``seq``) and is applied at most once: a retry gets the first ack
-(:mod:`services.ps.dedup`).
+(:mod:`services.ps.dedup`). A lookup or push may carry a step ``tag`` (worker, step, workers): the shard
+counts the staleness of tagged lookups over every worker's pushes (:mod:`services.ps.staleness`,
+reported by Stats).
 
 PooledLookup/PooledPush are DES-style partial pooling: ``ids`` are this shard's ids of a
 batch, sample by sample (``lengths[b]`` ids for sample ``b``); the shard returns per-sample
@@ -48,6 +50,7 @@ from services.common.wire import decode_message, encode_message
 from services.ps.dedup import PushOrigin
 from services.ps.metrics import PSMetrics
 from services.ps.shard import Shard
+from services.ps.staleness import StepTag, step_tags
 from services.ps.store import PushResult
 
 __all__ = ["SERVICE_NAME", "PSServicer"]
@@ -120,20 +123,25 @@ class PSServicer:
 
     async def _lookup(self, req: LookupRequest, codecs: dict[str, Codec]) -> LookupReply:
         codec = _codec(req.codec, codecs)
-        rows = await self.shard.lookup_many(req.tables, req.counts, decode_array(req.ids, "ids"))
+        with step_tags(lookup=_tag(req.tag)):
+            rows = await self.shard.lookup_many(req.tables, req.counts,
+                                                decode_array(req.ids, "ids"))
         return LookupReply(rows=encode_array(rows, codec))
 
     async def _push(self, req: PushRequest, codecs: dict[str, Codec]) -> PushReply:
-        return _ack(await self.shard.push_many(*_push_parts(req), origin=_origin(req)),
-                    PushReply)
+        with step_tags(push=_tag(req.tag)):
+            return _ack(await self.shard.push_many(*_push_parts(req), origin=_origin(req)),
+                        PushReply)
 
     async def _push_then_lookup(self, req: PushThenLookupRequest, codecs: dict[str, Codec]
                                 ) -> PushThenLookupReply:
         ask = req.lookup
         codec = _codec(ask.codec, codecs)
-        result, rows = await self.shard.push_then_lookup(
-            _push_parts(req.push), (ask.tables, ask.counts, decode_array(ask.ids, "lookup.ids")),
-            origin=_origin(req.push))
+        with step_tags(push=_tag(req.push.tag), lookup=_tag(ask.tag)):
+            result, rows = await self.shard.push_then_lookup(
+                _push_parts(req.push),
+                (ask.tables, ask.counts, decode_array(ask.ids, "lookup.ids")),
+                origin=_origin(req.push))
         return PushThenLookupReply(push=_ack(result, PushReply),
                                    lookup=LookupReply(rows=encode_array(rows, codec)))
 
@@ -166,7 +174,8 @@ class PSServicer:
         names = [req.table] if req.table is not None else list(self.shard.tables)
         return encode_message(StatsReply(
             shard_id=self.shard.config.shard_id,
-            tables={n: self.shard.table(n).stats() for n in names}).to_wire())
+            tables={n: {**self.shard.table(n).stats(), **self.shard.staleness.stats(n)}
+                    for n in names}).to_wire())
 
 
 def _codec(name: str, codecs: dict[str, Codec]) -> Codec:
@@ -187,6 +196,10 @@ def _push_parts(req: PushRequest) -> tuple[list[str], list[int], np.ndarray,
     grads = [_float32(decode_array(g, f"grads[{i}]")) for i, g in enumerate(req.grads)]
     return (req.tables, req.counts, decode_array(req.ids, "ids"),
             grads[0] if len(grads) == 1 else grads)
+
+
+def _tag(tag: list[int] | None) -> StepTag | None:
+    return None if tag is None else (tag[0], tag[1], tag[2])
 
 
 def _origin(req: PushRequest | PooledPushRequest) -> PushOrigin:

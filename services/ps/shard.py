@@ -44,6 +44,7 @@ from services.ps.checkpoint import (
 )
 from services.ps.config import PSConfig
 from services.ps.dedup import PushOrigin, PushWindow, fingerprint
+from services.ps.staleness import GlobalStaleness
 from services.ps.store import EmbeddingTable, PushResult, warm_up
 from services.ps.tables import OptimizerConfig, TableConfig
 
@@ -65,6 +66,7 @@ class Shard:
         self._ckpt_lock = asyncio.Lock()
         self._last_checkpoint: str | None = None
         self.pushes = PushWindow()  # the pushes applied, per client (see services.ps.dedup)
+        self.staleness = GlobalStaleness()  # of the tagged lookups (services.ps.staleness)
         for table_config in config.tables:
             self.create_table(table_config)
 
@@ -240,6 +242,7 @@ class Shard:
         for name, part in parts:
             with self._locks[name]:
                 out[start:start + part.size] = self.table(name).lookup(part)
+                self.staleness.looked_up(name)
             start += part.size
         return out
 
@@ -262,6 +265,7 @@ class Shard:
 
         def apply() -> PushResult:
             results = [table.push(part, g) for table, part, g in checked]
+            self.staleness.pushed(tables)
             return PushResult(applied=sum(r.applied for r in results),
                               dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
                               not_admitted=sum(r.not_admitted for r in results))

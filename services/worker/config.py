@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common.codecs import get_codec
@@ -16,7 +17,7 @@ from services.worker.sync import STRATEGIES, SyncConfig
 
 __all__ = ["DENSE_OPTIMIZERS", "MODES", "SYNC_FIELDS", "TrainerConfig", "ps_table_configs"]
 
-MODES = ("sync", "hybrid", "async")
+MODES = ("sync", "global_sync", "hybrid", "async")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd", "lamb", "onebit_adam", "onebit_lamb")
 # strategies that take no codec (they exchange their own payload, not a flat average)
 UNCOMPRESSED_SYNCS = ("gossip", "hierarchical", "sfb", "gadmm")
@@ -33,13 +34,17 @@ class TrainerConfig:
     ``max(S, 1)`` semaphore slots before its lookup and frees it when its push is
     acknowledged, so a lookup sees at most ``S - 1`` earlier pushes still unacknowledged
     (never more than S). ``sync`` is S = 0 (one batch at a time, bit-reproducible);
-    ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead). In ``hybrid``
+    ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead).
+    ``global_sync`` is ``sync`` across the workers: after each push is acknowledged every
+    worker waits for the others, so every worker's push of step t is applied before any
+    worker's lookup of step t + 1 (``sync`` bounds only a worker's own pushes). In ``hybrid``
     mode the *hot* tables (``hot_ratio``: at most that many distinct ids per sample in the
     first batch) have the bound ``hot_staleness`` instead: stale updates of rows that every
     batch touches cost most of hybrid's AUC gap to sync (docs/training.md).
     """
 
-    mode: str = field(default="hybrid", metadata={"help": "sync, hybrid or async"})
+    mode: str = field(default="hybrid", metadata={
+        "help": "sync, global_sync (sync across the workers), hybrid or async"})
     staleness: int = field(default=8, metadata={"help": "hybrid: batches in flight (S)"})
     prefetch: int = field(default=8, metadata={"help": "async: lookups ahead of compute"})
     hot_ratio: float = field(default=0.3, metadata={
@@ -233,7 +238,7 @@ class TrainerConfig:
     @property
     def window(self) -> int | None:
         """Batches allowed in flight (lookup taken, push not acknowledged); None: unbounded."""
-        if self.mode == "sync":
+        if self.mode in ("sync", "global_sync"):
             return 1
         if self.mode == "hybrid":
             return max(self.staleness, 1)
@@ -241,11 +246,22 @@ class TrainerConfig:
 
 
 def ps_table_configs(feature_dims: dict[str, int], *, prefix: str = "", lr: float = 0.05,
-                     optimizer: str = "adagrad", seed: int = 0) -> list[dict[str, object]]:
+                     optimizer: str = "adagrad", seed: int = 0, weight_decay: float = 0.0,
+                     initial_accumulator: float = 0.0,
+                     table_lr: Mapping[str, float] | None = None) -> list[dict[str, object]]:
     """PS table configs (dicts for ``LocalPS``/YAML), one table ``prefix + feature`` each,
-    with the server-side optimizer that trains planted data well (Adagrad, lr 0.05)."""
+    with the server-side optimizer that trains planted data well (Adagrad, lr 0.05);
+    ``table_lr`` sets the lr of some features' tables, ``weight_decay`` every table's L2,
+    ``initial_accumulator`` the Adagrads' starting accumulator."""
     if not feature_dims:
         raise ConfigError("feature_dims must name at least one feature")
+    table_lr = dict(table_lr or {})
+    unknown = sorted(set(table_lr) - set(feature_dims))
+    if unknown:
+        raise ConfigError(f"table_lr names features {unknown} that are not among "
+                          f"{sorted(feature_dims)}")
     return [{"name": f"{prefix}{name}", "dim": int(dim), "seed": seed,
-             "optimizer": {"kind": optimizer, "lr": lr}}
+             "optimizer": {"kind": optimizer, "lr": table_lr.get(name, lr),
+                           "weight_decay": weight_decay,
+                           "initial_accumulator": initial_accumulator}}
             for name, dim in feature_dims.items()]

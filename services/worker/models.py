@@ -18,6 +18,12 @@ over the features; the other columns are the embedding. Without it, the first-or
 linear layer over the pooled vectors (``w_f · e_id``, a projection of the embedding). Models
 whose interaction needs one common dimension (DLRM, DeepFM) project each table with a
 different dim through a bias-free linear layer.
+
+With ``dense_norm`` every model standardises its dense input (the loader's log1p'd counts)
+with :class:`DenseNorm`: statistics of the first training samples, kept in the model's state
+dict, so a checkpoint and a served version apply exactly what training applied. ``persimmon
+train`` turns it on (docs/benchmarks.md#quality); the config's default stays off, so that
+the figures recorded with it off still hold.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ __all__ = [
     "DLRM",
     "MODELS",
     "DeepFM",
+    "DenseNorm",
     "LogisticRegression",
     "ModelConfig",
     "WideAndDeep",
@@ -101,11 +108,55 @@ def _check_sizes(name: str, sizes: Sequence[int], *, allow_empty: bool = True) -
     return sizes
 
 
+class DenseNorm(nn.Module):
+    """Standardises dense features ``(B, D)``: ``(x - mean) / sqrt(var + eps)`` per column,
+    with the mean and variance of the first ``warmup`` training samples (whole batches,
+    merged batch by batch), frozen after, as BatchNorm's running statistics are in eval
+    mode. The statistics are buffers (float64), so they travel in the state dict; before any
+    training sample the module is the identity, and in eval mode it never updates them."""
+
+    count: Tensor  # samples merged so far
+    mean: Tensor   # (D,)
+    m2: Tensor     # (D,): sum of squared deviations from the mean
+
+    def __init__(self, num_dense: int, *, warmup: int = 65_536, eps: float = 1e-6) -> None:
+        super().__init__()
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+            raise ConfigError(f"warmup must be an int >= 1, got {warmup!r}")
+        self.warmup, self.eps = warmup, eps
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(num_dense, dtype=torch.float64))
+        self.register_buffer("m2", torch.zeros(num_dense, dtype=torch.float64))
+
+    @torch.no_grad()
+    def _update(self, x: Tensor) -> None:
+        """Merge the batch's count, mean and sum of squared deviations into the buffers
+        (Chan et al.'s pairwise update)."""
+        x = x.to(torch.float64)
+        n = float(x.shape[0])
+        mean = x.mean(0)
+        m2 = ((x - mean) ** 2).sum(0)
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * (n / total)
+        self.m2 += m2 + delta ** 2 * (self.count * n / total)
+        self.count.fill_(total)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and x.shape[0] and float(self.count) < self.warmup:
+            self._update(x.detach())
+        if not float(self.count):
+            return x
+        scale = torch.rsqrt(self.m2 / self.count + self.eps)
+        return ((x - self.mean.to(x.dtype)) * scale.to(x.dtype))
+
+
 class _RecModel(nn.Module):
-    """Shared input handling: feature order, validation, projection to a common dim."""
+    """Shared input handling: feature order, validation, dense normalisation, projection to a
+    common dim."""
 
     def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
-                 id_weights: bool = False) -> None:
+                 id_weights: bool = False, dense_norm: bool = False) -> None:
         super().__init__()
         if not sparse_dims:
             raise ConfigError("sparse_dims must name at least one sparse feature")
@@ -122,6 +173,13 @@ class _RecModel(nn.Module):
         self.embedding_dims = {f: d - 1 if id_weights else d for f, d in sparse_dims.items()}
         self.num_dense = num_dense
         self.flat_dim = sum(self.embedding_dims.values()) + num_dense
+        self.dense_norm = DenseNorm(num_dense) if dense_norm and num_dense else None
+
+    def _inputs(self, pooled: Mapping[str, Tensor], dense: Tensor
+                ) -> tuple[list[Tensor], Tensor]:
+        """The pooled tensors in feature order and the dense input, normalised if so built."""
+        feats = self._features(pooled, dense)
+        return feats, self.dense_norm(dense) if self.dense_norm is not None else dense
 
     def _features(self, pooled: Mapping[str, Tensor], dense: Tensor) -> list[Tensor]:
         """The pooled tensors in feature order, checked against ``dense``'s batch size."""
@@ -166,8 +224,9 @@ class DLRM(_RecModel):
     """
 
     def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
-                 bottom_mlp: Sequence[int] = (64, 16), top_mlp: Sequence[int] = (64, 32)) -> None:
-        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+                 bottom_mlp: Sequence[int] = (64, 16), top_mlp: Sequence[int] = (64, 32),
+                 dense_norm: bool = False) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense, dense_norm=dense_norm)
         bottom = _check_sizes("bottom_mlp", bottom_mlp, allow_empty=False)
         top = _check_sizes("top_mlp", top_mlp)
         dim = bottom[-1]
@@ -178,7 +237,8 @@ class DLRM(_RecModel):
         self.top = mlp(n_pairs + (dim if num_dense else 0), top, out_dim=1)
 
     def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
-        vecs = self._project(self.proj, self._features(pooled, dense))
+        feats, dense = self._inputs(pooled, dense)
+        vecs = self._project(self.proj, feats)
         if self.bottom is not None:
             x = self.bottom(dense)
             vecs = [x, *vecs]
@@ -197,8 +257,9 @@ class DeepFM(_RecModel):
 
     def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
                  deep_mlp: Sequence[int] = (128, 64), fm_dim: int | None = None,
-                 id_weights: bool = False) -> None:
-        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense, id_weights=id_weights)
+                 id_weights: bool = False, dense_norm: bool = False) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense, id_weights=id_weights,
+                         dense_norm=dense_norm)
         deep = _check_sizes("deep_mlp", deep_mlp)
         if fm_dim is not None and (not isinstance(fm_dim, int) or fm_dim <= 0):
             raise ConfigError(f"fm_dim must be a positive int or None, got {fm_dim!r}")
@@ -210,7 +271,8 @@ class DeepFM(_RecModel):
         self.deep = mlp(n_fields * dim, deep, out_dim=1)
 
     def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
-        feats, id_weights = self._split(self._features(pooled, dense))
+        feats, dense = self._inputs(pooled, dense)
+        feats, id_weights = self._split(feats)
         if id_weights is None:
             first = self.linear(torch.cat([*feats, dense], dim=1)).squeeze(1)
         else:
@@ -247,8 +309,9 @@ class DCNv2(_RecModel):
 
     def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
                  cross_layers: int = 3, cross_rank: int | None = None,
-                 deep_mlp: Sequence[int] = (128, 64), structure: str = "stacked") -> None:
-        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+                 deep_mlp: Sequence[int] = (128, 64), structure: str = "stacked",
+                 dense_norm: bool = False) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense, dense_norm=dense_norm)
         if not isinstance(cross_layers, int) or cross_layers < 1:
             raise ConfigError(f"cross_layers must be an int >= 1, got {cross_layers!r}")
         if cross_rank is not None and (not isinstance(cross_rank, int) or cross_rank <= 0):
@@ -265,7 +328,8 @@ class DCNv2(_RecModel):
         self.head = nn.Linear(head_in, 1)
 
     def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
-        x0 = torch.cat([*self._features(pooled, dense), dense], dim=1)
+        feats, dense = self._inputs(pooled, dense)
+        x0 = torch.cat([*feats, dense], dim=1)
         x = x0
         for layer in self.cross:
             x = layer(x0, x)
@@ -281,14 +345,17 @@ class WideAndDeep(_RecModel):
     with ``id_weights`` the wide part is the ids' own weights and a linear layer over dense."""
 
     def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
-                 deep_mlp: Sequence[int] = (128, 64), id_weights: bool = False) -> None:
-        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense, id_weights=id_weights)
+                 deep_mlp: Sequence[int] = (128, 64), id_weights: bool = False,
+                 dense_norm: bool = False) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense, id_weights=id_weights,
+                         dense_norm=dense_norm)
         deep = _check_sizes("deep_mlp", deep_mlp)
         self.wide = nn.Linear(num_dense if id_weights else self.flat_dim, 1)
         self.deep = mlp(self.flat_dim, deep, out_dim=1)
 
     def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
-        feats, id_weights = self._split(self._features(pooled, dense))
+        feats, dense = self._inputs(pooled, dense)
+        feats, id_weights = self._split(feats)
         x = torch.cat([*feats, dense], dim=1)
         wide = self.wide(x if id_weights is None else dense).squeeze(1)
         if id_weights is not None:
@@ -300,12 +367,14 @@ class LogisticRegression(_RecModel):
     """Logistic regression: one linear layer over ``[embeddings..., dense]`` (a convex model
     in its dense weights, for ``--sync gadmm``)."""
 
-    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int) -> None:
-        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense)
+    def __init__(self, *, sparse_dims: Mapping[str, int], num_dense: int,
+                 dense_norm: bool = False) -> None:
+        super().__init__(sparse_dims=sparse_dims, num_dense=num_dense, dense_norm=dense_norm)
         self.linear = nn.Linear(self.flat_dim, 1)
 
     def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
-        return self.linear(torch.cat([*self._features(pooled, dense), dense], dim=1)).squeeze(1)
+        feats, dense = self._inputs(pooled, dense)
+        return self.linear(torch.cat([*feats, dense], dim=1)).squeeze(1)
 
 
 MODELS: dict[str, type[_RecModel]] = {
@@ -318,11 +387,11 @@ MODELS: dict[str, type[_RecModel]] = {
 
 # The architecture keywords each model accepts (besides sparse_dims and num_dense).
 _ARCH_PARAMS: dict[str, tuple[str, ...]] = {
-    "dlrm": ("bottom_mlp", "top_mlp"),
-    "deepfm": ("deep_mlp", "fm_dim", "id_weights"),
-    "dcnv2": ("cross_layers", "cross_rank", "deep_mlp", "structure"),
-    "wide_deep": ("deep_mlp", "id_weights"),
-    "lr": (),
+    "dlrm": ("bottom_mlp", "top_mlp", "dense_norm"),
+    "deepfm": ("deep_mlp", "fm_dim", "id_weights", "dense_norm"),
+    "dcnv2": ("cross_layers", "cross_rank", "deep_mlp", "structure", "dense_norm"),
+    "wide_deep": ("deep_mlp", "id_weights", "dense_norm"),
+    "lr": ("dense_norm",),
 }
 
 
@@ -352,6 +421,7 @@ class ModelConfig:
     structure: str = "stacked"
     fm_dim: int | None = None
     id_weights: bool = False  # deepfm, wide_deep: a per-id weight column in every table
+    dense_norm: bool = False  # standardise the dense input with statistics in the state dict
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:

@@ -19,6 +19,14 @@ and looks up on its own, but never before an earlier batch still carried by a pu
 start in batch order, else a batch could miss the pushes of earlier batches not yet looked
 up, beyond the bound.
 
+With a ``barrier`` (a wait for every worker, e.g. across the gloo ranks), every push, once
+acknowledged, waits at the barrier before it frees its slot, and no batch rides on a push: with
+one slot that is the *globally synchronous* mode, where every worker's push of step t is
+applied at every shard before any worker's lookup of step t + 1 starts.
+
+Every batch a run trains has its layouts tagged (worker rank, step, workers): the PS counts, per
+lookup, the earlier pushes of every worker it did not see (``services.ps.staleness``).
+
 *Hot tables* have a window of their own, ``hot_window`` (1: synchronous): a table whose first
 batch holds at most ``hot_ratio`` distinct ids per sample (its rows are touched by nearly every
 batch) gets its rows for batch t only once the push of batch t - hot_window to it is
@@ -54,7 +62,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -143,13 +151,17 @@ class EmbeddingPipeline:
     unbounded, async mode); ``prefetch``: lookups ahead of compute when unbounded.
     ``timers`` get the seconds of every lookup and push. ``hot_ratio``: tables whose first
     batch has at most this many distinct ids per sample get ``hot_window`` slots of their own
-    (None or 0: no hot tables; only with a window above ``hot_window``).
+    (None or 0: no hot tables; only with a window above ``hot_window``). ``worker`` of
+    ``workers``: this worker's rank and the number of workers, in the step tags;
+    ``barrier``: awaited by every acknowledged push before its slot is freed (then no batch
+    rides on a push; see the module doc).
     """
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  tables: Mapping[str, str] | None = None,
                  timers: StepTimers | None = None, hot_ratio: float | None = None,
-                 hot_window: int = 1) -> None:
+                 hot_window: int = 1, worker: int = 0, workers: int = 1,
+                 barrier: Callable[[], Awaitable[Any]] | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
@@ -165,7 +177,14 @@ class EmbeddingPipeline:
             raise ConfigError(f"hot_ratio must be in [0, 1] or None, got {hot_ratio!r}")
         if isinstance(hot_window, bool) or not isinstance(hot_window, int) or hot_window < 1:
             raise ConfigError(f"hot_window must be an int >= 1, got {hot_window!r}")
+        if not 0 <= worker < workers:
+            raise ConfigError(f"worker must be in [0, workers), got {worker} of {workers}")
+        if barrier is not None and window is None:
+            raise ConfigError("a barrier needs a window: pushes are waited for")
         self._timers = timers
+        self.worker, self.workers = worker, workers
+        self._barrier = barrier
+        self._steps = 0  # batches fed so far, over every run: the step of the next tag
         self._hot_ratio = hot_ratio if window is not None and window > hot_window else None
         self._hot_window = hot_window
         self.hot_tables: list[str] = []  # decided at the first plan
@@ -321,7 +340,7 @@ class EmbeddingPipeline:
             async for batch in iterate(batches):
                 if steps is not None and taken >= steps:
                     break
-                plan = await self.plan(batch)
+                plan = self._tagged(await self.plan(batch))
                 if first is not None:
                     await first(batch)
                     first = None
@@ -350,6 +369,14 @@ class EmbeddingPipeline:
             fail(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
+
+    def _tagged(self, plan: BatchPlan) -> BatchPlan:
+        """``plan`` with every layout tagged (worker, step, workers) for the PS's staleness
+        count."""
+        tag = (self.worker, self._steps, self.workers)
+        self._steps += 1
+        plan.groups[:] = [replace(g, layout=replace(g.layout, tag=tag)) for g in plan.groups]
+        return plan
 
     async def _look_up(self, plan: BatchPlan, staleness: int) -> tuple[Rows, int]:
         return await self.lookup(plan, self._windowed), staleness
@@ -409,7 +436,8 @@ class EmbeddingPipeline:
         """Push a batch's row gradients, then acknowledge the batch. A batch waiting for a
         slot (a rider) rides on the push: its lookup travels in the same message per shard,
         after the gradients."""
-        rider = state.rider = self._riders.popleft() if self._riders else None
+        riding = self._riders and self._barrier is None
+        rider = state.rider = self._riders.popleft() if riding else None
         if rider is not None:
             self._carried += 1
         hot_push = (asyncio.ensure_future(self._chain.push(item.plan, grads))
@@ -429,6 +457,8 @@ class EmbeddingPipeline:
                 self._timers.push_seconds.observe(time.perf_counter() - started)
             if self._acknowledge is not None:
                 await self._acknowledge(item.batch)
+            if self._barrier is not None:
+                await self._barrier()
         except BaseException as exc:
             if rider is not None and not rider.future.done():
                 rider.future.set_exception(exc if isinstance(exc, Exception)

@@ -18,7 +18,7 @@ optimizer, the dense sync, ``fit`` and ``evaluate``.
 
 The bound on staleness is a semaphore of ``TrainerConfig.window`` slots: taken before a
 batch's lookup, freed when its push is acknowledged (``sync``: 1 slot, so a lookup waits for
-every earlier push; ``hybrid``: ``max(S, 1)``; ``async``: none). The staleness of a batch
+every earlier push of its worker, ``global_sync`` of every worker; ``hybrid``: ``max(S, 1)``; ``async``: none). The staleness of a batch
 is the number of earlier batches whose push is not yet acknowledged when its lookup starts;
 ``fit`` reports the maximum.
 
@@ -149,7 +149,8 @@ class Trainer:
             rows_client if rows_client is not None else self._connected_ps(),
             window=self.config.window, prefetch=self.config.prefetch, tables=tables,
             timers=self.progress, hot_ratio=self.config.hot_ratio or None,
-            hot_window=self.config.hot_staleness)
+            hot_window=self.config.hot_staleness, worker=rank, workers=world,
+            barrier=self._global_barrier() if self.config.mode == "global_sync" else None)
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -178,6 +179,18 @@ class Trainer:
         self.step = 0
         self.recent_losses: collections.deque[float] = collections.deque(maxlen=RECENT_LOSSES)
         self.history: list[dict[str, float]] = []  # evaluations: step, auc, logloss, samples
+
+    @staticmethod
+    def _global_barrier() -> Callable[[], Awaitable[None]] | None:
+        """global_sync: a wait for every rank, on a gloo group of its own (so that it never
+        interleaves with the dense all-reduce); None with one rank."""
+        if not distributed():
+            return None
+        group = dist.new_group(backend="gloo")
+
+        async def barrier() -> None:
+            await asyncio.to_thread(dist.barrier, group=group)
+        return barrier
 
     def _ps_client(self, ps_addresses: Sequence[str], rows_client: RowsClient | None
                    ) -> PSClient | None:

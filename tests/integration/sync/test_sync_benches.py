@@ -50,9 +50,10 @@ def test_bench_staleness_reports_every_bound(tmp_path: Path) -> None:
     result = bench(tmp_path, "staleness", "--staleness", "0,2,unbounded")
     assert finite(result["oracle_auc"])
     runs = result["runs"]
-    assert [r["staleness"] for r in runs] == [0, 2, None, "8+hot"]
-    assert [r["mode"] for r in runs] == ["sync", "hybrid", "async", "hybrid"]
-    assert runs[1]["hot_tables"] == [] and len(runs[3]["hot_tables"]) == 8  # planted: all hot
+    assert [r["staleness"] for r in runs] == [0, 2, None, "global_sync", "8+hot"]
+    assert [r["mode"] for r in runs] == ["sync", "hybrid", "async", "global_sync", "hybrid"]
+    assert runs[1]["hot_tables"] == [] and len(runs[4]["hot_tables"]) == 8  # planted: all hot
+    assert runs[3]["hot_tables"] == [] and runs[3]["staleness_max"] == 0
     for r in runs:
         assert finite(r["samples_per_s"]) and r["samples_per_s"] > 0
         assert finite(r["auc"]) and 0 < r["auc"] < 1
@@ -64,6 +65,8 @@ def test_staleness_bounds_map_to_trainer_modes() -> None:
     assert STALENESS == (0, 1, 2, 4, 8, 16, 32, None)
     assert (staleness_config(0).mode, staleness_config(0).window) == ("sync", 1)
     assert (staleness_config(16).mode, staleness_config(16).window) == ("hybrid", 16)
+    assert (staleness_config("global_sync").mode,
+            staleness_config("global_sync").window) == ("global_sync", 1)
     assert staleness_config(None).mode == "async" and staleness_config(None).window is None
     assert staleness_config(16).hot_ratio == 0  # the S rows bound every table
     default = staleness_config("8+hot")

@@ -102,3 +102,26 @@ async def test_unknown_tables_on_the_in_process_shards_are_a_clear_error() -> No
     t = Trainer(model="dlrm", rows_client=shards(), tables={"C1": "missing"})
     with pytest.raises(ConfigError, match="do not exist"):
         await t.start()
+
+
+def test_ps_table_configs_set_per_table_lr_weight_decay_and_accumulator() -> None:
+    a, b = FEATURES[:2]
+    rows = InProcessShards(ps_table_configs({a: 8, b: 8}, table_lr={a: 0.5},
+                                            weight_decay=1e-5, initial_accumulator=0.01))
+    optimizers = {t: rows.shards[0].table(t).config.optimizer for t in (a, b)}
+    assert (optimizers[a].lr, optimizers[b].lr) == (0.5, 0.05)
+    assert optimizers[a].weight_decay == optimizers[b].weight_decay == 1e-5
+    assert optimizers[a].initial_accumulator == optimizers[b].initial_accumulator == 0.01
+    with pytest.raises(ConfigError, match="not among"):
+        ps_table_configs({a: 8}, table_lr={"nope": 0.1})
+
+
+def test_train_flags_parse_per_table_lrs_and_refuse_bad_ones() -> None:
+    import argparse
+
+    from services.local.train import _table_lrs
+
+    assert _table_lrs("user=0.1, movie=0.02") == {"user": 0.1, "movie": 0.02}
+    for bad in ("user", "user=fast", "=0.1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="FEATURE=LR"):
+            _table_lrs(bad)

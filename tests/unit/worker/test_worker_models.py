@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from services.worker.models import (
     MODELS,
     CrossLayerV2,
     DCNv2,
+    DenseNorm,
     ModelConfig,
     build_model,
     dot_interaction,
@@ -169,7 +171,8 @@ def test_build_model_errors() -> None:
 
 def test_model_config_from_dict_builds_and_rejects() -> None:
     cfg = from_dict(ModelConfig, {"name": "deepfm", "deep_mlp": [16, 8], "fm_dim": 4})
-    assert cfg.arch() == {"deep_mlp": [16, 8], "fm_dim": 4, "id_weights": False}
+    assert cfg.arch() == {"deep_mlp": [16, 8], "fm_dim": 4, "id_weights": False,
+                          "dense_norm": False}
     model = cfg.build(sparse_dims=DIMS, num_dense=2)
     pooled, _ = _inputs()
     assert model(pooled, torch.zeros(6, 2)).shape == (6,)
@@ -218,3 +221,55 @@ def test_table_dim_counts_the_id_weight_column() -> None:
     assert ModelConfig(name="dlrm", id_weights=True).table_dim(16) == 16  # no first order
     with pytest.raises(ConfigError, match=">= 2"):
         build_model("deepfm", sparse_dims={"a": 1}, num_dense=0, id_weights=True)
+
+
+def test_dense_norm_keeps_the_statistics_of_the_first_warmup_samples() -> None:
+    """Four batches of 16 fill the warm-up of 64 samples; two later batches from another
+    distribution change nothing. The buffers equal numpy's mean and variance of exactly the
+    first 64 samples (a norm that keeps updating, keeps only the last batch's statistics or
+    merges batches without the cross term fails this), and those samples come out
+    standardised."""
+    g = torch.Generator().manual_seed(0)
+    first = torch.randn(64, 3, generator=g) * torch.tensor([1.0, 5.0, 0.1]) + torch.tensor(
+        [2.0, -3.0, 10.0])
+    later = torch.randn(32, 3, generator=g) * 50 + 100
+    norm = DenseNorm(3, warmup=64)
+    for chunk in (*first.split(16), *later.split(16)):
+        norm(chunk)
+    assert float(norm.count) == 64
+    expected = first.double().numpy()
+    np.testing.assert_allclose(norm.mean.numpy(), expected.mean(0), rtol=1e-12)
+    np.testing.assert_allclose((norm.m2 / norm.count).numpy(), expected.var(0), rtol=1e-9)
+    norm.eval()
+    out = norm(first).double()
+    np.testing.assert_allclose(out.mean(0).numpy(), 0.0, atol=1e-5)
+    np.testing.assert_allclose(out.std(0, unbiased=False).numpy(), 1.0, rtol=1e-4)  # eps
+
+
+def test_dense_norm_is_the_identity_until_trained_and_never_updates_in_eval_mode() -> None:
+    norm = DenseNorm(2).eval()
+    x = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
+    assert torch.equal(norm(x), x) and float(norm.count) == 0
+    with pytest.raises(ConfigError, match="warmup"):
+        DenseNorm(2, warmup=0)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_dense_norm_statistics_travel_in_the_state_dict(name: str) -> None:
+    """A model rebuilt from its config and state dict (a checkpoint, a served version)
+    predicts exactly as the trained one; without the state its normalisation differs."""
+    cfg = ModelConfig(name=name, dense_norm=True)
+    torch.manual_seed(0)
+    model = cfg.build(sparse_dims=DIMS, num_dense=3)
+    pooled, dense = _inputs(batch=32)
+    model(pooled, dense * 7 + 4)  # training mode: the statistics are taken
+    twin = cfg.build(sparse_dims=DIMS, num_dense=3)
+    fresh = cfg.build(sparse_dims=DIMS, num_dense=3)
+    twin.load_state_dict(model.state_dict())
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if "dense_norm" not in k},
+                          strict=False)
+    for m in (model, twin, fresh):
+        m.eval()
+    with torch.no_grad():
+        assert torch.equal(model(pooled, dense), twin(pooled, dense))
+        assert not torch.allclose(model(pooled, dense), fresh(pooled, dense))
