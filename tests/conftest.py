@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -34,14 +35,44 @@ async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
         await asyncio.sleep(interval)
 
 
-def _answers_ping(port: int) -> bool:
+def _redis_pid(port: int) -> int | None:
+    """The process id of the redis-server answering on ``port``, or None if none answers."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
             conn.settimeout(0.5)
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
+            conn.sendall(b"INFO server\r\n")
+            reply = b""
+            while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return None
+                reply += chunk
     except OSError:
-        return False
+        return None
+    match = re.search(rb"process_id:(\d+)", reply)
+    return int(match.group(1)) if match else None
+
+
+def _start_redis(binary: str, workdir: str) -> tuple[subprocess.Popen[bytes], int]:
+    """A redis-server of our own on a free port; another port if one was taken meanwhile
+    (pytest-xdist's workers each start one at the same moment)."""
+    for _ in range(5):
+        port = free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", workdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        # ours, not whatever else took the port: the server answering must have our pid
+        while _redis_pid(port) != proc.pid:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        else:
+            return proc, port
+        proc.kill()
+        proc.wait()
+    raise RuntimeError("redis-server did not start on any of 5 free ports")
 
 
 @pytest.fixture(scope="session")
@@ -55,18 +86,8 @@ def redis_url() -> Iterator[str]:
     if binary is None:
         pytest.fail("redis-server is not installed: the Redis-backed tests need it "
                     "(apt-get install redis-server, or set PERSIMMON_TEST_REDIS_URL)")
-    port = free_port()
     workdir = tempfile.mkdtemp(prefix="persimmon-redis-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while not _answers_ping(port):  # our redis-server, not whatever else took the port
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError(f"redis-server did not start on port {port}")
-        time.sleep(0.05)
+    proc, port = _start_redis(binary, workdir)
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:

@@ -13,29 +13,27 @@ import numpy as np
 import yaml
 
 from clients.ps_client import SyncPSClient
-from tests.conftest import free_port
 
 
 def start_shard(k: int, n: int, config_path, ckpt_dir, restore: str | None = None):
-    grpc_port, admin_port = free_port(), free_port()
+    """A shard process on ports 0: the ports it bound are read from its ready file (no race
+    with another process, a parallel test's included, for a port picked beforehand)."""
+    ready = ckpt_dir.parent / f"shard-{k}-of-{n}.ready"
+    ready.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "services.cli", "ps", "--shard-id", str(k), "--num-shards", str(n),
-           "--grpc-port", str(grpc_port), "--admin-port", str(admin_port),
+           "--grpc-port", "0", "--admin-port", "0", "--ready-file", str(ready),
            "--config", str(config_path), "--checkpoint-dir", str(ckpt_dir)]
     if restore:
         cmd += ["--restore", restore]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/readyz", timeout=1) as r:
-                if r.status == 200:
-                    return proc, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{admin_port}"
-        except OSError:
-            pass
+    while not ready.exists():  # written atomically once the shard serves
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("shard did not start:\n" + proc.stdout.read())
-        time.sleep(0.1)
+        time.sleep(0.05)
+    ports = json.loads(ready.read_text())
+    return proc, f"127.0.0.1:{ports['grpc_port']}", f"http://127.0.0.1:{ports['admin_port']}"
 
 
 def stop(proc) -> str:
