@@ -60,7 +60,8 @@ from bench.netem import LatencyProxy
 from bench.peers import torch_baseline, torchrec_available, torchrec_baseline
 from services.common.batch import Batch
 
-__all__ = ["RUNS", "hybrid_ceiling", "median_run", "paired_ratios", "register_bench", "run"]
+__all__ = ["RUNS", "hybrid_ceiling", "median_run", "paired_ratios", "register_bench", "rtt_row",
+           "run"]
 
 console = Console()
 _PS_LR = 0.05
@@ -249,14 +250,14 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
             **{key: statistics.median(values) if values else None
                for key, values in per_repeat.items()},
             "ratios_per_repeat": per_repeat,
-            "rtt": [_rtt_row(r, {key: every[key, r] for key in _RTT_RUNS}) for r in rtt_ms]}
+            "rtt": [rtt_row(r, {key: every[key, r] for key in _RTT_RUNS}) for r in rtt_ms]}
 
 
 def _self_peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _rtt_row(rtt_ms: float, every: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def rtt_row(rtt_ms: float, every: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """One ``rtt`` row: paired ratios and median AUCs of the runs behind the proxy."""
     speed = {key: [r["samples_per_s"] for r in values] for key, values in every.items()}
     return {"rtt_ms": rtt_ms,

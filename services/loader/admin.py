@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.common.admin import make_admin_app
+from services.common.admin import ErrorBody, make_admin_app
 from services.common.config import config_to_dict
 from services.loader.pipeline import Pipeline
 
@@ -32,7 +32,8 @@ def make_loader_admin(pipeline: Pipeline, *, ready: Callable[[], bool],
         """Per partition: committed and read positions and the lag where the source has one."""
         return pipeline.source.offsets()
 
-    @app.post("/v1/cuts/{checkpoint_id}/commit", tags=["sources"])
+    @app.post("/v1/cuts/{checkpoint_id}/commit", tags=["sources"],
+              responses={400: ErrorBody, 404: ErrorBody, 412: ErrorBody})
     async def commit_cut(checkpoint_id: str) -> dict[str, int]:
         """Commit the source positions of a complete job cut (``--checkpoint-dir``)."""
         return await pipeline.commit_cut(checkpoint_id)
