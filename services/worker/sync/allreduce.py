@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from services.common.errors import ConfigError
-from services.worker.sync.base import Averager, BaseSync, copy_flat_, flatten
+from services.worker.sync.base import Averager, BaseSync, copy_flat_, dense_grads, flatten
 
 __all__ = ["AllReduceSync"]
 
@@ -106,10 +106,7 @@ class AllReduceSync(BaseSync):
         if self.use_ddp:
             return
         t0 = time.perf_counter()
-        for p in self.params:
-            if p.grad is None:  # keep every rank's buffer the same length
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = dense_grads(self.params)
         flat = flatten(grads)
         copy_flat_(grads, self._averager(flat, None, self.world_size))
         self._count_bytes(flat)

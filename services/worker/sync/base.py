@@ -106,6 +106,15 @@ def mean_allreduce(flat: Tensor, group: Any, size: int) -> Tensor:
     return flat.div_(size)
 
 
+def dense_grads(params: Sequence[Tensor]) -> list[Tensor]:
+    """Every parameter's gradient, zeros where it has none: every rank's buffer of them has
+    the same length."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params if p.grad is not None]
+
+
 def flatten(params: Sequence[Tensor]) -> Tensor:
     """A new contiguous 1-D copy of ``params``."""
     return torch.cat([p.detach().reshape(-1) for p in params])

@@ -18,11 +18,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from services.common.errors import ConfigError
-from services.worker.sync.base import BaseSync, copy_flat_, flatten
+from services.worker.sync.base import BaseSync, copy_flat_, dense_grads, flatten
 
 __all__ = ["HierarchicalSync", "node_layout"]
 
@@ -68,10 +67,7 @@ class HierarchicalSync(BaseSync):
 
     def _on_backward(self, step: int) -> None:
         t0 = time.perf_counter()
-        for p in self.params:
-            if p.grad is None:  # keep every rank's buffer the same length
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = dense_grads(self.params)
         flat = flatten(grads)
         payload = flat.numel() * flat.element_size()
         if self._node is not None:

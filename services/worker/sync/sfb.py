@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from services.worker.sync.base import BaseSync, copy_flat_, flatten, mean_allreduce
+from services.worker.sync.base import BaseSync, copy_flat_, dense_grads, flatten, mean_allreduce
 
 __all__ = ["FactorTap", "SFBSync", "reconstruct", "sfb_pays", "sfb_plan"]
 
@@ -102,11 +102,7 @@ class SFBSync(BaseSync):
         if factored:
             self._exchange_factors(factored)
             skip = {id(p) for t, _ in factored for p in t.layer.parameters()}
-        rest = [p for p in self.params if id(p) not in skip]
-        for p in rest:
-            if p.grad is None:  # keep every rank's buffer the same length
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in rest if p.grad is not None]
+        grads = dense_grads([p for p in self.params if id(p) not in skip])
         if grads:
             flat = flatten(grads)
             copy_flat_(grads, mean_allreduce(flat, None, self.world_size))

@@ -261,6 +261,50 @@ def two_feature_batch(b: int) -> Batch:
                          "g": Jagged(np.full(4, ROW_ID, np.uint64), np.ones(4, np.int32))})
 
 
+async def missed_per_table(pipeline: EmbeddingPipeline, gate: PushGate, *, pushes: int,
+                           direct: bool = False) -> dict[str, list[int]]:
+    """Train N two-feature batches (:func:`two_feature_batch`), each step's gradient adding
+    e_b to ROW_ID's row in both tables (SGD, lr 1), holding pushes at ``gate`` as long as the
+    pipeline allows; per table, how many earlier pushes each batch's rows missed. ``direct``:
+    read and apply the direct hot groups as the Trainer's compute thread does. Ends once the
+    gate has seen ``pushes`` pushes."""
+    pipeline.begin()
+    prepared: asyncio.Queue[Prepared | None] = asyncio.Queue()
+    errors: list[BaseException] = []
+    feeding = asyncio.create_task(pipeline.feed([two_feature_batch(b) for b in range(N)],
+                                                prepared.put, errors.append))
+    missed: dict[str, list[int]] = {"t": [], "u": []}
+    try:
+        async with asyncio.timeout(30):
+            while (item := await next_item(prepared, gate)) is not None:
+                b = item.batch.batch_id
+                if direct:
+                    pipeline.read_hot(item)
+                grads = []
+                for group, rows in zip(item.plan.groups, item.rows, strict=True):
+                    (name,) = group.layout.tables
+                    at = group.layout.ids == ROW_ID
+                    applied = set(np.flatnonzero(rows[at][0] == 1).tolist())
+                    assert np.isin(rows[at][0], (0.0, 1.0)).all()  # each push applied once
+                    assert applied <= set(range(b))
+                    missed[name].append(b - len(applied))
+                    grad = np.zeros((group.layout.ids.size, N), np.float32)
+                    grad[at, b] = -1.0
+                    grads.append(grad)
+                if direct:
+                    pipeline.apply_hot(item, grads)
+                pipeline.push(item, grads)
+            await gate.until(lambda held, came: came >= pushes)
+            gate.release(gate.held)
+            await pipeline.drain()
+    finally:
+        feeding.cancel()
+        gate.release(gate.held)
+        await pipeline.settle()
+    assert not errors, errors
+    return missed
+
+
 @pytest.mark.parametrize("hot_window", [1, 2])
 async def test_hot_tables_have_a_window_of_their_own(hot_window: int) -> None:
     """With hot_ratio 0.3, the table of 1 distinct id per 4 samples is hot: its row misses at
@@ -272,35 +316,7 @@ async def test_hot_tables_have_a_window_of_their_own(hot_window: int) -> None:
     shards = InProcessShards([table(name="t"), table(name="u")], gate=gate)
     pipeline = EmbeddingPipeline(shards, window=window, tables={"f": "t", "g": "u"},
                                  hot_ratio=0.3, hot_window=hot_window)
-    pipeline.begin()
-    prepared: asyncio.Queue[Prepared | None] = asyncio.Queue()
-    errors: list[BaseException] = []
-    feeding = asyncio.create_task(pipeline.feed([two_feature_batch(b) for b in range(N)],
-                                                prepared.put, errors.append))
-    missed: dict[str, list[int]] = {"t": [], "u": []}
-    try:
-        async with asyncio.timeout(30):
-            while (item := await next_item(prepared, gate)) is not None:
-                b = item.batch.batch_id
-                grads = []
-                for group, rows in zip(item.plan.groups, item.rows, strict=True):
-                    (name,) = group.layout.tables
-                    at = group.layout.ids == ROW_ID
-                    applied = set(np.flatnonzero(np.round(rows[at][0]) == 1).tolist())
-                    assert applied <= set(range(b))
-                    missed[name].append(b - len(applied))
-                    grad = np.zeros((group.layout.ids.size, N), np.float32)
-                    grad[at, b] = -1.0
-                    grads.append(grad)
-                pipeline.push(item, grads)
-            await gate.until(lambda held, came: came >= 2 * N)
-            gate.release(gate.held)
-            await pipeline.drain()
-    finally:
-        feeding.cancel()
-        gate.release(gate.held)
-        await pipeline.settle()
-    assert not errors, errors
+    missed = await missed_per_table(pipeline, gate, pushes=2 * N)
     assert pipeline.hot_tables == ["u"]
     assert len(missed["u"]) == N and max(missed["u"]) == hot_window - 1
     assert max(missed["t"]) == window - 1  # cold: as stale as the window allows
@@ -330,38 +346,8 @@ async def test_direct_hot_tables_see_every_earlier_push_with_no_round_trip() -> 
     shards = DirectGatedShards([table(name="t"), table(name="u")], gate=gate)
     pipeline = EmbeddingPipeline(shards, window=window, tables={"f": "t", "g": "u"},
                                  hot_ratio=0.3)
-    pipeline.begin()
-    prepared: asyncio.Queue[Prepared | None] = asyncio.Queue()
-    errors: list[BaseException] = []
-    feeding = asyncio.create_task(pipeline.feed([two_feature_batch(b) for b in range(N)],
-                                                prepared.put, errors.append))
-    missed: dict[str, list[int]] = {"t": [], "u": []}
-    try:
-        async with asyncio.timeout(30):
-            while (item := await next_item(prepared, gate)) is not None:
-                b = item.batch.batch_id
-                pipeline.read_hot(item)  # what the Trainer's compute thread does first
-                grads = []
-                for group, rows in zip(item.plan.groups, item.rows, strict=True):
-                    (name,) = group.layout.tables
-                    at = group.layout.ids == ROW_ID
-                    applied = set(np.flatnonzero(rows[at][0] == 1).tolist())
-                    assert np.isin(rows[at][0], (0.0, 1.0)).all()  # each push applied once
-                    assert applied <= set(range(b))
-                    missed[name].append(b - len(applied))
-                    grad = np.zeros((group.layout.ids.size, N), np.float32)
-                    grad[at, b] = -1.0
-                    grads.append(grad)
-                pipeline.apply_hot(item, grads)
-                pipeline.push(item, grads)
-            await gate.until(lambda held, came: came == N)  # only the cold table's pushes
-            gate.release(gate.held)
-            await pipeline.drain()
-    finally:
-        feeding.cancel()
-        gate.release(gate.held)
-        await pipeline.settle()
-    assert not errors, errors
+    # only the cold table's pushes reach the gate
+    missed = await missed_per_table(pipeline, gate, pushes=N, direct=True)
     assert pipeline.hot_tables == ["u"]
     assert missed["u"] == [0] * N
     assert max(missed["t"]) == window - 1
