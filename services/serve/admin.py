@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import FastAPI, Path
+from fastapi import FastAPI, Path, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict
 
@@ -51,6 +52,14 @@ class PredictRequest(BaseModel):
     def count(self) -> int:
         """The number of records the request holds (checked again once featurized)."""
         return count_records(records=self.records, lines=self.lines, ids=self.ids)
+
+
+class PredictReply(BaseModel):
+    """The probabilities of a request's records, all from one model version."""
+
+    version: str
+    step: int
+    probabilities: list[float]
 
 
 class ServeMetrics:
@@ -96,8 +105,8 @@ def make_serve_admin(*, metrics: ServeMetrics, manager: VersionManager, batcher:
     app = make_admin_app(title="Persimmon prediction server", registry=metrics.registry,
                          config=config, ready=lambda: manager.active is not None)
 
-    @app.post("/v1/predict", tags=["predict"], responses=_ERRORS)
-    async def predict(body: PredictRequest) -> dict[str, Any]:
+    @app.post("/v1/predict", tags=["predict"], responses=_ERRORS, response_model=PredictReply)
+    async def predict(body: PredictRequest) -> Response:
         """Probabilities of the records, with the version that computed all of them."""
         started = time.perf_counter()
         code = "200"
@@ -111,8 +120,10 @@ def make_serve_admin(*, metrics: ServeMetrics, manager: VersionManager, batcher:
         finally:
             metrics.request_seconds.labels(code=code).observe(
                 time.perf_counter() - started)
-        return {"version": answer.version_id, "step": answer.step,
-                "probabilities": answer.probabilities.tolist()}
+        # written here, not by FastAPI's encoder: it walks the floats in Python (the hot path)
+        return Response(json.dumps({"version": answer.version_id, "step": answer.step,
+                                    "probabilities": answer.probabilities.tolist()}),
+                        media_type="application/json")
 
     @app.get("/v1/versions", tags=["versions"])
     async def versions() -> dict[str, Any]:
