@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from services.serve.predictor import Predictor
     from services.serve.versions import VersionManager
 
-__all__ = ["PredictRequest", "ServeMetrics", "make_serve_admin"]
+__all__ = ["PredictReply", "PredictRequest", "ServeMetrics", "make_serve_admin"]
 
 VersionId = Annotated[str, Path(min_length=1, max_length=128,
                                 pattern=r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*$")]
