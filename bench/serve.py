@@ -10,7 +10,7 @@ times slower on shared cores).
 
 - ``rest_vs_inprocess`` / ``grpc_vs_inprocess``: records/s at batch 256 with 4 concurrent
   clients over REST (``POST /v1/predict``) and gRPC (``persimmon.Serve/Predict``), divided by
-  the in-process records/s (floors 0.5 and 0.7): 5 alternating rounds of each, ``--seconds``
+  the in-process records/s (floors 0.5 and 0.7): ``--rounds`` (5) alternating rounds of each, ``--seconds``
   long; each ratio is the median of the rounds' ratios (the cores are shared).
 - ``latency``: p50/p99 ms of batch-1 REST requests with 1 and 8 concurrent clients.
 - ``swap_*``: 8 clients send batches of 8 lines, first steady, then while a new version
@@ -57,7 +57,7 @@ from services.worker.models import ModelConfig
 __all__ = ["register_bench", "run"]
 
 DENSE, SPARSE, DIM = 13, 26, 16
-BATCH, CLIENTS, SWAP_CLIENTS, SWAP_BATCH, ROUNDS = 256, 4, 8, 8, 5
+BATCH, CLIENTS, SWAP_CLIENTS, SWAP_BATCH = 256, 4, 8, 8
 SPEC = FeatureSpec.from_layout(criteo_layout(DENSE, SPARSE), kind="criteo")
 MODEL = ModelConfig(name="dlrm")
 console = Console(stderr=True)
@@ -158,8 +158,9 @@ def _inprocess(predictor: Predictor, batches: list[list[str]], seconds: float) -
 
 
 async def _throughput(url: str, address: str, batches: list[list[str]], seconds: float,
+                      rounds: int,
                       inprocess: Callable[[], float]) -> dict[str, Any]:
-    """Records/s in process, over REST and over gRPC, in ``ROUNDS`` alternating rounds (the
+    """Records/s in process, over REST and over gRPC, in ``rounds`` alternating rounds (the
     cores are shared: load comes and goes): medians of the rounds, and each ratio the median
     of the rounds' own ratios (each round's transport against the in-process run beside it)."""
     runs: dict[str, list[float]] = {"inprocess": [], "rest": [], "grpc": []}
@@ -180,7 +181,7 @@ async def _throughput(url: str, address: str, batches: list[list[str]], seconds:
             for _ in batches:  # warm-up: the server's numba kernels
                 await rest_call()
                 await grpc_call()
-            for _ in range(ROUNDS):
+            for _ in range(rounds):
                 runs["inprocess"].append(await asyncio.to_thread(inprocess))
                 for kind, call in (("rest", rest_call), ("grpc", grpc_call)):
                     latencies, fails, elapsed = await _load(call, CLIENTS, seconds)
@@ -278,7 +279,7 @@ def _export_sizes(workdir: Path, rows: int, rng: np.random.Generator) -> dict[st
             "incremental_export_ratio": size(incremental) / size(full)}
 
 
-def run(*, rows: int = 100_000, seconds: float = 5.0, swap_seconds: float = 60.0,
+def run(*, rows: int = 100_000, seconds: float = 5.0, rounds: int = 5, swap_seconds: float = 60.0,
         swap_every: float = 2.0, export_rows: int = 10_000_000, workdir: str | None = None
         ) -> dict[str, Any]:
     """Every figure of the module docstring, measured in this run."""
@@ -304,7 +305,7 @@ def run(*, rows: int = 100_000, seconds: float = 5.0, swap_seconds: float = 60.0
             result: dict[str, Any] = {"rows_per_table": rows, "batch": BATCH,
                                       "clients": CLIENTS}
             result.update(asyncio.run(_throughput(
-                url, f"127.0.0.1:{grpc_port}", batches, seconds,
+                url, f"127.0.0.1:{grpc_port}", batches, seconds, rounds,
                 lambda: _inprocess(predictor, batches, seconds))))
             result["latency"] = asyncio.run(_latency(url, lines, seconds))
             console.log("hot swaps under load")
@@ -350,7 +351,8 @@ def _print_table(r: dict[str, Any]) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    result = run(rows=args.rows, seconds=args.seconds, swap_seconds=args.swap_seconds,
+    result = run(rows=args.rows, seconds=args.seconds, rounds=args.rounds,
+                 swap_seconds=args.swap_seconds,
                  swap_every=args.swap_every, export_rows=args.export_rows)
     write_json(result, args.json)
     return 0
@@ -363,6 +365,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rows", type=int, default=100_000, help="rows of each served table")
     parser.add_argument("--seconds", type=float, default=5.0,
                         help="seconds of each throughput and latency measurement")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating throughput rounds (in process, REST, gRPC)")
     parser.add_argument("--swap-seconds", type=float, default=60.0,
                         help="seconds of hot swaps under load")
     parser.add_argument("--swap-every", type=float, default=2.0,

@@ -15,25 +15,35 @@ import yaml
 from clients.ps_client import SyncPSClient
 
 
-def start_shard(k: int, n: int, config_path, ckpt_dir, restore: str | None = None):
-    """A shard process on ports 0: the ports it bound are read from its ready file (no race
-    with another process, a parallel test's included, for a port picked beforehand)."""
-    ready = ckpt_dir.parent / f"shard-{k}-of-{n}.ready"
-    ready.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "services.cli", "ps", "--shard-id", str(k), "--num-shards", str(n),
-           "--grpc-port", "0", "--admin-port", "0", "--ready-file", str(ready),
-           "--config", str(config_path), "--checkpoint-dir", str(ckpt_dir)]
-    if restore:
-        cmd += ["--restore", restore]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_shards(n: int, config_path, ckpt_dir, restore: str | None = None):
+    """``n`` shard processes on ports 0, started together: the ports each bound are read
+    from its ready file (no race with another process, a parallel test's included, for a
+    port picked beforehand)."""
+    procs = []
+    for k in range(n):
+        ready = ckpt_dir.parent / f"shard-{k}-of-{n}.ready"
+        ready.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "services.cli", "ps", "--shard-id", str(k),
+               "--num-shards", str(n), "--grpc-port", "0", "--admin-port", "0",
+               "--ready-file", str(ready), "--config", str(config_path),
+               "--checkpoint-dir", str(ckpt_dir)]
+        if restore:
+            cmd += ["--restore", restore]
+        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True), ready))
     deadline = time.monotonic() + 60
-    while not ready.exists():  # written atomically once the shard serves
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("shard did not start:\n" + proc.stdout.read())
-        time.sleep(0.05)
-    ports = json.loads(ready.read_text())
-    return proc, f"127.0.0.1:{ports['grpc_port']}", f"http://127.0.0.1:{ports['admin_port']}"
+    shards = []
+    for proc, ready in procs:
+        while not ready.exists():  # written atomically once the shard serves
+            if proc.poll() is not None or time.monotonic() > deadline:
+                for p, _ in procs:
+                    p.kill()
+                raise RuntimeError("shard did not start:\n" + proc.stdout.read())
+            time.sleep(0.05)
+        ports = json.loads(ready.read_text())
+        shards.append((proc, f"127.0.0.1:{ports['grpc_port']}",
+                       f"http://127.0.0.1:{ports['admin_port']}"))
+    return shards
 
 
 def stop(proc) -> str:
@@ -48,7 +58,7 @@ def test_two_shard_processes_round_trip_checkpoint_and_reshard(tmp_path):
     config.write_text(yaml.safe_dump({"tables": [
         {"name": "user", "dim": 8, "optimizer": {"kind": "adam", "lr": 0.01}}]}))
     ckpt = tmp_path / "ckpt"
-    shards = [start_shard(k, 2, config, ckpt) for k in range(2)]
+    shards = start_shards(2, config, ckpt)
     ids = np.arange(1000, dtype=np.uint64)
     grads = np.random.default_rng(1).normal(size=(1000, 8)).astype(np.float32)
     try:
@@ -65,7 +75,7 @@ def test_two_shard_processes_round_trip_checkpoint_and_reshard(tmp_path):
         outputs = [stop(p) for p, _, _ in shards]
     assert "effective ps config" in outputs[0]
     # the same checkpoint served by 3 shards: every row comes back identical
-    shards = [start_shard(k, 3, config, ckpt, restore="ck") for k in range(3)]
+    shards = start_shards(3, config, ckpt, restore="ck")
     try:
         with SyncPSClient([s[1] for s in shards], rows_codec="fp16") as ps:
             np.testing.assert_array_equal(ps.lookup("user", ids), rows)

@@ -16,7 +16,7 @@ KEYS = {"inprocess_records_per_s", "rest_vs_inprocess", "grpc_vs_inprocess", "la
 
 def test_bench_serve_smoke(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
-    assert main(["bench", "serve", "--rows", "100", "--seconds", "0.3", "--swap-seconds",
+    assert main(["bench", "serve", "--rows", "100", "--seconds", "0.3", "--rounds", "1", "--swap-seconds",
                  "1.5", "--swap-every", "0.3", "--export-rows", "5000",
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())

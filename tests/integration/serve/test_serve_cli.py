@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 import yaml
 from serve_training import (
     SPEC,
@@ -24,6 +25,7 @@ from serve_training import (
     trainer_probabilities,
 )
 
+from services.cli import main
 from services.local.processes import start_service, stop_processes
 from services.worker.checkpoints import JobCheckpointer, dense_part
 from services.worker.trainer import Trainer
@@ -31,16 +33,30 @@ from services.worker.trainer import Trainer
 PERSIMMON = [sys.executable, "-m", "services.cli"]
 
 
+def export_args(tmp_path: Path, checkpoint: str, *extra: str) -> list[str]:
+    return ["export", "--job-checkpoint", checkpoint, "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--out", str(tmp_path / "models"), "--features", str(tmp_path / "spec.json"),
+            "--model-config", str(tmp_path / "model.yaml"), *extra]
+
+
 def export(tmp_path: Path, checkpoint: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*PERSIMMON, "export", "--job-checkpoint", checkpoint,
-         "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "models"),
-         "--features", str(tmp_path / "spec.json"),
-         "--model-config", str(tmp_path / "model.yaml"), *extra],
-        capture_output=True, text=True, timeout=120)
+    """``persimmon export`` as a process."""
+    return subprocess.run([*PERSIMMON, *export_args(tmp_path, checkpoint, *extra)],
+                          capture_output=True, text=True, timeout=120)
 
 
-async def test_export_and_serve_commands(tmp_path: Path) -> None:
+def export_here(tmp_path: Path, capsys: pytest.CaptureFixture[str], checkpoint: str,
+                *extra: str) -> tuple[int, str, str]:
+    """``persimmon export`` in this process (the same command; one interpreter start less):
+    its exit code, stdout and stderr."""
+    capsys.readouterr()
+    code = main(export_args(tmp_path, checkpoint, *extra))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_export_and_serve_commands(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     rng = np.random.default_rng(3)
     root = tmp_path / "ckpt"
     (tmp_path / "spec.json").write_text(json.dumps(SPEC.to_dict()))
@@ -63,8 +79,8 @@ async def test_export_and_serve_commands(tmp_path: Path) -> None:
             assert done.returncode == 0, done.stderr
             v1 = json.loads(done.stdout)
             assert v1["step"] == 3 and v1["base"] is None
-            missing = export(tmp_path, "job-x")
-            assert missing.returncode == 2 and "job-x" in missing.stderr  # one clear line
+            code, _, err = export_here(tmp_path, capsys, "job-x")
+            assert code == 2 and "job-x" in err  # one clear line
             try:
                 proc, _, admin_port = start_service(
                     [*PERSIMMON, "--log-level", "WARNING", "serve", "--model-dir",
@@ -81,9 +97,9 @@ async def test_export_and_serve_commands(tmp_path: Path) -> None:
                     assert got["version"] == v1["version_id"]
                     np.testing.assert_allclose(got["probabilities"], first, atol=1e-6)
                     second = await train_and_checkpoint(2, "job-b")
-                    done = export(tmp_path, "job-b", "--base", "latest")
-                    assert done.returncode == 0, done.stderr
-                    v2 = json.loads(done.stdout)
+                    code, out, err = export_here(tmp_path, capsys, "job-b", "--base", "latest")
+                    assert code == 0, err
+                    v2 = json.loads(out)
                     assert v2["step"] == 5 and v2["base"] == v1["version_id"]
                     assert v2["bytes"] < v1["bytes"]  # only the rows the 2 steps changed
 

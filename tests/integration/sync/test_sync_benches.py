@@ -33,13 +33,22 @@ def finite(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def test_bench_sync_reports_every_strategy(tmp_path: Path) -> None:
-    result = bench(tmp_path, "sync", "--lamb-scale", "2")
+# One strategy of each kind of cross-node figure: flat (allreduce), node-aware
+# (hierarchical), none (gossip). Every strategy trains in test_sync_training.
+SMOKE_STRATEGIES = ["allreduce", "hierarchical", "gossip"]
+
+
+def test_bench_sync_reports_each_strategy_asked(tmp_path: Path) -> None:
+    result = bench(tmp_path, "sync", "--lamb-scale", "2",
+                   "--strategies", ",".join(SMOKE_STRATEGIES))
     assert finite(result["oracle_auc"]) and 0.5 < result["oracle_auc"] < 1
-    assert [s["name"] for s in result["strategies"]] == list(STRATEGY_SETTINGS)
+    assert [s["name"] for s in result["strategies"]] == SMOKE_STRATEGIES
+    assert set(SMOKE_STRATEGIES) <= set(STRATEGY_SETTINGS)
     for s in result["strategies"]:
         assert all(finite(s[k]) for k in ("samples_per_s", "bytes_per_step", "auc")), s
         assert s["samples_per_s"] > 0 and s["bytes_per_step"] > 0 and 0 < s["auc"] < 1
+    cross = {s["name"]: s["cross_node_bytes_per_step"] for s in result["strategies"]}
+    assert cross["gossip"] is None and 0 <= cross["hierarchical"] < cross["allreduce"]
     lamb = result["lamb_large_batch"]                 # 2048 rows, 2 workers: 8 and 4 steps
     assert (lamb["small"]["steps"], lamb["large"]["steps"]) == (8, 4)
     assert lamb["large"]["batch_size"] == 256 and lamb["steps_ratio"] == 0.5

@@ -18,7 +18,7 @@ from services.loader.synthetic import SyntheticConfig
 from services.local.processes import LocalLoader, LocalPS, free_port
 from services.worker.config import ps_table_configs
 
-ROWS, BATCH = 32768, 256
+ROWS, BATCH = 16384, 256
 FEATURES = SyntheticConfig().sparse_names
 
 
