@@ -219,14 +219,18 @@ class PSClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def lookup(self, table: str, ids: Any) -> np.ndarray:
-        """Rows (float32, ``len(ids) × dim``) in request order; duplicates fetched once."""
+    async def lookup(self, table: str, ids: Any, *, read_only: bool = False) -> np.ndarray:
+        """Rows (float32, ``len(ids) × dim``) in request order; duplicates fetched once.
+        ``read_only``: the shards create no row and mark none used (ids without a row read
+        their initial rows), for readers beside training such as a prediction server."""
         uniq, inverse = unique_ids(ids)
-        return (await self.lookup_unique(table, uniq))[inverse].reshape(*np.shape(ids), -1)
+        rows = await self.lookup_unique(table, uniq, read_only=read_only)
+        return rows[inverse].reshape(*np.shape(ids), -1)
 
-    async def lookup_unique(self, table: str, uniq: np.ndarray) -> np.ndarray:
+    async def lookup_unique(self, table: str, uniq: np.ndarray, *,
+                            read_only: bool = False) -> np.ndarray:
         """Rows of already-unique uint64 ids, in the order given."""
-        return (await self.lookup_tables({table: uniq}))[table]
+        return (await self.lookup_tables({table: uniq}, read_only=read_only))[table]
 
     async def push(self, table: str, ids: Any, grads: Any) -> PushAck:
         """Send gradients; duplicate ids are summed here first. Returns the shards' counts."""
@@ -247,12 +251,14 @@ class PSClient:
 
     # ---- several tables per message: one request per shard for a worker's whole step ------
 
-    async def lookup_sharded(self, layout: ShardedIds) -> np.ndarray:
+    async def lookup_sharded(self, layout: ShardedIds, *, read_only: bool = False
+                             ) -> np.ndarray:
         """Rows ``(len(layout.ids), dim)`` of a layout whose tables share one dim, aligned with
         ``layout.ids``: one Lookup message per shard with ids."""
         bounds = layout.bounds
         replies = await self._within(asyncio.gather(*(
-            self._shards[k].lookup.request(self._lookup_body(k, layout), msg.LookupReply)
+            self._shards[k].lookup.request(self._lookup_body(k, layout, read_only),
+                                           msg.LookupReply)
             for k in range(layout.num_shards) if bounds[k + 1] > bounds[k])))
         return await self._rows_of(replies, layout)
 
@@ -295,11 +301,12 @@ class PSClient:
                 rows.append(reply)
         return _sum_acks(acks), await self._rows_of(rows, then)
 
-    def _lookup_body(self, k: int, layout: ShardedIds) -> msg.LookupRequest:
+    def _lookup_body(self, k: int, layout: ShardedIds, read_only: bool = False
+                     ) -> msg.LookupRequest:
         lo, hi = layout.bounds[k], layout.bounds[k + 1]
         return msg.LookupRequest(tables=list(layout.tables), counts=layout.counts[k].tolist(),
                              ids=raw_array(layout.ids[lo:hi]), codec=self.rows_codec,
-                             tag=_tag(layout))
+                             tag=_tag(layout), read_only=True if read_only else None)
 
     def _push_body(self, k: int, layout: ShardedIds, grads: np.ndarray) -> msg.PushRequest:
         lo, hi = int(layout.bounds[k]), int(layout.bounds[k + 1])
@@ -345,13 +352,14 @@ class PSClient:
             lo += count
         return bodies
 
-    async def lookup_tables(self, uniq: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def lookup_tables(self, uniq: Mapping[str, np.ndarray], *,
+                            read_only: bool = False) -> dict[str, np.ndarray]:
         """Rows of already-unique ids of several tables (``{table: ids}``), with one Lookup
         message per shard and dim carrying every table's ids."""
         out: dict[str, np.ndarray] = {}
         for tables in await self._by_dim(uniq):
             layout, where = ShardedIds.of_tables({t: uniq[t] for t in tables}, self.num_shards)
-            rows = await self.lookup_sharded(layout)
+            rows = await self.lookup_sharded(layout, read_only=read_only)
             out.update((t, rows[where[t]]) for t in tables)
         return out
 
@@ -531,8 +539,8 @@ class SyncPSClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def lookup(self, table: str, ids: Any) -> np.ndarray:
-        return self._run(self._client.lookup(table, ids))
+    def lookup(self, table: str, ids: Any, *, read_only: bool = False) -> np.ndarray:
+        return self._run(self._client.lookup(table, ids, read_only=read_only))
 
     def push(self, table: str, ids: Any, grads: Any) -> PushAck:
         return self._run(self._client.push(table, ids, grads))

@@ -107,6 +107,12 @@ def _load_int(v: Any, where: str) -> int:
     return v
 
 
+def _load_bool(v: Any, where: str) -> bool:
+    if type(v) is not bool:
+        raise MalformedMessage(f"{where} must be true or false, got {_show(v)}")
+    return v
+
+
 def _load_any(v: Any, where: str) -> Any:
     return v
 
@@ -153,6 +159,8 @@ def _converters(tp: Any, max_items: int) -> tuple[Load, Dump]:
         return _load_str, None
     if tp is int:
         return _load_int, None
+    if tp is bool:
+        return _load_bool, None
     if tp is Any:
         return _load_any, None
     if origin is list:
@@ -292,7 +300,9 @@ _PARTS_MOVED = {"table": "name one table as tables=[name], counts=[len(ids)]"}
 
 @dataclass(kw_only=True, slots=True)
 class LookupRequest(Message):
-    """Rows of several tables of one dim; ``codec`` encodes the reply's rows."""
+    """Rows of several tables of one dim; ``codec`` encodes the reply's rows. ``read_only``:
+    the shard creates no row and marks none used (an id without a row reads its initial
+    row): a reader beside training, such as a prediction server."""
 
     moved: ClassVar[dict[str, str]] = _PARTS_MOVED
     tables: list[str] = field(metadata={"max_items": MAX_TABLES})
@@ -300,6 +310,7 @@ class LookupRequest(Message):
     ids: WireArray
     codec: str = "none"
     tag: list[int] | None = field(default=None, metadata={"max_items": 3})
+    read_only: bool | None = None  # left off the wire unless asked
 
     def __post_init__(self) -> None:
         _check_parts(self.tables, self.counts, self.ids, "LookupRequest")

@@ -125,7 +125,8 @@ class PSServicer:
         codec = _codec(req.codec, codecs)
         with step_tags(lookup=_tag(req.tag)):
             rows = await self.shard.lookup_many(req.tables, req.counts,
-                                                decode_array(req.ids, "ids"))
+                                                decode_array(req.ids, "ids"),
+                                                read_only=bool(req.read_only))
         return LookupReply(rows=encode_array(rows, codec))
 
     async def _push(self, req: PushRequest, codecs: dict[str, Codec]) -> PushReply:

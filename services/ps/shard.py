@@ -231,18 +231,23 @@ class Shard:
                  zip(tables, bounds[:-1], bounds[1:], strict=True)], dims[tables[0]])
 
     def lookup_many_sync(self, tables: Sequence[str], counts: Sequence[int],
-                         ids: np.ndarray) -> np.ndarray:
-        """Rows ``(len(ids), dim)`` of several tables' ids, in request order."""
-        return self._lookup_slices(*self._table_slices(tables, counts, ids), ids.size)
+                         ids: np.ndarray, *, read_only: bool = False) -> np.ndarray:
+        """Rows ``(len(ids), dim)`` of several tables' ids, in request order. ``read_only``:
+        change nothing (no row created or marked used; see :meth:`EmbeddingTable.peek`)."""
+        return self._lookup_slices(*self._table_slices(tables, counts, ids), ids.size,
+                                   read_only=read_only)
 
     def _lookup_slices(self, parts: list[tuple[str, np.ndarray]], dim: int,
-                       num_ids: int) -> np.ndarray:
+                       num_ids: int, *, read_only: bool = False) -> np.ndarray:
         out = np.empty((num_ids, dim), dtype=np.float32)
         start = 0
         for name, part in parts:
             with self._locks[name]:
-                out[start:start + part.size] = self.table(name).lookup(part)
-                self.staleness.looked_up(name)
+                if read_only:
+                    out[start:start + part.size] = self.table(name).peek(part)[0]
+                else:
+                    out[start:start + part.size] = self.table(name).lookup(part)
+                    self.staleness.looked_up(name)
             start += part.size
         return out
 
@@ -292,8 +297,9 @@ class Shard:
                                  push, lookup)
 
     async def lookup_many(self, tables: Sequence[str], counts: Sequence[int],
-                          ids: np.ndarray) -> np.ndarray:
-        return await self._serve(tables, np.size(ids), self.lookup_many_sync, tables, counts, ids)
+                          ids: np.ndarray, *, read_only: bool = False) -> np.ndarray:
+        return await self._serve(tables, np.size(ids), functools.partial(
+            self.lookup_many_sync, read_only=read_only), tables, counts, ids)
 
     async def push_many(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
                         grads: np.ndarray | Sequence[np.ndarray], *,

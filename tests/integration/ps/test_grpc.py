@@ -57,6 +57,20 @@ async def test_lookup_returns_initial_rows_in_request_order(cluster):
         np.testing.assert_array_equal(rows[i], owner.initial_rows(np.array([row_id], np.uint64))[0])
 
 
+async def test_read_only_lookups_create_no_rows_and_see_the_pushes(cluster):
+    ids = np.arange(40, dtype=np.uint64)
+    async with PSClient(addresses(cluster)) as ps:
+        peeked = await ps.lookup("item", ids, read_only=True)
+        assert sum(s.shard.table("item").num_rows for s in cluster) == 0  # nothing created
+        np.testing.assert_array_equal(peeked, await ps.lookup("item", ids))  # initial rows
+        assert sum(s.shard.table("item").num_rows for s in cluster) == 40
+        await ps.push("item", ids[:10], np.ones((10, 4), np.float32))
+        after = await ps.lookup("item", np.r_[ids, ids + 1000], read_only=True)
+    np.testing.assert_allclose(after[:10], peeked[:10] - 0.5)  # sgd lr 0.5: the push is seen
+    np.testing.assert_array_equal(after[10:40], peeked[10:])
+    assert sum(s.shard.table("item").num_rows for s in cluster) == 40  # ids + 1000: none made
+
+
 async def test_push_applies_optimizer_on_the_owning_shard(cluster):
     ids = np.arange(100, dtype=np.uint64)
     grads = np.ones((100, 4), dtype=np.float32)
@@ -109,7 +123,7 @@ async def test_nan_gradients_are_dropped_and_counted(cluster):
 
 @pytest.mark.parametrize("case", ["unknown_table", "wrong_dim", "length_mismatch",
                                   "float_ids", "missing_table", "bad_codec", "v1_single_table",
-                                  "v1_push_with_lookup", "string_count"])
+                                  "v1_push_with_lookup", "string_count", "read_only_int"])
 async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
     async with PSClient(addresses(cluster)) as ps:
         await ps.lookup("user", np.arange(30, dtype=np.uint64))
@@ -142,6 +156,8 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
                                     "PushThenLookup"),
             "string_count": ("lookup", {"tables": ["user"], "counts": [str(mine.size)],
                                         "ids": raw_array(mine)}, "non-negative int"),
+            "read_only_int": ("lookup", {"tables": ["user"], "counts": n, "ids": raw_array(mine),
+                                         "read_only": 1}, "true or false"),
         }
         stream, body, match = bodies[case]
         expected = NotFound if case == "unknown_table" else InvalidArgument
