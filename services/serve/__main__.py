@@ -77,7 +77,8 @@ def export_from_flags(cfg: ExportConfig, read_shards: ReadShards) -> dict[str, A
         cfg.checkpoint_dir, checkpoint_id, cfg.out, read_shards=read_shards,
         model=_model_config(cfg), spec=spec_from_source(cfg.features, cfg.dense_transform()),
         table_prefix=cfg.table_prefix, pooling=cfg.pooling, row_dtype=cfg.row_dtype,
-        keep=cfg.keep or None, base=base)
+        keep=cfg.keep or None, base=base,
+        ps_tables=[t for t in cfg.ps_tables.split(",") if t])
     return {"version_id": manifest["version_id"], "step": manifest["step"], "base": base,
             "out": str(Path(cfg.out) / manifest["version_id"]),
             "tables": {n: {"rows": t["rows"], "tombstones": t["tombstones"]}

@@ -45,6 +45,9 @@ class ServeConfig:
         "help": "check every file's sha256 before serving a version"})
     torch_threads: int = field(default=0, metadata={
         "help": "threads of the forward pass (0: torch's default)"})
+    ps: str | None = field(default=None, metadata={
+        "help": "PS shard addresses host:port,... in shard order: versions exported with "
+                "--ps-tables read those tables there (read-only)"})
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -64,6 +67,11 @@ class ServeConfig:
             raise ConfigError(f"watch_interval_s must be > 0, got {self.watch_interval_s}")
         if self.torch_threads < 0:
             raise ConfigError(f"torch_threads must be >= 0, got {self.torch_threads}")
+        if self.ps is not None and not all(
+                host and port.isdigit() and int(port) <= 65535
+                for host, _, port in (a.rpartition(":") for a in self.ps.split(","))):
+            raise ConfigError(f"ps must be host:port,... (the PS shards in shard order), "
+                              f"got {self.ps!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +94,9 @@ class ExportConfig:
     row_dtype: str = field(default="float32", metadata={
         "help": f"stored rows: one of {', '.join(ROW_DTYPES)}"})
     keep: int = field(default=0, metadata={"help": "keep the newest K versions (0: all)"})
+    ps_tables: str = field(default="", metadata={
+        "help": "tables,... the version reads from the live PS shards instead of copying "
+                "them (persimmon serve --ps)"})
     base: str | None = field(default=None, metadata={
         "help": "write an incremental version on top of this version of --out ('latest': the "
                 "newest there; none: a full version)"})

@@ -33,7 +33,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,6 +46,8 @@ from services.serve.rows import (
     ROW_DTYPES,
     EmbeddingRows,
     InitialRows,
+    PSLookup,
+    PSRows,
     RowLayer,
     TableRows,
     decode_rows,
@@ -162,22 +164,29 @@ def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
                   row_dtype: str = "float32", pooling: str = "sum",
                   version_id: str | None = None, keep: int | None = None,
                   source: Mapping[str, Any] | None = None,
-                  base: str | None = None) -> dict[str, Any]:
+                  base: str | None = None, ps_tables: Collection[str] = ()) -> dict[str, Any]:
     """Write one complete model version atomically; returns its manifest.
 
     ``state`` is the dense model's state_dict, ``features`` maps each sparse feature to its
     table, ``tables`` holds every table's rows. ``base``: write an incremental version on top
     of that version (only the rows that differ from it, and tombstones for the ids it holds
     that ``tables`` does not). ``keep``: prune to the newest ``keep`` versions afterwards.
+    ``ps_tables``: tables served from the live PS shards, not copied (their entry holds the
+    config only; ``tables`` gives it); a base must have the same ones.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidArgument(f"step must be an int >= 0, got {step!r}")
     dims = _check_inputs(model, state, features, tables, spec, num_dense, row_dtype, pooling)
+    ps_tables = set(ps_tables)
+    if not ps_tables <= set(features.values()):
+        raise InvalidArgument(f"PS tables {sorted(ps_tables - set(features.values()))} are "
+                              f"not tables of the features")
     version_id = version_id or new_version_id(step)
     _check_id(version_id)
     root = Path(model_dir)
     root.mkdir(parents=True, exist_ok=True)
-    below = _base_tables(root, base, tables, features, row_dtype) if base is not None else None
+    below = (_base_tables(root, base, tables, features, row_dtype, ps_tables)
+             if base is not None else None)
     final = root / version_id
     if final.exists():
         raise AlreadyExists(f"model version {version_id!r} already exists in {root}")
@@ -191,6 +200,11 @@ def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
         files[SPEC] = _write_file(tmp, SPEC, json.dumps(spec.to_dict(), indent=1).encode())
         entries = {}
         for i, name in enumerate(sorted(set(features.values()))):
+            if name in ps_tables:
+                entries[name] = {"dim": int(tables[name].config["dim"]), "dtype": row_dtype,
+                                 "rows": 0, "tombstones": 0, "on_ps": True, "files": {},
+                                 "config": _config_dict(tables[name].config)}
+                continue
             rows, tombstones = tables[name].sorted(), None
             if below is not None:
                 rows, tombstones = _delta(below[name], rows, row_dtype)
@@ -231,16 +245,27 @@ def _no_initial_rows(config: Mapping[str, Any], ids: np.ndarray) -> np.ndarray:
     raise FailedPrecondition("an export never makes initial rows")
 
 
+def _ps_tables_of(manifest: Mapping[str, Any]) -> set[str]:
+    return {name for name, entry in manifest["tables"].items() if entry.get("on_ps")}
+
+
 def _base_tables(root: Path, base: str, tables: Mapping[str, TableRows],
-                 features: Mapping[str, str], row_dtype: str) -> dict[str, EmbeddingRows]:
+                 features: Mapping[str, str], row_dtype: str, ps_tables: set[str]
+                 ) -> dict[str, EmbeddingRows]:
     """The rows of version ``base``, checked to be a base the new version can build on."""
     _check_id(base)
     chain = version_chain(root, base)
     if chain[-1]["row_dtype"] != row_dtype:
         raise InvalidArgument(f"base version {base!r} stores {chain[-1]['row_dtype']} rows, "
                               f"not {row_dtype}")
-    opened = open_tables(root, chain, _no_initial_rows)
-    names = set(features.values())
+    if _ps_tables_of(chain[-1]) != ps_tables:
+        raise InvalidArgument(f"base version {base!r} reads tables "
+                              f"{sorted(_ps_tables_of(chain[-1]))} from the PS, not "
+                              f"{sorted(ps_tables)}")
+    opened = {name: rows for name, rows in
+              open_tables(root, chain, _no_initial_rows, skip_ps=True).items()
+              if isinstance(rows, EmbeddingRows)}
+    names = set(features.values()) - ps_tables
     if set(opened) != names or any(opened[t].dim != int(tables[t].config["dim"])
                                    for t in names):
         raise InvalidArgument(f"base version {base!r} has other tables or dims: "
@@ -283,11 +308,22 @@ def version_chain(model_dir: Path | str, version_id: str) -> list[dict[str, Any]
 
 
 def open_tables(model_dir: Path | str, chain: Sequence[Mapping[str, Any]],
-                initial_rows: InitialRows) -> dict[str, EmbeddingRows]:
-    """Every table of the newest version of ``chain`` (base first), memory-mapped."""
+                initial_rows: InitialRows, ps_lookup: PSLookup | None = None, *,
+                skip_ps: bool = False) -> dict[str, EmbeddingRows | PSRows]:
+    """Every table of the newest version of ``chain`` (base first), memory-mapped; tables on
+    the PS read through ``ps_lookup`` (``skip_ps``: left out)."""
     root, newest = Path(model_dir), chain[-1]
-    out = {}
+    out: dict[str, EmbeddingRows | PSRows] = {}
     for name, entry in newest["tables"].items():
+        if entry.get("on_ps"):
+            if skip_ps:
+                continue
+            if ps_lookup is None:
+                raise FailedPrecondition(
+                    f"model version {newest['version_id']} reads table {name} from the live "
+                    "PS shards: serve it with --ps (the shards' addresses)")
+            out[name] = PSRows(name, entry["config"], ps_lookup)
+            continue
         layers = []
         for manifest in reversed(chain):
             part = manifest["tables"].get(name)

@@ -29,7 +29,7 @@ from services.common.batch import Jagged
 from services.common.config import from_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.serve.export import DENSE, SPEC, open_tables, verify_version, version_chain
-from services.serve.rows import EmbeddingRows, InitialRows
+from services.serve.rows import EmbeddingRows, InitialRows, PSLookup, PSRows
 from services.serve.spec import Features, FeatureSpec
 from services.worker.models import ModelConfig
 from services.worker.pooling import plan_batch, pool_batch
@@ -43,7 +43,7 @@ class Predictor:
     """A loaded model version (see the module docstring); build with :meth:`load`."""
 
     def __init__(self, manifest: Mapping[str, Any], spec: FeatureSpec, model: torch.nn.Module,
-                 tables: Mapping[str, EmbeddingRows]) -> None:
+                 tables: Mapping[str, EmbeddingRows | PSRows]) -> None:
         self.manifest = dict(manifest)
         self.version_id: str = manifest["version_id"]
         self.step: int = int(manifest["step"])
@@ -60,8 +60,10 @@ class Predictor:
 
     @classmethod
     def load(cls, version_dir: Path | str, *, initial_rows: InitialRows,
-             verify: bool = True, verified: set[str] | None = None) -> Predictor:
+             verify: bool = True, verified: set[str] | None = None,
+             ps_lookup: PSLookup | None = None) -> Predictor:
         """Load and check a version; any problem is a FailedPrecondition naming it.
+        ``ps_lookup`` reads the tables the version keeps on the live PS.
 
         ``verified``: versions (``id@created``) whose checksums were checked before (a
         version never changes once complete), skipped; the versions checked now are added."""
@@ -86,7 +88,7 @@ class Predictor:
             raise FailedPrecondition(f"model version {directory.name} cannot be loaded: "
                                      f"{exc}") from exc
         model.eval()
-        tables = open_tables(directory.parent, chain, initial_rows)
+        tables = open_tables(directory.parent, chain, initial_rows, ps_lookup)
         missing = sorted(set(manifest["features"].values()) - set(tables))
         if missing:
             raise FailedPrecondition(f"model version {directory.name} lacks tables {missing}")

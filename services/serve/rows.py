@@ -24,13 +24,15 @@ import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["ROW_DTYPES", "EmbeddingRows", "InitialRows", "RowLayer", "TableRows", "decode_rows",
-           "encode_rows", "find_sorted"]
+__all__ = ["ROW_DTYPES", "EmbeddingRows", "InitialRows", "PSLookup", "PSRows", "RowLayer",
+           "TableRows", "decode_rows", "encode_rows", "find_sorted"]
 
 ROW_DTYPES = ("float32", "float16", "int8")
 
 # (the PS table config as a dict, uint64 ids) -> float32 (n, dim): the rows before any update
 InitialRows = Callable[[Mapping[str, Any], np.ndarray], np.ndarray]
+# (table, uint64 ids) -> float32 (len(ids), dim): a read-only lookup on the live PS shards
+PSLookup = Callable[[str, np.ndarray], np.ndarray]
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,6 +165,29 @@ class EmbeddingRows:
             gone = np.union1d(layer.tombstones, layer.ids)
             ids = np.union1d(ids[~np.isin(ids, gone)], layer.ids)
         return ids
+
+
+class PSRows:
+    """A table a version reads from the live PS shards (read-only lookups: no row created,
+    none marked used) instead of its own files, for tables too big to copy. Its rows are the
+    PS's current ones: they move on with training while the dense weights stay the
+    version's. Loading checks the PS serves the table at the version's dim."""
+
+    def __init__(self, name: str, config: Mapping[str, Any], lookup: PSLookup) -> None:
+        self.name = name
+        self.config = dict(config)
+        self.dim = int(config["dim"])
+        self._lookup = lookup
+        self.lookup(np.zeros(1, dtype=np.uint64))
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """float32 ``(len(ids), dim)``: the PS's rows now (initial rows for ids it lacks)."""
+        ids = np.asarray(ids, dtype=np.uint64)
+        rows = np.asarray(self._lookup(self.name, ids), dtype=np.float32)
+        if rows.shape != (ids.size, self.dim):
+            raise FailedPrecondition(f"table {self.name} on the PS has rows of shape "
+                                     f"{list(rows.shape[1:])}, the version dim {self.dim}")
+        return rows
 
 
 def _load(path: Path) -> np.ndarray:

@@ -4,6 +4,10 @@ watcher.
 ``initial_rows`` is how an id never trained gets its row: the PS's deterministic initializer
 (``services.ps.tables.initial_rows`` over the table config the version records). Serving
 does not import the PS, so whoever starts the service injects it (the CLI does).
+
+With ``ps`` set, versions may keep tables on the live PS shards (``persimmon export
+--ps-tables``): their rows are read there with read-only lookups, from the batcher's thread
+through a PS client on the server's event loop.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ import asyncio
 import logging
 
 import grpc
+import numpy as np
 import torch
 
+from clients.ps_client import PSClient
 from services.common.admin import AdminServer
 from services.common.config import config_to_dict
+from services.common.errors import FailedPrecondition
 from services.common.lifecycle import ServingService
 from services.common.rpc import make_server
 from services.serve.admin import ServeMetrics, make_serve_admin
@@ -39,9 +46,12 @@ class ServeService(ServingService):
     def __init__(self, config: ServeConfig, *, initial_rows: InitialRows) -> None:
         super().__init__(config)
         self.metrics = ServeMetrics()
+        self._ps: PSClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.versions = VersionManager(config.model_dir, initial_rows=initial_rows,
                                        verify=config.verify_checksums,
-                                       on_swap=self.metrics.swapped)
+                                       on_swap=self.metrics.swapped,
+                                       ps_lookup=self._ps_lookup if config.ps else None)
         self.batcher = MicroBatcher(self.versions.current,
                                     max_records=config.max_batch_records,
                                     max_wait_s=config.max_wait_ms / 1000.0,
@@ -57,6 +67,10 @@ class ServeService(ServingService):
     async def on_start(self) -> None:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
+        if self.config.ps:
+            self._loop = asyncio.get_running_loop()
+            self._ps = PSClient(self.config.ps.split(","))
+            await self._ps.connect()
         await self.versions.refresh()
         if self.versions.active is None:
             log.warning("no loadable model version in %s yet; not ready until one appears",
@@ -83,6 +97,15 @@ class ServeService(ServingService):
         if self._admin is not None:
             await self._admin.close()
         await self.batcher.close()
+        if self._ps is not None:
+            await self._ps.close()
+
+    def _ps_lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Read-only rows from the live PS; called from worker threads, never the loop's."""
+        if self._ps is None or self._loop is None:
+            raise FailedPrecondition("the PS client is not connected")
+        return asyncio.run_coroutine_threadsafe(
+            self._ps.lookup(table, ids, read_only=True), self._loop).result()
 
     async def _watch(self) -> None:
         """Look for a newer complete version every ``watch_interval_s``."""

@@ -25,7 +25,7 @@ from typing import Any
 from services.common.errors import FailedPrecondition, NotFound, PersimmonError
 from services.serve.export import MANIFEST, list_versions
 from services.serve.predictor import Predictor
-from services.serve.rows import InitialRows
+from services.serve.rows import InitialRows, PSLookup
 
 __all__ = ["LATEST", "VersionManager"]
 
@@ -37,13 +37,16 @@ LATEST = "latest"
 class VersionManager:
     """The active version of ``model_dir`` and the versions present (see module docstring).
 
-    ``on_swap(predictor)`` is called after every swap (metrics).
+    ``on_swap(predictor)`` is called after every swap (metrics); ``ps_lookup`` reads the
+    tables a version keeps on the live PS.
     """
 
     def __init__(self, model_dir: Path | str, *, initial_rows: InitialRows, verify: bool = True,
-                 on_swap: Callable[[Predictor], None] | None = None) -> None:
+                 on_swap: Callable[[Predictor], None] | None = None,
+                 ps_lookup: PSLookup | None = None) -> None:
         self.model_dir = Path(model_dir)
         self._initial_rows = initial_rows
+        self._ps_lookup = ps_lookup
         self._verify = verify
         self._on_swap = on_swap
         self.active: Predictor | None = None
@@ -117,7 +120,8 @@ class VersionManager:
         try:
             predictor = await asyncio.to_thread(Predictor.load, self.model_dir / version_id,
                                                 initial_rows=self._initial_rows,
-                                                verify=self._verify, verified=self._verified)
+                                                verify=self._verify, verified=self._verified,
+                                                ps_lookup=self._ps_lookup)
         except PersimmonError as exc:
             self._refuse(version_id, exc)
             raise
