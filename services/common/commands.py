@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import traceback
@@ -25,7 +26,8 @@ from services.common.config import add_flags
 from services.common.errors import InvalidArgument, PersimmonError
 
 __all__ = ["OK", "RUNTIME_FAILURE", "USAGE_ERROR", "add_service_command", "command_parser",
-           "debug_enabled", "exit_status", "run_commands", "run_parsed", "run_single"]
+           "debug_enabled", "exit_status", "float_at_least", "int_at_least", "run_commands",
+           "run_parsed", "run_single"]
 
 Register = Callable[[argparse._SubParsersAction], None]
 
@@ -39,6 +41,33 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low`` (the error names the flag and the value)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def float_at_least(low: float, *, inclusive: bool = True) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= ``low`` (> ``low`` unless ``inclusive``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>=' if inclusive else '>'} {low:g}, got {text}")
+        return value
+    return parse
 
 
 def debug_enabled() -> bool:

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
+from services.common.commands import float_at_least, int_at_least
 from services.common.config import add_flags, flag_values, load_config
 from services.local.processes import free_port
 from services.worker.config import SYNC_FIELDS, TrainerConfig
@@ -27,6 +28,7 @@ from services.worker.config import SYNC_FIELDS, TrainerConfig
 __all__ = ["register_cli"]
 
 console = Console()
+_POSITIVE = int_at_least(1)
 
 
 def _plot(summary: dict[str, Any], path: str) -> None:
@@ -140,15 +142,15 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help="train on a local cluster end to end (no Docker, no Redis)")
-    parser.add_argument("--shards", type=int, default=2, help="PS shard processes")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (gloo)")
-    parser.add_argument("--rows", type=int, default=1048576, help="planted training rows")
-    parser.add_argument("--eval-rows", type=int, default=65536, help="held-out rows")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--shards", type=_POSITIVE, default=2, help="PS shard processes")
+    parser.add_argument("--workers", type=_POSITIVE, default=2, help="worker processes (gloo)")
+    parser.add_argument("--rows", type=_POSITIVE, default=1048576, help="planted training rows")
+    parser.add_argument("--eval-rows", type=_POSITIVE, default=65536, help="held-out rows")
+    parser.add_argument("--batch-size", type=_POSITIVE, default=256)
     parser.add_argument("--mode", default="hybrid", choices=["sync", "hybrid", "async"])
-    parser.add_argument("--staleness", type=int, default=8, help="bound S of hybrid mode")
-    parser.add_argument("--dim", type=int, default=16, help="embedding dimension")
-    parser.add_argument("--lr", type=float, default=3e-3, help="dense Adam learning rate")
+    parser.add_argument("--staleness", type=int_at_least(0), default=8, help="bound S of hybrid mode")
+    parser.add_argument("--dim", type=_POSITIVE, default=16, help="embedding dimension")
+    parser.add_argument("--lr", type=float_at_least(0, inclusive=False), default=3e-3, help="dense Adam learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", help="PNG of the loss and AUC curves (default demo.png)")
     parser.add_argument("--summary-json", help="write the summary to this JSON file")
