@@ -22,6 +22,7 @@ from rich.table import Table
 
 from services.common.commands import float_at_least, int_at_least
 from services.common.config import add_flags, flag_values, load_config
+from services.common.errors import ConfigError
 from services.local.processes import free_port
 from services.worker.config import SYNC_FIELDS, TrainerConfig
 
@@ -94,7 +95,12 @@ def _progress(url: str, total_steps: int, done: threading.Event) -> None:
 def _run(args: argparse.Namespace) -> int:
     from services.local.train import train_on_local_cluster
     from services.worker.models import ModelConfig
+    from services.worker.service import check_result, failure_summary, write_summary
 
+    batches = -(-args.rows // args.batch_size)
+    if batches < args.workers:
+        raise ConfigError(f"--rows {args.rows} makes {batches} batches of --batch-size "
+                          f"{args.batch_size}: fewer than --workers {args.workers}")
     total_steps = args.rows // args.batch_size // args.workers
     admin_port = _free_port_pair()
     config = load_config(TrainerConfig, flags={  # --mode, --staleness, --lr, --seed, --sync*
@@ -108,20 +114,21 @@ def _run(args: argparse.Namespace) -> int:
                            args=(f"http://127.0.0.1:{admin_port}", total_steps, done))
     bar.start()
     try:
-        summary = train_on_local_cluster(
-            train_data=f"synthetic:{args.rows}", eval_data=f"synthetic:{args.eval_rows}?split=test",
-            config=config, model=ModelConfig(name="dlrm"), workers=args.workers,
-            shards=args.shards, dim=args.dim, batch_size=args.batch_size, data_seed=args.seed)
+        with failure_summary(args.summary_json):
+            summary = train_on_local_cluster(
+                train_data=f"synthetic:{args.rows}",
+                eval_data=f"synthetic:{args.eval_rows}?split=test", config=config,
+                model=ModelConfig(name="dlrm"), workers=args.workers, shards=args.shards,
+                dim=args.dim, batch_size=args.batch_size, data_seed=args.seed)
     finally:
         done.set()
         bar.join(timeout=5)
+    check_result(summary, args.summary_json)
     _print_summary(summary)
     png = args.plot or "demo.png"
     _plot(summary, png)
     console.print(f"loss and AUC curves: {png}")
-    if args.summary_json:
-        with open(args.summary_json, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_summary(summary, args.summary_json)
     return 0
 
 

@@ -28,7 +28,12 @@ from services.common.errors import ConfigError
 from services.worker.__main__ import add_training_flags, load_trainer_config
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.models import ModelConfig
-from services.worker.service import InProcessData, report_summary, summary_dict
+from services.worker.service import (
+    InProcessData,
+    failure_summary,
+    report_summary,
+    summary_dict,
+)
 
 __all__ = ["PS_PLACEMENTS", "PlantedData", "data_specs", "ps_placement", "register_cli",
            "train_on_local_cluster"]
@@ -226,15 +231,16 @@ def _run_train(args: argparse.Namespace) -> int:
     ps_placement(args.ps, args.workers, config)  # a clear ConfigError before anything starts
     if args.check_config:
         return 0
-    summary = train_on_local_cluster(
-        train_data=train_spec, eval_data=eval_spec, config=config,
-        model=ModelConfig(name=args.model, dense_norm=args.dense_norm),
-        workers=args.workers, shards=args.shards,
-        dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
-        ps_weight_decay=args.ps_weight_decay, ps_table_lr=args.ps_table_lr,
-        ps_initial_accumulator=args.ps_initial_accumulator,
-        batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer, epochs=args.epochs,
-        data_seed=args.data_seed, ps=args.ps)
+    with failure_summary(args.summary_json):
+        summary = train_on_local_cluster(
+            train_data=train_spec, eval_data=eval_spec, config=config,
+            model=ModelConfig(name=args.model, dense_norm=args.dense_norm),
+            workers=args.workers, shards=args.shards,
+            dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
+            ps_weight_decay=args.ps_weight_decay, ps_table_lr=args.ps_table_lr,
+            ps_initial_accumulator=args.ps_initial_accumulator,
+            batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer,
+            epochs=args.epochs, data_seed=args.data_seed, ps=args.ps)
     return report_summary(summary, args.summary_json)
 
 
