@@ -4,7 +4,8 @@ Each service's ``__main__`` exposes ``register_cli(subparsers)``; :func:`command
 the top parser those commands hang on (with ``--log-level`` and ``--debug``), :func:`run_parsed`
 parses, sets up logging and runs the chosen command. Every failure is one clear line on stderr
 and an exit status (:func:`exit_status`): 0 ok, 1 a runtime failure, 2 a usage error or bad
-input (a bad flag, a :class:`~services.common.errors.InvalidArgument`). The traceback is
+input (a bad flag, an :class:`~services.common.errors.InvalidArgument`, a
+:class:`~services.common.errors.NotFound` of something the command line names). The traceback is
 printed too only with ``--debug`` or ``PERSIMMON_DEBUG=1`` (which child processes inherit).
 :func:`run_commands` serves a module with subcommands (``python -m bench``),
 :func:`run_single` one with one command (``python -m services.ps``).
@@ -20,14 +21,15 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from services.common.config import add_flags
-from services.common.errors import InvalidArgument, PersimmonError
+from services.common.errors import InvalidArgument, NotFound, PersimmonError
 
 __all__ = ["OK", "RUNTIME_FAILURE", "USAGE_ERROR", "add_service_command", "command_parser",
-           "debug_enabled", "exit_status", "float_at_least", "int_at_least", "run_commands",
-           "run_parsed", "run_single"]
+           "debug_enabled", "exit_status", "float_at_least", "int_at_least", "output_file",
+           "run_commands", "run_parsed", "run_single"]
 
 Register = Callable[[argparse._SubParsersAction], None]
 
@@ -70,6 +72,17 @@ def float_at_least(low: float, *, inclusive: bool = True) -> Callable[[str], flo
     return parse
 
 
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file the command writes at its end (checked at the start, so
+    that a typo does not cost a whole run): not a directory, in a directory that exists."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {str(path.parent)!r} does not exist")
+    return text
+
+
 def debug_enabled() -> bool:
     """Whether ``PERSIMMON_DEBUG`` asks for tracebacks (``--debug`` sets it)."""
     return os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes", "on")
@@ -77,8 +90,9 @@ def debug_enabled() -> bool:
 
 def exit_status(exc: BaseException) -> int:
     """The exit status of a command that raised ``exc``: bad input (an
-    :class:`InvalidArgument`) is a usage error, anything else a runtime failure."""
-    return USAGE_ERROR if isinstance(exc, InvalidArgument) else RUNTIME_FAILURE
+    :class:`InvalidArgument`, or a :class:`NotFound` of what the flags name) is a usage
+    error, anything else a runtime failure."""
+    return USAGE_ERROR if isinstance(exc, InvalidArgument | NotFound) else RUNTIME_FAILURE
 
 
 def _error_line(exc: BaseException) -> str:

@@ -28,8 +28,11 @@ def load_loader_config(args: argparse.Namespace) -> LoaderConfig:
 
 def _run(args: argparse.Namespace) -> int:
     from services.loader.service import LoaderService
+    from services.loader.sources import check_source
 
-    return serve_from_flags(args, "loader", load_loader_config(args), LoaderService)
+    config = load_loader_config(args)
+    check_source(config.source)  # its files and schema, before serving (or --check-config)
+    return serve_from_flags(args, "loader", config, LoaderService)
 
 
 def _produce(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
-from services.common.commands import float_at_least, int_at_least
+from services.common.commands import float_at_least, int_at_least, output_file
 from services.common.config import add_flags, flag_values, load_config
 from services.common.errors import ConfigError
 from services.local.processes import free_port
@@ -159,7 +159,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dim", type=_POSITIVE, default=16, help="embedding dimension")
     parser.add_argument("--lr", type=float_at_least(0, inclusive=False), default=3e-3, help="dense Adam learning rate")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", help="PNG of the loss and AUC curves (default demo.png)")
-    parser.add_argument("--summary-json", help="write the summary to this JSON file")
+    parser.add_argument("--plot", type=output_file, help="PNG of the loss and AUC curves (default demo.png)")
+    parser.add_argument("--summary-json", type=output_file, help="write the summary to this JSON file")
     add_flags(parser, TrainerConfig, only=SYNC_FIELDS)
     parser.set_defaults(func=_run)

@@ -14,7 +14,7 @@ import argparse
 import functools
 import sys
 
-from services.common.commands import float_at_least, int_at_least, run_single
+from services.common.commands import float_at_least, int_at_least, output_file, run_single
 from services.common.config import add_flags, flag_values, load_config
 from services.worker.config import TrainerConfig
 from services.worker.models import MODELS
@@ -45,7 +45,8 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int_at_least(1), default=512)
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the data (shuffles, "
                         "planted data)")
-    parser.add_argument("--summary-json", help="write the summary to this JSON file")
+    parser.add_argument("--summary-json", type=output_file,
+                        help="write the summary to this JSON file")
     add_flags(parser, TrainerConfig)
 
 
