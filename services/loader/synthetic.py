@@ -297,12 +297,14 @@ class SyntheticDataset:
         out.mkdir(parents=True, exist_ok=True)
         names = ("train.txt", "test.txt", "synthetic.json")
         staged = {name: out / f".tmp-{name}" for name in names}
+        placed: list[Path] = []
         try:
             meta = self._write_staged(out, staged, train_rows, test_rows)
             for name in names:
                 staged[name].replace(out / name)
+                placed.append(out / name)
         except BaseException:
-            for path in staged.values():
+            for path in [*staged.values(), *placed]:
                 path.unlink(missing_ok=True)
             if created:
                 shutil.rmtree(top, ignore_errors=True)
