@@ -42,6 +42,7 @@ class _Parser(argparse.ArgumentParser):
     subcommands' parsers are of this class too."""
 
     def error(self, message: str) -> NoReturn:
+        message = " ".join(message.splitlines())  # a value may hold a line break
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
