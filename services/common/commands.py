@@ -28,7 +28,8 @@ from services.common.config import add_flags
 from services.common.errors import InvalidArgument, NotFound, PersimmonError
 
 __all__ = ["OK", "RUNTIME_FAILURE", "USAGE_ERROR", "add_service_command", "command_parser",
-           "debug_enabled", "exit_status", "float_at_least", "int_at_least", "output_file",
+           "debug_enabled", "exit_status", "float_at_least", "input_file", "int_at_least",
+           "output_file",
            "run_commands", "run_parsed", "run_single"]
 
 Register = Callable[[argparse._SubParsersAction], None]
@@ -71,6 +72,14 @@ def float_at_least(low: float, *, inclusive: bool = True) -> Callable[[str], flo
                 f"must be {'>=' if inclusive else '>'} {low:g}, got {text}")
         return value
     return parse
+
+
+def input_file(text: str) -> str:
+    """An argparse ``type``: a file that exists (a directory is not one)."""
+    if not Path(text).is_file():
+        what = "is a directory, not a file" if Path(text).is_dir() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}")
+    return text
 
 
 def output_file(text: str) -> str:

@@ -13,7 +13,12 @@ import argparse
 import asyncio
 import json
 
-from services.common.commands import add_service_command, int_at_least, run_commands
+from services.common.commands import (
+    add_service_command,
+    input_file,
+    int_at_least,
+    run_commands,
+)
 from services.common.config import flag_values, load_config
 from services.common.lifecycle import serve_from_flags
 from services.loader.config import LoaderConfig
@@ -73,7 +78,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     produce.add_argument("--bootstrap", required=True, help="HOST:PORT of a Kafka broker")
     produce.add_argument("--partitions", type=int_at_least(1), default=None,
                          help="use only the first N partitions (default: all)")
-    produce.add_argument("file", help="Criteo/CSV/JSON-lines file, plain or gzip")
+    produce.add_argument("file", type=input_file,
+                         help="Criteo/CSV/JSON-lines file, plain or gzip")
     produce.set_defaults(func=_produce)
 
     synth = subparsers.add_parser(

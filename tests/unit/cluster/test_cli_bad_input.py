@@ -45,6 +45,11 @@ CASES: dict[str, list[tuple[list[str], str]]] = {
         (["--shuffle-files", "maybe"], "expected a boolean"),
         (["--config", "{tmp}/unknown.yaml"], "unknown keys ['colour']"),
         (["--checkpoint-dir", "{tmp}", "--shuffle-buffer", "8"], "needs shuffle_buffer 0"),
+        (["--source", "csv:{tmp}/empty.tsv?schema={tmp}/empty.tsv"], "must hold a mapping"),
+        (["produce", "--topic", "t", "--bootstrap", "127.0.0.1:1", "{tmp}/missing.tsv"],
+         "missing.tsv' does not exist"),
+        (["produce", "--topic", "t", "--bootstrap", "127.0.0.1:1", "{tmp}/adir"],
+         "is a directory, not a file"),
     ],
     "worker": [
         ([], "give --ps"),
@@ -100,6 +105,8 @@ CASES: dict[str, list[tuple[list[str], str]]] = {
          "cannot read model config"),
         (["--checkpoint-dir", "{tmp}/adir", "--config", "{tmp}/unknown.yaml"],
          "unknown keys ['colour']"),
+        (["--checkpoint-dir", "{tmp}/adir", "--features", "{tmp}/empty.json"],
+         "cannot read feature spec file"),
     ],
     "serve": [
         ([], "model_dir is required"),
@@ -123,8 +130,8 @@ EXPORT_FLAGS = ["--job-checkpoint", "latest", "--features", "synthetic:10", "--o
 def _argv(command: str, flags: list[str], tmp: Path) -> list[str]:
     argv = [command, *flags]
     if command == "export" and "--checkpoint-dir" in flags:
-        argv += EXPORT_FLAGS
-    if command in CHECK_CONFIG:
+        argv = [command, *EXPORT_FLAGS, *flags]  # the case's own flags come last: they win
+    if command in CHECK_CONFIG and "produce" not in flags:
         argv.append("--check-config")
     return [a.replace("{tmp}", str(tmp)) for a in argv]
 
@@ -138,6 +145,7 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A directory of bad inputs, the test's working directory too."""
     (tmp_path / "unknown.yaml").write_text("colour: red\n")
     (tmp_path / "empty.tsv").write_bytes(b"")
+    (tmp_path / "empty.json").write_bytes(b"")
     (tmp_path / "adir").mkdir()
     monkeypatch.chdir(tmp_path)
     for name in list(os.environ):
