@@ -455,10 +455,11 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                              "bench fails when it ends first)")
     parser.add_argument("--batch-size", type=int_at_least(1), default=100)
     parser.add_argument("--cut-every", type=int_at_least(1), default=10, help="steps between cuts")
-    parser.add_argument("--window", type=int_at_least(0), default=4, help="pushes in flight per worker")
+    parser.add_argument("--window", type=int_at_least(0), default=4,
+                        help="pushes in flight per worker")
     parser.add_argument("--step-ms", type=int, default=5,
                         help="pause per worker step, so that kills land throughout the job")
-    parser.add_argument("--max-gap", type=float_at_least(0, inclusive=False), default=0.5,
+    parser.add_argument("--max-gap", type=float_at_least(0), default=0.5,
                         help="most seconds from a restart's first step to the next kill")
     parser.add_argument("--timeout", type=float_at_least(0, inclusive=False), default=300.0,
                         help="seconds the job may take after the last kill")

@@ -319,6 +319,8 @@ def _main(args: argparse.Namespace) -> int:
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ps", help="PS store, gRPC and loopback figures")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--seconds", type=float_at_least(0, inclusive=False), default=3.0, help="seconds per timed phase")
-    parser.add_argument("--store-ids", type=int_at_least(1), default=1_000_000, help="ids in the store test")
+    parser.add_argument("--seconds", type=float_at_least(0, inclusive=False), default=3.0,
+                        help="seconds per timed phase")
+    parser.add_argument("--store-ids", type=int_at_least(1), default=1_000_000,
+                        help="ids in the store test")
     parser.set_defaults(func=_main)

@@ -359,7 +359,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="prediction server vs in-process predict, "
                                    "hot swaps under load, export sizes")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--rows", type=int_at_least(1), default=100_000, help="rows of each served table")
+    parser.add_argument("--rows", type=int_at_least(1), default=100_000,
+                        help="rows of each served table")
     parser.add_argument("--seconds", type=float_at_least(0, inclusive=False), default=5.0,
                         help="seconds of each throughput and latency measurement")
     parser.add_argument("--swap-seconds", type=float_at_least(0, inclusive=False), default=60.0,

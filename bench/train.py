@@ -359,7 +359,8 @@ def _rtt_list(text: str) -> list[float]:
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="Persimmon's training throughput vs the peers")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--rows", type=int_at_least(1), default=524288, help="planted training rows")
+    parser.add_argument("--rows", type=int_at_least(1), default=524288,
+                        help="planted training rows")
     parser.add_argument("--batch-size", type=int_at_least(1), default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="criteo", choices=["toy", "criteo"],

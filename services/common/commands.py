@@ -29,8 +29,7 @@ from services.common.errors import InvalidArgument, NotFound, PersimmonError
 
 __all__ = ["OK", "RUNTIME_FAILURE", "USAGE_ERROR", "add_service_command", "command_parser",
            "debug_enabled", "exit_status", "float_at_least", "input_file", "int_at_least",
-           "output_file",
-           "run_commands", "run_parsed", "run_single"]
+           "output_file", "run_commands", "run_parsed", "run_single"]
 
 Register = Callable[[argparse._SubParsersAction], None]
 

@@ -155,11 +155,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-rows", type=_POSITIVE, default=65536, help="held-out rows")
     parser.add_argument("--batch-size", type=_POSITIVE, default=256)
     parser.add_argument("--mode", default="hybrid", choices=["sync", "hybrid", "async"])
-    parser.add_argument("--staleness", type=int_at_least(0), default=8, help="bound S of hybrid mode")
+    parser.add_argument("--staleness", type=int_at_least(0), default=8,
+                        help="bound S of hybrid mode")
     parser.add_argument("--dim", type=_POSITIVE, default=16, help="embedding dimension")
-    parser.add_argument("--lr", type=float_at_least(0, inclusive=False), default=3e-3, help="dense Adam learning rate")
+    parser.add_argument("--lr", type=float_at_least(0, inclusive=False), default=3e-3,
+                        help="dense Adam learning rate")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=output_file, help="PNG of the loss and AUC curves (default demo.png)")
-    parser.add_argument("--summary-json", type=output_file, help="write the summary to this JSON file")
+    parser.add_argument("--plot", type=output_file,
+                        help="PNG of the loss and AUC curves (default demo.png)")
+    parser.add_argument("--summary-json", type=output_file,
+                        help="write the summary to this JSON file")
     add_flags(parser, TrainerConfig, only=SYNC_FIELDS)
     parser.set_defaults(func=_run)

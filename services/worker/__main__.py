@@ -40,7 +40,8 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                              "csv:GLOB?schema=F, kafka://..., synthetic[:ROWS]")
     parser.add_argument("--eval-data", help="loader spec of the held-out data (default for "
                         "synthetic training data: its test split)")
-    parser.add_argument("--eval-rows", type=int_at_least(1), default=16384, help="synthetic held-out rows")
+    parser.add_argument("--eval-rows", type=int_at_least(1), default=16384,
+                        help="synthetic held-out rows")
     parser.add_argument("--epochs", type=int_at_least(1), default=1)
     parser.add_argument("--batch-size", type=int_at_least(1), default=512)
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the data (shuffles, "

@@ -113,7 +113,8 @@ class EvalAccumulator:
     def result(self) -> EvalResult:
         y, z = self.arrays()
         n = self._count
-        return EvalResult(auc=self._checked(auc, y, z), logloss=self._bce_sum / n if n else math.nan,
+        return EvalResult(auc=self._checked(auc, y, z),
+                          logloss=self._bce_sum / n if n else math.nan,
                           count=n, positive_rate=float(y.sum()) / n if n else math.nan)
 
 
