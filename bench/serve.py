@@ -43,7 +43,6 @@ from rich.table import Table
 
 from bench import write_json
 from bench.loader import write_criteo_file
-from services.common.commands import float_at_least, int_at_least
 from services.common.config import config_to_dict
 from services.common.messages import decode, encode
 from services.common.rpc import open_channel
@@ -359,14 +358,13 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="prediction server vs in-process predict, "
                                    "hot swaps under load, export sizes")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--rows", type=int_at_least(1), default=100_000,
-                        help="rows of each served table")
-    parser.add_argument("--seconds", type=float_at_least(0, inclusive=False), default=5.0,
+    parser.add_argument("--rows", type=int, default=100_000, help="rows of each served table")
+    parser.add_argument("--seconds", type=float, default=5.0,
                         help="seconds of each throughput and latency measurement")
-    parser.add_argument("--swap-seconds", type=float_at_least(0, inclusive=False), default=60.0,
+    parser.add_argument("--swap-seconds", type=float, default=60.0,
                         help="seconds of hot swaps under load")
-    parser.add_argument("--swap-every", type=float_at_least(0, inclusive=False), default=2.0,
+    parser.add_argument("--swap-every", type=float, default=2.0,
                         help="seconds between two versions during the swaps")
-    parser.add_argument("--export-rows", type=int_at_least(1), default=10_000_000,
+    parser.add_argument("--export-rows", type=int, default=10_000_000,
                         help="rows of the exported table")
     parser.set_defaults(func=_main)

@@ -118,7 +118,7 @@ CASES: dict[str, list[tuple[list[str], str]]] = {
     "bench": [
         (["nope"], "argument target: invalid choice: 'nope'"),
         (["train", "--rows", "-5"], "argument --rows: must be >= 1, got -5"),
-        (["serve", "--seconds", "0"], "argument --seconds: must be > 0"),
+        (["ps", "--seconds", "0"], "argument --seconds: must be > 0"),
         (["loader", "--repeat", "x"], "argument --repeat: expected an integer"),
     ],
 }
