@@ -47,6 +47,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import write_json
+from services.common.commands import float_at_least, int_at_least
 
 __all__ = ["counting_worker", "expected_counts", "produce_records", "register_bench", "run",
            "source_records"]
@@ -448,18 +449,19 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("chaos", help="SIGKILL every role; count each record once")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--seed", type=int, default=0, help="seeds the records and the kills")
-    parser.add_argument("--kills", type=int, default=20, help="SIGKILLs over the roles")
-    parser.add_argument("--records", type=int, default=80000,
+    parser.add_argument("--kills", type=int_at_least(0), default=20, help="SIGKILLs over the roles")
+    parser.add_argument("--records", type=int_at_least(1), default=80000,
                         help="Kafka records: enough that the job outlasts the kills (the "
                              "bench fails when it ends first)")
-    parser.add_argument("--batch-size", type=int, default=100)
-    parser.add_argument("--cut-every", type=int, default=10, help="steps between cuts")
-    parser.add_argument("--window", type=int, default=4, help="pushes in flight per worker")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=100)
+    parser.add_argument("--cut-every", type=int_at_least(1), default=10, help="steps between cuts")
+    parser.add_argument("--window", type=int_at_least(0), default=4,
+                        help="pushes in flight per worker")
     parser.add_argument("--step-ms", type=int, default=5,
                         help="pause per worker step, so that kills land throughout the job")
-    parser.add_argument("--max-gap", type=float, default=0.5,
+    parser.add_argument("--max-gap", type=float_at_least(0), default=0.5,
                         help="most seconds from a restart's first step to the next kill")
-    parser.add_argument("--timeout", type=float, default=300.0,
+    parser.add_argument("--timeout", type=float_at_least(0, inclusive=False), default=300.0,
                         help="seconds the job may take after the last kill")
     parser.set_defaults(func=_main)
 

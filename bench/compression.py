@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
+from services.common.commands import int_at_least
 from services.common.errors import ConfigError
 from services.local.compare import PLANTED, train_configs
 from services.worker.config import TrainerConfig
@@ -336,13 +337,15 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                                    help="bytes and AUC of every codec on every stream")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--plot", help="PNG path (default: in the temp dir)")
-    parser.add_argument("--rows", type=int, default=65_536, help="planted training rows")
-    parser.add_argument("--eval-rows", type=int, default=16_384, help="held-out rows")
-    parser.add_argument("--batch-size", type=int, default=128, help="rows per worker step")
-    parser.add_argument("--workers", type=int, default=2, help="gloo worker processes")
+    parser.add_argument("--rows", type=int_at_least(1), default=65_536,
+                        help="planted training rows")
+    parser.add_argument("--eval-rows", type=int_at_least(1), default=16_384, help="held-out rows")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=128,
+                        help="rows per worker step")
+    parser.add_argument("--workers", type=int_at_least(1), default=2, help="gloo worker processes")
     parser.add_argument("--warmup", type=float, default=WARMUP,
                         help="1-bit optimizers: share of the steps in fp32 warm-up")
-    parser.add_argument("--seeds", type=int, default=SEEDS,
+    parser.add_argument("--seeds", type=int_at_least(1), default=SEEDS,
                         help="dense initialisations the embedding pair runs with (each against "
                              "the baseline of the same seed)")
     parser.add_argument("--cases", help="only rows whose name contains one of these "

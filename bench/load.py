@@ -23,6 +23,7 @@ from rich.table import Table
 
 from bench import write_json
 from clients.ps_client import PSClient
+from services.common.commands import float_at_least, int_at_least
 from services.local.processes import LocalPS
 
 __all__ = ["register_bench", "run"]
@@ -158,9 +159,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("load", help="concurrent clients against a PS: ops/s, "
                                                 "latency, memory growth")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--seconds", type=float, default=None,
+    parser.add_argument("--seconds", type=float_at_least(0, inclusive=False), default=None,
                         help="seconds of load (default 20; 1800 with --soak)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients")
+    parser.add_argument("--clients", type=int_at_least(1), default=8, help="concurrent clients")
     parser.add_argument("--soak", action="store_true",
                         help="a 30-minute soak sampling the PS's memory every minute")
     parser.set_defaults(func=_main)

@@ -34,6 +34,7 @@ from rich.table import Table
 
 from bench import write_json
 from services.common.batch import Jagged
+from services.common.commands import int_at_least
 from services.loader.arrow import hash_column
 from services.loader.batching import Batcher, Rows
 from services.loader.hashing import DenseTransform, hash_strings
@@ -233,6 +234,8 @@ def _main(args: argparse.Namespace) -> int:
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("loader", help="Criteo parse + hash + batch rows/s")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--rows", type=int, default=200_000, help="rows in the generated file")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per pipeline (best counts)")
+    parser.add_argument("--rows", type=int_at_least(1), default=200_000,
+                        help="rows in the generated file")
+    parser.add_argument("--repeat", type=int_at_least(1), default=3,
+                        help="runs per pipeline (best counts)")
     parser.set_defaults(func=_main)

@@ -31,6 +31,7 @@ from rich.table import Table
 from bench import write_json
 from bench.store import bench_store
 from clients.ps_client import PSClient
+from services.common.commands import float_at_least, int_at_least
 from services.common.rpc import channel_options, generic_service, make_server
 from services.local.processes import LocalPS, free_port
 
@@ -318,6 +319,8 @@ def _main(args: argparse.Namespace) -> int:
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ps", help="PS store, gRPC and loopback figures")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per timed phase")
-    parser.add_argument("--store-ids", type=int, default=1_000_000, help="ids in the store test")
+    parser.add_argument("--seconds", type=float_at_least(0, inclusive=False), default=3.0,
+                        help="seconds per timed phase")
+    parser.add_argument("--store-ids", type=int_at_least(1), default=1_000_000,
+                        help="ids in the store test")
     parser.set_defaults(func=_main)

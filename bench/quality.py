@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench import write_json
+from services.common.commands import int_at_least
 
 __all__ = ["DATASETS", "QualityData", "load_dataset", "register_bench"]
 
@@ -269,10 +270,13 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--datasets", type=lambda s: s.split(","), default=list(DATASETS),
                         help=f"comma-separated, from {','.join(DATASETS)}")
-    parser.add_argument("--rows", type=int, default=None, help="first rows only (smoke runs)")
+    parser.add_argument("--rows", type=int_at_least(1), default=None,
+                        help="first rows only (smoke runs)")
     parser.add_argument("--model", default="deepfm", help="Persimmon's model")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs of every trained model")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of DeepCTR")
+    parser.add_argument("--epochs", type=int_at_least(1), default=3,
+                        help="epochs of every trained model")
+    parser.add_argument("--threads", type=int_at_least(1), default=2,
+                        help="torch threads of DeepCTR")
     parser.add_argument("--train-args", type=lambda s: s.split(), default=[],
                         help="extra flags for persimmon train, one string")
     parser.set_defaults(func=_main)

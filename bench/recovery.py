@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import write_json
+from services.common.commands import int_at_least
 from services.common.sharding import shard_of
 from services.worker.checkpoints import JobCheckpointer, dense_part
 
@@ -175,10 +176,10 @@ def _main(args: argparse.Namespace) -> int:
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("recovery", help="kill a PS shard mid-run, restart, finish")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--rows", type=int, default=65536, help="planted training rows")
-    parser.add_argument("--eval-rows", type=int, default=16384, help="held-out rows")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=16, help="embedding dimension")
+    parser.add_argument("--rows", type=int_at_least(1), default=65536, help="planted training rows")
+    parser.add_argument("--eval-rows", type=int_at_least(1), default=16384, help="held-out rows")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=256)
+    parser.add_argument("--dim", type=int_at_least(1), default=16, help="embedding dimension")
     parser.add_argument("--mode", default="sync", choices=["sync", "hybrid", "async"],
                         help="sync (default) makes the two runs identical but for the kill")
     parser.add_argument("--staleness", type=int, default=8)

@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
+from services.common.commands import int_at_least
 from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig, synthetic_profile
 from services.local.compare import PLANTED, TRAINING, train_configs
@@ -180,11 +181,13 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("staleness", help="embedding staleness S: throughput, AUC")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--plot", help="PNG path (default: in the temp dir)")
-    parser.add_argument("--rows", type=int, default=65_536, help="planted training rows")
-    parser.add_argument("--eval-rows", type=int, default=16_384, help="held-out rows")
-    parser.add_argument("--batch-size", type=int, default=128, help="rows per worker step")
-    parser.add_argument("--workers", type=int, default=4, help="gloo worker processes")
-    parser.add_argument("--seeds", type=int, default=1,
+    parser.add_argument("--rows", type=int_at_least(1), default=65_536,
+                        help="planted training rows")
+    parser.add_argument("--eval-rows", type=int_at_least(1), default=16_384, help="held-out rows")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=128,
+                        help="rows per worker step")
+    parser.add_argument("--workers", type=int_at_least(1), default=4, help="gloo worker processes")
+    parser.add_argument("--seeds", type=int_at_least(1), default=1,
                         help="data and model seeds 0..N-1: AUCs are means, gaps paired")
     parser.add_argument("--data", default="default", choices=sorted(DATA),
                         help="planted data: default (8 long-tailed features) or small")

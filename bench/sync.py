@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
+from services.common.commands import int_at_least
 from services.common.errors import ConfigError
 from services.local.compare import STRATEGY_SETTINGS, TRAINING, train_configs
 from services.worker.models import ModelConfig, build_model
@@ -288,13 +289,15 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("sync", help="dense sync strategies: throughput, bytes, AUC")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--plot", help="PNG path (default: in the temp dir)")
-    parser.add_argument("--rows", type=int, default=131_072, help="planted training rows")
-    parser.add_argument("--eval-rows", type=int, default=16_384, help="held-out rows")
-    parser.add_argument("--batch-size", type=int, default=128, help="rows per worker step")
-    parser.add_argument("--workers", type=int, default=4, help="gloo worker processes")
+    parser.add_argument("--rows", type=int_at_least(1), default=131_072,
+                        help="planted training rows")
+    parser.add_argument("--eval-rows", type=int_at_least(1), default=16_384, help="held-out rows")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=128,
+                        help="rows per worker step")
+    parser.add_argument("--workers", type=int_at_least(1), default=4, help="gloo worker processes")
     parser.add_argument("--strategies", default=",".join(STRATEGY_SETTINGS),
                         help="comma-separated strategies to compare")
-    parser.add_argument("--lamb-scale", type=int, default=8,
+    parser.add_argument("--lamb-scale", type=int_at_least(1), default=8,
                         help="the lamb_large_batch row's batch multiple (0: no such row)")
     parser.add_argument("--sfb", action="store_true",
                         help="also: SFB on a wide DLRM at 16 rows per worker")

@@ -59,6 +59,7 @@ from bench import write_json
 from bench.netem import LatencyProxy
 from bench.peers import torch_baseline, torchrec_available, torchrec_baseline
 from services.common.batch import Batch
+from services.common.commands import int_at_least
 
 __all__ = ["RUNS", "hybrid_ceiling", "median_run", "paired_ratios", "register_bench", "rtt_row",
            "run"]
@@ -358,12 +359,13 @@ def _rtt_list(text: str) -> list[float]:
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="Persimmon's training throughput vs the peers")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--rows", type=int, default=524288, help="planted training rows")
-    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--rows", type=int_at_least(1), default=524288,
+                        help="planted training rows")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="criteo", choices=["toy", "criteo"],
                         help="the planted data set (criteo: 26 features, up to 1M ids each)")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--repeats", type=int_at_least(1), default=5,
                         help="runs of each way, in turn; the median is reported")
     parser.add_argument("--rtt-ms", type=_rtt_list, default=[],
                         help="also run the remote path behind a proxy adding these round-trip "

@@ -1,9 +1,13 @@
 """Running a command line: the ``main`` shared by ``persimmon`` and ``python -m services.<x>``.
 
 Each service's ``__main__`` exposes ``register_cli(subparsers)``; :func:`command_parser` makes
-the top parser those commands hang on (with ``--log-level``), :func:`run_parsed` parses, sets up
-logging and runs the chosen command, printing a :class:`PersimmonError` as one clear line (exit
-status 2). :func:`run_commands` serves a module with subcommands (``python -m bench``),
+the top parser those commands hang on (with ``--log-level`` and ``--debug``), :func:`run_parsed`
+parses, sets up logging and runs the chosen command. Every failure is one clear line on stderr
+and an exit status (:func:`exit_status`): 0 ok, 1 a runtime failure, 2 a usage error or bad
+input (a bad flag, an :class:`~services.common.errors.InvalidArgument`, a
+:class:`~services.common.errors.NotFound` of something the command line names). The traceback is
+printed too only with ``--debug`` or ``PERSIMMON_DEBUG=1`` (which child processes inherit).
+:func:`run_commands` serves a module with subcommands (``python -m bench``),
 :func:`run_single` one with one command (``python -m services.ps``).
 :func:`add_service_command` adds a command that runs a service from its config dataclass.
 """
@@ -12,37 +16,133 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from services.common.config import add_flags
-from services.common.errors import PersimmonError
+from services.common.errors import InvalidArgument, NotFound, PersimmonError
 
-__all__ = ["add_service_command", "command_parser", "run_commands", "run_parsed", "run_single"]
+__all__ = ["OK", "RUNTIME_FAILURE", "USAGE_ERROR", "add_service_command", "command_parser",
+           "debug_enabled", "exit_status", "float_at_least", "input_file", "int_at_least",
+           "output_file", "run_commands", "run_parsed", "run_single"]
 
 Register = Callable[[argparse._SubParsersAction], None]
+
+OK, RUNTIME_FAILURE, USAGE_ERROR = 0, 1, 2  # the exit statuses of every command
+DEBUG_ENV = "PERSIMMON_DEBUG"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (the usage is in ``--help``); its
+    subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.splitlines())  # a value may hold a line break
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low`` (the error names the flag and the value)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def float_at_least(low: float, *, inclusive: bool = True) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= ``low`` (> ``low`` unless ``inclusive``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>=' if inclusive else '>'} {low:g}, got {text}")
+        return value
+    return parse
+
+
+def input_file(text: str) -> str:
+    """An argparse ``type``: a file that exists (a directory is not one)."""
+    if not Path(text).is_file():
+        what = "is a directory, not a file" if Path(text).is_dir() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}")
+    return text
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file the command writes at its end (checked at the start, so
+    that a typo does not cost a whole run): not a directory, in a directory that exists."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {str(path.parent)!r} does not exist")
+    return text
+
+
+def debug_enabled() -> bool:
+    """Whether ``PERSIMMON_DEBUG`` asks for tracebacks (``--debug`` sets it)."""
+    return os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status of a command that raised ``exc``: bad input (an
+    :class:`InvalidArgument`, or a :class:`NotFound` of what the flags name) is a usage
+    error, anything else a runtime failure."""
+    return USAGE_ERROR if isinstance(exc, InvalidArgument | NotFound) else RUNTIME_FAILURE
+
+
+def _error_line(exc: BaseException) -> str:
+    if isinstance(exc, PersimmonError):
+        return exc.message
+    if isinstance(exc, OSError):
+        return str(exc)
+    return f"internal error: {type(exc).__name__}: {exc}"
 
 
 def command_parser(prog: str, description: str
                    ) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     """A top parser with ``--log-level`` and a required subcommand; returns it and its
     subparsers (for ``register_cli`` hooks)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = _Parser(prog=prog, description=description)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"print the traceback of a failure (or set {DEBUG_ENV}=1)")
     return parser, parser.add_subparsers(dest="command", required=True)
 
 
 def run_parsed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
-    """Parse ``argv``, configure logging, run the command's ``func``; its exit status."""
+    """Parse ``argv``, configure logging, run the command's ``func``; its exit status. A
+    failure is printed as one line (after its traceback when debugging)."""
     args = parser.parse_args(list(argv))
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # child processes print their tracebacks too
+    level = args.log_level.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        parser.error(f"argument --log-level: unknown level {args.log_level!r}")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args) or 0)
-    except PersimmonError as exc:
-        print(f"{parser.prog}: error: {exc.message}", file=sys.stderr)
-        return 2
+        return int(args.func(args) or OK)
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure is one line and an exit status
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"{parser.prog}: error: {_error_line(exc)}", file=sys.stderr)
+        return exit_status(exc)
 
 
 def run_commands(register: Register, argv: Sequence[str] | None, *, prog: str,
@@ -73,13 +173,13 @@ def add_service_command(subparsers: argparse._SubParsersAction, name: str, confi
 def run_single(command: str, register: Register, argv: Sequence[str], *,
                prog: str, description: str) -> int:
     """Run ``command`` (registered by ``register``) from ``argv`` that does not name it:
-    ``[--log-level LEVEL] FLAGS...``."""
+    ``[--log-level LEVEL] [--debug] FLAGS...``."""
     parser, sub = command_parser(prog, description)
     register(sub)
     sub.choices[command].prog = prog  # its usage line names the module, not a subcommand
     argv = list(argv)
     head: list[str] = []
-    while argv and argv[0].startswith("--log-level"):
-        take = 1 if "=" in argv[0] else 2
+    while argv and (argv[0].startswith("--log-level") or argv[0] == "--debug"):
+        take = 1 if "=" in argv[0] or argv[0] == "--debug" else 2
         head, argv = head + argv[:take], argv[take:]
     return run_parsed(parser, [*head, command, *argv])

@@ -8,7 +8,8 @@
     ├── NotFound                 NOT_FOUND            404
     ├── AlreadyExists            ALREADY_EXISTS       409
     ├── FailedPrecondition       FAILED_PRECONDITION  412
-    │   └── ProtocolMismatch     FAILED_PRECONDITION  412
+    │   ├── ProtocolMismatch     FAILED_PRECONDITION  412
+    │   └── TrainingFailed       FAILED_PRECONDITION  412
     ├── ResourceExhausted        RESOURCE_EXHAUSTED   413
     ├── DeadlineExceeded         DEADLINE_EXCEEDED    504
     ├── Unauthenticated          UNAUTHENTICATED      401
@@ -39,6 +40,7 @@ __all__ = [
     "PersimmonError",
     "ProtocolMismatch",
     "ResourceExhausted",
+    "TrainingFailed",
     "Unauthenticated",
     "Unavailable",
     "WrongShard",
@@ -94,6 +96,11 @@ class FailedPrecondition(PersimmonError):
 
 class ProtocolMismatch(FailedPrecondition):
     """The peer speaks another protocol version."""
+
+
+class TrainingFailed(FailedPrecondition):
+    """Training gave no result to report: it consumed no valid record, its loss is NaN, or
+    its evaluation set is empty or holds one class only (AUC undefined)."""
 
 
 class ResourceExhausted(PersimmonError):

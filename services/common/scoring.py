@@ -35,8 +35,10 @@ def labels_and_scores(labels: Any, scores: Any) -> tuple[np.ndarray, np.ndarray]
     s = _as_1d("scores", scores)
     if y.shape != s.shape:
         raise InvalidArgument(f"labels {y.shape} and scores {s.shape} differ in size")
-    if y.size and not np.all((y == 0) | (y == 1)):
-        raise InvalidArgument("labels must be 0 or 1")
+    bad = np.flatnonzero((y != 0) & (y != 1))
+    if bad.size:
+        raise InvalidArgument(f"labels must be 0 or 1, got {y[bad[0]]:g} ({bad.size} of "
+                              f"{y.size})")
     return y, s
 
 

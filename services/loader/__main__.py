@@ -13,7 +13,12 @@ import argparse
 import asyncio
 import json
 
-from services.common.commands import add_service_command, run_commands
+from services.common.commands import (
+    add_service_command,
+    input_file,
+    int_at_least,
+    run_commands,
+)
 from services.common.config import flag_values, load_config
 from services.common.lifecycle import serve_from_flags
 from services.loader.config import LoaderConfig
@@ -28,8 +33,11 @@ def load_loader_config(args: argparse.Namespace) -> LoaderConfig:
 
 def _run(args: argparse.Namespace) -> int:
     from services.loader.service import LoaderService
+    from services.loader.sources import check_source
 
-    return serve_from_flags(args, "loader", load_loader_config(args), LoaderService)
+    config = load_loader_config(args)
+    check_source(config.source)  # its files and schema, before serving (or --check-config)
+    return serve_from_flags(args, "loader", config, LoaderService)
 
 
 def _produce(args: argparse.Namespace) -> int:
@@ -42,11 +50,8 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from services.common.errors import ConfigError
     from services.loader.synthetic import SyntheticConfig, SyntheticDataset
 
-    if args.rows < 1 or args.test_rows < 1:
-        raise ConfigError("--rows and --test-rows must be >= 1")
     dataset = SyntheticDataset(SyntheticConfig(seed=args.seed))
     meta = dataset.write(args.out, args.rows, args.test_rows)
     print(json.dumps({k: meta[k] for k in ("train_rows", "test_rows", "oracle", "source",
@@ -71,19 +76,20 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     produce = sub.add_parser("produce", help="send every line of FILE to a Kafka topic")
     produce.add_argument("--topic", required=True)
     produce.add_argument("--bootstrap", required=True, help="HOST:PORT of a Kafka broker")
-    produce.add_argument("--partitions", type=int, default=None,
+    produce.add_argument("--partitions", type=int_at_least(1), default=None,
                          help="use only the first N partitions (default: all)")
-    produce.add_argument("file", help="Criteo/CSV/JSON-lines file, plain or gzip")
+    produce.add_argument("file", type=input_file,
+                         help="Criteo/CSV/JSON-lines file, plain or gzip")
     produce.set_defaults(func=_produce)
 
     synth = subparsers.add_parser(
         "synth", help="write planted synthetic train/test files and their oracle metrics",
         description="Write DIR/train.txt and DIR/test.txt (Criteo layout) and "
                     "DIR/synthetic.json with the teacher's oracle AUC and logloss.")
-    synth.add_argument("--rows", type=int, required=True, help="training rows")
+    synth.add_argument("--rows", type=int_at_least(1), required=True, help="training rows")
     synth.add_argument("--out", required=True, help="output directory")
     synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--test-rows", type=int, default=50_000, help="test rows")
+    synth.add_argument("--test-rows", type=int_at_least(1), default=50_000, help="test rows")
     synth.set_defaults(func=_synth)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,11 +285,36 @@ class SyntheticDataset:
                 "positive_rate": float(t.labels.mean())}
 
     def write(self, out_dir: str | Path, train_rows: int, test_rows: int) -> dict[str, Any]:
-        """Write ``train.txt``, ``test.txt`` (Criteo layout) and ``synthetic.json``."""
+        """Write ``train.txt``, ``test.txt`` (Criteo layout) and ``synthetic.json``: all of
+        them or, on any failure, none (nor the directories this call created)."""
         out = Path(out_dir)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"{out} exists and is not a directory")
+        top = out  # the outermost directory this call creates, removed on failure
+        while not top.parent.exists():
+            top = top.parent
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
+        names = ("train.txt", "test.txt", "synthetic.json")
+        staged = {name: out / f".tmp-{name}" for name in names}
+        placed: list[Path] = []
+        try:
+            meta = self._write_staged(out, staged, train_rows, test_rows)
+            for name in names:
+                staged[name].replace(out / name)
+                placed.append(out / name)
+        except BaseException:
+            for path in [*staged.values(), *placed]:
+                path.unlink(missing_ok=True)
+            if created:
+                shutil.rmtree(top, ignore_errors=True)
+            raise
+        return meta
+
+    def _write_staged(self, out: Path, staged: dict[str, Path], train_rows: int,
+                      test_rows: int) -> dict[str, Any]:
         for split, rows in (("train", train_rows), ("test", test_rows)):
-            with open(out / f"{split}.txt", "wb") as fh:
+            with open(staged[f"{split}.txt"], "wb") as fh:
                 for k in range(math.ceil(rows / CHUNK_ROWS)):
                     chunk = _slice_teacher(self.teacher_chunk(split, k),
                                            min(CHUNK_ROWS, rows - k * CHUNK_ROWS))
@@ -303,7 +329,7 @@ class SyntheticDataset:
                            f"&sparse={len(cfg.vocab_sizes)}&multi_hot=,",
             "config": config_to_dict(cfg),
         }
-        (out / "synthetic.json").write_text(json.dumps(meta, indent=2) + "\n")
+        staged["synthetic.json"].write_text(json.dumps(meta, indent=2) + "\n")
         return meta
 
 

@@ -20,13 +20,16 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
+from services.common.commands import float_at_least, int_at_least, output_file
 from services.common.config import add_flags, flag_values, load_config
+from services.common.errors import ConfigError
 from services.local.processes import free_port
 from services.worker.config import SYNC_FIELDS, TrainerConfig
 
 __all__ = ["register_cli"]
 
 console = Console()
+_POSITIVE = int_at_least(1)
 
 
 def _plot(summary: dict[str, Any], path: str) -> None:
@@ -92,7 +95,12 @@ def _progress(url: str, total_steps: int, done: threading.Event) -> None:
 def _run(args: argparse.Namespace) -> int:
     from services.local.train import train_on_local_cluster
     from services.worker.models import ModelConfig
+    from services.worker.service import check_result, failure_summary, write_summary
 
+    batches = -(-args.rows // args.batch_size)
+    if batches < args.workers:
+        raise ConfigError(f"--rows {args.rows} makes {batches} batches of --batch-size "
+                          f"{args.batch_size}: fewer than --workers {args.workers}")
     total_steps = args.rows // args.batch_size // args.workers
     admin_port = _free_port_pair()
     config = load_config(TrainerConfig, flags={  # --mode, --staleness, --lr, --seed, --sync*
@@ -106,20 +114,21 @@ def _run(args: argparse.Namespace) -> int:
                            args=(f"http://127.0.0.1:{admin_port}", total_steps, done))
     bar.start()
     try:
-        summary = train_on_local_cluster(
-            train_data=f"synthetic:{args.rows}", eval_data=f"synthetic:{args.eval_rows}?split=test",
-            config=config, model=ModelConfig(name="dlrm"), workers=args.workers,
-            shards=args.shards, dim=args.dim, batch_size=args.batch_size, data_seed=args.seed)
+        with failure_summary(args.summary_json):
+            summary = train_on_local_cluster(
+                train_data=f"synthetic:{args.rows}",
+                eval_data=f"synthetic:{args.eval_rows}?split=test", config=config,
+                model=ModelConfig(name="dlrm"), workers=args.workers, shards=args.shards,
+                dim=args.dim, batch_size=args.batch_size, data_seed=args.seed)
     finally:
         done.set()
         bar.join(timeout=5)
+    check_result(summary, args.summary_json)
     _print_summary(summary)
     png = args.plot or "demo.png"
     _plot(summary, png)
     console.print(f"loss and AUC curves: {png}")
-    if args.summary_json:
-        with open(args.summary_json, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_summary(summary, args.summary_json)
     return 0
 
 
@@ -140,17 +149,21 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help="train on a local cluster end to end (no Docker, no Redis)")
-    parser.add_argument("--shards", type=int, default=2, help="PS shard processes")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (gloo)")
-    parser.add_argument("--rows", type=int, default=1048576, help="planted training rows")
-    parser.add_argument("--eval-rows", type=int, default=65536, help="held-out rows")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--shards", type=_POSITIVE, default=2, help="PS shard processes")
+    parser.add_argument("--workers", type=_POSITIVE, default=2, help="worker processes (gloo)")
+    parser.add_argument("--rows", type=_POSITIVE, default=1048576, help="planted training rows")
+    parser.add_argument("--eval-rows", type=_POSITIVE, default=65536, help="held-out rows")
+    parser.add_argument("--batch-size", type=_POSITIVE, default=256)
     parser.add_argument("--mode", default="hybrid", choices=["sync", "hybrid", "async"])
-    parser.add_argument("--staleness", type=int, default=8, help="bound S of hybrid mode")
-    parser.add_argument("--dim", type=int, default=16, help="embedding dimension")
-    parser.add_argument("--lr", type=float, default=3e-3, help="dense Adam learning rate")
+    parser.add_argument("--staleness", type=int_at_least(0), default=8,
+                        help="bound S of hybrid mode")
+    parser.add_argument("--dim", type=_POSITIVE, default=16, help="embedding dimension")
+    parser.add_argument("--lr", type=float_at_least(0, inclusive=False), default=3e-3,
+                        help="dense Adam learning rate")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", help="PNG of the loss and AUC curves (default demo.png)")
-    parser.add_argument("--summary-json", help="write the summary to this JSON file")
+    parser.add_argument("--plot", type=output_file,
+                        help="PNG of the loss and AUC curves (default demo.png)")
+    parser.add_argument("--summary-json", type=output_file,
+                        help="write the summary to this JSON file")
     add_flags(parser, TrainerConfig, only=SYNC_FIELDS)
     parser.set_defaults(func=_run)

@@ -4,25 +4,32 @@ and tests: :class:`LocalPS` (PS shard processes, optionally supervised) and
 
 Each process binds port 0 and writes the ports it got to a ready file
 (:func:`start_service`), so that concurrent launchers never race for a port one of them picked.
+A process's stderr is held back until it serves (then passed on): one that fails to start is
+reported by its own last error line, once, as an :class:`~services.common.errors.Unavailable`.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
-from typing import Any
+from typing import IO, Any
 
+from services.common.commands import debug_enabled
+from services.common.errors import Unavailable
 from services.local.supervise import Supervisor
 
-__all__ = ["LocalLoader", "LocalPS", "free_port", "start_service", "stop_processes",
-           "wait_ready"]
+__all__ = ["LocalLoader", "LocalPS", "StderrTail", "free_port", "start_service",
+           "stop_processes", "wait_ready"]
 
 # Each service runs as its own module (``python -m services.ps``): it starts without importing
 # the CLI, torch or the benchmarks, which is what a supervisor's restart waits for.
@@ -37,8 +44,56 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float = 60.0) -> None:
-    """Poll ``url/readyz`` until it answers 200; raise if ``proc`` exits or time runs out."""
+class StderrTail:
+    """A child's stderr read by a thread: its last lines are held back until :meth:`pass_on`
+    (the child serves), then every line goes to this process's stderr as it comes."""
+
+    def __init__(self, pipe: IO[bytes]) -> None:
+        self._held: collections.deque[str] = collections.deque(maxlen=200)
+        self._passing = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True,
+                                        name="stderr-tail")
+        self._thread.start()
+
+    def _read(self, pipe: IO[bytes]) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", "replace")
+                with self._lock:
+                    if self._passing:
+                        sys.stderr.write(line)
+                    else:
+                        self._held.append(line)
+
+    def pass_on(self) -> None:
+        """Write the held lines and pass on every later one."""
+        with self._lock:
+            sys.stderr.writelines(self._held)
+            self._held.clear()
+            self._passing = True
+
+    def last_error(self, timeout: float = 5.0) -> str:
+        """The child's last non-blank line (after it exited), without its ``PROG: error:``
+        prefix; with debugging on, every held line is written to stderr too."""
+        self._thread.join(timeout)
+        with self._lock:
+            lines = [line.rstrip() for line in self._held if line.strip()]
+            if debug_enabled():
+                sys.stderr.writelines(self._held)
+        return re.sub(r"^\S.*?: error: ", "", lines[-1]) if lines else "no error message"
+
+
+def _failed(what: str, proc: subprocess.Popen[bytes], tail: StderrTail | None) -> Unavailable:
+    cause = f": {tail.last_error()}" if tail is not None else ""
+    return Unavailable(f"{what} exited with {proc.returncode} before serving{cause}")
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float = 60.0, *,
+               what: str = "", tail: StderrTail | None = None) -> None:
+    """Poll ``url/readyz`` until it answers 200; :class:`Unavailable` if ``proc`` exits
+    (with its last error line when its ``tail`` is given) or time runs out."""
+    what = what or f"the process serving {url}"
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -48,9 +103,9 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float = 60.0) -
         except OSError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"the process serving {url} exited with {proc.returncode}")
+            raise _failed(what, proc, tail)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not become ready within {timeout:.0f} s")
+            raise Unavailable(f"{what} did not become ready within {timeout:.0f} s")
         time.sleep(0.1)
 
 
@@ -71,30 +126,33 @@ def start_service(command: list[str], ready_file: str, timeout: float = 60.0, *,
                   nice: int = 0) -> tuple[subprocess.Popen[bytes], int, int]:
     """Start a ``persimmon ps|loader`` command on ports 0 (at ``nice``, see :func:`renice`);
     wait for its ready file and its ``/readyz``; return the process and its (gRPC, admin)
-    ports."""
+    ports. A process that exits first is an :class:`Unavailable` naming its last error
+    line."""
     if os.path.exists(ready_file):
         os.remove(ready_file)
-    what = command[2] if len(command) > 2 else command[0]  # the module: services.ps
+    what = command[2].rpartition(".")[2] if len(command) > 2 else command[0]  # services.ps: ps
     proc = subprocess.Popen([*command, "--grpc-port", "0", "--admin-port", "0",
-                             "--ready-file", ready_file], stdout=subprocess.DEVNULL)
+                             "--ready-file", ready_file], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    assert proc.stderr is not None  # Popen with stderr=PIPE
+    tail = StderrTail(proc.stderr)
     renice(proc, nice)
     deadline = time.monotonic() + timeout
     try:
         while not os.path.exists(ready_file):
             if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {proc.returncode} "
-                                   "before serving")
+                raise _failed(what, proc, tail)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not start within "
-                                   f"{timeout:.0f} s")
+                raise Unavailable(f"{what} did not start within {timeout:.0f} s")
             time.sleep(0.05)
         with open(ready_file) as f:
             ports = json.load(f)
         wait_ready(proc, f"http://127.0.0.1:{ports['admin_port']}",
-                   max(deadline - time.monotonic(), 5.0))
+                   max(deadline - time.monotonic(), 5.0), what=what, tail=tail)
     except BaseException:
         stop_processes([proc])
         raise
+    tail.pass_on()
     return proc, int(ports["grpc_port"]), int(ports["admin_port"])
 
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.commands import debug_enabled
+
 __all__ = ["Restart", "Supervisor"]
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,8 @@ class Supervisor:
                 log.warning("process %d exited with %s; restarting", index, code)
                 try:
                     self.procs[index] = self._restart(index)
-                except Exception:  # tried again at the next poll
-                    log.exception("restarting process %d failed", index)
+                except Exception as exc:  # tried again at the next poll
+                    log.error("restarting process %d failed: %s", index, exc,
+                              exc_info=debug_enabled())
                     continue
                 self.restarts.append(Restart(index, code, died, time.monotonic()))

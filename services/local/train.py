@@ -22,12 +22,18 @@ from contextlib import ExitStack
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
+from services.common.commands import float_at_least, int_at_least
 from services.common.config import print_config
 from services.common.errors import ConfigError
 from services.worker.__main__ import add_training_flags, load_trainer_config
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.models import ModelConfig
-from services.worker.service import InProcessData, report_summary, summary_dict
+from services.worker.service import (
+    InProcessData,
+    failure_summary,
+    report_summary,
+    summary_dict,
+)
 
 __all__ = ["PS_PLACEMENTS", "PlantedData", "data_specs", "ps_placement", "register_cli",
            "train_on_local_cluster"]
@@ -78,8 +84,9 @@ def _synthetic_rows(spec: str) -> int | None:
 
 def data_specs(args: argparse.Namespace) -> tuple[str, str | None]:
     """(train spec, eval spec): ``synthetic`` alone means 65,536 rows, and synthetic training
-    data is evaluated on the test split unless ``--eval-data`` says otherwise."""
-    from services.loader.config import SourceSpec
+    data is evaluated on the test split unless ``--eval-data`` says otherwise. Both are
+    checked (spec, files, schema): a ConfigError naming the flag."""
+    from services.loader.sources import check_source
 
     train = str(args.train_data)
     rows = _synthetic_rows(train)
@@ -92,9 +99,12 @@ def data_specs(args: argparse.Namespace) -> tuple[str, str | None]:
     if evaluation is None and rows is not None:
         evaluation = f"synthetic:{args.eval_rows}?" + "&".join(filter(None, [profile,
                                                                            "split=test"]))
-    for spec in (train, evaluation):
-        if spec is not None:
-            SourceSpec.parse(spec)  # a clear ConfigError before any process starts
+    for flag, spec in (("--train-data", train), ("--eval-data", evaluation)):
+        if spec is not None:  # a clear ConfigError before any process starts
+            try:
+                check_source(spec)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag}: {exc.message}") from exc
     return train, evaluation
 
 
@@ -221,15 +231,16 @@ def _run_train(args: argparse.Namespace) -> int:
     ps_placement(args.ps, args.workers, config)  # a clear ConfigError before anything starts
     if args.check_config:
         return 0
-    summary = train_on_local_cluster(
-        train_data=train_spec, eval_data=eval_spec, config=config,
-        model=ModelConfig(name=args.model, dense_norm=args.dense_norm),
-        workers=args.workers, shards=args.shards,
-        dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
-        ps_weight_decay=args.ps_weight_decay, ps_table_lr=args.ps_table_lr,
-        ps_initial_accumulator=args.ps_initial_accumulator,
-        batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer, epochs=args.epochs,
-        data_seed=args.data_seed, ps=args.ps)
+    with failure_summary(args.summary_json):
+        summary = train_on_local_cluster(
+            train_data=train_spec, eval_data=eval_spec, config=config,
+            model=ModelConfig(name=args.model, dense_norm=args.dense_norm),
+            workers=args.workers, shards=args.shards,
+            dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
+            ps_weight_decay=args.ps_weight_decay, ps_table_lr=args.ps_table_lr,
+            ps_initial_accumulator=args.ps_initial_accumulator,
+            batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer,
+            epochs=args.epochs, data_seed=args.data_seed, ps=args.ps)
     return report_summary(summary, args.summary_json)
 
 
@@ -250,21 +261,21 @@ def _table_lrs(text: str) -> dict[str, float]:
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train", help="train on a local cluster (loaders, PS, workers)")
     add_training_flags(train)
-    train.add_argument("--shards", type=int, default=2, help="PS shards")
+    train.add_argument("--shards", type=int_at_least(1), default=2, help="PS shards")
     train.add_argument("--ps", default="auto", choices=list(PS_PLACEMENTS),
                        help="where the PS shards run: " + "; ".join(
                            f"{k}: {v}" for k, v in PS_PLACEMENTS.items()))
-    train.add_argument("--workers", type=int, default=1, help="worker processes (gloo)")
-    train.add_argument("--dim", type=int, default=16, help="embedding dimension")
-    train.add_argument("--ps-lr", type=float, default=0.05, help="PS learning rate")
+    train.add_argument("--workers", type=int_at_least(1), default=1, help="worker processes (gloo)")
+    train.add_argument("--dim", type=int_at_least(1), default=16, help="embedding dimension")
+    train.add_argument("--ps-lr", type=float_at_least(0, inclusive=False), default=0.05, help="PS learning rate")
     train.add_argument("--ps-optimizer", default="adagrad",
                        choices=["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"],
                        help="the PS tables' optimizer")
-    train.add_argument("--shuffle-buffer", type=int, default=SHUFFLE_BUFFER,
+    train.add_argument("--shuffle-buffer", type=int_at_least(0), default=SHUFFLE_BUFFER,
                        help="training rows shuffled together by the loader (0: file order)")
-    train.add_argument("--ps-weight-decay", type=float, default=0.0,
+    train.add_argument("--ps-weight-decay", type=float_at_least(0), default=0.0,
                        help="L2 of every PS table's rows (added to their gradients)")
-    train.add_argument("--ps-initial-accumulator", type=float, default=0.0,
+    train.add_argument("--ps-initial-accumulator", type=float_at_least(0), default=0.0,
                        help="the PS Adagrads' starting accumulator (0: the first step of "
                             "every element is +-lr)")
     train.add_argument("--ps-table-lr", type=_table_lrs, default=None,

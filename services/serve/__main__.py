@@ -63,7 +63,11 @@ def _model_config(cfg: ExportConfig) -> ModelConfig:
 
 def export_from_flags(cfg: ExportConfig, read_shards: ReadShards) -> dict[str, Any]:
     """Write one model version from ``cfg``'s job checkpoint; returns a summary."""
+    model = _model_config(cfg)  # the flags first: nothing is read before they are checked
+    spec = spec_from_source(cfg.features, cfg.dense_transform())
     checkpoint_id = cfg.job_checkpoint
+    if not Path(cfg.checkpoint_dir).is_dir():
+        raise ConfigError(f"--checkpoint-dir {cfg.checkpoint_dir} is not a directory")
     if checkpoint_id == "latest":
         newest = latest_complete(cfg.checkpoint_dir)
         if newest is None:
@@ -75,7 +79,7 @@ def export_from_flags(cfg: ExportConfig, read_shards: ReadShards) -> dict[str, A
         base = versions[-1]["version_id"] if versions else None
     manifest = export_job_checkpoint(
         cfg.checkpoint_dir, checkpoint_id, cfg.out, read_shards=read_shards,
-        model=_model_config(cfg), spec=spec_from_source(cfg.features, cfg.dense_transform()),
+        model=model, spec=spec,
         table_prefix=cfg.table_prefix, pooling=cfg.pooling, row_dtype=cfg.row_dtype,
         keep=cfg.keep or None, base=base,
         ps_tables=[t for t in cfg.ps_tables.split(",") if t])
@@ -96,6 +100,8 @@ def register_cli(subparsers: argparse._SubParsersAction, *,
 
         cfg = load_serve_config(args)
         print_config("serve", cfg)
+        if Path(cfg.model_dir).exists() and not Path(cfg.model_dir).is_dir():
+            raise ConfigError(f"--model-dir {cfg.model_dir} is not a directory")
         if args.check_config:
             return 0
         rows = _needs("initial rows", initial_rows)

@@ -14,7 +14,7 @@ import argparse
 import functools
 import sys
 
-from services.common.commands import run_single
+from services.common.commands import float_at_least, int_at_least, output_file, run_single
 from services.common.config import add_flags, flag_values, load_config
 from services.worker.config import TrainerConfig
 from services.worker.models import MODELS
@@ -40,12 +40,14 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                              "csv:GLOB?schema=F, kafka://..., synthetic[:ROWS]")
     parser.add_argument("--eval-data", help="loader spec of the held-out data (default for "
                         "synthetic training data: its test split)")
-    parser.add_argument("--eval-rows", type=int, default=16384, help="synthetic held-out rows")
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--eval-rows", type=int_at_least(1), default=16384,
+                        help="synthetic held-out rows")
+    parser.add_argument("--epochs", type=int_at_least(1), default=1)
+    parser.add_argument("--batch-size", type=int_at_least(1), default=512)
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the data (shuffles, "
                         "planted data)")
-    parser.add_argument("--summary-json", help="write the summary to this JSON file")
+    parser.add_argument("--summary-json", type=output_file,
+                        help="write the summary to this JSON file")
     add_flags(parser, TrainerConfig)
 
 
@@ -68,10 +70,10 @@ def register_cli(subparsers: argparse._SubParsersAction, *,
     worker.add_argument("--eval-loader", help="host:port of a loader of held-out batches")
     job = worker.add_argument_group("job checkpoints (rank 0)")
     job.add_argument("--checkpoint-dir", help="job checkpoints go here (the PS shards' dir)")
-    job.add_argument("--checkpoint-every-steps", type=int, default=0, help="0: never")
-    job.add_argument("--checkpoint-every-s", type=float, default=0.0, help="0: never")
+    job.add_argument("--checkpoint-every-steps", type=int_at_least(0), default=0, help="0: never")
+    job.add_argument("--checkpoint-every-s", type=float_at_least(0), default=0.0, help="0: never")
     job.add_argument("--ps-admin", help="PS admin URLs http://host:port,... (or --registry)")
-    job.add_argument("--job-admin-port", type=int, default=None,
+    job.add_argument("--job-admin-port", type=int_at_least(0), default=None,
                      help="serve POST/GET /v1/job/checkpoints on this port")
     job.add_argument("--resume", action="store_true",
                      help="start from the newest complete job checkpoint's dense state")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -26,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from services.common.errors import ConfigError, Internal
+from services.common.commands import debug_enabled
+from services.common.errors import ConfigError, Internal, PersimmonError
 
 __all__ = [
     "BACKENDS",
@@ -159,8 +161,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
         value = fn(rank, world_size, *args)
         dist.barrier()  # rank 0 hosts the store: nobody leaves while others still need it
         results.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        ours = exc if isinstance(exc, PersimmonError) else None
+        results.put((rank, False, (ours, traceback.format_exc())))
     finally:
         destroy_distributed()
 
@@ -176,6 +179,15 @@ def _stop(procs: list[Any]) -> None:
             p.join(timeout=5)
 
 
+def _rank_error(rank: int, error: PersimmonError | None, trace: str) -> PersimmonError:
+    """The error the parent raises for a rank that failed with ``error`` (``trace``)."""
+    if error is None:
+        return Internal(f"local rank {rank} failed:\n{trace}")
+    if debug_enabled():
+        sys.stderr.write(trace)
+    return type(error)(f"local rank {rank}: {error.message}")
+
+
 def run_local_ranks(fn: Callable[..., T], world_size: int, *args: Any, backend: str = "gloo",
                     timeout_s: float = 120.0, start_method: str = "forkserver",
                     threads_per_rank: int = 1) -> list[T]:
@@ -185,9 +197,10 @@ def run_local_ranks(fn: Callable[..., T], world_size: int, *args: Any, backend: 
     calling ``fn`` and leaves it afterwards. Ranks are forked from a forkserver (a clean
     process that has imported torch and the worker once), never from the caller: a caller
     that ran gRPC, CUDA or other threads must not be forked. ``fn`` and ``args`` must
-    pickle (``fn`` a module-level function). A failing rank stops the others and raises
-    :class:`Internal` with its traceback; so does a rank that dies silently or the whole
-    run passing ``timeout_s``.
+    pickle (``fn`` a module-level function). A failing rank stops the others and raises its
+    error (a :class:`PersimmonError` of the same class naming the rank; any other error as
+    :class:`Internal` with its traceback); a rank that dies silently or the whole run
+    passing ``timeout_s`` is an :class:`Internal` too.
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -219,7 +232,7 @@ def run_local_ranks(fn: Callable[..., T], world_size: int, *args: Any, backend: 
                                    f"done: {sorted(out)}") from None
                 continue
             if not ok:
-                raise Internal(f"local rank {rank} failed:\n{value}")
+                raise _rank_error(rank, *value)
             out[rank] = value
         for p in procs:
             p.join(timeout=max(deadline - time.monotonic(), 1.0))

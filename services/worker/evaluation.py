@@ -7,13 +7,14 @@ running logloss sum; :func:`gather_accumulator` merges the accumulators of all r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, TrainingFailed
 from services.common.scoring import (
     auc,
     bce_sum_from_logits,
@@ -32,6 +33,9 @@ __all__ = [
 ]
 
 
+T = TypeVar("T")
+
+
 @dataclass(slots=True, frozen=True)
 class EvalResult:
     auc: float
@@ -45,9 +49,11 @@ class EvalResult:
 
 
 class EvalAccumulator:
-    """Collects ``(labels, logits)`` batch by batch; :meth:`result` gives AUC and logloss."""
+    """Collects ``(labels, logits)`` batch by batch; :meth:`result` gives AUC and logloss.
+    ``source`` (``"the evaluation data"``) is named in the error of a label other than 0/1."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str = "the data") -> None:
+        self.source = source
         self._labels: list[np.ndarray] = []
         self._scores: list[np.ndarray] = []
         self._bce_sum = 0.0
@@ -61,7 +67,7 @@ class EvalAccumulator:
     def update(self, labels: np.ndarray | torch.Tensor | list[float],
                logits: np.ndarray | torch.Tensor | list[float]) -> None:
         """Add one batch; ``logits`` are the model's raw outputs (before sigmoid)."""
-        y, z = labels_and_scores(labels, logits)
+        y, z = self._checked(labels_and_scores, labels, logits)
         self._labels.append(y.astype(np.float32))
         self._scores.append(z.astype(np.float32))
         self._bce_sum += bce_sum_from_logits(y, z)
@@ -73,7 +79,7 @@ class EvalAccumulator:
         arrays (each numpy pass there hands the GIL to compute and back). The labels are
         checked by :meth:`result`, which raises if one is not 0 or 1."""
         if not math.isfinite(mean_bce):
-            raise InvalidArgument(f"the training loss is {mean_bce}: the model diverged")
+            raise TrainingFailed(f"the training loss is {mean_bce}: the model diverged")
         if labels.shape != logits.shape:
             raise InvalidArgument(f"labels {labels.shape} and logits {logits.shape} differ")
         self._labels.append(labels.copy())  # not a view that keeps a whole message alive
@@ -98,10 +104,17 @@ class EvalAccumulator:
             return np.zeros(0, np.float32), np.zeros(0, np.float32)
         return np.concatenate(self._labels), np.concatenate(self._scores)
 
+    def _checked(self, score: Callable[..., T], labels: Any, scores: Any) -> T:
+        try:
+            return score(labels, scores)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{self.source}: {exc.message}") from exc
+
     def result(self) -> EvalResult:
         y, z = self.arrays()
         n = self._count
-        return EvalResult(auc=auc(y, z), logloss=self._bce_sum / n if n else math.nan,
+        return EvalResult(auc=self._checked(auc, y, z),
+                          logloss=self._bce_sum / n if n else math.nan,
                           count=n, positive_rate=float(y.sum()) / n if n else math.nan)
 
 
@@ -117,7 +130,7 @@ def gather_accumulator(acc: EvalAccumulator, group: object | None = None) -> Eva
     parts: list[object] = [None] * dist.get_world_size(group)  # type: ignore[arg-type]
     y, z = acc.arrays()
     dist.all_gather_object(parts, (y, z, acc._bce_sum), group=group)  # type: ignore[arg-type]
-    merged = EvalAccumulator()
+    merged = EvalAccumulator(acc.source)
     for part in parts:
         py, pz, bce = cast(tuple[np.ndarray, np.ndarray, float], part)
         if py.size:

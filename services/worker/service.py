@@ -20,21 +20,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.common.batch import Batch
 from services.common.config import print_config
-from services.common.errors import ConfigError, Unavailable
+from services.common.errors import ConfigError, PersimmonError, TrainingFailed, Unavailable
 from services.worker.config import TrainerConfig
 from services.worker.models import ModelConfig
+from services.worker.summary import summary_problem
 
-__all__ = ["InProcessData", "InProcessSource", "SUMMARY_KEYS", "check_worker_args",
-           "registered_loader", "report_summary", "run_worker", "summary_dict"]
+__all__ = ["InProcessData", "InProcessSource", "SUMMARY_KEYS", "check_result",
+           "check_worker_args", "failure_summary", "registered_loader", "report_summary",
+           "run_worker", "summary_dict", "write_summary"]
 
 log = logging.getLogger("persimmon.worker")
 
@@ -100,7 +104,8 @@ def run_worker(args: argparse.Namespace, config: TrainerConfig, *,
     info = init_distributed()  # a process group when torchrun (or compose) set WORLD_SIZE
     rank, world = info.rank, info.world_size
     data = None if args.loader or in_process is None else in_process.data(args, rank, world)
-    summary = asyncio.run(_train(args, config, rank, world, data))
+    with failure_summary(args.summary_json):
+        summary = asyncio.run(_train(args, config, rank, world, data))
     if summary is None:
         return 0  # stopped by SIGTERM after a final job checkpoint
     if data is not None and data.oracle is not None:
@@ -207,12 +212,50 @@ def summary_dict(summary: Any) -> dict[str, Any]:
     return dict(as_dict() if callable(as_dict) else summary)
 
 
-def report_summary(summary: Mapping[str, Any], path: str | None) -> int:
-    """Print the summary's headline keys as JSON; write all of it to ``path`` when given.
-    Returns 0 (the exit status)."""
-    summary = summary_dict(summary)
-    print(json.dumps({k: summary[k] for k in SUMMARY_KEYS if k in summary}, indent=2))
+def _json_ready(value: Any) -> Any:
+    """``value`` with every NaN or infinity as None (JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(v) for v in value]
+    return value
+
+
+def write_summary(summary: Mapping[str, Any], path: str | None) -> None:
+    """Write ``summary`` to ``path`` (``--summary-json``) as strict JSON, when given."""
     if path:
         with open(path, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(_json_ready(summary), f, indent=2)
+
+
+def check_result(summary: Mapping[str, Any], path: str | None) -> None:
+    """A :class:`TrainingFailed` when ``summary`` holds no result to report
+    (:func:`~services.worker.summary.summary_problem`), after writing it with that reason as
+    its ``error`` to ``path``."""
+    problem = summary_problem(summary)
+    if problem is not None:
+        write_summary({**summary, "error": problem}, path)
+        raise TrainingFailed(problem)
+
+
+@contextlib.contextmanager
+def failure_summary(path: str | None) -> Iterator[None]:
+    """Training under this block that fails writes ``{"error": ...}`` to ``path``."""
+    try:
+        yield
+    except PersimmonError as exc:
+        write_summary({"error": exc.message}, path)
+        raise
+
+
+def report_summary(summary: Mapping[str, Any], path: str | None) -> int:
+    """Print the summary's headline keys as JSON and write all of it to ``path`` when given;
+    returns 0 (the exit status). A summary without a result is a :class:`TrainingFailed`
+    (:func:`check_result`)."""
+    summary = summary_dict(summary)
+    check_result(summary, path)
+    print(json.dumps({k: summary[k] for k in SUMMARY_KEYS if k in summary}, indent=2))
+    write_summary(summary, path)
     return 0

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RECENT_LOSSES", "FitSummary", "LossCurve", "StalenessStats"]
+__all__ = ["RECENT_LOSSES", "FitSummary", "LossCurve", "StalenessStats", "summary_problem"]
 
 RECENT_LOSSES = 1000  # losses a Trainer keeps (its ``recent_losses``)
 
@@ -139,3 +140,21 @@ class FitSummary:
         out["recent_losses"] = list(self.recent_losses)
         out["loss_curve"] = [[step, loss] for step, loss in self.loss_curve]
         return out
+
+
+def summary_problem(summary: Mapping[str, Any]) -> str | None:
+    """Why a fit summary (:meth:`FitSummary.as_dict`) holds no result to report, or None: no
+    step (no valid record), a NaN loss, or an AUC that is undefined (an empty or one-class
+    evaluation set, or one-class training data when nothing was evaluated)."""
+    if not summary.get("steps"):
+        return ("training consumed no valid record: the data is empty, or every record "
+                "was malformed (the loader logs each, and its --dead-letter file keeps them)")
+    if not math.isfinite(summary.get("loss", math.nan)):
+        return f"the training loss is {summary.get('loss')}: the model diverged"
+    if math.isfinite(summary.get("auc", math.nan)):
+        return None
+    evaluated = summary.get("eval_samples")
+    if evaluated == 0:
+        return "the evaluation set is empty: no AUC or logloss"
+    where = "the evaluation set" if evaluated else "the training data (nothing was evaluated)"
+    return f"{where} holds one class only: its AUC is undefined"

@@ -463,7 +463,7 @@ class Trainer:
             source, compute.put, compute.fail, steps=steps,
             first=first if self._forward is None else None))
         runner = asyncio.create_task(asyncio.to_thread(compute.run, self.step))
-        train_acc = EvalAccumulator()
+        train_acc = EvalAccumulator("the training data")
         staleness, curve = StalenessStats(), LossCurve()
         samples, first_step = 0, self.step
         try:
@@ -551,7 +551,7 @@ class Trainer:
         """Held-out ``auc``, ``logloss`` and ``samples`` (over every rank's batches when a
         process group is initialised: then every rank must call it)."""
         await self.start()
-        acc = EvalAccumulator()
+        acc = EvalAccumulator("the evaluation data")
         iterator = iterate(batches).__aiter__()
         pending: asyncio.Task[Any] | None = None
 

@@ -4,6 +4,7 @@ worker's process by default) in their own processes, loaders as processes."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -64,10 +65,20 @@ def test_train_on_criteo_files_written_by_synth(tmp_path: Path) -> None:
                                                    "push_in"), 0)
 
 
-def test_train_rejects_a_bad_data_spec_before_starting_anything(tmp_path: Path) -> None:
-    proc = _persimmon("train", "--train-data", "bogus:/nowhere", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and "unknown source kind 'bogus'" in proc.stderr
-    proc = _persimmon("train", "--train-data", "synthetic:many", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and "bad row count" in proc.stderr
-    proc = _persimmon("train", "--ps", "embedded", "--workers", "2", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and "--ps embedded cannot serve 2 workers" in proc.stderr
+def test_train_on_a_truncated_gzip_without_a_valid_record_fails(tmp_path: Path) -> None:
+    """The file passes every check of the flags; its records do not: a clear error and exit
+    1, not ``"steps": 0, "auc": NaN`` with exit 0 (bad flags: tests/unit/cluster/
+    test_cli_bad_input.py)."""
+    record = "\t".join(["1", *["3"] * 13, *["a1b2c3d4"] * 26]) + "\n"
+    data = gzip.compress(record.encode() * 1000)
+    (tmp_path / "cut.gz").write_bytes(data[:30])  # the stream ends inside the first record
+    proc = _persimmon("train", "--train-data", f"criteo:{tmp_path}/cut.gz", "--ps",
+                      "embedded", "--summary-json", "summary.json", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        "persimmon: error: training consumed no valid record: the data is empty, or every "
+        "record was malformed (the loader logs each, and its --dead-letter file keeps them)")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["auc"] is None
+    assert summary["error"].startswith("training consumed no valid record")

@@ -59,6 +59,17 @@ def expand_globs(patterns: list[str]) -> list[str]:
     return list(files)
 
 
+def source_files(spec: SourceSpec) -> list[str]:
+    """The files of a file source spec; a ConfigError when it matches none (a directory is
+    no file: its message says so)."""
+    files = expand_globs(spec.globs())
+    if not files:
+        dirs = [g for g in spec.globs() if Path(g).is_dir()]
+        hint = f": {dirs[0]} is a directory, give its files (e.g. {dirs[0]}/*)" if dirs else ""
+        raise ConfigError(f"source {spec.text!r} matches no files{hint}")
+    return files
+
+
 def _raw_chunks(path: str, read_bytes: int, start: int) -> Iterator[tuple[bytes, Any]]:
     """Uncompressed bytes from ``start``; the last item may carry (reason, detail)."""
     with open(path, "rb") as fh:
@@ -135,9 +146,7 @@ class FileSource:
     def __init__(self, spec: SourceSpec, config: LoaderConfig) -> None:
         self.spec = spec
         self.config = config
-        files = expand_globs(spec.globs())
-        if not files:
-            raise ConfigError(f"source {spec.text!r} matches no files")
+        files = source_files(spec)
         self.files = files[config.replica::config.replicas]
         self.transform = config.dense_transform()
         self.state = StateFile(config.state_file, spec.text)

@@ -71,7 +71,7 @@ def test_synth_then_a_loader_process_serves_the_files(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["loader", "--source", "hdfs:/x", "--check-config"], "unknown source kind 'hdfs'"),
     (["loader", "--batch-size", "0", "--check-config"], "batch_size must be >= 1"),
-    (["synth", "--rows", "0", "--out", "x"], "--rows and --test-rows must be >= 1"),
+    (["synth", "--rows", "0", "--out", "x"], "argument --rows: must be >= 1, got 0"),
 ])
 def test_bad_arguments_exit_with_a_clear_error(args, message):
     out = run(*args)

@@ -14,17 +14,21 @@ def specs(train: str, eval_data: str | None = None) -> tuple[str, str | None]:
     return data_specs(argparse.Namespace(train_data=train, eval_data=eval_data, eval_rows=4096))
 
 
-def test_the_profile_travels_to_the_test_split():
+def test_the_profile_travels_to_the_test_split(tmp_path):
     train, test = specs("synthetic:1000?profile=criteo&max_vocab=5000&zipf=1.2")
     assert train == "synthetic:1000?profile=criteo&max_vocab=5000&zipf=1.2"
     assert test == "synthetic:4096?profile=criteo&max_vocab=5000&zipf=1.2&split=test"
     assert specs("synthetic") == ("synthetic:65536", "synthetic:4096?split=test")
     # a split given with the training data is the training data's own business
     assert specs("synthetic:10?split=test&profile=toy")[0] == "synthetic:10?profile=toy"
-    assert specs("synthetic:10", "criteo:x.tsv")[1] == "criteo:x.tsv"
+    (tmp_path / "x.tsv").write_text("")
+    held_out = f"criteo:{tmp_path}/x.tsv"
+    assert specs("synthetic:10", held_out)[1] == held_out
 
 
-def test_bad_specs_fail_before_anything_starts():
+def test_bad_specs_fail_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="--eval-data: source .* matches no files"):
+        specs("synthetic:10", f"criteo:{tmp_path}/x.tsv")
     with pytest.raises(ConfigError, match="row count"):
         specs("synthetic:many")
     with pytest.raises(ConfigError):

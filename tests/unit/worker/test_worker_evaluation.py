@@ -9,7 +9,7 @@ import pytest
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, TrainingFailed
 from services.worker.evaluation import (
     EvalAccumulator,
     auc,
@@ -121,14 +121,14 @@ def test_add_step_with_the_steps_loss_equals_update() -> None:
     assert b.positive_rate == pytest.approx(a.positive_rate)
 
 
-@pytest.mark.parametrize("logits, loss, match", [
-    ([0.1, 0.2], float("nan"), "diverged"),
-    ([0.1], 0.5, "differ"),
+@pytest.mark.parametrize("logits, loss, error, match", [
+    ([0.1, 0.2], float("nan"), TrainingFailed, "diverged"),
+    ([0.1], 0.5, InvalidArgument, "differ"),
 ])
-def test_add_step_rejects_bad_input_and_changes_nothing(logits, loss, match) -> None:
+def test_add_step_rejects_bad_input_and_changes_nothing(logits, loss, error, match) -> None:
     acc = EvalAccumulator()
     acc.add_step(np.array([0, 1], np.float32), np.array([0.0, 1.0], np.float32), 0.5)
-    with pytest.raises(InvalidArgument, match=match):
+    with pytest.raises(error, match=match):
         acc.add_step(np.array([0, 1], np.float32), np.array(logits, np.float32), loss)
     assert acc.count == 2
     assert acc.result().auc == 1.0
