@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from typing import IO, Any
 
 from services.common.commands import debug_enabled
@@ -29,7 +30,7 @@ from services.common.errors import Unavailable
 from services.local.supervise import Supervisor
 
 __all__ = ["LocalLoader", "LocalPS", "StderrTail", "free_port", "start_service",
-           "stop_processes", "wait_ready"]
+           "start_services", "stop_processes", "wait_ready"]
 
 # Each service runs as its own module (``python -m services.ps``): it starts without importing
 # the CLI, torch or the benchmarks, which is what a supervisor's restart waits for.
@@ -128,32 +129,55 @@ def start_service(command: list[str], ready_file: str, timeout: float = 60.0, *,
     wait for its ready file and its ``/readyz``; return the process and its (gRPC, admin)
     ports. A process that exits first is an :class:`Unavailable` naming its last error
     line."""
-    if os.path.exists(ready_file):
-        os.remove(ready_file)
-    what = command[2].rpartition(".")[2] if len(command) > 2 else command[0]  # services.ps: ps
-    proc = subprocess.Popen([*command, "--grpc-port", "0", "--admin-port", "0",
-                             "--ready-file", ready_file], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    assert proc.stderr is not None  # Popen with stderr=PIPE
-    tail = StderrTail(proc.stderr)
-    renice(proc, nice)
-    deadline = time.monotonic() + timeout
+    return start_services([(command, ready_file)], timeout, nice=nice)[0]
+
+
+def start_services(commands: Sequence[tuple[list[str], str]], timeout: float = 60.0, *,
+                   nice: int = 0) -> list[tuple[subprocess.Popen[bytes], int, int]]:
+    """:func:`start_service` of several ``(command, ready_file)`` at once: all start
+    together, then each is waited for; if one fails, all are stopped."""
+    started: list[_Starting] = []
     try:
-        while not os.path.exists(ready_file):
-            if proc.poll() is not None:
-                raise _failed(what, proc, tail)
-            if time.monotonic() > deadline:
-                raise Unavailable(f"{what} did not start within {timeout:.0f} s")
-            time.sleep(0.05)
-        with open(ready_file) as f:
-            ports = json.load(f)
-        wait_ready(proc, f"http://127.0.0.1:{ports['admin_port']}",
-                   max(deadline - time.monotonic(), 5.0), what=what, tail=tail)
+        for command, ready_file in commands:
+            started.append(_Starting(command, ready_file, nice))
+        deadline = time.monotonic() + timeout
+        ports = [s.wait(deadline, timeout) for s in started]
     except BaseException:
-        stop_processes([proc])
+        stop_processes([s.proc for s in started])
         raise
-    tail.pass_on()
-    return proc, int(ports["grpc_port"]), int(ports["admin_port"])
+    for s in started:
+        s.tail.pass_on()
+    return [(s.proc, grpc, admin) for s, (grpc, admin) in zip(started, ports, strict=True)]
+
+
+class _Starting:
+    """A service process started on ports 0, its stderr held until it serves."""
+
+    def __init__(self, command: list[str], ready_file: str, nice: int) -> None:
+        if os.path.exists(ready_file):
+            os.remove(ready_file)
+        self.ready_file = ready_file
+        self.what = command[2].rpartition(".")[2] if len(command) > 2 else command[0]  # ps
+        self.proc = subprocess.Popen([*command, "--grpc-port", "0", "--admin-port", "0",
+                                      "--ready-file", ready_file], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        assert self.proc.stderr is not None  # Popen with stderr=PIPE
+        self.tail = StderrTail(self.proc.stderr)
+        renice(self.proc, nice)
+
+    def wait(self, deadline: float, timeout: float) -> tuple[int, int]:
+        """Its (gRPC, admin) ports once its ready file is written and ``/readyz`` answers."""
+        while not os.path.exists(self.ready_file):
+            if self.proc.poll() is not None:
+                raise _failed(self.what, self.proc, self.tail)
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{self.what} did not start within {timeout:.0f} s")
+            time.sleep(0.05)
+        with open(self.ready_file) as f:
+            ports = json.load(f)
+        wait_ready(self.proc, f"http://127.0.0.1:{ports['admin_port']}",
+                   max(deadline - time.monotonic(), 5.0), what=self.what, tail=self.tail)
+        return int(ports["grpc_port"]), int(ports["admin_port"])
 
 
 def renice(proc: subprocess.Popen[bytes], nice: int) -> None:
@@ -198,24 +222,26 @@ class LocalPS:
         config = os.path.join(self._tmp.name, "ps.yaml")
         with open(config, "w") as f:
             yaml.safe_dump({"tables": self.tables}, f)
+        commands = []
+        for k in range(self.num_shards):
+            cmd = [*_PS, "--config", config, "--shard-id", str(k),
+                   "--num-shards", str(self.num_shards)]
+            if self.checkpoint_dir:
+                cmd += ["--checkpoint-dir", self.checkpoint_dir]
+            if self.registry:
+                cmd += ["--registry", self.registry]
+            commands.append((cmd, os.path.join(self._tmp.name, f"shard-{k}.ready")))
         try:
-            for k in range(self.num_shards):
-                cmd = [*_PS, "--config", config, "--shard-id", str(k),
-                       "--num-shards", str(self.num_shards)]
-                if self.checkpoint_dir:
-                    cmd += ["--checkpoint-dir", self.checkpoint_dir]
-                if self.registry:
-                    cmd += ["--registry", self.registry]
-                proc, grpc_port, admin_port = start_service(
-                    cmd, os.path.join(self._tmp.name, f"shard-{k}.ready"), nice=self._nice)
-                self.procs.append(proc)
-                self.commands.append([*cmd, "--grpc-port", str(grpc_port),
-                                      "--admin-port", str(admin_port)])
-                self.addresses.append(f"127.0.0.1:{grpc_port}")
-                self.admin_urls.append(f"http://127.0.0.1:{admin_port}")
+            started = start_services(commands, nice=self._nice)
         except BaseException:
-            self.__exit__()
+            self._tmp.cleanup()
             raise
+        for (cmd, _), (proc, grpc_port, admin_port) in zip(commands, started, strict=True):
+            self.procs.append(proc)
+            self.commands.append([*cmd, "--grpc-port", str(grpc_port),
+                                  "--admin-port", str(admin_port)])
+            self.addresses.append(f"127.0.0.1:{grpc_port}")
+            self.admin_urls.append(f"http://127.0.0.1:{admin_port}")
         if self._supervise:
             self.supervisor = Supervisor(self.procs, self._restart).start()
         return self
