@@ -82,12 +82,25 @@ def test_topology(model: dict[str, Any]) -> None:
 
 
 def test_every_service_command_is_a_valid_persimmon_invocation(model: dict[str, Any],
-                                                                capsys) -> None:
+                                                                capsys, tmp_path) -> None:
+    """Each command checks in this process, its configs and volumes where the container has
+    them (paths under a volume's target are moved to a directory of this test)."""
     configs = {c: Path(spec["file"]) for c, spec in model["configs"].items()}
     for name in sorted(PERSIMMON_SERVICES):
         service = model["services"][name]
         mounted = {c["target"]: str(configs[c["source"]]) for c in service.get("configs", [])}
-        command = [mounted.get(arg, arg) for arg in service["command"]]
+        volumes = {v["target"]: tmp_path / v["target"].strip("/")
+                   for v in service.get("volumes", [])}
+        for directory in volumes.values():
+            directory.mkdir(parents=True, exist_ok=True)
+
+        def on_host(arg: str) -> str:
+            for target, directory in volumes.items():
+                if arg == target or arg.startswith(target + "/"):
+                    return str(directory) + arg[len(target):]
+            return mounted.get(arg, arg)
+
+        command = [on_host(arg) for arg in service["command"]]
         assert main([*command, "--check-config"]) == 0, f"{name}: {capsys.readouterr()}"
         assert "# effective" in capsys.readouterr().out, name
 
