@@ -407,7 +407,7 @@ class PSClient:
                 parts.append((k, ids[pos], held, counts[held]))
         return lengths, parts
 
-    async def pooled_lookup(self, table: str, ids: Any, lengths: Any, *,
+    async def pooled_lookup(self, table: str, ids: Any, lengths: Any,
                             mode: str = "sum") -> np.ndarray:
         """Per-sample pooled rows ``(len(lengths), dim)`` of a jagged feature (sample ``b``
         holds the next ``lengths[b]`` ids), ``mode`` ``sum`` or ``mean``; empty samples give
@@ -430,7 +430,7 @@ class PSClient:
             out /= np.maximum(lengths, 1)[:, None]
         return out
 
-    async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any, *,
+    async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any,
                           mode: str = "sum") -> PushAck:
         """Send the gradient of :meth:`pooled_lookup`'s output, ``(len(lengths), dim)``; each
         shard spreads a sample's gradient over that sample's ids it owns (``mean``: divided

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from services.common.codecs import get_codec
 from services.common.errors import ConfigError, PersimmonError
 from services.worker.compression import HOOK_NAMES
+from services.worker.exchange import EMBEDDING_PATHS
 from services.worker.pooling import POOLING_MODES
 from services.worker.sync import STRATEGIES, SyncConfig
 
@@ -75,6 +76,9 @@ class TrainerConfig:
     rows_codec: str = field(default="none", metadata={"help": "codec of rows PS -> worker"})
     grads_codec: str = field(default="none", metadata={"help": "codec of grads worker -> PS"})
     pooling: str = field(default="sum", metadata={"help": "pooling per sample: sum or mean"})
+    embedding_path: str = field(default="rows", metadata={
+        "help": "rows (unique rows down, row gradients up) or des (each shard pools its rows "
+                "per sample; pooled gradients up: needs gRPC shards)"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0: at end)"})
     seed: int = field(default=0, metadata={"help": "seed of the dense model's init"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda (default: auto)"})
@@ -138,6 +142,9 @@ class TrainerConfig:
         self._check_compression()
         if self.pooling not in POOLING_MODES:
             raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
+        if self.embedding_path not in EMBEDDING_PATHS:
+            raise ConfigError(f"embedding_path must be one of {sorted(EMBEDDING_PATHS)}, "
+                              f"got {self.embedding_path!r}")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         self._check_service()
