@@ -20,18 +20,28 @@ Rows, by stream:
 - dense optimizer: 1-bit Adam and 1-bit LAMB against Adam (their bytes cover the whole run,
   warm-up included).
 - activations: DCT-MP thresholding of the pooled embeddings per sample.
+- embedding path: DES (``embedding_path=des``: each shard returns per-sample partial sums
+  and takes the pooled gradient back) against the rows path, on planted data of its own with
+  multi-hot features (:data:`DES_DATA`), paired by seed over ``seeds`` dense
+  initialisations, on one worker in sync mode: the two paths then see the same rows up to
+  float rounding (with two workers the order in which the shards apply their pushes, and
+  Adagrad's result, changes from run to run whatever the path). Bytes are every byte of the
+  embedding messages of the training steps (requests and replies: ids, lengths, rows or
+  partial sums, gradients, framing; the held-out lookups are not counted).
 
 Ratio = fp32 bytes / bytes sent; ΔAUC = baseline AUC − AUC (positive = worse). JSON keys
 with goals: ``dense_dct_ratio`` ≥ 100 with ``dense_dct_delta_auc`` ≤ 0.001,
 ``embedding_best_ratio`` ≥ 8 with ``embedding_best_delta_auc`` ≤ 0.002, ``onebit_adam_ratio``
 ≥ 5 with ``onebit_adam_delta_auc`` ≤ 0.001, ``adaquant_ps_ratio`` (qsgd s=15's gradient bytes
 over adaquant's, s following the workers' mean loss from s0 = 2) ≥ 1 with
-``adaquant_ps_delta_auc`` ≤ 0.002.
+``adaquant_ps_delta_auc`` ≤ 0.002, ``des_bytes_ratio`` (DES's embedding bytes per step over
+the rows path's) ≤ 0.5 with ``des_delta_auc`` ≤ 0.001.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,12 +50,17 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
+from services.common.batch import Batch
 from services.common.errors import ConfigError
+from services.loader.synthetic import SyntheticConfig, SyntheticDataset
 from services.local.compare import PLANTED, train_configs
-from services.worker.config import TrainerConfig
+from services.local.processes import LocalPS
+from services.worker.config import TrainerConfig, ps_table_configs
+from services.worker.distributed import run_local_ranks
 from services.worker.models import ModelConfig
+from services.worker.trainer import Trainer
 
-__all__ = ["CASES", "GOALS", "register_bench", "run", "select"]
+__all__ = ["CASES", "DES_DATA", "GOALS", "register_bench", "run", "select"]
 
 console = Console(stderr=True)
 
@@ -60,7 +75,8 @@ EMBEDDING_GOAL = 0.002
 GOALS = {"dense_dct_ratio": (">=", 100.0), "dense_dct_delta_auc": ("<=", 0.001),
          "embedding_best_ratio": (">=", 8.0), "embedding_best_delta_auc": ("<=", EMBEDDING_GOAL),
          "onebit_adam_ratio": (">=", 5.0), "onebit_adam_delta_auc": ("<=", 0.001),
-         "adaquant_ps_ratio": (">=", 1.0), "adaquant_ps_delta_auc": ("<=", EMBEDDING_GOAL)}
+         "adaquant_ps_ratio": (">=", 1.0), "adaquant_ps_delta_auc": ("<=", EMBEDDING_GOAL),
+         "des_bytes_ratio": ("<=", 0.5), "des_delta_auc": ("<=", 0.001)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +125,18 @@ CASES = [
     _case("1-bit Adam", "optimizer", dense_optimizer="onebit_adam"),
     _case("1-bit LAMB", "optimizer", dense_optimizer="onebit_lamb"),
     _case("activations DCT-MP 25%", "activations", activation_keep=0.25),
+    _case("DES: partial sums pooled on the shards (multi-hot data)", "des",
+          embedding_path="des"),
 ]
+# DES's data: four multi-hot features of long bags (20 ids a sample on average, like a user's
+# history) over vocabularies far larger than a batch's ids, where a sample's partial sums
+# (one per shard holding any of its ids) are fewer than its unique rows; and two single-hot
+# features of small vocabularies, where DES sends more (a partial per sample against a few
+# dozen unique rows). docs/benchmarks.md has the arithmetic of where DES pays.
+DES_DATA = SyntheticConfig(seed=0, vocab_sizes=[50, 200, 20_000, 50_000, 100_000, 100_000],
+                           num_multi_hot=4, mean_multi_hot_length=20.0, max_multi_hot_length=40,
+                           num_dense=2, zipf_exponent=1.05, interaction_rank=4,
+                           weight_scale=1.0, interaction_scale=0.2, dense_scale=0.5, bias=-1.0)
 
 
 def _stream_bytes(summary: dict[str, Any], stream: str, direction: str) -> tuple[float, float]:
@@ -176,6 +203,68 @@ def _over_seeds(row: dict[str, Any], runs: list[tuple[int, dict[str, Any]]]) -> 
     row["seeds"] = per_seed
 
 
+async def _des_runs(rank: int, world: int, addresses: list[str], features: list[str],
+                    configs: list[TrainerConfig], train: list[Batch], test: list[Batch]
+                    ) -> list[dict[str, Any]]:
+    out = []
+    for k, config in enumerate(configs):
+        async with Trainer(model=MODEL, ps_addresses=addresses, config=config,
+                           tables={f: f"d{k}_{f}" for f in features}) as trainer:
+            fit = await trainer.fit(train[rank::world])
+            wire = trainer.rows.wire_bytes()  # the training steps' messages only
+            held_out = await trainer.evaluate(test[rank::world])
+        out.append({"steps": fit.steps, "auc": held_out["auc"],
+                    "bytes_per_step": sum(wire.values()) / max(fit.steps, 1)})
+    return out
+
+
+def _des_rank(rank: int, world: int, *args: Any) -> list[dict[str, Any]]:
+    return asyncio.run(_des_runs(rank, world, *args))
+
+
+def _des_rows(case: Case, base: TrainerConfig, *, rows: int, batch_size: int,
+              eval_rows: int, seeds: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows path and ``case`` (DES) on :data:`DES_DATA`, one worker, paired by seed:
+    their table rows and the ``des_*`` keys."""
+    dataset = SyntheticDataset(DES_DATA)
+    train, test = list(dataset.batches(batch_size, rows)), list(
+        dataset.batches(4096, eval_rows, "test"))
+    features = DES_DATA.sparse_names
+    paths = [replace(base, seed=seed, **settings)
+             for seed in range(seeds) for settings in ({}, dict(case.settings))]
+    tables = [t for k in range(len(paths)) for t in ps_table_configs(
+        {f: MODEL.table_dim(DIM) for f in features}, prefix=f"d{k}_", lr=0.05)]
+    console.log(f"DES: {len(paths)} runs of one worker on multi-hot data "
+                f"({seeds} seeds x rows, des)")
+    with LocalPS(2, tables) as ps:
+        runs = run_local_ranks(_des_rank, 1, ps.addresses, features, paths, train, test,
+                               timeout_s=1200.0)[0]
+    pairs = [(runs[k], runs[k + 1]) for k in range(0, len(runs), 2)]
+    deltas = [r["auc"] - d["auc"] for r, d in pairs]
+    ratios = [d["bytes_per_step"] / r["bytes_per_step"] for r, d in pairs]
+    rows_side, des_side = runs[0::2], runs[1::2]
+    table = [_des_row("rows path (multi-hot data)", rows_side, rows_side),
+             _des_row(case.name, des_side, rows_side, dict(case.settings))]
+    keys = {"des_bytes_ratio": statistics.fmean(ratios), "des_delta_auc": statistics.fmean(deltas),
+            "des_delta_auc_std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
+            "des_seeds": [{"seed": s, "delta_auc": d, "bytes_ratio": b}
+                          for s, (d, b) in enumerate(zip(deltas, ratios, strict=True))]}
+    return table, keys
+
+
+def _des_row(name: str, side: list[dict[str, Any]], rows_side: list[dict[str, Any]],
+             settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A table row of one path: means over the seeds; ratio = the rows path's bytes over its."""
+    per_step = statistics.fmean(r["bytes_per_step"] for r in side)
+    rows_per_step = statistics.fmean(r["bytes_per_step"] for r in rows_side)
+    return {"name": name, "stream": "des", "settings": settings or {},
+            "auc": statistics.fmean(r["auc"] for r in side),
+            "delta_auc": statistics.fmean(r["auc"] - s["auc"]
+                                          for r, s in zip(rows_side, side, strict=True)),
+            "steps": side[0]["steps"], "bytes_per_step": per_step,
+            "ratio": rows_per_step / per_step}
+
+
 def select(words: str | None) -> list[Case]:
     """The baseline pair and the cases whose name contains any comma-separated word."""
     if not words:
@@ -191,6 +280,8 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
     cases = list(cases or CASES)
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ConfigError(f"seeds must be an int >= 1, got {seeds!r}")
+    des = [c for c in cases if c.stream == "des"]  # on data of their own
+    cases = [c for c in cases if c.stream != "des"]
     steps = rows // batch_size // workers
     base = replace(BASE, onebit_freeze_step=max(1, round(warmup * steps)))
     configs = [replace(base, **dict(c.settings)) for c in cases]
@@ -221,12 +312,18 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
                     for k in range(0, len(seeded), 2)]
             _over_seeds(next(r for c, r in pairs if c is best), runs)
     table = [r for _, r in pairs]
+    des_keys: dict[str, Any] = {}
+    for case in des:
+        des_table, des_keys = _des_rows(case, base, rows=rows, batch_size=batch_size,
+                                        eval_rows=eval_rows, seeds=seeds)
+        table += des_table
     result = {"workers": workers, "rows": rows, "batch_size": batch_size, "steps": steps,
               "seeds": seeds,
               "oracle_auc": oracle, "baseline_auc": baseline["auc"],
               "noise_delta_auc": table[1]["delta_auc"] if len(table) > 1 else 0.0,
               "rows_table": table}
     result.update(_summary_keys(pairs))
+    result.update(des_keys)
     return result
 
 
@@ -271,7 +368,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = {"baseline": "black", "ps": "tab:blue", "dense": "tab:orange",
-               "optimizer": "tab:green", "activations": "tab:purple"}
+               "optimizer": "tab:green", "activations": "tab:purple", "des": "tab:red"}
     for stream, colour in colours.items():
         pts = [r for r in result["rows_table"] if r["stream"] == stream]
         ax.scatter([r["ratio"] for r in pts], [r["delta_auc"] for r in pts], color=colour,

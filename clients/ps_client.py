@@ -389,7 +389,7 @@ class PSClient:
     def _pooled_parts(self, ids: Any, lengths: Any) -> tuple[np.ndarray, list[tuple[
             int, np.ndarray, np.ndarray, np.ndarray]]]:
         """Checked lengths and, per shard with ids: (shard, its ids in sample order, the samples
-        holding any, their counts)."""
+        holding any, their counts in the smallest unsigned type that holds them)."""
         lengths = np.asarray(lengths)
         if lengths.ndim != 1 or lengths.dtype.kind not in "iu" \
                 or (lengths.size and int(lengths.min()) < 0):
@@ -404,7 +404,8 @@ class PSClient:
             if pos.size:
                 counts = np.bincount(sample[pos], minlength=lengths.size)
                 held = np.flatnonzero(counts)
-                parts.append((k, ids[pos], held, counts[held]))
+                small = np.min_scalar_type(int(counts.max()))  # uint8 for bags under 256 ids
+                parts.append((k, ids[pos], held, counts[held].astype(small)))
         return lengths, parts
 
     async def pooled_lookup(self, table: str, ids: Any, lengths: Any,
@@ -441,8 +442,8 @@ class PSClient:
         if grads.ndim != 2 or grads.shape[0] != lengths.size:
             raise InvalidArgument(f"pooled grads must be (len(lengths), dim) = "
                                   f"({lengths.size}, dim), got {grads.shape}")
-        if mode == "mean":
-            grads = grads / np.maximum(lengths, 1)[:, None]
+        if mode == "mean":  # float32 on the wire, as the other gradients
+            grads = grads / np.maximum(lengths, 1).astype(np.float32)[:, None]
         requests = []
         for k, ids_k, held, counts in parts:
             shard = self._shards[k]

@@ -88,6 +88,8 @@ async def test_des_trains_as_the_rows_path_in_sync_mode(shards, data, pooling) -
     assert abs(des_run.auc - rows_run.auc) < 1e-4
     # the DES messages went out: bytes on the pooled streams, none on the rows streams
     assert des_run.codec_bytes.get("pooled_down") and not des_run.codec_bytes.get("rows_down")
+    up = des_run.codec_bytes["pooled_grads_up"]["none"]["sent"]
+    assert up["wire_bytes"] == up["raw_bytes"] > 0  # float32 gradients, also after a mean
     assert des_bytes != rows_bytes
 
 
