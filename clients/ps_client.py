@@ -447,7 +447,7 @@ class PSClient:
         requests = []
         for k, ids_k, held, counts in parts:
             shard = self._shards[k]
-            body = shard.pooled_grads_codec.to_wire(grads[held])
+            body = shard.pooled_grads_codec.to_wire(grads[held], key=table)  # τ per table
             self._sent("pooled_grads_up", body, grads[held])
             requests.append(shard.pooled_push.request(msg.PooledPushRequest(
                 client=self.push_numbers.client_id, seq=shard.next_seq(), table=table,

@@ -19,7 +19,8 @@ def test_bench_compression_smoke(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "compression", "--rows", "1024",
          "--batch-size", "64", "--eval-rows", "1024", "--warmup", "0.5",
-         "--cases", "grads qsgd,grads adaquant,dense dct,1-bit adam,embedding pair,des:",
+         "--cases", "grads qsgd,grads adaquant,dense dct,1-bit adam,embedding pair,des:,"
+                     "10% gradients",
          "--seeds", "2",
          "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=300)
@@ -34,7 +35,7 @@ def test_bench_compression_smoke(tmp_path) -> None:
     # its rows path last (their own data, one worker)
     assert names[2:] == ["grads qsgd s=15", "grads adaquant", EMBEDDING_PAIR.name,
                          "dense dct 0.5%", "1-bit Adam", "rows path (multi-hot data)",
-                         CASES[-1].name]
+                         CASES[-3].name, CASES[-1].name]
     assert result["embedding_best"] == EMBEDDING_PAIR.name and result["seeds"] == 2
     seeds = result["embedding_best_seeds"]
     assert [s["seed"] for s in seeds] == [0, 1]
@@ -51,6 +52,7 @@ def test_bench_compression_smoke(tmp_path) -> None:
     # the same rows up to rounding; bags of 20 ids from 1e5: partial sums are fewer than rows
     assert abs(result["des_delta_auc"]) < 1e-4 and result["des_bytes_ratio"] < 0.7
     assert [s["seed"] for s in result["des_seeds"]] == [0, 1]
+    assert result["dct_mp_ratio"] > 1  # the pooled gradients went as index+value pairs
 
 
 def test_case_selection_keeps_the_baselines() -> None:

@@ -23,7 +23,7 @@ from services.ps.config import PSConfig
 from services.ps.inprocess import InProcessShards
 from services.ps.service import PSService
 from services.ps.tables import OptimizerConfig, TableConfig
-from services.worker.config import ps_table_configs
+from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
 
@@ -31,7 +31,7 @@ from services.worker.trainer import Trainer
 DATA = SyntheticConfig(seed=5, vocab_sizes=[50, 200, 1000, 400, 300], num_multi_hot=2,
                        mean_multi_hot_length=4.0, zipf_exponent=1.2)
 FEATURES = DATA.sparse_names
-PREFIXES = ("rs_", "ds_", "rm_", "dm_", "dh_")
+PREFIXES = ("rs_", "ds_", "rm_", "dm_", "dh_", "dc_")
 MODEL = ModelConfig(name="dlrm", bottom_mlp=[16, 8], top_mlp=[16])
 
 
@@ -111,3 +111,33 @@ async def test_des_refuses_a_rows_client_without_pooled_calls(data) -> None:
     trainer = Trainer(model=MODEL, rows_client=embedded, embedding_path="des", mode="sync")
     with pytest.raises(ConfigError, match="embedding_path 'des' needs a rows client"):
         await trainer.fit(list(data.batches(64, 128)))
+
+
+async def test_dct_mp_on_the_des_wire_keeps_its_density_and_reuses_its_threshold(
+        shards, data) -> None:
+    """DCT-MP on DES's wire: the shards send the partial sums and the worker the pooled
+    gradients as index+value pairs (int32 + fp16: 6 bytes a kept entry against 4 dense) at a
+    kept density within [keep/2, 2·keep], with τ recomputed far less often than once a
+    message (the paper's threshold reuse, not a top-k per step): every 8 steps per table,
+    and when a step's density drifts out of [keep/2, 2·keep] (here about a quarter of the
+    messages, as the rows grow from their tiny initial values)."""
+    codec = "dct:keep=0.25,refresh=8"
+    train = list(data.batches(128, 128 * 16))
+    async with _trainer(shards, "dc_", mode="sync", embedding_path="des",
+                        rows_codec=codec + ",error_feedback=false", grads_codec=codec) as t:
+        summary = await t.fit(train)
+        grads_codecs = [shard.pooled_grads_codec for shard in t.ps._shards]
+    for stream, direction in (("pooled_down", "received"), ("pooled_grads_up", "sent")):
+        stats = summary.codec_bytes[stream]["dct"][direction]
+        density = (stats["wire_bytes"] / 6) / (stats["raw_bytes"] / 4)
+        assert 0.125 <= density <= 0.5, (stream, density)
+    messages = sum(c.stats.arrays for c in grads_codecs)
+    refreshes = sum(c.refreshes for c in grads_codecs)
+    assert messages == 16 * len(FEATURES) * 2 and 0 < refreshes <= messages / 2
+    assert np.mean(summary.recent_losses[-4:]) < np.mean(summary.recent_losses[:4])
+
+
+def test_des_refuses_error_feedback_on_the_partial_sums() -> None:
+    with pytest.raises(ConfigError, match="error_feedback=false"):
+        TrainerConfig(embedding_path="des", rows_codec="dct:keep=0.25")
+    TrainerConfig(embedding_path="des", rows_codec="dct:keep=0.25,error_feedback=false")
