@@ -20,7 +20,7 @@ def test_bench_compression_smoke(tmp_path) -> None:
         [sys.executable, "-m", "bench", "compression", "--rows", "1024",
          "--batch-size", "64", "--eval-rows", "1024", "--warmup", "0.5",
          "--cases", "grads qsgd,grads adaquant,dense dct,1-bit adam,embedding pair,des:,"
-                     "10% gradients",
+                     "20% gradients",
          "--seeds", "2",
          "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=300)
