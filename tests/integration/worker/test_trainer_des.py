@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from clients.ps_process import PSClientProcess
 from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
 from services.ps.config import PSConfig
@@ -31,7 +32,7 @@ from services.worker.trainer import Trainer
 DATA = SyntheticConfig(seed=5, vocab_sizes=[50, 200, 1000, 400, 300], num_multi_hot=2,
                        mean_multi_hot_length=4.0, zipf_exponent=1.2)
 FEATURES = DATA.sparse_names
-PREFIXES = ("rs_", "ds_", "rm_", "dm_", "dh_", "dc_")
+PREFIXES = ("rs_", "ds_", "rm_", "dm_", "dh_", "dc_", "pa_", "pb_")
 MODEL = ModelConfig(name="dlrm", bottom_mlp=[16, 8], top_mlp=[16])
 
 
@@ -113,6 +114,22 @@ async def test_des_refuses_a_rows_client_without_pooled_calls(data) -> None:
         await trainer.fit(list(data.batches(64, 128)))
 
 
+async def test_des_through_the_ps_client_process_trains_exactly_as_in_process(
+        shards, data) -> None:
+    """``ps_process`` serves the pooled calls too (mean pooling's mode crosses to the child):
+    the same losses, bit for bit, and the same messages."""
+    train = list(data.batches(128, 128 * 4))
+    runs = {}
+    for prefix, ps_process in (("pa_", False), ("pb_", True)):
+        async with _trainer(shards, prefix, mode="sync", pooling="mean", embedding_path="des",
+                            ps_process=ps_process) as t:
+            summary = await t.fit(train)
+            assert isinstance(t.rows, PSClientProcess) == ps_process
+        runs[ps_process] = summary
+    assert runs[True].recent_losses == runs[False].recent_losses
+    assert runs[True].wire_bytes == runs[False].wire_bytes
+
+
 async def test_dct_mp_on_the_des_wire_keeps_its_density_and_reuses_its_threshold(
         shards, data) -> None:
     """DCT-MP on DES's wire: the shards send the partial sums and the worker the pooled
@@ -141,3 +158,13 @@ def test_des_refuses_error_feedback_on_the_partial_sums() -> None:
     with pytest.raises(ConfigError, match="error_feedback=false"):
         TrainerConfig(embedding_path="des", rows_codec="dct:keep=0.25")
     TrainerConfig(embedding_path="des", rows_codec="dct:keep=0.25,error_feedback=false")
+
+
+def test_persimmon_train_runs_des_against_shard_processes() -> None:
+    from services.local.train import ps_placement
+
+    des = TrainerConfig(embedding_path="des")
+    assert ps_placement("auto", 1, TrainerConfig()) == "embedded"
+    assert ps_placement("auto", 1, des) == "processes"
+    with pytest.raises(ConfigError, match="embedding_path=des"):
+        ps_placement("embedded", 1, des)
