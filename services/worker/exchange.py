@@ -12,13 +12,14 @@ path decides *what* travels, per group of tables of one dim:
   embedding, ``sum`` or ``mean``) and pushes back the gradient of each sample's pooled
   embedding, which each shard spreads over that sample's ids it owns
   (:meth:`clients.ps_client.PSClient.pooled_lookup` / ``pooled_push``). Forward and backward
-  equal the rows path's up to float rounding; the bytes differ: a multi-hot feature sends
-  ``samples x shards`` partials instead of its unique rows (docs/training.md).
+  equal the rows path's up to float rounding; the bytes differ: a feature sends at most
+  ``samples x shards`` partials and every id (twice) instead of its unique rows and ids
+  (docs/training.md).
 
 Every feature of the models here is pooled (``sum`` or ``mean``), so DES serves all of them.
 A path's "rows" of a group are what :meth:`lookup` returns: unique rows ``(U, dim)`` for
-``rows``, the pooled partial sums of the group's features end to end ``(features x B, dim)``
-for ``des``; :meth:`pool` turns them into the model's inputs, whose leaf gradients are what
+``rows``, the pooled embeddings (the shards' partial sums added) of the group's features end
+to end ``(features x B, dim)`` for ``des``; :meth:`pool` turns them into the model's inputs, whose leaf gradients are what
 :meth:`push` sends.
 """
 

@@ -4,9 +4,9 @@ It is the part of a training step that talks to the embedding rows, apart from t
 torchrec's ``TrainPipelineSparseDist`` is): it plans each batch (dedup ids per table, laid
 out by shard), looks its rows up ahead of compute and pushes its row gradients back, through
 a :class:`clients.rows.RowsClient` only (gRPC, a child process, or the PS's shards in this
-process). What a lookup and a push carry is its embedding path's (:mod:`services.worker.exchange`:
-unique rows, or DES's per-sample partial sums); the slots, riders and hot tables below are the
-same for both.
+process). What a lookup and a push carry is its embedding path's
+(:mod:`services.worker.exchange`: unique rows, or DES's per-sample partial sums); the slots,
+riders and hot tables below are the same for both.
 
 The bound on staleness is a semaphore of ``window`` slots: a batch takes one before its
 lookup, and its push task's completion frees it (a done-callback, as arq's worker releases
@@ -276,8 +276,8 @@ class EmbeddingPipeline:
                           groups=self._groups)
 
     async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None) -> Rows:
-        """The rows of every group of the plan, or of ``groups`` (indices) only (one message
-        per shard and group)."""
+        """The rows of every group of the plan, or of ``groups`` (indices) only, as the path
+        looks them up (rows: one message per shard and group)."""
         started = time.perf_counter()
         chosen = range(len(plan.groups)) if groups is None else groups
         try:
@@ -506,8 +506,8 @@ class EmbeddingPipeline:
                 self._slots.release()
 
     async def _push_then_lookup(self, plan: BatchPlan, grads: Rows, then: BatchPlan) -> Rows:
-        """Push ``plan``'s gradients and look ``then`` up, one message per shard and group
-        (every batch has the same features, so both plans have the same groups)."""
+        """Push ``plan``'s gradients and look ``then`` up (rows: in one message per shard and
+        group; every batch has the same features, so both plans have the same groups)."""
         return list(await asyncio.gather(*(self.path.push_then_lookup(
             self.rows, plan, i, grads[i], then) for i in self._windowed)))
 
