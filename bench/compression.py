@@ -20,18 +20,32 @@ Rows, by stream:
 - dense optimizer: 1-bit Adam and 1-bit LAMB against Adam (their bytes cover the whole run,
   warm-up included).
 - activations: DCT-MP thresholding of the pooled embeddings per sample.
+- embedding path: DES (``embedding_path=des``: each shard returns per-sample partial sums
+  and takes the pooled gradient back) against the rows path, on planted data of its own with
+  multi-hot features (:data:`DES_DATA`), paired by seed over ``seeds`` dense
+  initialisations, on one worker in sync mode: the two paths then see the same rows up to
+  float rounding (with two workers the order in which the shards apply their pushes, and
+  Adagrad's result, changes from run to run whatever the path). Bytes are every byte of the
+  embedding messages of the training steps (requests and replies: ids, lengths, rows or
+  partial sums, gradients, framing; the held-out lookups are not counted). DCT-MP on that
+  wire: the pooled activations thresholded by the shards and/or their gradients by the
+  worker (:data:`DCT_MP_EVERY`); its ratio counts the pooled payloads both ways.
 
 Ratio = fp32 bytes / bytes sent; ΔAUC = baseline AUC − AUC (positive = worse). JSON keys
 with goals: ``dense_dct_ratio`` ≥ 100 with ``dense_dct_delta_auc`` ≤ 0.001,
 ``embedding_best_ratio`` ≥ 8 with ``embedding_best_delta_auc`` ≤ 0.002, ``onebit_adam_ratio``
 ≥ 5 with ``onebit_adam_delta_auc`` ≤ 0.001, ``adaquant_ps_ratio`` (qsgd s=15's gradient bytes
 over adaquant's, s following the workers' mean loss from s0 = 2) ≥ 1 with
-``adaquant_ps_delta_auc`` ≤ 0.002.
+``adaquant_ps_delta_auc`` ≤ 0.002, ``des_bytes_ratio`` (DES's embedding bytes per step over
+the rows path's) ≤ 0.5 with ``des_delta_auc`` ≤ 0.001, ``dct_mp_ratio`` (fp32 bytes of DES's
+pooled activations and gradients over what crossed with DCT-MP) ≥ 20 with
+``dct_mp_delta_auc`` ≤ 0.002 (the paper's figure; not reached here, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,13 +54,18 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
+from services.common.batch import Batch
 from services.common.commands import int_at_least
 from services.common.errors import ConfigError
+from services.loader.synthetic import SyntheticConfig, SyntheticDataset
 from services.local.compare import PLANTED, train_configs
-from services.worker.config import TrainerConfig
+from services.local.processes import LocalPS
+from services.worker.config import TrainerConfig, ps_table_configs
+from services.worker.distributed import run_local_ranks
 from services.worker.models import ModelConfig
+from services.worker.trainer import Trainer
 
-__all__ = ["CASES", "GOALS", "register_bench", "run", "select"]
+__all__ = ["CASES", "DES_DATA", "GOALS", "register_bench", "run", "select"]
 
 console = Console(stderr=True)
 
@@ -61,7 +80,9 @@ EMBEDDING_GOAL = 0.002
 GOALS = {"dense_dct_ratio": (">=", 100.0), "dense_dct_delta_auc": ("<=", 0.001),
          "embedding_best_ratio": (">=", 8.0), "embedding_best_delta_auc": ("<=", EMBEDDING_GOAL),
          "onebit_adam_ratio": (">=", 5.0), "onebit_adam_delta_auc": ("<=", 0.001),
-         "adaquant_ps_ratio": (">=", 1.0), "adaquant_ps_delta_auc": ("<=", EMBEDDING_GOAL)}
+         "adaquant_ps_ratio": (">=", 1.0), "adaquant_ps_delta_auc": ("<=", EMBEDDING_GOAL),
+         "des_bytes_ratio": ("<=", 0.5), "des_delta_auc": ("<=", 0.001),
+         "dct_mp_ratio": (">=", 20.0), "dct_mp_delta_auc": ("<=", EMBEDDING_GOAL)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +104,22 @@ def _case(name: str, stream: str, role: str = "", **settings: Any) -> Case:
 # rounding error is fed back per id (EF-SGD) and never accumulates. Chosen over dct/onebit/qsgd
 # gradients from the multi-seed figures in the README (8 + 6 bytes a 16-wide row: 9.1x).
 UNIFORM_EF = "uniform:bits=2,error_feedback=true"
+# DCT-MP on DES's wire, the pooled activations (partial sums, thresholded by the shards that
+# send them) and their gradients (by the worker): a τ per table and direction, the K-th
+# largest magnitude recomputed every DCT_MP_EVERY steps, or at once when a step's kept
+# density leaves [keep/2, 2·keep] (the dct codec's drift guard: the partial sums grow from
+# the rows' tiny initial values, so the first τ would soon keep everything); no error
+# feedback (a sample's activation is never sent again). Both directions at 25 %, and the
+# gradients alone at 20 %, the largest cut of those tried within ΔAUC 0.002 here (10 % and 15 %
+# lost 0.0023 and 0.0034 over three seeds; docs/benchmarks.md).
+DCT_MP_EVERY = 100
+
+
+def _dct(keep: float) -> str:
+    return f"dct:keep={keep},refresh={DCT_MP_EVERY}"
+
+
+
 EMBEDDING_PAIR = _case("embedding pair: rows uniform 3-bit + grads uniform 2-bit (EF per id)",
                        "ps", "best", rows_codec="uniform:bits=3", grads_codec=UNIFORM_EF)
 
@@ -110,7 +147,23 @@ CASES = [
     _case("1-bit Adam", "optimizer", dense_optimizer="onebit_adam"),
     _case("1-bit LAMB", "optimizer", dense_optimizer="onebit_lamb"),
     _case("activations DCT-MP 25%", "activations", activation_keep=0.25),
+    _case("DES: partial sums pooled on the shards (multi-hot data)", "des", "des",
+          embedding_path="des"),
+    _case(f"DES + DCT-MP 25% both ways on the wire (τ every {DCT_MP_EVERY} steps)", "des",
+          "dct_mp_both", embedding_path="des", rows_codec=f"{_dct(0.25)},error_feedback=false",
+          grads_codec=_dct(0.25)),
+    _case(f"DES + DCT-MP 20% gradients on the wire (τ every {DCT_MP_EVERY} steps)", "des",
+          "dct_mp", embedding_path="des", grads_codec=_dct(0.2)),
 ]
+# DES's data: four multi-hot features of long bags (20 ids a sample on average, like a user's
+# history) over vocabularies far larger than a batch's ids, where a sample's partial sums
+# (one per shard holding any of its ids) are fewer than its unique rows; and two single-hot
+# features of small vocabularies, where DES sends more (a partial per sample against a few
+# dozen unique rows). docs/benchmarks.md has the arithmetic of where DES pays.
+DES_DATA = SyntheticConfig(seed=0, vocab_sizes=[50, 200, 20_000, 50_000, 100_000, 100_000],
+                           num_multi_hot=4, mean_multi_hot_length=20.0, max_multi_hot_length=40,
+                           num_dense=2, zipf_exponent=1.05, interaction_rank=4,
+                           weight_scale=1.0, interaction_scale=0.2, dense_scale=0.5, bias=-1.0)
 
 
 def _stream_bytes(summary: dict[str, Any], stream: str, direction: str) -> tuple[float, float]:
@@ -177,6 +230,77 @@ def _over_seeds(row: dict[str, Any], runs: list[tuple[int, dict[str, Any]]]) -> 
     row["seeds"] = per_seed
 
 
+async def _des_runs(rank: int, world: int, addresses: list[str], features: list[str],
+                    configs: list[TrainerConfig], train: list[Batch], test: list[Batch]
+                    ) -> list[dict[str, Any]]:
+    out = []
+    for k, config in enumerate(configs):
+        async with Trainer(model=MODEL, ps_addresses=addresses, config=config,
+                           tables={f: f"d{k}_{f}" for f in features}) as trainer:
+            fit = await trainer.fit(train[rank::world])
+            wire = trainer.rows.wire_bytes()  # the training steps' messages only
+            held_out = await trainer.evaluate(test[rank::world])
+        out.append({"steps": fit.steps, "auc": held_out["auc"], "codec_bytes": fit.codec_bytes,
+                    "bytes_per_step": sum(wire.values()) / max(fit.steps, 1)})
+    return out
+
+
+def _des_rank(rank: int, world: int, *args: Any) -> list[dict[str, Any]]:
+    return asyncio.run(_des_runs(rank, world, *args))
+
+
+def _des_rows(cases: list[Case], base: TrainerConfig, *, rows: int, batch_size: int,
+              eval_rows: int, seeds: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows path and ``cases`` (DES, DES + DCT-MP) on :data:`DES_DATA`, one worker,
+    paired by seed: their table rows and the ``des_*`` / ``dct_mp_*`` keys."""
+    dataset = SyntheticDataset(DES_DATA)
+    train, test = list(dataset.batches(batch_size, rows)), list(
+        dataset.batches(4096, eval_rows, "test"))
+    features = DES_DATA.sparse_names
+    arms = [_case("rows path (multi-hot data)", "des"), *cases]
+    paths = [replace(base, seed=seed, **dict(arm.settings))
+             for seed in range(seeds) for arm in arms]
+    tables = [t for k in range(len(paths)) for t in ps_table_configs(
+        {f: MODEL.table_dim(DIM) for f in features}, prefix=f"d{k}_", lr=0.05)]
+    console.log(f"DES: {len(paths)} runs of one worker on multi-hot data "
+                f"({seeds} seeds x {len(arms)} paths)")
+    with LocalPS(2, tables) as ps:
+        runs = run_local_ranks(_des_rank, 1, ps.addresses, features, paths, train, test,
+                               timeout_s=1200.0)[0]
+    by_arm = [runs[a::len(arms)] for a in range(len(arms))]  # each arm's runs, seed by seed
+    table = [_des_row(arm, side, by_arm[0]) for arm, side in zip(arms, by_arm, strict=True)]
+    keys: dict[str, Any] = {}
+    for arm, row in zip(arms[1:], table[1:], strict=True):
+        keys.update({f"{arm.role}_delta_auc": row["delta_auc"],
+                     f"{arm.role}_delta_auc_std": row["delta_auc_std"],
+                     f"{arm.role}_seeds": row["seeds"]})
+        if arm.role == "des":
+            keys["des_bytes_ratio"] = 1 / row["ratio"]
+        else:  # dct_mp, dct_mp_both: the MP bytes, activations and gradients
+            keys[f"{arm.role}_ratio"] = row["mp_ratio"]
+    return table, keys
+
+
+def _des_row(arm: Case, side: list[dict[str, Any]], rows_side: list[dict[str, Any]]
+             ) -> dict[str, Any]:
+    """A table row of one path, means over the seeds: ratio = the rows path's bytes per step
+    over its; ΔAUC against the rows path of the same seed; ``mp_ratio``, the fp32 bytes of
+    the pooled activations and gradients over what crossed."""
+    per_step = statistics.fmean(r["bytes_per_step"] for r in side)
+    deltas = [r["auc"] - s["auc"] for r, s in zip(rows_side, side, strict=True)]
+    mp = [(*_stream_bytes(r, "pooled_down", "received"),
+           *_stream_bytes(r, "pooled_grads_up", "sent")) for r in side]
+    raw, wire = sum(m[0] + m[2] for m in mp), sum(m[1] + m[3] for m in mp)
+    return {"name": arm.name, "stream": "des", "settings": dict(arm.settings),
+            "auc": statistics.fmean(r["auc"] for r in side),
+            "delta_auc": statistics.fmean(deltas),
+            "delta_auc_std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
+            "seeds": [{"seed": k, "delta_auc": d} for k, d in enumerate(deltas)],
+            "steps": side[0]["steps"], "bytes_per_step": per_step,
+            "ratio": statistics.fmean(r["bytes_per_step"] for r in rows_side) / per_step,
+            "mp_ratio": raw / wire if wire else 1.0}
+
+
 def select(words: str | None) -> list[Case]:
     """The baseline pair and the cases whose name contains any comma-separated word."""
     if not words:
@@ -192,6 +316,8 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
     cases = list(cases or CASES)
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ConfigError(f"seeds must be an int >= 1, got {seeds!r}")
+    des = [c for c in cases if c.stream == "des"]  # on data of their own
+    cases = [c for c in cases if c.stream != "des"]
     steps = rows // batch_size // workers
     base = replace(BASE, onebit_freeze_step=max(1, round(warmup * steps)))
     configs = [replace(base, **dict(c.settings)) for c in cases]
@@ -222,12 +348,18 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
                     for k in range(0, len(seeded), 2)]
             _over_seeds(next(r for c, r in pairs if c is best), runs)
     table = [r for _, r in pairs]
+    des_keys: dict[str, Any] = {}
+    if des:
+        des_table, des_keys = _des_rows(des, base, rows=rows, batch_size=batch_size,
+                                        eval_rows=eval_rows, seeds=seeds)
+        table += des_table
     result = {"workers": workers, "rows": rows, "batch_size": batch_size, "steps": steps,
               "seeds": seeds,
               "oracle_auc": oracle, "baseline_auc": baseline["auc"],
               "noise_delta_auc": table[1]["delta_auc"] if len(table) > 1 else 0.0,
               "rows_table": table}
     result.update(_summary_keys(pairs))
+    result.update(des_keys)
     return result
 
 
@@ -272,7 +404,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = {"baseline": "black", "ps": "tab:blue", "dense": "tab:orange",
-               "optimizer": "tab:green", "activations": "tab:purple"}
+               "optimizer": "tab:green", "activations": "tab:purple", "des": "tab:red"}
     for stream, colour in colours.items():
         pts = [r for r in result["rows_table"] if r["stream"] == stream]
         ax.scatter([r["ratio"] for r in pts], [r["delta_auc"] for r in pts], color=colour,

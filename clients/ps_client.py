@@ -397,7 +397,7 @@ class PSClient:
     def _pooled_parts(self, ids: Any, lengths: Any) -> tuple[np.ndarray, list[tuple[
             int, np.ndarray, np.ndarray, np.ndarray]]]:
         """Checked lengths and, per shard with ids: (shard, its ids in sample order, the samples
-        holding any, their counts)."""
+        holding any, their counts in the smallest unsigned type that holds them)."""
         lengths = np.asarray(lengths)
         if lengths.ndim != 1 or lengths.dtype.kind not in "iu" \
                 or (lengths.size and int(lengths.min()) < 0):
@@ -412,10 +412,11 @@ class PSClient:
             if pos.size:
                 counts = np.bincount(sample[pos], minlength=lengths.size)
                 held = np.flatnonzero(counts)
-                parts.append((k, ids[pos], held, counts[held]))
+                small = np.min_scalar_type(int(counts.max()))  # uint8 for bags under 256 ids
+                parts.append((k, ids[pos], held, counts[held].astype(small)))
         return lengths, parts
 
-    async def pooled_lookup(self, table: str, ids: Any, lengths: Any, *,
+    async def pooled_lookup(self, table: str, ids: Any, lengths: Any,
                             mode: str = "sum") -> np.ndarray:
         """Per-sample pooled rows ``(len(lengths), dim)`` of a jagged feature (sample ``b``
         holds the next ``lengths[b]`` ids), ``mode`` ``sum`` or ``mean``; empty samples give
@@ -438,7 +439,7 @@ class PSClient:
             out /= np.maximum(lengths, 1)[:, None]
         return out
 
-    async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any, *,
+    async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any,
                           mode: str = "sum") -> PushAck:
         """Send the gradient of :meth:`pooled_lookup`'s output, ``(len(lengths), dim)``; each
         shard spreads a sample's gradient over that sample's ids it owns (``mean``: divided
@@ -449,12 +450,12 @@ class PSClient:
         if grads.ndim != 2 or grads.shape[0] != lengths.size:
             raise InvalidArgument(f"pooled grads must be (len(lengths), dim) = "
                                   f"({lengths.size}, dim), got {grads.shape}")
-        if mode == "mean":
-            grads = grads / np.maximum(lengths, 1)[:, None]
+        if mode == "mean":  # float32 on the wire, as the other gradients
+            grads = grads / np.maximum(lengths, 1).astype(np.float32)[:, None]
         requests = []
         for k, ids_k, held, counts in parts:
             shard = self._shards[k]
-            body = shard.pooled_grads_codec.to_wire(grads[held])
+            body = shard.pooled_grads_codec.to_wire(grads[held], key=table)  # τ per table
             self._sent("pooled_grads_up", body, grads[held])
             requests.append(shard.pooled_push.request(msg.PooledPushRequest(
                 client=self.push_numbers.client_id, seq=shard.next_seq(), table=table,

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
 # PSClient's step calls, and its table configs
-_SERVED = ("lookup_sharded", "push_sharded", "push_then_lookup", "tables", "report_loss")
+_SERVED = ("lookup_sharded", "push_sharded", "push_then_lookup", "pooled_lookup", "pooled_push",
+           "tables", "report_loss")
 _START_TIMEOUT_S = 120.0  # a spawned interpreter imports numpy, numba and grpc first
 
 
@@ -231,6 +232,16 @@ class PSClientProcess:
                                then: ShardedIds) -> tuple[PushAck, np.ndarray]:
         """:meth:`PSClient.push_then_lookup`, in the child."""
         return await self._call("push_then_lookup", layout, grads, then)
+
+    async def pooled_lookup(self, table: str, ids: Any, lengths: Any,
+                            mode: str = "sum") -> np.ndarray:
+        """:meth:`PSClient.pooled_lookup`, in the child."""
+        return await self._call("pooled_lookup", table, ids, lengths, mode)
+
+    async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any,
+                          mode: str = "sum") -> PushAck:
+        """:meth:`PSClient.pooled_push`, in the child."""
+        return await self._call("pooled_push", table, ids, lengths, grads, mode)
 
     async def tables(self) -> list[dict[str, Any]]:
         """:meth:`PSClient.tables`, in the child; refreshes ``dims``."""

@@ -25,7 +25,7 @@ import numpy as np
 from services.common.codecs import WireStats
 from services.common.sharding import ShardedIds
 
-__all__ = ["DirectRows", "ProcessCPU", "PushCounts", "RowsClient"]
+__all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsClient"]
 
 
 class PushCounts(Protocol):
@@ -87,6 +87,23 @@ class RowsClient(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class PooledRows(Protocol):
+    """A rows client whose shards also pool (DES): each returns the per-sample partial sums of
+    the rows it owns and spreads a per-sample gradient over that sample's ids it owns
+    (:meth:`clients.ps_client.PSClient.pooled_lookup` and ``pooled_push``)."""
+
+    async def pooled_lookup(self, table: str, ids: Any, lengths: Any,
+                            mode: str = "sum") -> np.ndarray:
+        """Per-sample pooled rows ``(len(lengths), dim)`` of a jagged feature."""
+        ...
+
+    async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any,
+                          mode: str = "sum") -> PushCounts:
+        """Apply the gradient of :meth:`pooled_lookup`'s output, ``(len(lengths), dim)``."""
+        ...
 
 
 @runtime_checkable

@@ -55,6 +55,8 @@ def ps_placement(ps: str, workers: int, config: TrainerConfig) -> str:
     blockers = ([f"{workers} workers (embedded shards serve one)"] if workers != 1 else []) \
         + [f"{name}={getattr(config, name)} (nothing crosses a wire)" for name in wire] \
         + (["ps_process"] if config.ps_process else []) \
+        + (["embedding_path=des (the shards pool over gRPC)"]
+           if config.embedding_path == "des" else []) \
         + (["a registry"] if config.registry else []) \
         + (["export_dir (exports are made from PS shard checkpoints)"]
            if config.export_dir else [])

@@ -151,7 +151,7 @@ class PSServicer:
         codec = _codec(req.codec, codecs)
         pooled = await self.shard.pooled_lookup(req.table, decode_array(req.ids, "ids"),
                                                 decode_array(req.lengths, "lengths"))
-        return PooledLookupReply(pooled=encode_array(pooled, codec))
+        return PooledLookupReply(pooled=encode_array(pooled, codec, key=req.table))
 
     async def _pooled_push(self, req: PooledPushRequest, codecs: dict[str, Codec]
                            ) -> PooledPushReply:

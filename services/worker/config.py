@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.common.codecs import get_codec
+from services.common.codecs import codec_without_feedback, get_codec
 from services.common.errors import ConfigError, PersimmonError
 from services.worker.compression import HOOK_NAMES
+from services.worker.exchange import EMBEDDING_PATHS
 from services.worker.pooling import POOLING_MODES
 from services.worker.sync import STRATEGIES, SyncConfig
 
@@ -75,6 +76,9 @@ class TrainerConfig:
     rows_codec: str = field(default="none", metadata={"help": "codec of rows PS -> worker"})
     grads_codec: str = field(default="none", metadata={"help": "codec of grads worker -> PS"})
     pooling: str = field(default="sum", metadata={"help": "pooling per sample: sum or mean"})
+    embedding_path: str = field(default="rows", metadata={
+        "help": "rows (unique rows down, row gradients up) or des (each shard pools its rows "
+                "per sample; pooled gradients up: needs gRPC shards)"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0: at end)"})
     seed: int = field(default=0, metadata={"help": "seed of the dense model's init"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda (default: auto)"})
@@ -136,8 +140,7 @@ class TrainerConfig:
             except PersimmonError as exc:
                 raise ConfigError(f"{name}: {exc.message}") from exc
         self._check_compression()
-        if self.pooling not in POOLING_MODES:
-            raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
+        self._check_embedding()
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         self._check_service()
@@ -156,6 +159,17 @@ class TrainerConfig:
         if cadence != bool(self.export_dir):
             raise ConfigError("model exports need both export_dir and a cadence "
                               "(export_every_steps or export_every_s)")
+
+    def _check_embedding(self) -> None:
+        if self.pooling not in POOLING_MODES:
+            raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
+        if self.embedding_path not in EMBEDDING_PATHS:
+            raise ConfigError(f"embedding_path must be one of {sorted(EMBEDDING_PATHS)}, "
+                              f"got {self.embedding_path!r}")
+        if self.embedding_path == "des" and codec_without_feedback(self.rows_codec)[1]:
+            raise ConfigError(f"embedding_path 'des': rows_codec {self.rows_codec!r} encodes the "
+                              "per-sample partial sums, which never repeat, so its error "
+                              "feedback would go to other samples: add error_feedback=false")
 
     def _check_hot(self) -> None:
         if not 0 <= self.hot_ratio <= 1:

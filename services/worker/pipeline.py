@@ -4,7 +4,9 @@ It is the part of a training step that talks to the embedding rows, apart from t
 torchrec's ``TrainPipelineSparseDist`` is): it plans each batch (dedup ids per table, laid
 out by shard), looks its rows up ahead of compute and pushes its row gradients back, through
 a :class:`clients.rows.RowsClient` only (gRPC, a child process, or the PS's shards in this
-process).
+process). What a lookup and a push carry is its embedding path's
+(:mod:`services.worker.exchange`: unique rows, or DES's per-sample partial sums); the slots,
+riders and hot tables below are the same for both.
 
 The bound on staleness is a semaphore of ``window`` slots: a batch takes one before its
 lookup, and its push task's completion frees it (a done-callback, as arq's worker releases
@@ -71,6 +73,7 @@ from clients.rows import DirectRows, RowsClient
 from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
 from services.common.lifecycle import settle
+from services.worker.exchange import EmbeddingPath, RowsPath
 from services.worker.pooling import BatchPlan, plan_batch
 
 __all__ = ["Batches", "EmbeddingPipeline", "Prepared", "StepTimers", "iterate"]
@@ -154,20 +157,23 @@ class EmbeddingPipeline:
     (None or 0: no hot tables; only with a window above ``hot_window``). ``worker`` of
     ``workers``: this worker's rank and the number of workers, in the step tags;
     ``barrier``: awaited by every acknowledged push before its slot is freed (then no batch
-    rides on a push; see the module doc).
+    rides on a push; see the module doc). ``path``: what a lookup and a push send
+    (:mod:`services.worker.exchange`; default unique rows).
     """
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  tables: Mapping[str, str] | None = None,
                  timers: StepTimers | None = None, hot_ratio: float | None = None,
                  hot_window: int = 1, worker: int = 0, workers: int = 1,
-                 barrier: Callable[[], Awaitable[Any]] | None = None) -> None:
+                 barrier: Callable[[], Awaitable[Any]] | None = None,
+                 path: EmbeddingPath | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
         self.rows = rows
+        self.path = path if path is not None else RowsPath()
         self.window = window
         self.prefetch = prefetch
         self.tables: dict[str, str] | None = dict(tables) if tables is not None else None
@@ -214,7 +220,9 @@ class EmbeddingPipeline:
         return {name: batch.sparse[name] for name in self.tables}
 
     def check_tables(self) -> None:
-        """Every table the features use exists (as far as the rows client knows)."""
+        """The rows client serves the path, and every table the features use exists (as far
+        as it knows)."""
+        self.path.check(self.rows)
         if self.tables is None:
             return
         dims = self.rows.dims
@@ -259,7 +267,7 @@ class EmbeddingPipeline:
                 self._groups = self._table_groups(self.hot_tables)
                 hot = [i for i, g in enumerate(self._groups) if g[0] in self.hot_tables]
                 if hot and self._hot_window == 1 and isinstance(self.rows, DirectRows) \
-                        and self.rows.direct:
+                        and self.rows.direct and isinstance(self.path, RowsPath):
                     self._direct_hot, self._direct_rows = hot, self.rows
                 elif hot:
                     self._chain = _HotChain(self, hot, self._hot_window)
@@ -268,13 +276,13 @@ class EmbeddingPipeline:
                           groups=self._groups)
 
     async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None) -> Rows:
-        """The rows of every group of the plan, or of ``groups`` (indices) only (one message
-        per shard and group)."""
+        """The rows of every group of the plan, or of ``groups`` (indices) only, as the path
+        looks them up (rows: one message per shard and group)."""
         started = time.perf_counter()
-        chosen = plan.groups if groups is None else [plan.groups[i] for i in groups]
+        chosen = range(len(plan.groups)) if groups is None else groups
         try:
-            return list(await asyncio.gather(*(self.rows.lookup_sharded(g.layout)
-                                               for g in chosen)))
+            return list(await asyncio.gather(*(self.path.lookup(self.rows, plan, i)
+                                               for i in chosen)))
         finally:
             if self._timers is not None:
                 self._timers.lookup_seconds.observe(time.perf_counter() - started)
@@ -445,8 +453,8 @@ class EmbeddingPipeline:
         try:
             started = time.perf_counter()
             if rider is None:
-                await asyncio.gather(*(self.rows.push_sharded(item.plan.groups[i].layout,
-                                                              grads[i]) for i in self._windowed))
+                await asyncio.gather(*(self.path.push(self.rows, item.plan, i, grads[i])
+                                       for i in self._windowed))
             else:
                 state.rows = await self._push_then_lookup(item.plan, grads, rider.plan)
                 if self._timers is not None:
@@ -498,11 +506,10 @@ class EmbeddingPipeline:
                 self._slots.release()
 
     async def _push_then_lookup(self, plan: BatchPlan, grads: Rows, then: BatchPlan) -> Rows:
-        """Push ``plan``'s gradients and look ``then`` up, one message per shard and group
-        (every batch has the same features, so both plans have the same groups)."""
-        done = await asyncio.gather(*(self.rows.push_then_lookup(
-            plan.groups[i].layout, grads[i], then.groups[i].layout) for i in self._windowed))
-        return [rows for _, rows in done]
+        """Push ``plan``'s gradients and look ``then`` up (rows: in one message per shard and
+        group; every batch has the same features, so both plans have the same groups)."""
+        return list(await asyncio.gather(*(self.path.push_then_lookup(
+            self.rows, plan, i, grads[i], then) for i in self._windowed)))
 
 
 class _HotChain:
@@ -543,19 +550,17 @@ class _HotChain:
     async def push(self, plan: BatchPlan, grads: Rows) -> None:
         """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
         batch its rows, looked up in the same message."""
-        rows_client = self.pipeline.rows
+        pipeline = self.pipeline
         following = self._waiting.popleft() if self._waiting else None
         try:
             if following is None:
-                await asyncio.gather(*(rows_client.push_sharded(plan.groups[i].layout, grads[i])
+                await asyncio.gather(*(pipeline.path.push(pipeline.rows, plan, i, grads[i])
                                        for i in self.groups))
             else:
-                then = following[0]
-                done = await asyncio.gather(*(rows_client.push_then_lookup(
-                    plan.groups[i].layout, grads[i], then.groups[i].layout)
-                    for i in self.groups))
+                done = await asyncio.gather(*(pipeline.path.push_then_lookup(
+                    pipeline.rows, plan, i, grads[i], following[0]) for i in self.groups))
                 if not following[1].done():
-                    following[1].set_result([rows for _, rows in done])
+                    following[1].set_result(list(done))
         except BaseException as exc:
             if following is not None and not following[1].done():
                 following[1].set_exception(exc if isinstance(exc, Exception)

@@ -5,7 +5,7 @@ One step of one batch::
     EmbeddingPipeline: plan_batch (dedup ids per table, laid out by shard) → lookup_sharded
     (one message per shard) → [compute thread] pool_batch → model forward/backward (BCE with
     logits) → dense sync + optimizer step → EmbeddingPipeline: push_sharded of the
-    per-unique-row gradients (in the background)
+    per-unique-row gradients (in the background; ``des``: :mod:`services.worker.exchange`)
 
 The embedding side (staleness slots, riders, lookahead, pushes) is the
 :class:`~services.worker.pipeline.EmbeddingPipeline`; it reaches the rows through a
@@ -72,9 +72,10 @@ from services.worker.compression import (
 from services.worker.compute import DONE, ComputeThread, distributed
 from services.worker.config import TrainerConfig
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
+from services.worker.exchange import embedding_path
 from services.worker.models import ModelConfig, pick_device
 from services.worker.pipeline import Batches, EmbeddingPipeline, Prepared, iterate
-from services.worker.pooling import BatchPlan, pool_batch
+from services.worker.pooling import BatchPlan
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve, StalenessStats
 from services.worker.sync import SyncStrategy
 
@@ -144,26 +145,25 @@ class Trainer:
         self.ps = self._ps_client(ps_addresses, rows_client)
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
         self.progress = WorkerProgress(rank=rank, world_size=world)
-        # the rows and gradients of steps and evaluations go through its rows client
+        cfg = self.config  # the rows and gradients of steps and evaluations: its rows client
         self.pipeline = EmbeddingPipeline(
             rows_client if rows_client is not None else self._connected_ps(),
-            window=self.config.window, prefetch=self.config.prefetch, tables=tables,
-            timers=self.progress, hot_ratio=self.config.hot_ratio or None,
-            hot_window=self.config.hot_staleness, worker=rank, workers=world,
-            barrier=self._global_barrier() if self.config.mode == "global_sync" else None)
+            window=cfg.window, prefetch=cfg.prefetch, tables=tables, timers=self.progress,
+            hot_ratio=cfg.hot_ratio or None, hot_window=cfg.hot_staleness, worker=rank,
+            workers=world, barrier=self._global_barrier() if cfg.mode == "global_sync" else None,
+            path=embedding_path(cfg.embedding_path, cfg.pooling))
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
         self._forward: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        if sync is not None and (self.config.dense_optimizer in ONEBIT_OPTIMIZERS
-                                 or self.config.dense_codec != "none"):
+        if sync is not None and (cfg.dense_optimizer in ONEBIT_OPTIMIZERS
+                                 or cfg.dense_codec != "none"):
             raise ConfigError("dense_codec and the 1-bit optimizers set up the dense all-reduce "
                               "themselves; do not pass a sync strategy with them")
         self._sync = sync
         self._dense_stats: CommStats | None = None  # bytes of the dense exchange we set up
         self._report_loss: Callable[[float], Any] | None = None  # adaquant hook
-        cfg = self.config
         self._shared_loss = adapts_to_loss(cfg.dense_codec) or adapts_to_loss(cfg.grads_codec)
         # the s of the adaquant codecs at the latest steps: "dense" (hook, averager), "grads" (PS)
         self.adaquant_levels: dict[str, collections.deque[int]] = {
@@ -367,7 +367,7 @@ class Trainer:
     # ---- compute (runs in a thread) ------------------------------------------------------
 
     def _inputs(self, item: Prepared) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        pooled = pool_batch(item.plan, item.rows, mode=self.config.pooling, device=self.device)
+        pooled = self.pipeline.path.pool(item.plan, item.rows, device=self.device)
         if self._activations is not None:  # DCT-MP: gradients reach kept positions only
             pooled.pooled = self._activations(pooled.pooled)
         dense = torch.tensor(item.batch.dense).to(self.device)

@@ -93,16 +93,17 @@ def test_every_service_command_is_a_valid_persimmon_invocation(model: dict[str, 
                    for v in service.get("volumes", [])}
         for directory in volumes.values():
             directory.mkdir(parents=True, exist_ok=True)
-
-        def on_host(arg: str) -> str:
-            for target, directory in volumes.items():
-                if arg == target or arg.startswith(target + "/"):
-                    return str(directory) + arg[len(target):]
-            return mounted.get(arg, arg)
-
-        command = [on_host(arg) for arg in service["command"]]
+        command = [_on_host(arg, mounted, volumes) for arg in service["command"]]
         assert main([*command, "--check-config"]) == 0, f"{name}: {capsys.readouterr()}"
         assert "# effective" in capsys.readouterr().out, name
+
+
+def _on_host(arg: str, mounted: dict[str, str], volumes: dict[str, Path]) -> str:
+    """``arg`` of a container's command as this machine has it."""
+    for target, directory in volumes.items():
+        if arg == target or arg.startswith(target + "/"):
+            return str(directory) + arg[len(target):]
+    return mounted.get(arg, arg)
 
 
 def test_check_config_rejects_a_bad_command(capsys) -> None:

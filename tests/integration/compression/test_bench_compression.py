@@ -9,7 +9,7 @@ import math
 import subprocess
 import sys
 
-from bench.compression import EMBEDDING_PAIR, GOALS, select
+from bench.compression import CASES, EMBEDDING_PAIR, GOALS, select
 
 
 def test_bench_compression_smoke(tmp_path) -> None:
@@ -19,7 +19,8 @@ def test_bench_compression_smoke(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "compression", "--rows", "1024",
          "--batch-size", "64", "--eval-rows", "1024", "--warmup", "0.5",
-         "--cases", "grads qsgd,grads adaquant,dense dct,1-bit adam,embedding pair",
+         "--cases", "grads qsgd,grads adaquant,dense dct,1-bit adam,embedding pair,des:,"
+                     "20% gradients",
          "--seeds", "2",
          "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=300)
@@ -30,9 +31,11 @@ def test_bench_compression_smoke(tmp_path) -> None:
         assert isinstance(result[key], float) and math.isfinite(result[key]), key
     names = [r["name"] for r in result["rows_table"]]
     assert names[:2] == ["fp32 (baseline)", "fp32 (repeat: noise)"]
-    # no rows codec alone: no max-ratio pair; the declared pair ran over two seeds
+    # no rows codec alone: no max-ratio pair; the declared pair ran over two seeds; DES and
+    # its rows path last (their own data, one worker)
     assert names[2:] == ["grads qsgd s=15", "grads adaquant", EMBEDDING_PAIR.name,
-                         "dense dct 0.5%", "1-bit Adam"]
+                         "dense dct 0.5%", "1-bit Adam", "rows path (multi-hot data)",
+                         CASES[-3].name, CASES[-1].name]
     assert result["embedding_best"] == EMBEDDING_PAIR.name and result["seeds"] == 2
     seeds = result["embedding_best_seeds"]
     assert [s["seed"] for s in seeds] == [0, 1]
@@ -40,11 +43,16 @@ def test_bench_compression_smoke(tmp_path) -> None:
                         (seeds[0]["delta_auc"] + seeds[1]["delta_auc"]) / 2)
     assert math.isfinite(result["embedding_best_delta_auc_std"])
     for row in result["rows_table"]:
-        assert row["steps"] == 1024 // 64 // 2 and 0.0 < row["auc"] <= 1.0
+        workers = 1 if row["stream"] == "des" else 2
+        assert row["steps"] == 1024 // 64 // workers and 0.0 < row["auc"] <= 1.0
         assert row["bytes_per_step"] > 0 and row["ratio"] > 0
     assert result["rows_table"][0]["delta_auc"] == 0.0
     assert result["dense_dct_ratio"] > 50 and result["onebit_adam_ratio"] > 1
     assert result["adaquant_ps_ratio"] > 1  # s of 2-3 levels: 3 bits a code against 5
+    # the same rows up to rounding; bags of 20 ids from 1e5: partial sums are fewer than rows
+    assert abs(result["des_delta_auc"]) < 1e-4 and result["des_bytes_ratio"] < 0.7
+    assert [s["seed"] for s in result["des_seeds"]] == [0, 1]
+    assert result["dct_mp_ratio"] > 1  # the pooled gradients went as index+value pairs
 
 
 def test_case_selection_keeps_the_baselines() -> None:

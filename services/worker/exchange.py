@@ -1,0 +1,190 @@
+"""How a batch's embeddings cross between a worker and the PS: the *embedding path*.
+
+The :class:`~services.worker.pipeline.EmbeddingPipeline` decides *when* a batch's embeddings
+are looked up and its gradients pushed (staleness slots, riders, hot tables); an embedding
+path decides *what* travels, per group of tables of one dim:
+
+- :class:`RowsPath` (``rows``, the default): the batch's unique rows come down, the worker
+  pools them per sample (:func:`~services.worker.pooling.pool_batch`), and each unique row's
+  gradient goes up.
+- :class:`PooledPath` (``des``, Distributed Equivalent Substitution): every shard pools the
+  rows it owns per sample and returns these partial sums; the worker adds them (the pooled
+  embedding, ``sum`` or ``mean``) and pushes back the gradient of each sample's pooled
+  embedding, which each shard spreads over that sample's ids it owns
+  (:meth:`clients.ps_client.PSClient.pooled_lookup` / ``pooled_push``). Forward and backward
+  equal the rows path's up to float rounding; the bytes differ: a feature sends at most
+  ``samples x shards`` partials and every id (twice) instead of its unique rows and ids
+  (docs/training.md).
+
+Every feature of the models here is pooled (``sum`` or ``mean``), so DES serves all of them.
+A path's "rows" of a group are what :meth:`lookup` returns: unique rows ``(U, dim)`` for
+``rows``, the pooled embeddings (the shards' partial sums added) of the group's features end
+to end ``(features x B, dim)`` for ``des``; :meth:`pool` turns them into the model's inputs, whose leaf gradients are what
+:meth:`push` sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from clients.rows import PooledRows, RowsClient
+from services.common.errors import ConfigError, InvalidArgument
+from services.worker.pooling import POOLING_MODES, BatchPlan, PooledBatch, pool_batch
+
+__all__ = ["EMBEDDING_PATHS", "EmbeddingPath", "PooledPath", "RowsPath", "embedding_path"]
+
+EMBEDDING_PATHS = {
+    "rows": "unique rows down, pooled on the worker, row gradients up",
+    "des": "per-sample partial sums pooled on each shard down, pooled gradients up (DES)",
+}
+
+
+@runtime_checkable
+class EmbeddingPath(Protocol):
+    """What one group's lookup and push send (see the module doc)."""
+
+    name: str
+
+    def check(self, rows: RowsClient) -> None:
+        """A ConfigError where ``rows`` cannot serve this path."""
+        ...
+
+    async def lookup(self, rows: RowsClient, plan: BatchPlan, group: int) -> np.ndarray: ...
+
+    async def push(self, rows: RowsClient, plan: BatchPlan, group: int,
+                   grads: np.ndarray) -> None: ...
+
+    async def push_then_lookup(self, rows: RowsClient, plan: BatchPlan, group: int,
+                               grads: np.ndarray, then: BatchPlan) -> np.ndarray:
+        """Push ``plan``'s gradients, then look ``then`` up: the rows include the push."""
+        ...
+
+    def pool(self, plan: BatchPlan, rows: Sequence[np.ndarray], *,
+             device: torch.device | str = "cpu") -> PooledBatch:
+        """The model's pooled inputs; their leaves' gradients are what :meth:`push` sends."""
+        ...
+
+
+class RowsPath:
+    """Unique rows down, row gradients up: one message per shard and group."""
+
+    name = "rows"
+
+    def __init__(self, mode: str = "sum") -> None:
+        self.mode = _checked_mode(mode)
+
+    def check(self, rows: RowsClient) -> None:
+        """Every rows client serves rows."""
+
+    async def lookup(self, rows: RowsClient, plan: BatchPlan, group: int) -> np.ndarray:
+        return await rows.lookup_sharded(plan.groups[group].layout)
+
+    async def push(self, rows: RowsClient, plan: BatchPlan, group: int,
+                   grads: np.ndarray) -> None:
+        await rows.push_sharded(plan.groups[group].layout, grads)
+
+    async def push_then_lookup(self, rows: RowsClient, plan: BatchPlan, group: int,
+                               grads: np.ndarray, then: BatchPlan) -> np.ndarray:
+        """One message per shard carries both (the shard pushes first)."""
+        _, got = await rows.push_then_lookup(plan.groups[group].layout, grads,
+                                             then.groups[group].layout)
+        return got
+
+    def pool(self, plan: BatchPlan, rows: Sequence[np.ndarray], *,
+             device: torch.device | str = "cpu") -> PooledBatch:
+        return pool_batch(plan, rows, mode=self.mode, device=device)
+
+
+class PooledPath:
+    """DES: per-sample partial sums down, per-sample pooled gradients up, one message per
+    shard and feature (each shard gets the ids it owns with their samples' counts)."""
+
+    name = "des"
+
+    def __init__(self, mode: str = "sum") -> None:
+        self.mode = _checked_mode(mode)
+
+    def check(self, rows: RowsClient) -> None:
+        if not isinstance(rows, PooledRows):
+            raise ConfigError(f"embedding_path 'des' needs a rows client with pooled lookups "
+                              f"and pushes (the gRPC PSClient or its child process), not "
+                              f"{type(rows).__name__}: run the PS as gRPC shards")
+
+    @staticmethod
+    def _bags(plan: BatchPlan, group: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """Per feature of the group, in its order: (table, its ids sample by sample, lengths)."""
+        ids = plan.groups[group].layout.ids
+        out = []
+        for name in plan.groups[group].features:
+            feature = plan.features[name]
+            out.append((feature.table, ids[feature.inverse], feature.lengths))
+        return out
+
+    async def lookup(self, rows: RowsClient, plan: BatchPlan, group: int) -> np.ndarray:
+        client = _pooled(rows)
+        parts = await asyncio.gather(*(client.pooled_lookup(table, ids, lengths, mode=self.mode)
+                                       for table, ids, lengths in self._bags(plan, group)))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    async def push(self, rows: RowsClient, plan: BatchPlan, group: int,
+                   grads: np.ndarray) -> None:
+        client, size = _pooled(rows), plan.batch_size
+        bags = self._bags(plan, group)
+        if grads.shape[0] != len(bags) * size:
+            raise InvalidArgument(f"pooled grads of group {group} must be "
+                                  f"({len(bags) * size}, dim), got {grads.shape}")
+        await asyncio.gather(*(client.pooled_push(table, ids, lengths,
+                                                  grads[k * size:(k + 1) * size], mode=self.mode)
+                               for k, (table, ids, lengths) in enumerate(bags)))
+
+    async def push_then_lookup(self, rows: RowsClient, plan: BatchPlan, group: int,
+                               grads: np.ndarray, then: BatchPlan) -> np.ndarray:
+        """Two round trips: the push is acknowledged before the lookup leaves."""
+        await self.push(rows, plan, group, grads)
+        return await self.lookup(rows, then, group)
+
+    def pool(self, plan: BatchPlan, rows: Sequence[np.ndarray], *,
+             device: torch.device | str = "cpu") -> PooledBatch:
+        """The pooled partial sums are the leaves: one ``(features x B, dim)`` tensor per group,
+        each feature's ``(B, dim)`` a view of it."""
+        if len(rows) != len(plan.groups):
+            raise InvalidArgument(f"pooled rows are needed for {len(plan.groups)} groups, "
+                                  f"got {len(rows)}")
+        size = plan.batch_size
+        leaves: list[torch.Tensor] = []
+        pooled: dict[str, torch.Tensor] = {}
+        for group, part in zip(plan.groups, rows, strict=True):
+            if part.ndim != 2 or part.shape[0] != len(group.features) * size:
+                raise InvalidArgument(f"pooled rows of {group.features} must be "
+                                      f"({len(group.features) * size}, dim), got {part.shape}")
+            leaf = torch.tensor(part, dtype=torch.float32, device=device).requires_grad_(True)
+            leaves.append(leaf)
+            pooled.update((name, leaf[k * size:(k + 1) * size])
+                          for k, name in enumerate(group.features))
+        return PooledBatch(plan=plan, rows=leaves, pooled=pooled)
+
+
+def _checked_mode(mode: str) -> str:
+    if mode not in POOLING_MODES:
+        raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
+    return mode
+
+
+def _pooled(rows: RowsClient) -> PooledRows:
+    if not isinstance(rows, PooledRows):  # replaced since the check (e.g. a child process)
+        raise ConfigError(f"{type(rows).__name__} has no pooled lookups and pushes")
+    return rows
+
+
+def embedding_path(name: str, pooling: str = "sum") -> EmbeddingPath:
+    """The path called ``name`` (:data:`EMBEDDING_PATHS`) pooling with ``pooling``."""
+    if name == "rows":
+        return RowsPath(pooling)
+    if name == "des":
+        return PooledPath(pooling)
+    raise ConfigError(f"embedding_path must be one of {sorted(EMBEDDING_PATHS)}, got {name!r}")
