@@ -76,6 +76,10 @@ class TrainerConfig:
     grads_codec: str = field(default="none", metadata={"help": "codec of grads worker -> PS"})
     pooling: str = field(default="sum", metadata={"help": "pooling per sample: sum or mean"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0: at end)"})
+    keep_best: bool | None = field(default=None, metadata={
+        "help": "with validation data: end with the state (dense model and PS rows, with "
+                "their optimizer state) of the best validation AUC (unset: on when validation "
+                "data is given)"})
     seed: int = field(default=0, metadata={"help": "seed of the dense model's init"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda (default: auto)"})
     timeout_s: float = field(default=30.0, metadata={"help": "PS request timeout"})

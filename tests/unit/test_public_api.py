@@ -13,7 +13,7 @@ import pytest
 EXPORTED = {
     "clients": {
         "AdminClient", "DirectRows", "LoaderClient", "PSClient", "PSClientProcess", "ProcessCPU", "PushAck",
-        "PushCounts", "RowsClient", "SyncLoaderClient", "SyncPSClient",
+        "PushCounts", "RowsClient", "RowsSnapshots", "SyncLoaderClient", "SyncPSClient",
     },
     "services.worker": {
         "BatchPlan", "EmbeddingPipeline", "FitSummary", "LossCurve", "ModelConfig", "Prepared",
