@@ -22,22 +22,38 @@ import copy
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from clients.rows import RowsSnapshots
+from clients.rows import RowsClient, RowsSnapshots
 from services.common.batch import Batch
 from services.common.errors import ConfigError
 from services.worker.compute import distributed
 from services.worker.config import TrainerConfig
-from services.worker.pipeline import Batches
+from services.worker.pipeline import Batches, EmbeddingPipeline
 
 if TYPE_CHECKING:
     from services.worker.summary import FitSummary
-    from services.worker.trainer import Trainer
 
 __all__ = ["BestState", "keeps_best"]
 
 Evaluation = Callable[[], Batches] | Sequence[Batch]
+
+
+class Trained(Protocol):
+    """What a BestState uses of its :class:`~services.worker.trainer.Trainer`."""
+
+    config: TrainerConfig
+    pipeline: EmbeddingPipeline
+    step: int
+
+    @property
+    def rows(self) -> RowsClient: ...
+
+    async def evaluate(self, batches: Batches) -> dict[str, float]: ...
+
+    def dense_state(self) -> dict[str, Any]: ...
+
+    def load_dense_state(self, state: dict[str, Any]) -> None: ...
 
 
 def keeps_best(config: TrainerConfig, *, validation: bool) -> bool:
@@ -64,7 +80,7 @@ class BestState:
     """The validation evaluations of one fit (``history``: step, auc, logloss, samples) and
     the ``best`` of them; with ``keep``, the snapshot of the state at the best one."""
 
-    def __init__(self, trainer: Trainer, validation: Evaluation, *, keep: bool) -> None:
+    def __init__(self, trainer: Trained, validation: Evaluation, *, keep: bool) -> None:
         if keep and distributed():
             raise ConfigError("keep_best serves one worker (the ranks' snapshots and the PS's "
                               "are not one consistent cut): set keep_best false to only "
@@ -82,7 +98,7 @@ class BestState:
         self._rows: str | None = None  # the name of the rows' snapshot
 
     @classmethod
-    def of(cls, trainer: Trainer, validation: Evaluation | None) -> BestState | None:
+    def of(cls, trainer: Trained, validation: Evaluation | None) -> BestState | None:
         """The BestState of a fit on ``validation`` (None without); checks the settings."""
         keep = keeps_best(trainer.config, validation=validation is not None)
         return None if validation is None else cls(trainer, validation, keep=keep)

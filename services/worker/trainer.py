@@ -533,13 +533,7 @@ class Trainer:
         averaged = self._sync is not None and await asyncio.to_thread(self._sync.finish)
         if best is not None:
             await best.finish(summary)
-        if eval_batches is not None:
-            last = (self.history[-1] if self.history and self.history[-1]["step"] == self.step
-                    and not averaged else await self._evaluate_into_history(eval_batches))
-            summary.auc, summary.logloss = last["auc"], last["logloss"]
-            summary.eval_samples = int(last["samples"])
-        else:
-            summary.auc, summary.logloss = train.auc, train.logloss
+        await self._held_out(summary, eval_batches, averaged=averaged)
         summary.wire_bytes = self.rows.wire_bytes()
         summary.codec_bytes = self.rows.codec_stats.as_dict()  # payloads per codec
         summary.dense_bytes = self._dense_stats.as_dict() if self._dense_stats else {}
@@ -547,6 +541,18 @@ class Trainer:
                                     if self._activations is not None else {})
         summary.history = list(self.history)
         return summary
+
+    async def _held_out(self, summary: FitSummary, eval_batches: Callable[[], Batches]
+                        | Sequence[Batch] | None, *, averaged: bool) -> None:
+        """The summary's final held-out figures (the training ones without held-out data)."""
+        if eval_batches is None:
+            summary.auc, summary.logloss = summary.train_auc, summary.train_logloss
+            return
+        fresh = averaged or summary.restored_best  # the model is not the last one evaluated
+        last = (self.history[-1] if self.history and self.history[-1]["step"] == self.step
+                and not fresh else await self._evaluate_into_history(eval_batches))
+        summary.auc, summary.logloss = last["auc"], last["logloss"]
+        summary.eval_samples = int(last["samples"])
 
     async def _evaluate_into_history(self, eval_batches: Callable[[], Batches] | Sequence[Batch]
                                      ) -> dict[str, float]:
