@@ -93,8 +93,9 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
                        ) -> dict[str, Any]:
     """Train and return rank 0's summary (:meth:`FitSummary.as_dict`), with ``samples_per_s`` and ``wire_bytes`` summed over
     the workers and ``num_workers`` added. Give ``train_batches`` or ``loader`` (an address),
-    and optionally ``eval_batches`` or ``eval_loader``, and ``validation_loader``. ``on_step`` runs only with one worker
-    (in this process); with more, workers are forked processes joined by a gloo group.
+    and optionally ``eval_batches`` or ``eval_loader``, and ``validation_loader``.
+    ``on_step`` runs only with one worker (in this process); with more, workers are forked
+    processes joined by a gloo group.
     ``attach(trainer)`` runs on rank 0 before training (it must pickle: model exports).
     ``rows_client`` (one worker only): reach the rows through it instead of ``ps_addresses``
     (e.g. the PS's shards in this process)."""
