@@ -442,9 +442,8 @@ class Trainer:
         ``eval_batches`` (a list, or a callable giving a fresh iterable) is evaluated every
         ``eval_every`` steps and at the end; the summary's ``auc``/``logloss`` are then the
         final held-out figures, else the progressive (pre-update) training figures.
-        ``validation_batches`` (same forms) are evaluated instead every ``eval_every`` steps
-        and at the end, and with ``keep_best`` the best state is restored before the
-        held-out evaluation (:mod:`services.worker.best`).
+        ``validation_batches`` (same forms), when given, are the periodic evaluations, and
+        ``keep_best`` restores the best state before the final held-out one (``best``).
         """
         if steps is not None and steps < 1:
             raise InvalidArgument(f"steps must be >= 1 or None, got {steps}")
