@@ -443,7 +443,7 @@ class Trainer:
         ``eval_every`` steps and at the end; the summary's ``auc``/``logloss`` are then the
         final held-out figures, else the progressive (pre-update) training figures.
         ``validation_batches`` (same forms), when given, are the periodic evaluations, and
-        ``keep_best`` restores the best state before the final held-out one (``best``).
+        ``keep_best`` restores the best state before the held-out one (:mod:`services.worker.best`).
         """
         if steps is not None and steps < 1:
             raise InvalidArgument(f"steps must be >= 1 or None, got {steps}")
