@@ -16,7 +16,8 @@ from services.common.batch import Batch
 from services.common.errors import ConfigError, FailedPrecondition
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
-from services.worker.config import ps_table_configs
+from services.worker.best import BestState
+from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
 
@@ -108,3 +109,34 @@ async def test_bad_settings_fail_before_the_first_step(tmp_path: Path) -> None:
     no_dir = shards()
     with pytest.raises(FailedPrecondition, match="checkpoint_dir"):
         await no_dir.snapshot_rows("best")
+
+
+async def test_every_push_is_acknowledged_before_a_validation() -> None:
+    """The state validated is the state snapshotted: no push of an earlier step in flight."""
+    order: list[str] = []
+
+    class Pipeline:
+        async def drain(self) -> None:
+            order.append("drain")
+
+    class Rows:
+        async def snapshot_rows(self, name: str) -> None:
+            order.append("snapshot")
+
+        async def restore_rows(self, name: str) -> None:
+            order.append("restore")
+
+    class Fake:
+        config = TrainerConfig(eval_every=10)
+        pipeline, rows, step = Pipeline(), Rows(), 10
+
+        async def evaluate(self, batches: Any) -> dict[str, float]:
+            order.append("evaluate")
+            return {"auc": 0.5, "logloss": 0.7, "samples": 1}
+
+        def dense_state(self) -> dict[str, Any]:
+            return {"step": self.step}
+
+    best = BestState(Fake(), FLIPPED, keep=True)  # type: ignore[arg-type]
+    await best.evaluate()
+    assert order == ["drain", "evaluate", "snapshot"]
