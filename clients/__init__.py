@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from clients.loader_client import LoaderClient, SyncLoaderClient
     from clients.ps_client import PSClient, PushAck, SyncPSClient
     from clients.ps_process import PSClientProcess
-    from clients.rows import DirectRows, ProcessCPU, PushCounts, RowsClient
+    from clients.rows import DirectRows, ProcessCPU, PushCounts, RowsClient, RowsSnapshots
 
 __all__ = [
     "AdminClient",
@@ -35,6 +35,7 @@ __all__ = [
     "PushAck",
     "PushCounts",
     "RowsClient",
+    "RowsSnapshots",
     "SyncLoaderClient",
     "SyncPSClient",
 ]
@@ -42,7 +43,8 @@ __all__ = [
 _HOME = {
     "AdminClient": "admin_client", "DirectRows": "rows", "LoaderClient": "loader_client", "PSClient": "ps_client",
     "PSClientProcess": "ps_process", "ProcessCPU": "rows", "PushAck": "ps_client",
-    "PushCounts": "rows", "RowsClient": "rows", "SyncLoaderClient": "loader_client",
+    "PushCounts": "rows", "RowsClient": "rows", "RowsSnapshots": "rows",
+    "SyncLoaderClient": "loader_client",
     "SyncPSClient": "ps_client",
 }
 

@@ -25,7 +25,7 @@ import numpy as np
 from services.common.codecs import WireStats
 from services.common.sharding import ShardedIds
 
-__all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsClient"]
+__all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsClient", "RowsSnapshots"]
 
 
 class PushCounts(Protocol):
@@ -131,4 +131,19 @@ class DirectRows(Protocol):
 
     def push_now(self, layout: ShardedIds, grads: np.ndarray) -> PushCounts:
         """:meth:`RowsClient.push_sharded`, applied before it returns, in the calling thread."""
+        ...
+
+
+@runtime_checkable
+class RowsSnapshots(Protocol):
+    """A rows client that can save every row with its optimizer state under a name and later
+    put exactly that state back (a fit that keeps its best state, :mod:`services.worker.best`).
+    """
+
+    async def snapshot_rows(self, name: str) -> None:
+        """Save every table's rows and optimizer state as snapshot ``name`` (a new name)."""
+        ...
+
+    async def restore_rows(self, name: str) -> None:
+        """Replace every table by snapshot ``name``: rows created since read as initial rows."""
         ...

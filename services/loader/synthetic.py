@@ -46,7 +46,7 @@ __all__ = ["CHUNK_ROWS", "CRITEO_KAGGLE_VOCAB", "PROFILES", "SyntheticConfig",
            "SyntheticDataset", "TeacherRows", "format_criteo", "synthetic_profile"]
 
 CHUNK_ROWS = 8192
-_SPLITS = {"train": 0, "test": 1}
+_SPLITS = {"train": 0, "test": 1, "validation": 2}
 _DENSE_MU = 1.5
 # Distinct values of C1..C26 in Criteo's Kaggle (Display Advertising Challenge) training set
 CRITEO_KAGGLE_VOCAB = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683,
@@ -190,9 +190,10 @@ class SyntheticDataset:
     # ---- generation -----------------------------------------------------------------------
 
     def teacher_chunk(self, split: str, index: int) -> TeacherRows:
-        """Chunk ``index`` (``CHUNK_ROWS`` rows) of split ``"train"`` or ``"test"``."""
+        """Chunk ``index`` (``CHUNK_ROWS`` rows) of split ``"train"``, ``"test"`` or
+        ``"validation"``."""
         if split not in _SPLITS:
-            raise ConfigError(f"split must be 'train' or 'test', got {split!r}")
+            raise ConfigError(f"split must be one of {sorted(_SPLITS)}, got {split!r}")
         cfg = self.config
         rng = np.random.default_rng([cfg.seed, _SPLITS[split], index])
         n = CHUNK_ROWS

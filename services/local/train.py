@@ -6,7 +6,9 @@ with one table per sparse feature the loader reports, and N gloo workers; the de
 too. Where the shards run is :data:`PS_PLACEMENTS`: with one worker they are embedded in the
 worker's process by default (the PS's own shards, reached without sockets or serialization:
 the fastest path on one machine); with more workers, or codecs on the PS wire, they are
-gRPC shard processes. :class:`PlantedData` is what ``persimmon worker`` trains on without ``--loader``:
+gRPC shard processes. With validation data the best state is kept (``keep_best``,
+:mod:`services.worker.best`): embedded shards only, whose snapshots are checkpoints into a
+temporary directory. :class:`PlantedData` is what ``persimmon worker`` trains on without ``--loader``:
 planted data generated in the worker's process.
 """
 
@@ -26,6 +28,7 @@ from services.common.commands import float_at_least, int_at_least
 from services.common.config import print_config
 from services.common.errors import ConfigError
 from services.worker.__main__ import add_training_flags, load_trainer_config
+from services.worker.best import keeps_best
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.service import (
@@ -45,9 +48,11 @@ PS_PLACEMENTS = {
 }
 
 
-def ps_placement(ps: str, workers: int, config: TrainerConfig) -> str:
+def ps_placement(ps: str, workers: int, config: TrainerConfig, *, keep_best: bool = False
+                 ) -> str:
     """Where the shards run (``embedded`` or ``processes``) for ``--ps`` = ``ps``; a
-    ConfigError for an embedded PS that cannot serve these settings."""
+    ConfigError for an embedded PS that cannot serve these settings, and for ``keep_best``
+    anywhere else (its snapshots of the rows are the embedded shards')."""
     if ps not in PS_PLACEMENTS:
         raise ConfigError(f"--ps must be one of {sorted(PS_PLACEMENTS)}, got {ps!r}")
     wire = [name for name in ("rows_codec", "grads_codec")
@@ -60,6 +65,12 @@ def ps_placement(ps: str, workers: int, config: TrainerConfig) -> str:
         + (["a registry"] if config.registry else []) \
         + (["export_dir (exports are made from PS shard checkpoints)"]
            if config.export_dir else [])
+    if keep_best and (blockers or ps == "processes"):
+        raise ConfigError("--keep-best (on by default with --validation-data) needs the "
+                          "embedded PS (--ps embedded: one worker, no PS-wire codecs, "
+                          f"no exports), got --ps {ps}"
+                          + "".join(f", {b}" for b in blockers)
+                          + ": use --keep-best false to only evaluate the validation data")
     if ps == "auto":
         return "processes" if blockers else "embedded"
     if ps == "embedded" and blockers:
@@ -86,8 +97,8 @@ def _synthetic_rows(spec: str) -> int | None:
 
 def data_specs(args: argparse.Namespace) -> tuple[str, str | None]:
     """(train spec, eval spec): ``synthetic`` alone means 65,536 rows, and synthetic training
-    data is evaluated on the test split unless ``--eval-data`` says otherwise. Both are
-    checked (spec, files, schema): a ConfigError naming the flag."""
+    data is evaluated on the test split unless ``--eval-data`` says otherwise. Both, and
+    ``--validation-data``, are checked (spec, files, schema): a ConfigError naming the flag."""
     from services.loader.sources import check_source
 
     train = str(args.train_data)
@@ -101,7 +112,8 @@ def data_specs(args: argparse.Namespace) -> tuple[str, str | None]:
     if evaluation is None and rows is not None:
         evaluation = f"synthetic:{args.eval_rows}?" + "&".join(filter(None, [profile,
                                                                            "split=test"]))
-    for flag, spec in (("--train-data", train), ("--eval-data", evaluation)):
+    for flag, spec in (("--train-data", train), ("--eval-data", evaluation),
+                       ("--validation-data", getattr(args, "validation_data", None))):
         if spec is not None:  # a clear ConfigError before any process starts
             try:
                 check_source(spec)
@@ -131,6 +143,7 @@ def _sparse_features(admin_url: str) -> list[str]:
 
 
 def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: TrainerConfig,
+                           validation_data: str | None = None,
                            model: ModelConfig, workers: int = 1, shards: int = 2,
                            dim: int = 16, ps_lr: float = 0.05, ps_optimizer: str = "adagrad",
                            ps_weight_decay: float = 0.0, ps_initial_accumulator: float = 0.0,
@@ -140,12 +153,14 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                            ) -> dict[str, Any]:
     """Start loaders on loopback ports and the PS shards where ``ps`` places them
     (:func:`ps_placement`), train ``workers`` gloo ranks, stop everything; return the
-    summary (with ``oracle_auc`` for planted data and ``ps`` = where the shards ran)."""
+    summary (with ``oracle_auc`` for planted data and ``ps`` = where the shards ran).
+    ``validation_data``: the loader spec the best state is selected on."""
     from services.local.processes import LocalLoader, LocalPS
     from services.ps.inprocess import InProcessShards
     from services.worker.local import run_local_training
 
-    placement = ps_placement(ps, workers, config)
+    keep_best = keeps_best(config, validation=validation_data is not None)
+    placement = ps_placement(ps, workers, config, keep_best=keep_best)
 
     with ExitStack() as stack:
         loader = stack.enter_context(LocalLoader(train_data, batch_size=batch_size,
@@ -154,6 +169,9 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
         eval_loader = (stack.enter_context(LocalLoader(eval_data, batch_size=4096,
                                                        world_size=workers, seed=data_seed))
                        if eval_data else None)
+        checks = (stack.enter_context(LocalLoader(validation_data, batch_size=4096,
+                                                  world_size=workers, seed=data_seed))
+                  if validation_data else None)
         features = _sparse_features(loader.admin_url)
         tables = ps_table_configs({f: model.table_dim(dim) for f in features}, lr=ps_lr,
                                   optimizer=ps_optimizer, weight_decay=ps_weight_decay,
@@ -163,7 +181,10 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
             if config.export_dir else None  # the PS checkpoints each export is made from
         attach = None
         if placement == "embedded":
-            embedded = InProcessShards(tables, num_shards=shards).warm_up()
+            snapshots = ({"checkpoint_dir": stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="persimmon-best-"))} if keep_best else None)  # the best state's rows
+            embedded = InProcessShards(tables, num_shards=shards,
+                                       shard_config=snapshots).warm_up()
             where: dict[str, Any] = {"rows_client": embedded}
         else:
             cluster = stack.enter_context(LocalPS(shards, tables, exports,
@@ -173,7 +194,8 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                                     loader.admin_url)
         summary = summary_dict(run_local_training(
             **where, loader=loader.address,
-            eval_loader=eval_loader.address if eval_loader else None, model=model,
+            eval_loader=eval_loader.address if eval_loader else None,
+            validation_loader=checks.address if checks else None, model=model,
             config=config, num_workers=workers, attach=attach))
     summary["ps"] = placement
     oracle = _oracle(train_data, eval_data, data_seed)
@@ -230,12 +252,14 @@ def _run_train(args: argparse.Namespace) -> int:
     config = load_trainer_config(args)
     print_config("train", config)
     train_spec, eval_spec = data_specs(args)
-    ps_placement(args.ps, args.workers, config)  # a clear ConfigError before anything starts
+    keep = keeps_best(config, validation=args.validation_data is not None)
+    ps_placement(args.ps, args.workers, config, keep_best=keep)  # before anything starts
     if args.check_config:
         return 0
     with failure_summary(args.summary_json):
         summary = train_on_local_cluster(
             train_data=train_spec, eval_data=eval_spec, config=config,
+            validation_data=args.validation_data,
             model=ModelConfig(name=args.model, dense_norm=args.dense_norm),
             workers=args.workers, shards=args.shards,
             dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
@@ -263,6 +287,9 @@ def _table_lrs(text: str) -> dict[str, float]:
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train", help="train on a local cluster (loaders, PS, workers)")
     add_training_flags(train)
+    train.add_argument("--validation-data", help="loader spec of the validation data: "
+                       "evaluated every --eval-every steps and at the end; the state of the "
+                       "best validation AUC is kept (--keep-best, default with it)")
     train.add_argument("--shards", type=int_at_least(1), default=2, help="PS shards")
     train.add_argument("--ps", default="auto", choices=list(PS_PLACEMENTS),
                        help="where the PS shards run: " + "; ".join(

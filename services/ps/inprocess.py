@@ -9,7 +9,9 @@ the layouts' step tags, :mod:`services.ps.staleness`). It is a ``clients.rows.Ro
 its shape (the PS does not import the clients), and a ``clients.rows.DirectRows``
 (``lookup_now``/``push_now`` serve from the calling thread: a worker's compute thread updates
 its hot tables so); nothing crosses a wire, so ``wire_bytes()`` is all zeros and
-``codec_stats`` stays empty.
+``codec_stats`` stays empty. With a ``checkpoint_dir`` in ``shard_config`` it is a
+``clients.rows.RowsSnapshots``: ``snapshot_rows``/``restore_rows`` are the shards' own
+checkpoints.
 
 A :class:`PushGate` holds pushes until the caller releases them, in arrival order: a test of
 the worker's embedding pipeline decides when each push is applied and acknowledged.
@@ -31,7 +33,7 @@ import numpy as np
 
 from services.common.codecs import WireStats
 from services.common.config import config_to_dict, from_dict
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.sharding import ShardedIds
 from services.ps.config import PSConfig
 from services.ps.shard import Shard
@@ -169,6 +171,25 @@ class InProcessShards:
     def wire_bytes(self) -> dict[str, int]:
         """Bytes on the wire per stream: none crossed one."""
         return dict.fromkeys(_WIRE_STREAMS, 0)
+
+    # ---- snapshots (clients.rows.RowsSnapshots) ------------------------------------------
+
+    async def snapshot_rows(self, name: str) -> None:
+        """Every shard writes its part of checkpoint ``name`` into its ``checkpoint_dir``
+        (set through ``shard_config``): rows, optimizer state and bookkeeping."""
+        self._check_checkpoint_dir()
+        await asyncio.gather(*(shard.checkpoint(name) for shard in self.shards))
+
+    async def restore_rows(self, name: str) -> None:
+        """Every shard replaces its tables by its part of checkpoint ``name``."""
+        self._check_checkpoint_dir()
+        await asyncio.gather(*(shard.restore(name) for shard in self.shards))
+
+    def _check_checkpoint_dir(self) -> None:
+        if not self.shards[0].config.checkpoint_dir:
+            raise FailedPrecondition("snapshots of the rows are checkpoints of the shards: "
+                                     "give InProcessShards(shard_config={'checkpoint_dir': "
+                                     "DIR})")
 
     # ---- the step calls ----------------------------------------------------------------
 

@@ -80,6 +80,10 @@ class TrainerConfig:
         "help": "rows (unique rows down, row gradients up) or des (each shard pools its rows "
                 "per sample; pooled gradients up: needs gRPC shards)"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0: at end)"})
+    keep_best: bool | None = field(default=None, metadata={
+        "help": "with validation data: end with the state (dense model and PS rows, with "
+                "their optimizer state) of the best validation AUC (unset: on when validation "
+                "data is given)"})
     seed: int = field(default=0, metadata={"help": "seed of the dense model's init"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda (default: auto)"})
     timeout_s: float = field(default=30.0, metadata={"help": "PS request timeout"})

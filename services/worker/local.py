@@ -5,7 +5,8 @@ shards (and loaders) are up. Training batches come from a loader service (``load
 address; rank r gets batches ``b % num_workers == r`` and acks each once the PS acknowledged
 its push) or from a list (batch ``b`` to worker ``b % num_workers``). Held-out batches come
 from an eval loader (each rank reads its share once and keeps it) or a list split the same
-way; AUC/logloss are computed over all ranks' shares.
+way; AUC/logloss are computed over all ranks' shares. Validation batches (the best state's
+selection, :mod:`services.worker.best`) come from a validation loader the same way.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ async def _train(rank: int, world: int, ps_addresses: Sequence[str],
                  train: Sequence[Batch] | str, test: Sequence[Batch] | str | None,
                  on_step: Callable[[dict[str, Any]], None] | None,
                  attach: Callable[[Trainer], object] | None = None,
-                 rows_client: RowsClient | None = None) -> dict[str, Any]:
-    """One rank: ``train``/``test`` are this rank's batches or a loader address;
-    ``attach(trainer)`` runs on rank 0 before training."""
+                 rows_client: RowsClient | None = None, validation: str | None = None
+                 ) -> dict[str, Any]:
+    """One rank: ``train``/``test`` are this rank's batches or a loader address,
+    ``validation`` a loader address; ``attach(trainer)`` runs on rank 0 before training."""
     if isinstance(test, str):
         test = await read_loader(test, rank, world)
+    checks = await read_loader(validation, rank, world) if validation else None
     async with Trainer(model=model, ps_addresses=ps_addresses, tables=tables, config=config,
                        on_step=on_step, rows_client=rows_client) as trainer:
         if attach is not None and rank == 0:
@@ -54,9 +57,10 @@ async def _train(rank: int, world: int, ps_addresses: Sequence[str],
             credits = (config.window or config.prefetch) + 2
             async with LoaderClient(train, rank=rank, world_size=world,
                                     credits=credits) as loader:
-                summary = await trainer.fit(loader, eval_batches=test)
+                summary = await trainer.fit(loader, eval_batches=test,
+                                            validation_batches=checks)
         else:
-            summary = await trainer.fit(train, eval_batches=test)
+            summary = await trainer.fit(train, eval_batches=test, validation_batches=checks)
         return summary.as_dict()
 
 
@@ -69,18 +73,18 @@ def _share(batches: Sequence[Batch] | str | None, rank: int, world: int
 
 def _rank(rank: int, world: int, ps_addresses: Sequence[str], tables: Mapping[str, str] | None,
           model: ModelConfig, config: TrainerConfig, train: Sequence[Batch] | str,
-          test: Sequence[Batch] | str | None, attach: Callable[[Trainer], object] | None
-          ) -> dict[str, Any]:
+          test: Sequence[Batch] | str | None, attach: Callable[[Trainer], object] | None,
+          validation: str | None) -> dict[str, Any]:
     return asyncio.run(_train(rank, world, ps_addresses, tables, model, config,
                               _share(train, rank, world) or [], _share(test, rank, world), None,
-                              attach))
+                              attach, validation=validation))
 
 
 def run_local_training(*, ps_addresses: Sequence[str] = (),
                        rows_client: RowsClient | None = None,
                        train_batches: Sequence[Batch] | None = None, loader: str | None = None,
                        eval_batches: Sequence[Batch] | None = None,
-                       eval_loader: str | None = None,
+                       eval_loader: str | None = None, validation_loader: str | None = None,
                        tables: Mapping[str, str] | None = None,
                        model: ModelConfig | None = None, config: TrainerConfig | None = None,
                        num_workers: int = 1, timeout_s: float = 600.0,
@@ -89,8 +93,9 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
                        ) -> dict[str, Any]:
     """Train and return rank 0's summary (:meth:`FitSummary.as_dict`), with ``samples_per_s`` and ``wire_bytes`` summed over
     the workers and ``num_workers`` added. Give ``train_batches`` or ``loader`` (an address),
-    and optionally ``eval_batches`` or ``eval_loader``. ``on_step`` runs only with one worker
-    (in this process); with more, workers are forked processes joined by a gloo group.
+    and optionally ``eval_batches`` or ``eval_loader``, and ``validation_loader``.
+    ``on_step`` runs only with one worker (in this process); with more, workers are forked
+    processes joined by a gloo group.
     ``attach(trainer)`` runs on rank 0 before training (it must pickle: model exports).
     ``rows_client`` (one worker only): reach the rows through it instead of ``ps_addresses``
     (e.g. the PS's shards in this process)."""
@@ -112,11 +117,12 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
     test: Sequence[Batch] | str | None = eval_loader if eval_loader is not None else eval_batches
     if num_workers == 1:
         summary = asyncio.run(_train(0, 1, ps_addresses, tables, model, config, train, test,
-                                     on_step, attach, rows_client))
+                                     on_step, attach, rows_client, validation_loader))
         summary["num_workers"] = 1
         return summary
     results = run_local_ranks(_rank, num_workers, list(ps_addresses), tables, model, config,
-                              train, test, attach, backend="gloo", timeout_s=timeout_s)
+                              train, test, attach, validation_loader, backend="gloo",
+                              timeout_s=timeout_s)
     summary = dict(results[0])
     summary["num_workers"] = num_workers
     summary["samples"] = sum(r["samples"] for r in results)

@@ -43,8 +43,8 @@ __all__ = ["InProcessData", "InProcessSource", "SUMMARY_KEYS", "check_result",
 log = logging.getLogger("persimmon.worker")
 
 # What the summary line printed at the end holds (the JSON file of --summary-json has it all).
-SUMMARY_KEYS = ("mode", "steps", "auc", "oracle_auc", "logloss", "samples_per_s",
-                "staleness_max", "wire_bytes")
+SUMMARY_KEYS = ("mode", "steps", "auc", "oracle_auc", "logloss", "best_step",
+                "best_validation_auc", "samples_per_s", "staleness_max", "wire_bytes")
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,7 +93,10 @@ class FitSummary:
     (``train_auc``/``train_logloss``). ``loss`` is the mean of the latest 50 training losses,
     ``staleness_max``/``staleness_mean`` are those of the windowed tables; ``hot_tables``
     (looked up under ``hot_staleness``) are listed apart. ``recent_losses`` this fit's latest ones (at most ``RECENT_LOSSES``), ``loss_curve`` the
-    whole fit as ``(first step, mean loss)`` spans; ``history`` holds every evaluation.
+    whole fit as ``(first step, mean loss)`` spans; ``history`` holds every held-out
+    evaluation. With validation data, ``validation`` holds its evaluations, ``best_step`` and
+    ``best_validation_auc`` the best of them, and ``restored_best`` whether the final state
+    (and ``auc``) is that step's (keep_best, :mod:`services.worker.best`).
     Timings are mean milliseconds per step; byte counts are per stream (and codec).
     """
 
@@ -122,6 +125,10 @@ class FitSummary:
     dense_bytes: dict[str, Any] = field(default_factory=dict)
     activation_bytes: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, float]] = field(default_factory=list)
+    validation: list[dict[str, float]] = field(default_factory=list)
+    best_step: int | None = None
+    best_validation_auc: float = math.nan
+    restored_best: bool = False
     recent_losses: list[float] = field(default_factory=list)
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
 
@@ -137,6 +144,7 @@ class FitSummary:
         """Every field as plain JSON values (the curve's points as lists)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["history"] = [dict(h) for h in self.history]
+        out["validation"] = [dict(h) for h in self.validation]
         out["recent_losses"] = list(self.recent_losses)
         out["loss_curve"] = [[step, loss] for step, loss in self.loss_curve]
         return out

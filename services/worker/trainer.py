@@ -59,6 +59,7 @@ from services.common.codecs.qsgd import adapts_to_loss
 from services.common.config import config_to_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.worker.admin import WorkerProgress, make_worker_admin
+from services.worker.best import BestState
 from services.worker.compression import (
     ActivationSparsifier,
     CodecAverager,
@@ -428,7 +429,8 @@ class Trainer:
     # ---- public API ----------------------------------------------------------------------
 
     async def fit(self, batches: Batches | LoaderClient, *, steps: int | None = None,
-                  eval_batches: Callable[[], Batches] | Sequence[Batch] | None = None
+                  eval_batches: Callable[[], Batches] | Sequence[Batch] | None = None,
+                  validation_batches: Callable[[], Batches] | Sequence[Batch] | None = None
                   ) -> FitSummary:
         """Train on ``batches`` (at most ``steps`` of them); returns a :class:`FitSummary`.
 
@@ -440,11 +442,15 @@ class Trainer:
         ``eval_batches`` (a list, or a callable giving a fresh iterable) is evaluated every
         ``eval_every`` steps and at the end; the summary's ``auc``/``logloss`` are then the
         final held-out figures, else the progressive (pre-update) training figures.
+        ``validation_batches`` (same forms), when given, are the periodic evaluations, and
+        ``keep_best`` restores the best state before the held-out one (:mod:`services.worker.best`).
         """
         if steps is not None and steps < 1:
             raise InvalidArgument(f"steps must be >= 1 or None, got {steps}")
+        best = BestState.of(self, validation_batches)
         await self.start()
-        every = self.config.eval_every if eval_batches is not None else 0
+        periodic = eval_batches if best is None else validation_batches
+        every = self.config.eval_every if periodic is not None else 0
         compute: ComputeThread[Prepared] = ComputeThread(
             self.train_step, room=None if self.config.window is not None else self.config.prefetch,
             eval_every=every,
@@ -492,7 +498,8 @@ class Trainer:
                     if self.after_step is not None:
                         await self.after_step(info)
                 if every and self.step % every == 0:
-                    await self._evaluate_into_history(eval_batches)  # type: ignore[arg-type]
+                    await (best.evaluate() if best else
+                           self._evaluate_into_history(eval_batches))  # type: ignore[arg-type]
                 if compute.pauses_after(self.step):  # the thread waited for on_step / eval
                     compute.resume.set()
             await self.pipeline.drain()
@@ -523,13 +530,9 @@ class Trainer:
         # the spread of the replicas as trained, then one model: their average
         summary.sync = await asyncio.to_thread(self.sync_metrics)
         averaged = self._sync is not None and await asyncio.to_thread(self._sync.finish)
-        if eval_batches is not None:
-            last = (self.history[-1] if self.history and self.history[-1]["step"] == self.step
-                    and not averaged else await self._evaluate_into_history(eval_batches))
-            summary.auc, summary.logloss = last["auc"], last["logloss"]
-            summary.eval_samples = int(last["samples"])
-        else:
-            summary.auc, summary.logloss = train.auc, train.logloss
+        if best is not None:
+            await best.finish(summary)
+        await self._held_out(summary, eval_batches, averaged=averaged)
         summary.wire_bytes = self.rows.wire_bytes()
         summary.codec_bytes = self.rows.codec_stats.as_dict()  # payloads per codec
         summary.dense_bytes = self._dense_stats.as_dict() if self._dense_stats else {}
@@ -537,6 +540,18 @@ class Trainer:
                                     if self._activations is not None else {})
         summary.history = list(self.history)
         return summary
+
+    async def _held_out(self, summary: FitSummary, eval_batches: Callable[[], Batches]
+                        | Sequence[Batch] | None, *, averaged: bool) -> None:
+        """The summary's final held-out figures (the training ones without held-out data)."""
+        if eval_batches is None:
+            summary.auc, summary.logloss = summary.train_auc, summary.train_logloss
+            return
+        fresh = averaged or summary.restored_best  # the model is not the last one evaluated
+        last = (self.history[-1] if self.history and self.history[-1]["step"] == self.step
+                and not fresh else await self._evaluate_into_history(eval_batches))
+        summary.auc, summary.logloss = last["auc"], last["logloss"]
+        summary.eval_samples = int(last["samples"])
 
     async def _evaluate_into_history(self, eval_batches: Callable[[], Batches] | Sequence[Batch]
                                      ) -> dict[str, float]:

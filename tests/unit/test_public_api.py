@@ -13,7 +13,7 @@ import pytest
 EXPORTED = {
     "clients": {
         "AdminClient", "DirectRows", "LoaderClient", "PSClient", "PSClientProcess", "ProcessCPU", "PushAck",
-        "PushCounts", "RowsClient", "SyncLoaderClient", "SyncPSClient",
+        "PushCounts", "RowsClient", "RowsSnapshots", "SyncLoaderClient", "SyncPSClient",
     },
     "services.worker": {
         "BatchPlan", "EmbeddingPipeline", "FitSummary", "LossCurve", "ModelConfig", "Prepared",
@@ -45,7 +45,14 @@ def test_the_clients_do_not_import_torch() -> None:
 
 
 def test_every_rows_client_implementation_is_one() -> None:
-    from clients import DirectRows, ProcessCPU, PSClient, PSClientProcess, RowsClient
+    from clients import (
+        DirectRows,
+        ProcessCPU,
+        PSClient,
+        PSClientProcess,
+        RowsClient,
+        RowsSnapshots,
+    )
     from services.ps.inprocess import InProcessShards
 
     in_process = InProcessShards([{"name": "t", "dim": 4}])
@@ -56,3 +63,5 @@ def test_every_rows_client_implementation_is_one() -> None:
     assert not isinstance(in_process, ProcessCPU) and not isinstance(object(), RowsClient)
     assert isinstance(in_process, DirectRows) and in_process.direct  # rows in this process
     assert not any(isinstance(client, DirectRows) for client in remote)
+    assert isinstance(in_process, RowsSnapshots)  # keep_best's snapshots of the rows
+    assert not any(isinstance(client, RowsSnapshots) for client in remote)

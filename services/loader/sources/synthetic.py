@@ -1,7 +1,7 @@
 """``synthetic:ROWS``: the planted data set generated in memory, chunk by chunk.
 
 ``?profile=toy|criteo`` picks the data set (``&max_vocab=N&zipf=X`` shape the criteo one;
-see :func:`services.loader.synthetic.synthetic_profile`), ``?split=train|test`` the split.
+see :func:`services.loader.synthetic.synthetic_profile`), ``?split=train|test|validation`` the split.
 
 Positions are row numbers of the split; a partition is one split in one epoch
 (``synthetic:e0:train``). Chunks are split among loader replicas (chunk k goes to replica
@@ -47,8 +47,9 @@ class SyntheticSource:
         self.config = config
         self.rows = spec.rows()
         self.split = spec.params.get("split", "train")
-        if self.split not in ("train", "test"):
-            raise ConfigError(f"synthetic split must be train or test, got {self.split!r}")
+        if self.split not in ("train", "test", "validation"):
+            raise ConfigError(f"synthetic split must be train, test or validation, got "
+                              f"{self.split!r}")
         self.dataset = SyntheticDataset(synthetic or synthetic_config_of(spec, config.seed))
         self.dataset.transform = config.dense_transform()
         self.schema = self.dataset.layout.schema

@@ -25,8 +25,8 @@ def tiny(rows: int = 4000) -> QualityData:
     return QualityData(name="tiny", labels=labels, dense={"minutes": minutes},
                        sparse={"user": np.array([f"u{u}" for u in users], dtype=object),
                                "genres": two},
-                       multi_hot=("genres",), train=np.sort(order[:3200]),
-                       test=np.sort(order[3200:]))
+                       multi_hot=("genres",), train=np.sort(order[:2800]),
+                       validation=np.sort(order[2800:3200]), test=np.sort(order[3200:]))
 
 
 def test_criteo_lines_keep_missing_values_empty_and_multi_hot_joined(tmp_path: Path) -> None:
@@ -45,6 +45,10 @@ def test_criteo_lines_keep_missing_values_empty_and_multi_hot_joined(tmp_path: P
 def test_persimmon_and_logistic_regression_learn_the_planted_effects(tmp_path: Path) -> None:
     data = tiny()
     lr = logistic_regression_auc(data)
-    auc, seconds = persimmon_auc(data, tmp_path, model="deepfm", epochs=2,
-                                 extra=["--batch-size", "256"])
-    assert 0.7 < lr < 1 and 0.65 < auc < 1 and seconds > 0, (lr, auc)
+    got = persimmon_auc(data, tmp_path, model="deepfm", epochs=2,
+                        extra=["--batch-size", "256"])
+    auc = got["persimmon_auc"]
+    assert 0.7 < lr < 1 and 0.65 < auc < 1 and got["persimmon_s"] > 0, (lr, auc)
+    # validated once per epoch (11 steps of 256 rows), the kept state is one of them
+    assert len(got["persimmon_validation"]) == 2 and got["persimmon_best_epoch"] in (1, 2)
+    assert round(got["persimmon_validation_auc"], 4) == max(got["persimmon_validation"])

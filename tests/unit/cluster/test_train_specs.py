@@ -33,3 +33,25 @@ def test_bad_specs_fail_before_anything_starts(tmp_path):
         specs("synthetic:many")
     with pytest.raises(ConfigError):
         specs("synthetic:10?profile=criteo&colour=red")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--keep-best", "true"], "give validation data"),
+    (["--validation-data", "synthetic:512?split=validation"], "set eval_every"),
+    (["--validation-data", "synthetic:512?split=validation", "--eval-every", "4",
+      "--workers", "2"], "needs the embedded PS"),
+    (["--validation-data", "synthetic:512?split=validation", "--eval-every", "4",
+      "--ps", "processes"], "--keep-best false"),
+    (["--validation-data", "bogus:/nowhere", "--eval-every", "4"], "unknown source kind"),
+])
+def test_keep_best_without_what_it_needs_starts_nothing(
+        flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import services.local.train as train
+    from services.cli import main
+
+    def started(**_: object) -> None:
+        raise AssertionError("the local cluster started")
+    monkeypatch.setattr(train, "train_on_local_cluster", started)
+    assert main(["train", "--train-data", "synthetic:1024", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -108,8 +108,17 @@ def test_in_memory_batches(dataset):
 def test_bad_synthetic_configs(kwargs):
     with pytest.raises(ConfigError):
         SyntheticConfig(**kwargs)
-    with pytest.raises(ConfigError):
-        SyntheticDataset().teacher_chunk("validation", 0)
+    with pytest.raises(ConfigError, match="split must be one of"):
+        SyntheticDataset().teacher_chunk("holdout", 0)
+
+
+def test_the_validation_split_is_its_own_rows_of_the_same_teacher():
+    dataset = SyntheticDataset()
+    chunks = {split: dataset.teacher_chunk(split, 0) for split in ("train", "validation", "test")}
+    again = dataset.teacher_chunk("validation", 0)
+    assert np.array_equal(chunks["validation"].probs, again.probs)  # deterministic
+    for other in ("train", "test"):
+        assert not np.array_equal(chunks["validation"].probs, chunks[other].probs)
 
 
 @pytest.fixture(scope="module")
