@@ -29,6 +29,10 @@ class PSConfig:
         "help": "host:port others dial for gRPC (default: host and the bound port)"})
     heartbeat_ttl_s: float = field(default=5.0, metadata={
         "help": "seconds the registry keeps this shard after its last heartbeat"})
+    idempotent_pushes: bool = field(default=True, metadata={
+        "help": "apply a push at most once per (client, seq) and answer a retry with the "
+                "first ack (off: every push is applied, retries too; only to measure what "
+                "the check costs)"})
     wal_dir: str | None = field(default=None, metadata={
         "help": "keep a write-ahead log of the pushes since the last checkpoint here, so a "
                 "restarted shard (no --restore) comes back with every acknowledged push "

@@ -55,7 +55,7 @@ from services.ps.dedup import PushOrigin, PushWindow, fingerprint
 from services.ps.staleness import GlobalStaleness
 from services.ps.store import EmbeddingTable, PushResult, warm_up
 from services.ps.tables import OptimizerConfig, TableConfig
-from services.ps.wal import PushPart, WriteAheadLog, push_record, read_push
+from services.ps.wal import PushPart, WalFsync, WriteAheadLog, push_record, read_push
 
 __all__ = ["INLINE_IDS", "Shard"]
 
@@ -185,7 +185,7 @@ class Shard:
         """Apply the validated ``parts``, at most once per ``origin``: a retry (same
         ``content()`` fingerprint) gets the first ack; logged first (``log``). The caller
         holds the pushed tables' locks, so the window, the log and the rows change together."""
-        if origin is None:
+        if origin is None or not self.config.idempotent_pushes:
             if log:
                 self._log(push_record(None, 0, parts))
             return self._apply(parts)
@@ -219,11 +219,13 @@ class Shard:
         return await self._serve([name], np.size(ids), self.lookup_sync, name, ids)
 
     async def _serve(self, tables: Sequence[str], num_ids: int, work: Callable[..., T],
-                     *args: Any) -> T:
+                     *args: Any, push: bool = False) -> T:
         """``work(*args)`` on the event loop when the request is small and no table it touches
         is busy (a checkpoint holds them): a thread hop costs more than such a request. Else
-        in a worker thread, so that the loop goes on serving."""
-        if num_ids <= INLINE_IDS:
+        in a worker thread, so that the loop goes on serving; a ``push`` too when the log
+        fsyncs before each ack."""
+        syncs = push and self.wal is not None and self.wal.fsync is WalFsync.ALWAYS
+        if num_ids <= INLINE_IDS and not syncs:
             taken: list[threading.RLock] = []
             try:
                 for name in dict.fromkeys(tables):
@@ -314,7 +316,7 @@ class Shard:
                                ) -> tuple[PushResult, np.ndarray]:
         return await self._serve([*push[0], *lookup[0]], np.size(push[2]) + np.size(lookup[2]),
                                  functools.partial(self.push_then_lookup_sync, origin=origin),
-                                 push, lookup)
+                                 push, lookup, push=True)
 
     async def lookup_many(self, tables: Sequence[str], counts: Sequence[int],
                           ids: np.ndarray) -> np.ndarray:
@@ -325,7 +327,7 @@ class Shard:
                         origin: PushOrigin | None = None) -> PushResult:
         return await self._serve(tables, np.size(ids),
                                  functools.partial(self.push_many_sync, origin=origin),
-                                 tables, counts, ids, grads)
+                                 tables, counts, ids, grads, push=True)
 
     # DES-style partial pooling: the shard pools the rows it owns, per sample.
 
@@ -379,12 +381,13 @@ class Shard:
                           grads: np.ndarray, *, origin: PushOrigin | None = None) -> PushResult:
         return await self._serve([name], np.size(ids),
                                  functools.partial(self.pooled_push_sync, origin=origin),
-                                 name, ids, lengths, grads)
+                                 name, ids, lengths, grads, push=True)
 
     async def push(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
                    origin: PushOrigin | None = None) -> PushResult:
         return await self._serve([name], np.size(ids),
-                                 functools.partial(self.push_sync, origin=origin), name, ids, grads)
+                                 functools.partial(self.push_sync, origin=origin), name, ids, grads,
+                                 push=True)
 
     def peek(self, name: str, row_id: int) -> dict[str, Any]:
         if not 0 <= row_id < 2**64:
