@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import yaml
 
 from clients.admin_client import AdminClient
@@ -77,3 +78,28 @@ async def test_acked_pushes_survive_a_sigkill_between_checkpoints(tmp_path):
         assert await counts(shard.address) == [2 * pushes] * IDS.size
     finally:
         stop_processes([shard.proc])
+
+
+async def test_a_job_checkpoint_waits_for_a_shard_that_is_restarting(tmp_path):
+    """retry_s: a cut taken while a shard restarts (from its WAL) completes once it is back;
+    without it the unreachable shard fails the checkpoint."""
+    from services.common.errors import Unavailable
+    from services.local.processes import free_port
+    from services.ps.config import PSConfig
+    from services.ps.service import PSService
+    from services.worker.checkpoints import JobCheckpointer
+
+    root = tmp_path / "ckpt"
+    url = f"http://127.0.0.1:{(port := free_port())}"
+    with pytest.raises(Unavailable, match="did not take checkpoint c0"):
+        await JobCheckpointer(root, admin_urls=[url]).checkpoint(0, "c0")
+    cut = asyncio.create_task(JobCheckpointer(root, admin_urls=[url], retry_s=30.0)
+                              .checkpoint(1, "c1"))
+    service = PSService(PSConfig(grpc_port=0, admin_port=port, checkpoint_dir=str(root),
+                                 wal_dir=str(tmp_path / "wal"), tables=[]))
+    await service.start()
+    try:
+        assert (await cut)["checkpoint_id"] == "c1"
+        assert service.shard.wal is not None and service.shard.wal.base == "c1"
+    finally:
+        await service.close()
