@@ -94,6 +94,7 @@ class WriteAheadLog:
         self._fd: int | None = None
         self._path: Path | None = None
         self._dirty = False
+        self._read: tuple[Path, str | None, int] | None = None  # the segment read() read
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
 
@@ -106,6 +107,7 @@ class WriteAheadLog:
     def read(self) -> tuple[str | None, list[dict[str, Any]]]:
         """The newest segment's base and records (none: ``(None, [])``); a torn tail is cut
         off the file (``dropped_bytes``)."""
+        self._read = None
         segments = self._segments()
         if not segments:
             return None, []
@@ -122,15 +124,14 @@ class WriteAheadLog:
         header, *records = bodies
         if header.get("op") != "header" or header.get("format") != FORMAT:
             raise FailedPrecondition(f"WAL segment {path} has an unknown header {header}")
+        self._read = (path, header.get("base"), len(records))
         return header.get("base"), records
 
     def resume(self) -> None:
-        """Go on appending to the newest segment (after :meth:`read`)."""
-        segments = self._segments()
-        if not segments:
-            raise FailedPrecondition(f"no WAL segment under {self.directory} to resume")
-        base, records = self.read()
-        self._open(segments[-1], base, len(records))
+        """Go on appending to the segment :meth:`read` read."""
+        if self._read is None:
+            raise FailedPrecondition(f"no WAL segment read under {self.directory} to resume")
+        self._open(*self._read)
 
     def start(self, base: str | None) -> None:
         """Begin a new segment following checkpoint ``base`` (durably), then delete the older
@@ -142,6 +143,9 @@ class WriteAheadLog:
         try:
             _write(fd, _frame({"op": "header", "format": FORMAT, "base": base}))
             os.fsync(fd)
+        except BaseException:  # no headless newest segment: the current one goes on
+            path.unlink()
+            raise
         finally:
             os.close(fd)
         fsync_dir(self.directory)

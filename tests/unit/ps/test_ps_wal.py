@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -19,12 +20,23 @@ from services.ps.wal import WalFsync, WriteAheadLog
 from tests.unit.ps.counting import applied_counts, count_grads, counting_table
 
 IDS = np.arange(10, dtype=np.uint64)
+_OPEN: list[Shard] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_shards() -> Iterator[None]:
+    """Every shard a test made stops its log's sync thread at the end."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
 
 
 def make_shard(tmp_path, **kw) -> Shard:
-    return Shard(PSConfig(tables=[counting_table("count"), counting_table("other")],
-                          checkpoint_dir=str(tmp_path / "ckpt"), wal_dir=str(tmp_path / "wal"),
-                          **kw))
+    shard = Shard(PSConfig(tables=[counting_table("count"), counting_table("other")],
+                           checkpoint_dir=str(tmp_path / "ckpt"),
+                           wal_dir=str(tmp_path / "wal"), **kw))
+    _OPEN.append(shard)
+    return shard
 
 
 def recovered(tmp_path, **kw) -> tuple[Shard, dict[str, int]]:
@@ -212,6 +224,8 @@ def test_every_policy_writes_before_append_returns(tmp_path, policy):
                         fsync_interval_s=60.0)
     wal.start(None)
     wal.append({"op": "create", "config": {"name": "x"}})
-    assert WriteAheadLog(tmp_path, shard_id=0, num_shards=1).read() == (
-        None, [{"op": "create", "config": {"name": "x"}}])
-    wal.close()
+    try:
+        assert WriteAheadLog(tmp_path, shard_id=0, num_shards=1).read() == (
+            None, [{"op": "create", "config": {"name": "x"}}])
+    finally:
+        wal.close()
