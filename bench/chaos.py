@@ -199,6 +199,7 @@ class _Job:
         self.loader_address = self.loader_admin = ""
         self.workers: list[subprocess.Popen[bytes]] = []
         self.run = 0
+        self.loop = asyncio.new_event_loop()  # the probes' (--wal): gRPC keeps to one loop
 
     def start_ps(self) -> None:
         import yaml
@@ -319,6 +320,7 @@ class _Job:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        self.loop.close()
 
 
 def _wait(predicate: Any, timeout: float, what: str) -> None:
@@ -378,7 +380,7 @@ def _kill_with_wal(job: _Job, rng: random.Random, max_gap: float, n: int
                 await client.push(PROBE, ids, np.full((ids.size, 1), -1.0, np.float32))
             return await client.lookup(PROBE, ids)
 
-    asyncio.run(probe(push=True))
+    job.loop.run_until_complete(probe(push=True))
     cuts = job.cuts_done()
     job.ps[k].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -386,7 +388,7 @@ def _kill_with_wal(job: _Job, rng: random.Random, max_gap: float, n: int
     job.ps[k] = subprocess.Popen(job.ps_commands[k], stdout=subprocess.DEVNULL)
     wait_ready(job.ps[k], job.ps_admin[k], timeout=300)
     recovered = time.monotonic() - killed_at
-    lost = int((asyncio.run(probe(push=False))[:, 0] < 1).sum())
+    lost = int((job.loop.run_until_complete(probe(push=False))[:, 0] < 1).sum())
     _wait(lambda: job.cuts_done() > cuts or job.finished() or job.failed(), 300,
           "a cut after the shard's restart")
     return lost, recovered
