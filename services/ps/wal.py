@@ -17,8 +17,8 @@ CRC-32 of the payload | payload`` (a msgpack map, :mod:`services.common.wire`).
   its base lacks. A restore of a checkpoint does the same (the log then follows it).
 - **Recovery** (:meth:`WriteAheadLog.read`): the newest segment's base and records. A torn
   tail (a record cut short, or the file's last record failing its CRC, or zeros to the end:
-  a crash mid-write) is dropped and cut off the file, with a warning: it was never
-  acknowledged. A bad record followed by more data, or a bad header, is corruption: a
+  a crash mid-write) is dropped and cut off the file, with a warning (never acknowledged,
+  unless a machine crash took writes the policy had not synced yet). A bad record followed by more data, or a bad header, is corruption: a
   :class:`FailedPrecondition` that names the file.
 """
 
@@ -41,7 +41,7 @@ from services.common.errors import ConfigError, FailedPrecondition, PersimmonErr
 from services.common.files import fsync_dir
 from services.common.wire import decode_message, encode_message
 
-__all__ = ["WalFsync", "WriteAheadLog", "push_record", "read_push"]
+__all__ = ["PushPart", "WalFsync", "WriteAheadLog", "push_record", "read_push"]
 
 PushPart = tuple[str, np.ndarray, np.ndarray]  # table, ids, float32 grads (one row per id)
 
