@@ -130,10 +130,11 @@ class Shard:
             raise InvalidArgument("optimizer changes must be a non-empty object, e.g. {\"lr\": 0.05}")
         with self._locks[name]:
             try:
-                if "kind" not in changes:  # checked first, logged, then applied
-                    dataclasses.replace(table.config.optimizer, **changes)
-                self._log({"op": "optimizer", "table": name, "changes": changes})
-                return table.set_optimizer(**changes)
+                kind = table.config.optimizer.kind
+                dataclasses.replace(table.config.optimizer, **changes)  # checked first,
+                if changes.get("kind", kind) == kind:  # logged (a new kind is refused below),
+                    self._log({"op": "optimizer", "table": name, "changes": changes})
+                return table.set_optimizer(**changes)  # then applied
             except (TypeError, ValueError, ConfigError) as exc:
                 raise InvalidArgument(f"bad optimizer settings {changes}: {exc}") from exc
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from services.common.config import from_dict
-from services.common.errors import ConfigError, FailedPrecondition
+from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.ps.config import PSConfig
 from services.ps.dedup import PushOrigin
 from services.ps.shard import Shard
@@ -108,6 +108,9 @@ def test_table_changes_are_logged_and_replayed(tmp_path):
     shard = make_shard(tmp_path)
     asyncio.run(shard.recover())
     shard.set_optimizer("count", {"lr": 2.0})
+    for bad in ({"kind": "adam"}, {"lr": -1.0}, {"nope": 1}):  # refused: not logged
+        with pytest.raises(InvalidArgument):
+            shard.set_optimizer("count", bad)
     shard.create_table({"name": "new", "dim": 2, "initializer": "zeros",
                         "optimizer": {"kind": "sgd", "lr": 1.0}})
     shard.drop_table("other")
