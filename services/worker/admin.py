@@ -1,26 +1,36 @@
-"""A worker's live state and its admin REST API: health, Prometheus metrics, ``/v1/progress``.
+"""A worker's live state and its admin REST API: health, Prometheus metrics, ``/v1/progress``,
+``/v1/curves`` and the live page ``/dashboard``.
 
 :class:`WorkerProgress` is what the Trainer updates every step (samples, throughput, loss,
-staleness, latest held-out AUC) and times its PS round trips into; :func:`make_worker_admin`
-serves it. ``persimmon demo`` draws its progress bar from ``GET /v1/progress`` of rank 0.
+staleness, held-out evaluations) and times its PS round trips into; :func:`make_worker_admin`
+serves it. ``persimmon demo`` draws its progress bar from ``GET /v1/progress`` of rank 0 and
+prints the URL of its ``/dashboard``: one static HTML file (``dashboard.html``, package data,
+no library) that polls ``/v1/progress``, ``/v1/curves`` and ``/metrics``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from collections import Counter as Tally
 from collections import deque
 from collections.abc import Callable
+from importlib.resources import files
 from typing import Any
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from fastapi.responses import HTMLResponse, RedirectResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from services.common.admin import make_admin_app
+from services.worker.summary import LossCurve
 
 __all__ = ["WorkerProgress", "make_worker_admin"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0)
+_STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+EVALS_KEPT = 1000  # held-out evaluations /v1/curves serves (the latest)
 
 
 class WorkerProgress:
@@ -34,6 +44,9 @@ class WorkerProgress:
         self.staleness = 0
         self.staleness_max = 0
         self.last_eval: dict[str, float] | None = None
+        self.evals: deque[dict[str, float]] = deque(maxlen=EVALS_KEPT)
+        self.staleness_counts: Tally[int] = Tally()  # steps per staleness seen
+        self.loss_curve = LossCurve(points=256)
         self.state = "starting"
         self._losses: deque[float] = deque(maxlen=loss_window)
         self._started: float | None = None
@@ -54,6 +67,10 @@ class WorkerProgress:
         self.push_seconds = Histogram("persimmon_worker_push_seconds",
                                       "PS push of one batch until acknowledged",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self._stale_steps = Histogram("persimmon_worker_step_staleness",
+                                      "staleness of each step", buckets=_STALENESS_BUCKETS,
+                                      registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds
 
     @property
     def samples_per_s(self) -> float:
@@ -77,6 +94,9 @@ class WorkerProgress:
         self.staleness = staleness
         self.staleness_max = max(self.staleness_max, staleness)
         self._losses.append(loss)
+        self.staleness_counts[staleness] += 1
+        self.loss_curve.add(self.step, loss)
+        self._stale_steps.observe(staleness)
         self._samples.inc(samples)
         self._steps.inc()
         self._rate.set(self.samples_per_s)
@@ -85,6 +105,7 @@ class WorkerProgress:
 
     def record_eval(self, entry: dict[str, float]) -> None:
         self.last_eval = dict(entry)
+        self.evals.append(self.last_eval)
         self._auc.set(entry["auc"])
         self._logloss.set(entry["logloss"])
 
@@ -97,6 +118,14 @@ class WorkerProgress:
                 "staleness": self.staleness, "staleness_max": self.staleness_max,
                 "eval": self.last_eval}
 
+    def curves(self) -> dict[str, Any]:
+        """The loss curve (``[first step, mean loss]`` of spans of steps), the held-out
+        evaluations and the steps per staleness value."""
+        return {"step": self.step, "loss": [list(p) for p in self.loss_curve.points()],
+                "evals": list(self.evals),
+                "staleness": [[k, self.staleness_counts[k]]
+                              for k in sorted(self.staleness_counts)]}
+
 
 def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str, Any]],
                       ready: Callable[[], bool]) -> FastAPI:
@@ -108,4 +137,23 @@ def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str
         """Step, samples, samples/s, loss (moving average), staleness and the latest eval."""
         return progress.as_dict()
 
+    @app.get("/v1/curves", tags=["training"])
+    async def get_curves() -> dict[str, Any]:
+        """The loss curve, the held-out evaluations and the staleness histogram."""
+        return progress.curves()
+
+    @app.get("/dashboard", tags=["training"], response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        """The live page of this worker (polls the JSON routes and /metrics)."""
+        return HTMLResponse(_dashboard_html())
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard")
+
     return app
+
+
+@functools.cache
+def _dashboard_html() -> str:
+    return (files("services.worker") / "dashboard.html").read_text(encoding="utf-8")
