@@ -2,7 +2,8 @@
 
 It starts a loader process streaming planted synthetic data (and one for its test split), PS
 shard processes on loopback ports, and gloo workers that train a DLRM in PERSIA's hybrid mode;
-a progress bar follows worker rank 0's admin API; it ends with test AUC against the data's
+a progress bar follows worker rank 0's admin API, whose live page (``/dashboard``) it prints
+the URL of; it ends with test AUC against the data's
 oracle AUC, throughput and bytes on the wire per stream, plus a PNG of the curves.
 """
 
@@ -109,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     console.print(f"[bold]persimmon demo[/]: a loader, {args.shards} PS shards and "
                   f"{args.workers} workers (gloo) train a DLRM on {args.rows:,} planted rows, "
                   f"mode {args.mode}" + (f" S={args.staleness}" if args.mode == "hybrid" else ""))
+    console.print(f"live page: http://127.0.0.1:{admin_port}/dashboard")
     done = threading.Event()
     bar = threading.Thread(target=_progress, daemon=True,
                            args=(f"http://127.0.0.1:{admin_port}", total_steps, done))

