@@ -177,6 +177,14 @@ def _phase(url: str, pid: int, seconds: float) -> tuple[float, float]:
     return samples / (t1 - t0), samples / max(c1 - c0, 1e-9)
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    """The first and third quartiles (the value itself when there is one)."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
 def run(*, repeats: int = 15, phase_s: float = 2.0, every_s: float = 1.0, client: str = "http",
         batch_size: int = 256, warmup_s: float = 10.0) -> dict[str, Any]:
     """The JSON-ready figures (see the module docstring)."""
@@ -210,7 +218,8 @@ def run(*, repeats: int = 15, phase_s: float = 2.0, every_s: float = 1.0, client
                        f"closed_median{suffix}": statistics.median(closed),
                        f"open_median{suffix}": statistics.median(opened),
                        f"pair_ratios{suffix}": ratios,
-                       f"open_vs_closed{suffix}": statistics.median(ratios)})
+                       f"open_vs_closed{suffix}": statistics.median(ratios),
+                       f"open_vs_closed{suffix}_iqr": _quartiles(ratios)})
     return result
 
 
@@ -223,9 +232,13 @@ def _main(args: argparse.Namespace) -> int:
         table.add_column(column, justify="right")
     table.add_row("closed (baseline)", f"{result['closed_median']:,.0f}", "1.000",
                   f"{result['closed_median_cpu']:,.0f}", "1.000")
-    table.add_row("open", f"{result['open_median']:,.0f}", f"{result['open_vs_closed']:.3f}",
-                  f"{result['open_median_cpu']:,.0f}", f"{result['open_vs_closed_cpu']:.3f}")
-    console.print("medians; ratios: medians of the per-pair ratios; the page's requests took "
+    iqr, iqr_cpu = result["open_vs_closed_iqr"], result["open_vs_closed_cpu_iqr"]
+    table.add_row("open", f"{result['open_median']:,.0f}",
+                  f"{result['open_vs_closed']:.3f} ({iqr[0]:.2f}-{iqr[1]:.2f})",
+                  f"{result['open_median_cpu']:,.0f}",
+                  f"{result['open_vs_closed_cpu']:.3f} ({iqr_cpu[0]:.2f}-{iqr_cpu[1]:.2f})")
+    console.print("medians; ratios: medians of the per-pair ratios (interquartile range); "
+                  "the page's requests took "
                   f"{result['page_busy_fraction']:.2%} of the open phases' wall time")
     Console().print(table)
     write_json(result, args.json)
