@@ -160,3 +160,10 @@ def test_root_redirects_to_the_page_and_the_page_is_package_data(admin: LiveAdmi
     assert response.status_code == 200 and response.url.path == "/dashboard"
     assert "/v1/curves" in response.text and "<script" in response.text
     assert "http" not in response.text.replace("http://www.w3.org/2000/svg", "")  # no CDN
+
+
+def test_curves_serve_a_diverged_loss_as_null(admin: LiveAdmin) -> None:
+    admin.train(2, first_loss=float("nan"))
+    curves = admin.get("/v1/curves").json()  # strict JSON: the page skips nulls when drawing
+    assert [loss for _, loss in curves["loss"]] == [None, None]
+    assert curves["evals"][0]["auc"] == pytest.approx(0.62)
