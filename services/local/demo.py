@@ -2,9 +2,9 @@
 
 It starts a loader process streaming planted synthetic data (and one for its test split), PS
 shard processes on loopback ports, and gloo workers that train a DLRM in PERSIA's hybrid mode;
-a progress bar follows worker rank 0's admin API, whose live page (``/dashboard``) it prints
-the URL of; it ends with test AUC against the data's
-oracle AUC, throughput and bytes on the wire per stream, plus a PNG of the curves.
+a progress bar follows worker rank 0's admin API, and the URL of that API's live page
+(``/dashboard``) is printed; it ends with test AUC against the data's oracle AUC, throughput
+and bytes on the wire per stream, plus a PNG of the curves.
 """
 
 from __future__ import annotations
