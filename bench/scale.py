@@ -3,7 +3,7 @@
 Each case builds one table of ``rows`` rows (ids a fixed bijection of ``0..rows-1``, created
 by lookups in chunks: the build time), then runs Zipf(1.1) traffic over those rows: a
 ``batch`` of ids is drawn (duplicates removed, as a worker sends them), looked up, and
-receives one Adagrad push. After ``warmup`` untimed steps, ``steps`` steps are timed; the
+receives one Adagrad push (Zipf truncated to the table: draws past its rows are redrawn). After ``warmup`` untimed steps, ``steps`` steps are timed; the
 figure is the median step. Reported per case: lookup + push rows/s, the RAM tier's hit ratio
 (rows a lookup found in RAM; 1 for RAM-only tables), RAM bytes per row (everything the table
 allocates in RAM, indexes included, over its rows), disk bytes per row (blocks of the arena
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
@@ -38,6 +39,15 @@ _SCRAMBLE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijecti
 def _ids(ranks: np.ndarray) -> np.ndarray:
     """The id of each popularity rank (spread over uint64, so hot ids are not neighbours)."""
     return ranks.astype(np.uint64) * _SCRAMBLE
+
+
+def zipf_ranks(rng: np.random.Generator, n: int, rows: int) -> np.ndarray:
+    """``n`` popularity ranks in ``[0, rows)`` drawn from Zipf(1.1) truncated to ``rows``."""
+    out = np.empty(0, dtype=np.int64)
+    while out.shape[0] < n:
+        z = rng.zipf(ZIPF_A, n)
+        out = np.concatenate([out, z[z <= rows] - 1])
+    return out[:n]
 
 
 def _config(rows: int, dim: int, optimizer: str, disk: str | None, ram_rows: int,
@@ -69,7 +79,7 @@ def run_case(rows: int, *, dim: int = 16, optimizer: str = "adagrad", disk: str 
     for step in range(warmup + steps):
         if step == warmup:
             before = table.stats()
-        ids = np.unique(_ids((rng.zipf(ZIPF_A, batch) - 1) % rows))
+        ids = np.unique(_ids(zipf_ranks(rng, batch, rows)))
         grads = rng.standard_normal((ids.shape[0], dim), dtype=np.float32)
         t0 = time.perf_counter()
         table.lookup(ids)
@@ -103,12 +113,15 @@ def bench_scale(*, ram_sizes: list[int], disk_sizes: list[int], ram_rows: int = 
                 path: str | None = None, seed: int = 0) -> dict[str, Any]:
     """Every case of the run and the ratios of the largest tiered case to the largest
     all-in-RAM one (``tiered_vs_ram``) and of RAM per row to the payload."""
-    cases = [run_case(n, dim=dim, batch=batch, steps=steps, warmup=warmup, seed=seed)
-             for n in ram_sizes]
+    cases = []
+    for n in ram_sizes:
+        cases.append(run_case(n, dim=dim, batch=batch, steps=steps, warmup=warmup, seed=seed))
+        print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
     for n in disk_sizes:
         with tempfile.TemporaryDirectory(dir=path, prefix="persimmon-scale-") as tmp:
             cases.append(run_case(n, dim=dim, disk=tmp, ram_rows=ram_rows, batch=batch,
                                   steps=steps, warmup=warmup, seed=seed))
+        print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
     result: dict[str, Any] = {"dim": dim, "batch": batch, "zipf_a": ZIPF_A, "steps": steps,
                               "cases": cases}
     ram = [c for c in cases if c["tier"] == "ram"]
