@@ -60,6 +60,7 @@ class DiskTier:
         self._live = np.zeros(0, dtype=bool)
         self._dirty = np.zeros(0, dtype=bool)
         self._map = self._remap(max(1, int(capacity)))
+        self._raw = self._bytes(self._map)
         self._free = np.empty(0, dtype=np.int64)
         self._high = 0
 
@@ -68,6 +69,14 @@ class DiskTier:
         self._live = np.concatenate([self._live, np.zeros(cap - self._live.shape[0], bool)])
         self._dirty = np.concatenate([self._dirty, np.zeros(cap - self._dirty.shape[0], bool)])
         return np.memmap(self._file, dtype=self.dtype, mode="r+", shape=(cap,))
+
+    def _bytes(self, records: np.ndarray) -> np.ndarray:
+        """``records`` as a (n, record size) uint8 array: whole records move by memcpy, much
+        faster than numpy's copy of a structured dtype."""
+        return records.view(np.uint8).reshape(records.shape[0], self.dtype.itemsize)
+
+    def _gather(self, slots: np.ndarray) -> np.ndarray:
+        return self._raw[slots].view(self.dtype).reshape(slots.shape[0])
 
     def __len__(self) -> int:
         return len(self._index)
@@ -82,7 +91,7 @@ class DiskTier:
         """``(records, found)``: the records of ``ids`` (garbage where not found); no change."""
         slots = self._index.find(ids)
         found = slots >= 0
-        return self._map[np.where(found, slots, 0)], found
+        return self._gather(np.where(found, slots, 0)), found
 
     def put(self, columns: dict[str, np.ndarray], at: np.ndarray, dirty: np.ndarray) -> None:
         """Store the rows ``columns[field][at]`` (arrays named as the record's fields) of ids
@@ -92,7 +101,7 @@ class DiskTier:
             records[name] = columns[name][at]
         slots = self._allocate(records.shape[0])
         self._index.insert(records["id"], slots)
-        self._map[slots] = records
+        self._raw[slots] = self._bytes(records)
         self._live[slots] = True
         self._dirty[slots] = dirty
 
@@ -101,7 +110,7 @@ class DiskTier:
         """Move the rows of unique ids that all have one here into ``columns[field][at]``;
         returns their dirty flags; their slots are freed."""
         slots = self._index.remove(ids)
-        records, dirty = self._map[slots], self._dirty[slots].copy()
+        records, dirty = self._gather(slots), self._dirty[slots].copy()
         for name in self.dtype.names or ():
             columns[name][at] = records[name]
         self._release(slots)
@@ -132,7 +141,7 @@ class DiskTier:
         return np.asarray(self._map[name][slots])
 
     def records(self, slots: np.ndarray) -> np.ndarray:
-        return np.asarray(self._map[slots])
+        return self._gather(slots)
 
     def set_clean(self) -> None:
         """Every row counts as saved (the table took a snapshot)."""
@@ -152,7 +161,7 @@ class DiskTier:
 
     def _allocate(self, n: int) -> np.ndarray:
         take = min(n, self._free.shape[0])
-        reused = self._free[self._free.shape[0] - take:]
+        reused = np.sort(self._free[self._free.shape[0] - take:])  # ascending: fewer seeks
         self._free = self._free[:self._free.shape[0] - take]
         fresh = np.arange(self._high, self._high + n - take, dtype=np.int64)
         self._high += n - take
@@ -162,6 +171,7 @@ class DiskTier:
                 cap *= 2
             self._map.flush()
             self._map = self._remap(cap)
+            self._raw = self._bytes(self._map)
         return np.concatenate([reused, fresh])
 
     def _release(self, slots: np.ndarray) -> None:
