@@ -140,6 +140,11 @@ class DiskTier:
         """One field (e.g. ``tick``) of the records at ``slots``."""
         return np.asarray(self._map[name][slots])
 
+    def idle_ids(self, now: float, ttl_s: float) -> np.ndarray:
+        """Ids of the rows last used more than ``ttl_s`` before ``now``."""
+        slots = self.live_slots()
+        return self.field("id", slots[now - self.field("last_used", slots) > ttl_s])
+
     def records(self, slots: np.ndarray) -> np.ndarray:
         return self._gather(slots)
 

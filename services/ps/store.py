@@ -73,10 +73,14 @@ def _committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
 
 
 def _smallest(k: int, primary: np.ndarray, secondary: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Positions of the k smallest entries by (primary, secondary, id), in O(n) + ties."""
+    """Positions of the k smallest entries by integer (primary, secondary, id), in O(n) + ties."""
     if k >= primary.shape[0]:
         return np.arange(primary.shape[0])
-    kth = primary[np.argpartition(primary, k - 1)[k - 1]]
+    lo = int(primary.min())
+    if int(primary.max()) - lo < 4 * primary.shape[0]:  # counting: introselect crawls on ties
+        kth = lo + int(np.searchsorted(np.cumsum(np.bincount(primary - lo)), k))
+    else:
+        kth = primary[np.argpartition(primary, k - 1)[k - 1]]
     below = np.flatnonzero(primary < kth)
     ties = np.flatnonzero(primary == kth)
     order = np.lexsort((ids[ties], secondary[ties]))
@@ -294,11 +298,8 @@ class EmbeddingTable:
             old = self._live[:high] & (now - self._last_used[:high] > self.config.ttl_s)
             slots = np.flatnonzero(old)
             self._drop(slots, "expired")
-            on_disk = 0
-            if self._disk is not None:
-                dslots = self._disk.live_slots()
-                idle = now - self._disk.field("last_used", dslots) > self.config.ttl_s
-                on_disk = self._drop_disk(self._disk.field("id", dslots[idle]), "expired")
+            on_disk = (0 if self._disk is None else
+                       self._drop_disk(self._disk.idle_ids(now, self.config.ttl_s), "expired"))
             return int(slots.shape[0]) + on_disk
 
     # ----------------------------------------------------------------- row life cycle
@@ -382,9 +383,8 @@ class EmbeddingTable:
         ticks, uses, ids = self._ticks[cand], self._uses[cand], self._slot_ids[cand]
         if self._disk is not None:
             dslots = self._disk.live_slots()
-            ticks = np.concatenate([ticks, self._disk.field("tick", dslots)])
-            uses = np.concatenate([uses, self._disk.field("uses", dslots)])
-            ids = np.concatenate([ids, self._disk.field("id", dslots)])
+            ticks, uses, ids = (np.concatenate([mine, self._disk.field(name, dslots)]) for
+                                mine, name in ((ticks, "tick"), (uses, "uses"), (ids, "id")))
         if self.config.eviction is EvictionPolicy.LFU:
             picked = _smallest(k, uses, ticks, ids)
         else:
