@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import ConfigError
-from services.ps.checkpoint import read_checkpoint, write_checkpoint
+from services.ps.checkpoint import read_checkpoint, restore_tables, write_checkpoint
 from services.ps.disk import DiskTier
 from services.ps.store import EmbeddingTable
 from services.ps.tables import OptimizerConfig, StorageConfig, TableConfig
@@ -149,6 +149,16 @@ def test_checkpoint_restores_across_storage_kinds(tmp_path, direction):
         source.push(ids, grads)
         target.push(ids, grads)
     assert target.content_digest() == source.content_digest()
+
+
+def test_a_shard_restore_rebuilds_a_tiered_table_with_its_rows_on_disk(tmp_path):
+    _, tiered, _ = pair(tmp_path, ram_rows=4)
+    tiered.lookup(np.arange(50, dtype=np.uint64))
+    write_checkpoint(tmp_path / "ck", "c1", 0, 1, {"t": tiered})
+    back = restore_tables(tmp_path / "ck", "c1", shard_id=0, num_shards=1)["t"]
+    assert back.config.storage == tiered.config.storage
+    assert back.stats()["disk_rows"] >= 40 and back.num_rows == 50
+    assert back.content_digest() == tiered.content_digest()
 
 
 def test_crash_during_write_back_then_restore_from_the_checkpoint(tmp_path, monkeypatch):
