@@ -20,9 +20,17 @@ Figures, from the final cut's PS files against the records produced (not the job
 ``records_lost`` (records whose row is 0), ``applied_twice`` (applications beyond the first,
 summed over records), ``occurrences_off`` (every id: |row - occurrences|), ``finished`` (the
 final cut is at the last step and its positions are the topic's end offsets),
-``recovery_s`` per role (kill to both workers' first step after the restart), and
-``acked_lost_with_wal`` (null: the per-shard write-ahead log is not built, so a restart
-rolls every shard back to the cut instead).
+``recovery_s`` per role (kill to both workers' first step after the restart).
+
+``--wal``: the shards keep a write-ahead log (``--wal-fsync``, batch by default), and a PS
+shard killed in role ``ps`` is no longer a job restart: right after a push of the bench's
+own (64 probe ids) to it is acknowledged, the shard is SIGKILLed and started again from its
+log (no ``--restore``) on the same ports, while the loader and the workers go on (their
+pushes and the cuts' checkpoint calls wait for it, ``retry_s``). ``acked_lost_with_wal``
+counts the probe's updates missing right after the restart; the next kill waits for a cut
+after the restart, so an acked push the log lost also shows in the counts (a rollback to an
+older cut would re-push it). ``recovery_s`` of ``ps`` is then kill to serving again. The
+other roles recover by the rollback above. Without ``--wal``, ``acked_lost_with_wal`` is null.
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ __all__ = ["counting_worker", "expected_counts", "produce_records", "register_be
 
 console = Console(stderr=True)
 TABLE = "count"
+PROBE = "probe"  # the bench's own pushes, acked right before a shard is killed (--wal)
+RETRY_S = 300.0  # with --wal, how long pushes and cuts wait for a shard restarting
 WORLD = 2
 SHARDS = 2
 ROLES = ("ps", "loader", "worker", "ps-cut")
@@ -65,11 +75,12 @@ _SERVICE = [sys.executable, "-m"]
 async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_admin: list[str],
                           loader: str, loader_admin: str | None, steps: int, cut_every: int,
                           window: int = 4, step_ms: int = 0, started: str | None = None,
-                          leave_after: int | None = None) -> int:
+                          leave_after: int | None = None, retry_s: float = 0.0) -> int:
     """Rank ``rank`` of the job from the newest complete cut under ``root``: push counting
     gradients of every batch (``window`` pushes in flight), cut every ``cut_every`` steps and
-    at ``steps``; ``leave_after``: stop after that step with no cut, as a crash would.
-    Returns the step reached."""
+    at ``steps``; ``leave_after``: stop after that step with no cut, as a crash would;
+    ``retry_s``: pushes and the cut's checkpoint calls wait that long for a shard that is
+    down (one restarting from its write-ahead log). Returns the step reached."""
     from clients.loader_client import LoaderClient
     from clients.ps_client import PSClient
     from services.common.checkpoints import latest_complete
@@ -78,11 +89,12 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
 
     manifest = latest_complete(root)
     step = int(manifest["step"]) if manifest else 0
-    checkpointer = JobCheckpointer(root, admin_urls=ps_admin) if rank == 0 else None
+    checkpointer = JobCheckpointer(root, admin_urls=ps_admin,
+                                   retry_s=retry_s) if rank == 0 else None
     cut = ConsistentCut(root, rank=rank, world=WORLD, run=run, checkpointer=checkpointer,
                         positions=cut_positions(root), loader_admin_url=loader_admin)
     pushes: set[asyncio.Task[None]] = set()
-    async with PSClient(ps) as client, LoaderClient(
+    async with PSClient(ps, retry_s=retry_s) as client, LoaderClient(
             loader, rank=rank, world_size=WORLD, credits=window + 2) as batches:
 
         async def push(batch: Any) -> None:
@@ -124,11 +136,12 @@ def _worker_main(argv: list[str]) -> int:
         parser.add_argument(name, required=True)
     for name in ("--rank", "--steps", "--cut-every", "--window", "--step-ms"):
         parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--retry-s", type=float, default=0.0)
     a = parser.parse_args(argv)
     asyncio.run(counting_worker(
         root=a.root, run=a.run, rank=a.rank, ps=a.ps.split(","), ps_admin=a.ps_admin.split(","),
         loader=a.loader, loader_admin=a.loader_admin, steps=a.steps, cut_every=a.cut_every,
-        window=a.window, step_ms=a.step_ms, started=a.started))
+        window=a.window, step_ms=a.step_ms, started=a.started, retry_s=a.retry_s))
     return 0
 
 
@@ -187,6 +200,7 @@ class _Job:
         self.loader_address = self.loader_admin = ""
         self.workers: list[subprocess.Popen[bytes]] = []
         self.run = 0
+        self.loop = asyncio.new_event_loop()  # the probes' (--wal): gRPC keeps to one loop
 
     def start_ps(self) -> None:
         import yaml
@@ -195,12 +209,13 @@ class _Job:
 
         config = self.work / "ps.yaml"
         config.write_text(yaml.safe_dump({"tables": [
-            {"name": TABLE, "dim": 1, "initializer": "zeros",
-             "optimizer": {"kind": "sgd", "lr": 1.0}}]}))
+            {"name": name, "dim": 1, "initializer": "zeros",
+             "optimizer": {"kind": "sgd", "lr": 1.0}} for name in (TABLE, PROBE)]}))
+        wal = ["--wal-dir", str(self.work / "wal"), "--wal-fsync", self.args.wal_fsync]
         for k in range(SHARDS):
             cmd = [*_SERVICE, "services.ps", "--log-level", "ERROR", "--config", str(config),
                    "--shard-id", str(k), "--num-shards", str(SHARDS),
-                   "--checkpoint-dir", str(self.root)]
+                   "--checkpoint-dir", str(self.root), *(wal if self.args.wal else [])]
             proc, grpc_port, admin_port = start_service(cmd, str(self.work / f"ps-{k}.ready"),
                                                         timeout=300)
             self.ps.append(proc)
@@ -235,7 +250,8 @@ class _Job:
              "--loader", self.loader_address, "--loader-admin", self.loader_admin,
              "--started", str(self.started_file(r)), "--rank", str(r),
              "--steps", str(self.steps), "--cut-every", str(a.cut_every),
-             "--window", str(a.window), "--step-ms", str(a.step_ms)],
+             "--window", str(a.window), "--step-ms", str(a.step_ms),
+             "--retry-s", str(RETRY_S if a.wal else 0.0)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(WORLD)]
 
     @property
@@ -305,6 +321,7 @@ class _Job:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        self.loop.close()
 
 
 def _wait(predicate: Any, timeout: float, what: str) -> None:
@@ -316,8 +333,17 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
 
 
 def _kill(job: _Job, role: str, rng: random.Random, max_gap: float) -> bool:
-    """SIGKILL one process of ``role`` at a random point (after 0 to 2 cuts of this run and a
-    random gap); False when the job finished first."""
+    """SIGKILL one process of ``role`` at a random point (:func:`_kill_point`); False when the
+    job finished first."""
+    if not _kill_point(job, role, rng, max_gap):
+        return False
+    job.pid_of(role, rng).send_signal(signal.SIGKILL)
+    return True
+
+
+def _kill_point(job: _Job, role: str, rng: random.Random, max_gap: float) -> bool:
+    """Wait for a random point to kill ``role`` at (after 0 to 2 cuts of this run and a
+    random gap; ``ps-cut``: then a cut in progress); False when the job finished first."""
     cuts = rng.randint(0, 2)
     _wait(lambda: job.cuts_done() >= cuts or job.finished() or job.failed(), 300,
           f"{cuts} cuts of run {job.run}")
@@ -327,10 +353,46 @@ def _kill(job: _Job, role: str, rng: random.Random, max_gap: float) -> bool:
     if role == "ps-cut":
         _wait(lambda: job.cut_in_progress() or job.finished() or job.failed(), 120,
               "a cut in progress")
-    if job.finished():
-        return False
-    job.pid_of(role, rng).send_signal(signal.SIGKILL)
-    return True
+    return not job.finished()
+
+
+def _kill_with_wal(job: _Job, rng: random.Random, max_gap: float, n: int
+                   ) -> tuple[int, float] | None:
+    """SIGKILL a PS shard at a random point, right after the bench's own probe push to it
+    (64 ids, -1 each) was acknowledged, and restart it from its write-ahead log (no
+    ``--restore``; the job goes on, its pushes and cuts wait for the shard). Returns the
+    probe's updates the restarted shard lacks and the seconds from the kill to serving
+    again, once the job completed a cut after the kill (so that a later rollback cannot
+    re-push what the kill lost: the counting check sees it too); None when the job finished
+    first."""
+    from clients.ps_client import PSClient
+    from services.common.sharding import shard_of
+    from services.local.processes import wait_ready
+
+    if not _kill_point(job, "ps", rng, max_gap):
+        return None
+    k = rng.randrange(SHARDS)
+    ids = np.arange(n * 4096, (n + 1) * 4096, dtype=np.uint64)
+    ids = ids[shard_of(ids, SHARDS) == k][:64]
+
+    async def probe(push: bool) -> np.ndarray:
+        async with PSClient(job.ps_addresses, retry_s=RETRY_S) as client:
+            if push:
+                await client.push(PROBE, ids, np.full((ids.size, 1), -1.0, np.float32))
+            return await client.lookup(PROBE, ids)
+
+    job.loop.run_until_complete(probe(push=True))
+    cuts = job.cuts_done()
+    job.ps[k].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    job.ps[k].wait()
+    job.ps[k] = subprocess.Popen(job.ps_commands[k], stdout=subprocess.DEVNULL)
+    wait_ready(job.ps[k], job.ps_admin[k], timeout=300)
+    recovered = time.monotonic() - killed_at
+    lost = int((job.loop.run_until_complete(probe(push=False))[:, 0] < 1).sum())
+    _wait(lambda: job.cuts_done() > cuts or job.finished() or job.failed(), 300,
+          "a cut after the shard's restart")
+    return lost, recovered
 
 
 def _check(job: _Job, record_ids: np.ndarray, expected: dict[int, int]) -> dict[str, Any]:
@@ -383,6 +445,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     recovery: dict[str, list[float]] = {role: [] for role in ROLES}
     kills: dict[str, int] = dict.fromkeys(ROLES, 0)
     unplanned = 0
+    acked_lost = 0
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="persimmon-chaos-") as work:
         job = _Job(args, Path(work), source)
@@ -391,7 +454,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             job.start_ps()
             job.first_cut()
             job.start_rest()
-            for role in schedule:
+            for n, role in enumerate(schedule):
+                if args.wal and role == "ps":
+                    got = _kill_with_wal(job, rng, args.max_gap, n)
+                    if got is None:
+                        break
+                    acked_lost += got[0]
+                    kills[role] += 1
+                    recovery[role].append(got[1])
+                    continue
                 if not _kill(job, role, rng, args.max_gap):
                     break
                 killed_at = time.monotonic()
@@ -412,7 +483,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             job.stop()
     return {"kills": sum(kills.values()), "kills_by_role": kills,
-            **result, "acked_lost_with_wal": None, "unplanned_restarts": unplanned,
+            **result, "acked_lost_with_wal": acked_lost if args.wal else None,
+            "wal": args.wal_fsync if args.wal else None, "unplanned_restarts": unplanned,
             "recovery_s": {role: {"median": statistics.median(v), "max": max(v)}
                            for role, v in recovery.items() if v},
             "records": args.records, "steps": job.steps, "cut_every": args.cut_every,
@@ -427,7 +499,7 @@ def _print(result: dict[str, Any]) -> None:
     table.add_column("goal", justify="right")
     for key, goal in (("kills", "all planned"), ("records_lost", "0"), ("applied_twice", "0"),
                       ("occurrences_off", "0"), ("finished", "True"),
-                      ("unplanned_restarts", "0")):
+                      ("acked_lost_with_wal", "0 (with --wal)"), ("unplanned_restarts", "0")):
         table.add_row(key, str(result[key]), goal)
     for role, r in result["recovery_s"].items():
         table.add_row(f"recovery {role} (median / max)",
@@ -441,7 +513,8 @@ def _main(args: argparse.Namespace) -> int:
     _print(result)
     write_json(result, args.json)
     ok = result["finished"] and result["kills"] == args.kills and not (
-        result["records_lost"] or result["applied_twice"] or result["occurrences_off"])
+        result["records_lost"] or result["applied_twice"] or result["occurrences_off"]
+        or result["acked_lost_with_wal"])
     return 0 if ok else 1
 
 
@@ -461,6 +534,11 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="pause per worker step, so that kills land throughout the job")
     parser.add_argument("--max-gap", type=float_at_least(0), default=0.5,
                         help="most seconds from a restart's first step to the next kill")
+    parser.add_argument("--wal", action="store_true",
+                        help="PS shards keep a write-ahead log; a killed shard (role ps) "
+                             "restarts from it and the job goes on, no rollback")
+    parser.add_argument("--wal-fsync", default="batch", choices=["always", "batch", "never"],
+                        help="the shards' WAL fsync policy (with --wal)")
     parser.add_argument("--timeout", type=float_at_least(0, inclusive=False), default=300.0,
                         help="seconds the job may take after the last kill")
     parser.set_defaults(func=_main)

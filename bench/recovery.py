@@ -9,7 +9,12 @@ run shard 1 is killed with SIGKILL mid-run, the supervisor restarts it from the 
 - ``recovered``: the interrupted run finished all its steps.
 - ``lost_acked_updates``: updates acknowledged before the checkpoint and missing after the
   restart: rows of a probe table pushed before the checkpoint and read back after recovery,
-  plus training rows read right after the checkpoint that differ in the checkpoint's files.
+  plus training rows read right after the checkpoint that differ in the checkpoint's files;
+  with ``--wal`` also ``lost_after_checkpoint``.
+- ``lost_after_checkpoint``: rows of a second probe pushed (and acknowledged) after the
+  checkpoint, before the kill, that differ after recovery: what the restart from the
+  checkpoint loses (all of them), 0 with ``--wal`` (the shards keep a write-ahead log and the
+  supervisor restarts a dead one from it instead of ``--restore job``).
 - ``recovery_s``: from the kill to the first training step done after the shard came back.
 - ``auc_delta``: held-out AUC of the baseline minus that of the interrupted run (goal
   <= 0.005): the cost of the post-checkpoint updates the killed shard lost.
@@ -39,6 +44,7 @@ __all__ = ["register_bench", "run"]
 console = Console(stderr=True)
 KILLED = 1
 PROBE_IDS = np.arange(1, 2049, dtype=np.uint64)
+LATE_IDS = PROBE_IDS + 10_000  # the probe pushed after the checkpoint
 
 
 def _pushed_ids(batches: list[Any], features: list[str]) -> dict[str, np.ndarray]:
@@ -79,7 +85,9 @@ async def _job(args: argparse.Namespace, train: list[Any], test: list[Any],
                            ps_retry_s=300.0)
     marks: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="persimmon-recovery-") as root, \
-            LocalPS(2, tables, checkpoint_dir=root, supervise=True) as cluster:
+            tempfile.TemporaryDirectory(prefix="persimmon-wal-") as wal, \
+            LocalPS(2, tables, checkpoint_dir=root, supervise=True,
+                    wal_dir=wal if args.wal else None) as cluster:
         assert cluster.supervisor is not None
         restarts = cluster.supervisor.restarts
 
@@ -102,14 +110,18 @@ async def _job(args: argparse.Namespace, train: list[Any], test: list[Any],
             probe = await trainer.ps.lookup("probe", PROBE_IDS)
             acked = {f: (ids, await trainer.ps.lookup(f, ids))
                      for f, ids in _pushed_ids(train[:cut], features).items()}
+            await trainer.ps.push("probe", LATE_IDS, grads)
+            late = await trainer.ps.lookup("probe", LATE_IDS)
             summary = await trainer.fit(train[cut:], eval_batches=test)
             seconds = time.perf_counter() - started
             probe_after = await trainer.ps.lookup("probe", PROBE_IDS)
+            late_after = await trainer.ps.lookup("probe", LATE_IDS)
         lost = int(np.any(probe_after != probe, axis=1).sum())
+        lost_late = int(np.any(late_after != late, axis=1).sum())
         lost += await asyncio.to_thread(_missing_from_checkpoint, root,
                                         manifest["checkpoint_id"], acked)
     return {"auc": summary.auc, "steps": cut + summary.steps, "seconds": seconds,
-            "lost": lost, "checkpoint_step": cut, "kill_step": kill_step if kill else None,
+            "lost": lost, "lost_late": lost_late, "checkpoint_step": cut, "kill_step": kill_step if kill else None,
             "restarts": len(restarts),
             "recovery_s": marks["resumed"] - marks["kill"] if "resumed" in marks else None}
 
@@ -129,7 +141,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     broken = asyncio.run(_job(args, train, test, features, kill=True))
     return {
         "recovered": broken["steps"] == len(train) and broken["restarts"] == 1,
-        "lost_acked_updates": broken["lost"],
+        "lost_acked_updates": broken["lost"] + (broken["lost_late"] if args.wal else 0),
+        "lost_after_checkpoint": broken["lost_late"],
+        "wal": args.wal,
         "recovery_s": broken["recovery_s"],
         "auc_delta": baseline["auc"] - broken["auc"],
         "auc_baseline": baseline["auc"],
@@ -153,6 +167,8 @@ def _print(result: dict[str, Any]) -> None:
     table.add_column("goal", justify="right")
     table.add_row("recovered", str(result["recovered"]), "", "true")
     table.add_row("lost acknowledged updates", str(result["lost_acked_updates"]), "", "0")
+    table.add_row("lost, acked after the checkpoint", str(result["lost_after_checkpoint"]),
+                  "", "0 with --wal")
     recovery = result["recovery_s"]
     table.add_row("recovery (kill -> training resumed)",
                   f"{recovery:.2f} s" if recovery is not None else "-", "", "")
@@ -185,5 +201,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--staleness", type=int, default=8)
     parser.add_argument("--checkpoint-at", type=float, default=0.4,
                         help="fraction of the steps after which the checkpoint is taken")
+    parser.add_argument("--wal", action="store_true",
+                        help="the shards keep a write-ahead log; a dead one restarts from it")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_main)

@@ -13,11 +13,12 @@ times slower on shared cores).
   the in-process records/s (floors 0.5 and 0.7): ``--rounds`` (5) alternating rounds of each, ``--seconds``
   long; each ratio is the median of the rounds' ratios (the cores are shared).
 - ``latency``: p50/p99 ms of batch-1 REST requests with 1 and 8 concurrent clients.
-- ``swap_*``: 8 clients send batches of 8 lines, first steady, then while a new version
-  appears every ``--swap-every`` s for ``--swap-seconds`` s (written beforehand, renamed into
-  the model directory). Versions differ in their output bias only (so every answer tells its
-  version): an answer whose probabilities are not its version's own is a mixed one.
-  ``swap_p99_ratio`` is p99 during swaps over steady p99.
+- ``swap_*``: 8 clients send batches of 8 lines while a new version appears every
+  ``--swap-every`` s for ``--swap-seconds`` s in all (written beforehand, renamed into the
+  model directory), in 3 windows that alternate with 3 steady windows as long (the load of
+  shared cores drifts: both sides see it). Versions differ in their output bias only (so
+  every answer tells its version): an answer whose probabilities are not its version's own
+  is a mixed one. ``swap_p99_ratio`` is p99 during swaps over steady p99.
 - ``incremental_export_ratio``: bytes of an incremental export after 1% of a
   ``--export-rows`` table's rows changed, over the full export's bytes (goal <= 0.05).
 """
@@ -57,7 +58,7 @@ from services.worker.models import ModelConfig
 __all__ = ["register_bench", "run"]
 
 DENSE, SPARSE, DIM = 13, 26, 16
-BATCH, CLIENTS, SWAP_CLIENTS, SWAP_BATCH = 256, 4, 8, 8
+BATCH, CLIENTS, SWAP_CLIENTS, SWAP_BATCH, SWAP_WINDOWS = 256, 4, 8, 8, 3
 SPEC = FeatureSpec.from_layout(criteo_layout(DENSE, SPARSE), kind="criteo")
 MODEL = ModelConfig(name="dlrm")
 console = Console(stderr=True)
@@ -208,9 +209,9 @@ async def _latency(url: str, lines: list[str], seconds: float) -> dict[str, Any]
 async def _swaps(url: str, models: Path, base: dict[str, Any], probe: list[str],
                  tables: dict[str, TableRows], swap_seconds: float, swap_every: float
                  ) -> dict[str, Any]:
-    """Steady p99, then p99, failures and mixed answers while versions are swapped in:
-    written beforehand (on the base, only the bias differs) and renamed into the model
-    directory every ``swap_every`` s."""
+    """Steady p99, and p99, failures and mixed answers while versions are swapped in
+    (written beforehand on the base, only the bias differs, and renamed into the model
+    directory every ``swap_every`` s), in alternating windows (``SWAP_WINDOWS`` of each)."""
     answers: dict[str, list[list[float]]] = {}
 
     def keep(answer: dict[str, Any]) -> None:
@@ -224,20 +225,29 @@ async def _swaps(url: str, models: Path, base: dict[str, Any], probe: list[str],
                      base=base["version_id"])["version_id"]
               for i in range(1, max(round(swap_seconds / swap_every), 1) + 1)]
 
-    async def write_versions() -> None:
-        for version in staged:
+    async def write_versions(versions: list[str]) -> None:
+        for version in versions:
             await asyncio.sleep(swap_every)
             os.rename(staging / version, models / version)  # complete, at once
             written.append(version)
 
+    steady: list[float] = []
+    swapping: list[float] = []
+    steady_failed = failed = 0
+    window = swap_seconds / SWAP_WINDOWS
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        steady, steady_failed, _ = await _load(_rest(http, probe), SWAP_CLIENTS,
-                                            max(swap_seconds / 3, 1.0), keep)
-        writer = asyncio.ensure_future(write_versions())
-        swapping, failed, _ = await _load(  # until the last version written answered
-            _rest(http, probe), SWAP_CLIENTS, swap_seconds, keep,
-            until=lambda: writer.done() and written[-1] in answers)
-        await writer
+        for w in range(SWAP_WINDOWS):
+            latencies, fails, _ = await _load(_rest(http, probe), SWAP_CLIENTS, window, keep)
+            steady += latencies
+            steady_failed += fails
+            chunk = staged[len(staged) * w // SWAP_WINDOWS:len(staged) * (w + 1) // SWAP_WINDOWS]
+            writer = asyncio.ensure_future(write_versions(chunk))  # in order: newest last
+            latencies, fails, _ = await _load(  # until the last version written answered
+                _rest(http, probe), SWAP_CLIENTS, window, keep,
+                until=lambda: writer.done() and written[-1] in answers)  # noqa: B023
+            swapping += latencies
+            failed += fails
+            await writer
     mixed = 0
     for version, seen in answers.items():
         want = np.array(_predict(models, version, probe))

@@ -194,13 +194,14 @@ class LocalPS:
 
     ``registry``: the shards register there. ``supervise=True``: a shard that dies is started
     again on the same ports from the newest complete job checkpoint in ``checkpoint_dir``
-    (``--restore job``); ``supervisor.restarts`` records each restart. ``nice``: the shards
+    (``--restore job``; with ``wal_dir``, from its write-ahead log there instead, back to
+    its state at the crash); ``supervisor.restarts`` records each restart. ``nice``: the shards
     run at that lower priority (beside a trainer whose compute should keep its core).
     """
 
     def __init__(self, num_shards: int, tables: list[dict[str, Any]],
                  checkpoint_dir: str | None = None, *, registry: str | None = None,
-                 supervise: bool = False, nice: int = 0) -> None:
+                 supervise: bool = False, nice: int = 0, wal_dir: str | None = None) -> None:
         if supervise and not checkpoint_dir:
             raise ValueError("supervise=True needs a checkpoint_dir to restart from")
         self.num_shards = num_shards
@@ -214,6 +215,7 @@ class LocalPS:
         self.supervisor: Supervisor | None = None
         self._supervise = supervise
         self._nice = nice
+        self._wal = ["--wal-dir", wal_dir] if wal_dir else []
         self._tmp = tempfile.TemporaryDirectory(prefix="persimmon-ps-")
 
     def __enter__(self) -> LocalPS:
@@ -230,6 +232,7 @@ class LocalPS:
                 cmd += ["--checkpoint-dir", self.checkpoint_dir]
             if self.registry:
                 cmd += ["--registry", self.registry]
+            cmd += self._wal
             commands.append((cmd, os.path.join(self._tmp.name, f"shard-{k}.ready")))
         try:
             started = start_services(commands, nice=self._nice)
@@ -247,7 +250,8 @@ class LocalPS:
         return self
 
     def _restart(self, k: int) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([*self.commands[k], "--restore", "job"], stdout=subprocess.DEVNULL)
+        restore = [] if self._wal else ["--restore", "job"]
+        proc = subprocess.Popen([*self.commands[k], *restore], stdout=subprocess.DEVNULL)
         renice(proc, self._nice)
         wait_ready(proc, self.admin_urls[k])
         return proc

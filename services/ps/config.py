@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.ps.tables import TableConfig
+from services.ps.wal import WalFsync
 
 __all__ = ["PSConfig"]
 
@@ -28,6 +29,20 @@ class PSConfig:
         "help": "host:port others dial for gRPC (default: host and the bound port)"})
     heartbeat_ttl_s: float = field(default=5.0, metadata={
         "help": "seconds the registry keeps this shard after its last heartbeat"})
+    idempotent_pushes: bool = field(default=True, metadata={
+        "help": "apply a push at most once per (client, seq) and answer a retry with the "
+                "first ack (off: every push is applied, retries too; only to measure what "
+                "the check costs)"})
+    wal_dir: str | None = field(default=None, metadata={
+        "help": "keep a write-ahead log of the pushes since the last checkpoint here, so a "
+                "restarted shard (no --restore) comes back with every acknowledged push "
+                "(off when unset)"})
+    wal_fsync: WalFsync = field(default=WalFsync.BATCH, metadata={
+        "help": "when the log is fsynced: always (before each ack), batch (every "
+                "wal_fsync_interval_ms) or never; a push is written before its ack under every "
+                "policy, so a killed process loses none"})
+    wal_fsync_interval_ms: float = field(default=100.0, metadata={
+        "help": "milliseconds between fsyncs of the write-ahead log under wal_fsync=batch"})
     tables: list[TableConfig] = field(default_factory=list)
     max_message_bytes: int = field(default=128 * 1024 * 1024, metadata={
         "help": "largest request accepted, in bytes"})
@@ -57,6 +72,8 @@ class PSConfig:
             raise ValueError("heartbeat_ttl_s must be > 0")
         if self.ttl_sweep_s <= 0:
             raise ValueError("ttl_sweep_s must be > 0")
+        if not self.wal_fsync_interval_ms > 0:
+            raise ValueError(f"wal_fsync_interval_ms must be > 0, got {self.wal_fsync_interval_ms}")
         names = [t.name for t in self.tables]
         if len(names) != len(set(names)):
             raise ValueError(f"table names must be unique, got {names}")

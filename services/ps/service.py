@@ -42,9 +42,16 @@ class PSService(ServingService):
                 raise ConfigError("--restore job needs --checkpoint-dir")
             job = latest_complete(self.config.checkpoint_dir)
             restore = job["checkpoint_id"] if job else None
-        if restore:
+        wal = self.shard.wal
+        if restore:  # exactly that state: a rollback (the log restarts from it)
             rows = await self.shard.restore(restore)
             log.info("restored checkpoint %s: %s", restore, rows)
+        elif wal is not None and self.config.restore is None:  # back to the state at a crash
+            counts = await self.shard.recover()
+            log.info("recovered from the write-ahead log (checkpoint %s, then %s)", wal.base,
+                     counts)
+        elif wal is not None:  # --restore job before the job's first checkpoint: empty
+            await asyncio.to_thread(wal.start, None)
         await asyncio.to_thread(self.shard.warm_up)
         servicer = PSServicer(self.shard, self.metrics)
         self._grpc, self.grpc_port = make_server(
@@ -73,6 +80,7 @@ class PSService(ServingService):
             await self._grpc.stop(grace=1.0)
         if self._admin is not None:
             await self._admin.close()
+        await asyncio.to_thread(self.shard.close)
 
     async def _sweep_ttl(self) -> None:
         while True:

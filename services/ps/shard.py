@@ -10,12 +10,20 @@ A push may name its ``origin`` (client id, sequence number; every push over the 
 it is then applied at most once, a retry answered with the first ack
 (:mod:`services.ps.dedup`); the window of applied pushes is saved and restored with the
 tables. In-process callers, which cannot retry over a wire, may leave it out.
+
+With ``wal_dir`` configured, every push and table change is appended to the shard's
+write-ahead log (:mod:`services.ps.wal`) after it is validated and before it is applied and
+acknowledged; a checkpoint or a restore starts a new segment. :meth:`Shard.recover` brings a
+restarted shard back to its state at the crash: the log's base checkpoint, then its records,
+each push through the window of applied pushes (so a push the state already holds is not
+applied again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import threading
 import time
@@ -26,7 +34,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from services.common.config import ConfigError, from_dict
+from services.common.config import ConfigError, config_to_dict, from_dict
 from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -47,6 +55,7 @@ from services.ps.dedup import PushOrigin, PushWindow, fingerprint
 from services.ps.staleness import GlobalStaleness
 from services.ps.store import EmbeddingTable, PushResult, warm_up
 from services.ps.tables import OptimizerConfig, TableConfig
+from services.ps.wal import PushPart, WalFsync, WriteAheadLog, push_record, read_push
 
 __all__ = ["INLINE_IDS", "Shard"]
 
@@ -67,8 +76,13 @@ class Shard:
         self._last_checkpoint: str | None = None
         self.pushes = PushWindow()  # the pushes applied, per client (see services.ps.dedup)
         self.staleness = GlobalStaleness()  # of the tagged lookups (services.ps.staleness)
+        self.wal: WriteAheadLog | None = None  # after the configured tables: not logged
         for table_config in config.tables:
             self.create_table(table_config)
+        if config.wal_dir is not None:
+            self.wal = WriteAheadLog(
+                config.wal_dir, shard_id=config.shard_id, num_shards=config.num_shards,
+                fsync=config.wal_fsync, fsync_interval_s=config.wal_fsync_interval_ms / 1000)
 
     # ---- tables -------------------------------------------------------------------------
 
@@ -93,6 +107,7 @@ class Shard:
             raise AlreadyExists(f"table {table_config.name!r} already exists")
         if len(self.tables) >= self.config.max_tables:
             raise ResourceExhausted(f"shard holds the maximum of {self.config.max_tables} tables")
+        self._log({"op": "create", "config": config_to_dict(table_config)})
         table = EmbeddingTable(table_config)
         self._locks[table_config.name] = threading.RLock()
         self.tables[table_config.name] = table
@@ -101,12 +116,11 @@ class Shard:
     def drop_table(self, name: str) -> None:
         self.table(name)
         with self._locks[name]:
+            self._log({"op": "drop", "table": name})
             del self.tables[name]
         del self._locks[name]
 
     def describe(self, name: str) -> dict[str, Any]:
-        from services.common.config import config_to_dict
-
         table = self.table(name)
         return {"config": config_to_dict(table.config), "stats": table.stats()}
 
@@ -116,7 +130,11 @@ class Shard:
             raise InvalidArgument("optimizer changes must be a non-empty object, e.g. {\"lr\": 0.05}")
         with self._locks[name]:
             try:
-                return table.set_optimizer(**changes)
+                kind = table.config.optimizer.kind
+                dataclasses.replace(table.config.optimizer, **changes)  # checked first,
+                if changes.get("kind", kind) == kind:  # logged (a new kind is refused below),
+                    self._log({"op": "optimizer", "table": name, "changes": changes})
+                return table.set_optimizer(**changes)  # then applied
             except (TypeError, ValueError, ConfigError) as exc:
                 raise InvalidArgument(f"bad optimizer settings {changes}: {exc}") from exc
 
@@ -149,10 +167,10 @@ class Shard:
     def push_sync(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
                   origin: PushOrigin | None = None) -> PushResult:
         table = self.table(name)
-        table.validate_push(self.check_ids(ids), grads)
+        ids, grads = table.validate_push(self.check_ids(ids), grads)
         with self._holding([name]):
             return self._once(origin, lambda: fingerprint((name,), [ids], [grads]),
-                              lambda: table.push(ids, grads))
+                              [(name, ids, grads)])
 
     @contextlib.contextmanager
     def _holding(self, names: Sequence[str]) -> Iterator[None]:
@@ -164,33 +182,51 @@ class Shard:
             yield
 
     def _once(self, origin: PushOrigin | None, content: Callable[[], int],
-              apply: Callable[[], PushResult]) -> PushResult:
-        """``apply()``, at most once per ``origin``: a retry (same ``content()``
-        fingerprint) gets the first ack. The caller holds the pushed tables' locks, so the
-        window and the rows change together."""
-        if origin is None:
-            return apply()
+              parts: Sequence[PushPart], *, log: bool = True) -> PushResult:
+        """Apply the validated ``parts``, at most once per ``origin``: a retry (same
+        ``content()`` fingerprint) gets the first ack; logged first (``log``). The caller
+        holds the pushed tables' locks, so the window, the log and the rows change together."""
+        if origin is None or not self.config.idempotent_pushes:
+            if log:
+                self._log(push_record(None, 0, parts))
+            return self._apply(parts)
         window = self.pushes
-        done = window.claim(origin, content())
+        fp = content()
+        done = window.claim(origin, fp)
         if done is not None:
             return done
         try:
-            result = apply()
+            if log:
+                self._log(push_record(origin, fp, parts))
+            result = self._apply(parts)
         except BaseException:
             window.abandon(origin)
             raise
         window.commit(origin, result)
         return result
 
+    def _apply(self, parts: Sequence[PushPart]) -> PushResult:
+        results = [self.table(name).push(ids, grads) for name, ids, grads in parts]
+        self.staleness.pushed([name for name, _, _ in parts])
+        return PushResult(applied=sum(r.applied for r in results),
+                          dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
+                          not_admitted=sum(r.not_admitted for r in results))
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.wal is not None:
+            self.wal.append(record)
+
     async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         return await self._serve([name], np.size(ids), self.lookup_sync, name, ids)
 
     async def _serve(self, tables: Sequence[str], num_ids: int, work: Callable[..., T],
-                     *args: Any) -> T:
+                     *args: Any, push: bool = False) -> T:
         """``work(*args)`` on the event loop when the request is small and no table it touches
         is busy (a checkpoint holds them): a thread hop costs more than such a request. Else
-        in a worker thread, so that the loop goes on serving."""
-        if num_ids <= INLINE_IDS:
+        in a worker thread, so that the loop goes on serving; a ``push`` too when the log
+        fsyncs before each ack."""
+        syncs = push and self.wal is not None and self.wal.fsync is WalFsync.ALWAYS
+        if num_ids <= INLINE_IDS and not syncs:
             taken: list[threading.RLock] = []
             try:
                 for name in dict.fromkeys(tables):
@@ -265,19 +301,11 @@ class Shard:
             grads = [grads[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         elif len(grads) != len(parts):
             raise InvalidArgument(f"{len(grads)} gradient arrays for {len(parts)} tables")
-        checked = [(self.table(name), *self.table(name).validate_push(part, g))
+        checked = [(name, *self.table(name).validate_push(part, g))
                    for (name, part), g in zip(parts, grads, strict=True)]
-
-        def apply() -> PushResult:
-            results = [table.push(part, g) for table, part, g in checked]
-            self.staleness.pushed(tables)
-            return PushResult(applied=sum(r.applied for r in results),
-                              dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
-                              not_admitted=sum(r.not_admitted for r in results))
-
         with self._holding(tables):
             return self._once(origin, lambda: fingerprint((tuple(tables), tuple(counts)), [ids],
-                                                          sampled), apply)
+                                                          sampled), checked)
 
     def push_then_lookup_sync(self, push: PushParts, lookup: LookupParts, *,
                               origin: PushOrigin | None = None
@@ -294,7 +322,7 @@ class Shard:
                                ) -> tuple[PushResult, np.ndarray]:
         return await self._serve([*push[0], *lookup[0]], np.size(push[2]) + np.size(lookup[2]),
                                  functools.partial(self.push_then_lookup_sync, origin=origin),
-                                 push, lookup)
+                                 push, lookup, push=True)
 
     async def lookup_many(self, tables: Sequence[str], counts: Sequence[int],
                           ids: np.ndarray, *, read_only: bool = False) -> np.ndarray:
@@ -306,7 +334,7 @@ class Shard:
                         origin: PushOrigin | None = None) -> PushResult:
         return await self._serve(tables, np.size(ids),
                                  functools.partial(self.push_many_sync, origin=origin),
-                                 tables, counts, ids, grads)
+                                 tables, counts, ids, grads, push=True)
 
     # DES-style partial pooling: the shard pools the rows it owns, per sample.
 
@@ -348,11 +376,10 @@ class Shard:
             raise InvalidArgument(f"pooled grads must be (samples, dim) = ({lengths.size}, "
                                   f"{table.config.dim}), got "
                                   f"{getattr(grads, 'shape', type(grads).__name__)}")
-        expanded = np.repeat(grads, lengths, axis=0)
-        table.validate_push(ids, expanded)
+        ids, expanded = table.validate_push(ids, np.repeat(grads, lengths, axis=0))
         with self._holding([name]):
             return self._once(origin, lambda: fingerprint((name,), [ids, lengths], [grads]),
-                              lambda: table.push(ids, expanded))
+                              [(name, ids, expanded)])
 
     async def pooled_lookup(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return await self._serve([name], np.size(ids), self.pooled_lookup_sync, name, ids, lengths)
@@ -361,12 +388,13 @@ class Shard:
                           grads: np.ndarray, *, origin: PushOrigin | None = None) -> PushResult:
         return await self._serve([name], np.size(ids),
                                  functools.partial(self.pooled_push_sync, origin=origin),
-                                 name, ids, lengths, grads)
+                                 name, ids, lengths, grads, push=True)
 
     async def push(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
                    origin: PushOrigin | None = None) -> PushResult:
         return await self._serve([name], np.size(ids),
-                                 functools.partial(self.push_sync, origin=origin), name, ids, grads)
+                                 functools.partial(self.push_sync, origin=origin), name, ids, grads,
+                                 push=True)
 
     def peek(self, name: str, row_id: int) -> dict[str, Any]:
         if not 0 <= row_id < 2**64:
@@ -413,10 +441,13 @@ class Shard:
         for lock in locks:
             lock.acquire()
         try:
-            return write_checkpoint(root, checkpoint_id, self.config.shard_id,
-                                    self.config.num_shards, self.tables,
-                                    incremental=incremental, parent=parent,
-                                    pushes=self.pushes.snapshot())
+            manifest = write_checkpoint(root, checkpoint_id, self.config.shard_id,
+                                        self.config.num_shards, self.tables,
+                                        incremental=incremental, parent=parent,
+                                        pushes=self.pushes.snapshot())
+            if self.wal is not None:  # the log restarts from this state
+                self.wal.start(checkpoint_id)
+            return manifest
         finally:
             for lock in locks:
                 lock.release()
@@ -429,7 +460,67 @@ class Shard:
     async def restore(self, checkpoint_id: str) -> dict[str, int]:
         """Replace every table and the window of applied pushes by the checkpoint's
         (resharding when the shard count differs; the window then starts empty, as the
-        clients' sequence numbers were per old shard)."""
+        clients' sequence numbers were per old shard); the write-ahead log restarts from it
+        (the pushes it held after its base are dropped: a restore is a rollback)."""
+        checkpoint_id = await self._restore(checkpoint_id)
+        if self.wal is not None:
+            await asyncio.to_thread(self.wal.start, checkpoint_id)
+        return {name: table.num_rows for name, table in self.tables.items()}
+
+    async def recover(self) -> dict[str, int]:
+        """Come back from the write-ahead log: restore its base checkpoint (none: the
+        configured tables), then apply its records in order, each push through the window
+        of applied pushes; go on appending to it. Returns counts: ``pushes`` applied,
+        ``skipped`` (already held), ``changes`` (table changes), ``dropped_bytes`` (a torn
+        tail)."""
+        if self.wal is None:
+            raise FailedPrecondition("no write-ahead log configured (--wal-dir)")
+        wal = self.wal
+        base, records = await asyncio.to_thread(wal.read)
+        if base is not None:
+            await self._restore(base)
+        self.wal = None  # the records replayed are in the log already
+        try:
+            counts = await asyncio.to_thread(self._replay, records)
+        finally:
+            self.wal = wal
+        if records or base is not None:
+            await asyncio.to_thread(wal.resume)
+        else:
+            await asyncio.to_thread(wal.start, None)
+        return {**counts, "dropped_bytes": wal.dropped_bytes}
+
+    def _replay(self, records: Sequence[dict[str, Any]]) -> dict[str, int]:
+        counts = {"pushes": 0, "skipped": 0, "changes": 0}
+        for record in records:
+            op = record.get("op")
+            if op == "push":
+                counts["pushes" if self._replay_push(record) else "skipped"] += 1
+                continue
+            if op == "create":
+                self.create_table(record["config"])
+            elif op == "drop":
+                self.drop_table(record["table"])
+            elif op == "optimizer":
+                self.set_optimizer(record["table"], record["changes"])
+            else:
+                raise FailedPrecondition(f"write-ahead log record of unknown kind {op!r}")
+            counts["changes"] += 1
+        return counts
+
+    def _replay_push(self, record: dict[str, Any]) -> bool:
+        """Apply a logged push unless the window says it is held already (False)."""
+        origin, fp, parts = read_push(record)
+        retries = self.pushes.retries
+        try:
+            with self._holding([name for name, _, _ in parts]):
+                self._once(None if origin is None else PushOrigin(*origin), lambda: fp, parts,
+                           log=False)
+        except FailedPrecondition:  # below the window: older than pushes the state holds
+            return False
+        return self.pushes.retries == retries
+
+    async def _restore(self, checkpoint_id: str) -> str:
         root = self._checkpoint_root()
         if checkpoint_id == "latest":
             known = self.checkpoints()
@@ -455,7 +546,12 @@ class Shard:
             self._locks = {name: threading.RLock() for name in fresh}
             self.pushes = pushes
             self._last_checkpoint = checkpoint_id
-        return {name: table.num_rows for name, table in fresh.items()}
+        return checkpoint_id
+
+    def close(self) -> None:
+        """Sync and close the write-ahead log, if any."""
+        if self.wal is not None:
+            self.wal.close()
 
 
 def segment_sum(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:

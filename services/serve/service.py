@@ -97,6 +97,7 @@ class ServeService(ServingService):
         if self._admin is not None:
             await self._admin.close()
         await self.batcher.close()
+        self.versions.close()
         if self._ps is not None:
             await self._ps.close()
 

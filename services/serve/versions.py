@@ -1,7 +1,9 @@
 """Which model version a server answers with: load, watch, hot-swap, roll back.
 
 :class:`VersionManager` holds the active :class:`Predictor` as one reference. A swap loads
-the new version completely (checksums, rows, weights) in a thread, then replaces the
+the new version completely (checksums, rows, weights) in a thread of its own at a lower CPU
+priority than the threads answering requests (loading never slows answers down more than
+the cores allow), then replaces the
 reference in one assignment: a batch that read the reference before keeps its Predictor to
 the end, every later batch gets the new one, so no answer mixes two versions and none is
 dropped. A version that fails to load is refused (remembered, not retried) and the active
@@ -16,9 +18,13 @@ goes back to following the newest.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +33,21 @@ from services.serve.export import MANIFEST, list_versions
 from services.serve.predictor import Predictor
 from services.serve.rows import InitialRows, PSLookup
 
-__all__ = ["LATEST", "VersionManager"]
+__all__ = ["LATEST", "LOADER_NICE", "VersionManager"]
 
 log = logging.getLogger("persimmon.serve")
 
 LATEST = "latest"
+LOADER_NICE = 10  # how much lower the version loader's thread runs than the answering ones
+
+
+def _lower_priority() -> None:
+    """Lower this thread's CPU priority (Linux schedules threads one by one)."""
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICE)
+        except OSError:  # not permitted here: load at the same priority
+            log.debug("could not lower the version loader's priority")
 
 
 class VersionManager:
@@ -56,6 +72,12 @@ class VersionManager:
         self._verified: set[str] = set()  # checksums checked (a base is checked once)
         self._lock = asyncio.Lock()
         self.swaps = 0
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="version-loader",
+                                          initializer=_lower_priority)
+
+    def close(self) -> None:
+        """Stop the loader thread (a load in progress finishes first)."""
+        self._loader.shutdown(wait=False)
 
     def current(self) -> Predictor | None:
         """The Predictor answering now (None before the first version is loaded)."""
@@ -118,10 +140,11 @@ class VersionManager:
     async def _load(self, version_id: str) -> Predictor:
         started = time.perf_counter()
         try:
-            predictor = await asyncio.to_thread(Predictor.load, self.model_dir / version_id,
-                                                initial_rows=self._initial_rows,
-                                                verify=self._verify, verified=self._verified,
-                                                ps_lookup=self._ps_lookup)
+            predictor = await asyncio.get_running_loop().run_in_executor(
+                self._loader, functools.partial(
+                    Predictor.load, self.model_dir / version_id,
+                    initial_rows=self._initial_rows, verify=self._verify,
+                    verified=self._verified, ps_lookup=self._ps_lookup))
         except PersimmonError as exc:
             self._refuse(version_id, exc)
             raise

@@ -61,6 +61,7 @@ from services.common.checkpoints.positions import (
     merge,
 )
 from services.common.errors import (
+    AlreadyExists,
     InvalidArgument,
     PersimmonError,
     Unavailable,
@@ -115,21 +116,25 @@ class JobCheckpointer:
     PS shards are reached at ``admin_urls`` or, when None, found in ``registry``. ``parts``
     maps a part name to a source of its bytes, read at each checkpoint. Periodic checkpoints:
     :meth:`due` is true every ``every_steps`` steps or ``every_s`` seconds (0: never).
+    ``retry_s``: a shard that cannot be reached (restarting, e.g. from its write-ahead log) is
+    asked again, with backoff, for up to that long; on a retry, a part it already wrote (its
+    answer lost in its crash) counts as written.
     """
 
     def __init__(self, root: Path | str, *, admin_urls: Sequence[str] | None = None,
                  registry: Registry | None = None, parts: Mapping[str, PartSource] | None = None,
-                 every_steps: int = 0, every_s: float = 0.0) -> None:
+                 every_steps: int = 0, every_s: float = 0.0, retry_s: float = 0.0) -> None:
         if admin_urls is None and registry is None:
             raise InvalidArgument("a JobCheckpointer needs PS admin URLs or a registry")
-        if every_steps < 0 or every_s < 0:
-            raise InvalidArgument("every_steps and every_s must be >= 0")
+        if every_steps < 0 or every_s < 0 or retry_s < 0:
+            raise InvalidArgument("every_steps, every_s and retry_s must be >= 0")
         self.root = Path(root)
         self.admin_urls = list(admin_urls) if admin_urls is not None else None
         self.registry = registry
         self.parts = dict(parts or {})
         self.every_steps = every_steps
         self.every_s = every_s
+        self.retry_s = retry_s
         self._last_step = 0
         self._last_time = time.monotonic()
         self._lock = asyncio.Lock()
@@ -161,11 +166,7 @@ class JobCheckpointer:
         async with self._lock:
             urls = await self._ps_admin_urls()
 
-            async def ps_part(url: str) -> dict[str, Any]:
-                async with AdminClient(url) as client:
-                    return await client.checkpoint(checkpoint_id)
-
-            await asyncio.gather(*(ps_part(u) for u in urls))
+            await asyncio.gather(*(self._ps_part(u, checkpoint_id) for u in urls))
             data = dict(parts or {})
             for name, source in self.parts.items():
                 got = source()
@@ -182,6 +183,25 @@ class JobCheckpointer:
                                                  dense_version=step)
             self._last_step, self._last_time = step, time.monotonic()
         return manifest
+
+    async def _ps_part(self, url: str, checkpoint_id: str) -> None:
+        deadline = time.monotonic() + self.retry_s
+        delay, retried = 0.05, False
+        while True:
+            try:
+                async with AdminClient(url) as client:
+                    await client.checkpoint(checkpoint_id)
+                return
+            except AlreadyExists:
+                if not retried:
+                    raise
+                return  # written before the shard died, its answer lost
+            except httpx.TransportError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise Unavailable(f"PS shard {url} did not take checkpoint "
+                                      f"{checkpoint_id}: {exc}") from exc
+            await asyncio.sleep(delay)
+            delay, retried = min(2 * delay, 1.0), True
 
 
 class ConsistentCut:

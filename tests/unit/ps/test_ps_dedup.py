@@ -309,3 +309,12 @@ async def test_a_resharded_restore_starts_with_an_empty_window(tmp_path):
                           tables=[counting_table("count"), counting_table("other")]))
     await half.restore("c1")
     assert half.pushes.stats()["clients"] == 0
+
+
+def test_with_idempotent_pushes_off_a_retry_is_applied_again():
+    """The switch ``bench push_cost`` measures against: it does turn the check off."""
+    shard = Shard(PSConfig(tables=[counting_table("count")], idempotent_pushes=False))
+    ids = np.arange(4, dtype=np.uint64)
+    for _ in range(2):
+        shard.push_many_sync(["count"], [4], ids, count_grads(4), origin=PushOrigin(1, 1))
+    assert applied_counts(shard.table("count").lookup(ids)).tolist() == [2] * 4

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,7 @@ from serve_versions import MakeVersion, ps_initial_rows
 from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.serve.batching import MicroBatcher
 from services.serve.predictor import Predictor
-from services.serve.versions import VersionManager
+from services.serve.versions import LOADER_NICE, VersionManager
 
 RECORD = {"I1": 1, "I2": 2.5, "C1": "a", "C2": 7, "C3": "x|y"}
 
@@ -87,3 +89,25 @@ async def test_version_manager_follows_the_newest_loadable(
     assert manager.swaps == 2
     with pytest.raises(NotFound):
         await manager.activate("v-missing")
+
+
+async def test_versions_load_in_a_thread_below_the_answering_threads_priority(
+        tmp_path: Path, make_version: MakeVersion, monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = VersionManager(tmp_path / "models", initial_rows=ps_initial_rows)
+    make_version(step=1, seed=1)
+    threads: list[tuple[int, int]] = []
+    load = Predictor.load
+
+    def watched(*args: object, **kwargs: object) -> Predictor:
+        tid = threading.get_native_id()
+        threads.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+        return load(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Predictor, "load", watched)
+    try:
+        assert await manager.refresh()
+    finally:
+        manager.close()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    (tid, priority), = threads
+    assert tid != threading.get_native_id() and priority == min(mine + LOADER_NICE, 19)

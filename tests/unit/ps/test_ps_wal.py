@@ -1,0 +1,234 @@
+"""The write-ahead log without sockets (services/ps/wal.py): a Shard with counting tables (rows
+= occurrences applied) logs its pushes, a fresh Shard recovers them; torn and corrupt tails;
+bad WAL settings."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from services.common.config import from_dict
+from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
+from services.ps.config import PSConfig
+from services.ps.dedup import PushOrigin
+from services.ps.shard import Shard
+from services.ps.wal import WalFsync, WriteAheadLog
+from tests.unit.ps.counting import applied_counts, count_grads, counting_table
+
+IDS = np.arange(10, dtype=np.uint64)
+_OPEN: list[Shard] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_shards() -> Iterator[None]:
+    """Every shard a test made stops its log's sync thread at the end."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def make_shard(tmp_path, **kw) -> Shard:
+    shard = Shard(PSConfig(tables=[counting_table("count"), counting_table("other")],
+                           checkpoint_dir=str(tmp_path / "ckpt"),
+                           wal_dir=str(tmp_path / "wal"), **kw))
+    _OPEN.append(shard)
+    return shard
+
+
+def recovered(tmp_path, **kw) -> tuple[Shard, dict[str, int]]:
+    """A fresh shard (a restarted process) brought back from the log."""
+    shard = make_shard(tmp_path, **kw)
+    return shard, asyncio.run(shard.recover())
+
+
+def counts(shard: Shard, table: str = "count", ids: np.ndarray = IDS) -> list[int]:
+    rows, present = shard.table(table).peek(ids)
+    return applied_counts(np.where(present[:, None], rows, 0)).astype(int).tolist()
+
+
+def push(shard: Shard, seq: int, ids: np.ndarray = IDS, client: int = 7) -> None:
+    shard.push_many_sync(["count"], [ids.size], ids, count_grads(ids.size),
+                         origin=PushOrigin(client, seq))
+
+
+def segment(tmp_path):
+    (path,) = (tmp_path / "wal" / "shard-0-of-1").glob("*.wal")
+    return path
+
+
+def test_a_fresh_shard_recovers_every_logged_push_exactly(tmp_path):
+    """Pushes after a checkpoint come back on top of it, once each; without the log (or with
+    the ack before the append) the fresh shard would hold the checkpoint's counts only."""
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())  # nothing yet: starts the log
+    push(shard, 1)
+    asyncio.run(shard.checkpoint("c1"))
+    push(shard, 2)
+    push(shard, 3, IDS[:4])
+    shard.pooled_push_sync("other", IDS[:3], np.array([1, 2]), count_grads(2),
+                           origin=PushOrigin(7, 4))
+    shard.push_sync("other", IDS[5:6], count_grads(1))  # in-process: no origin, logged too
+    again, got = recovered(tmp_path)
+    assert counts(again) == [3] * 4 + [2] * 6
+    assert counts(again, "other", IDS[:6]) == [1, 1, 1, 0, 0, 1]
+    assert got == {"pushes": 4, "skipped": 0, "changes": 0, "dropped_bytes": 0}
+    assert again.wal is not None and again.wal.base == "c1"
+
+
+def test_replaying_the_log_twice_applies_each_push_once(tmp_path):
+    """The dedup window makes replay idempotent: a replay without it would count 2x."""
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    for seq in (1, 2, 3):
+        push(shard, seq)
+    again, _ = recovered(tmp_path)
+    assert counts(again) == [3] * 10
+    assert again.wal is not None
+    _, records = again.wal.read()
+    assert again._replay(records) == {"pushes": 0, "skipped": 3, "changes": 0}
+    assert counts(again) == [3] * 10
+
+
+def test_a_recovered_shard_answers_a_retry_with_the_first_ack(tmp_path):
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    first = shard.push_many_sync(["count"], [IDS.size], IDS, count_grads(IDS.size),
+                                 origin=PushOrigin(7, 1))
+    again, _ = recovered(tmp_path)
+    retry = again.push_many_sync(["count"], [IDS.size], IDS, count_grads(IDS.size),
+                                 origin=PushOrigin(7, 1))
+    assert retry == first and counts(again) == [1] * 10
+
+
+def test_table_changes_are_logged_and_replayed(tmp_path):
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    shard.set_optimizer("count", {"lr": 2.0})
+    for bad in ({"kind": "adam"}, {"lr": -1.0}, {"nope": 1}):  # refused: not logged
+        with pytest.raises(InvalidArgument):
+            shard.set_optimizer("count", bad)
+    shard.create_table({"name": "new", "dim": 2, "initializer": "zeros",
+                        "optimizer": {"kind": "sgd", "lr": 1.0}})
+    shard.drop_table("other")
+    push(shard, 1)
+    again, got = recovered(tmp_path)
+    assert sorted(again.tables) == ["count", "new"] and got["changes"] == 3
+    assert counts(again) == [2] * 10  # lr 2: the change came before the push
+
+
+def test_a_checkpoint_rotates_the_log_and_a_restore_restarts_it(tmp_path):
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    push(shard, 1)
+    asyncio.run(shard.checkpoint("c1"))
+    assert shard.wal is not None and shard.wal.read() == ("c1", [])
+    push(shard, 2)
+    asyncio.run(shard.restore("c1"))  # a rollback: the push after c1 is gone, also later
+    assert shard.wal.read() == ("c1", [])
+    again, _ = recovered(tmp_path)
+    assert counts(again) == [1] * 10
+    assert len(list((tmp_path / "wal" / "shard-0-of-1").glob("*.wal"))) == 1
+
+
+def test_a_torn_tail_is_dropped_and_the_log_goes_on(tmp_path):
+    """A record cut short by a crash mid-write was never acked: dropped, not an error."""
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    push(shard, 1)
+    push(shard, 2)
+    path = segment(tmp_path)
+    size = path.stat().st_size
+    os.truncate(path, size - 7)  # the second push's record, cut short
+    again, got = recovered(tmp_path)
+    assert counts(again) == [1] * 10 and got["dropped_bytes"] > 0
+    push(again, 2)  # the unacked push, retried, goes after the good records
+    third, _ = recovered(tmp_path)
+    assert counts(third) == [2] * 10
+
+
+@pytest.mark.parametrize("damage", ["crc", "zeros"])
+def test_a_bad_last_record_is_a_torn_tail(tmp_path, damage):
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    push(shard, 1)
+    path = segment(tmp_path)
+    good = path.stat().st_size
+    push(shard, 2)
+    data = bytearray(path.read_bytes())
+    if damage == "crc":
+        data[-1] ^= 0xFF
+    else:  # the file grew but the record's blocks never came: zeros to the end
+        data[good:] = bytes(len(data) - good)
+    path.write_bytes(bytes(data))
+    again, got = recovered(tmp_path)
+    assert counts(again) == [1] * 10 and got["dropped_bytes"] == len(data) - good
+    assert path.stat().st_size == good
+
+
+def test_a_bad_record_followed_by_more_is_corruption(tmp_path):
+    """Not a torn tail: refusing to start beats silently dropping acked pushes after it."""
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    push(shard, 1)
+    push(shard, 2)
+    path = segment(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[60] ^= 0xFF  # inside the first push's record
+    path.write_bytes(bytes(data))
+    with pytest.raises(FailedPrecondition, match="corrupt at byte"):
+        recovered(tmp_path)
+
+
+def test_a_log_whose_base_checkpoint_is_gone_is_a_clear_error(tmp_path):
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    asyncio.run(shard.checkpoint("c1"))
+    (tmp_path / "ckpt" / "c1").rename(tmp_path / "moved")
+    with pytest.raises(Exception, match="c1"):
+        recovered(tmp_path)
+
+
+def test_appending_before_the_log_is_open_fails_and_applies_nothing(tmp_path):
+    shard = make_shard(tmp_path)
+    with pytest.raises(FailedPrecondition, match="not open"):
+        push(shard, 1)
+    assert counts(shard) == [0] * 10
+    asyncio.run(shard.recover())
+    push(shard, 1)  # the refused number was not taken
+    assert counts(shard) == [1] * 10
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"wal_fsync": "sometimes"}, "not one of"),
+    ({"wal_fsync_interval_ms": 0}, "wal_fsync_interval_ms must be > 0"),
+    ({"wal_fsync_interval_ms": "soon"}, "expected float"),
+    ({"wal_dirr": "x"}, "unknown keys"),
+])
+def test_bad_wal_settings_are_clear_errors(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(PSConfig, settings)
+
+
+def test_a_wal_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="wal_dir"):
+        WriteAheadLog(tmp_path / "file", shard_id=0, num_shards=1)
+
+
+@pytest.mark.parametrize("policy", list(WalFsync))
+def test_every_policy_writes_before_append_returns(tmp_path, policy):
+    """What a SIGKILL right after the ack leaves: the record is in the file under every
+    policy (a buffered writer would hold it in the process)."""
+    wal = WriteAheadLog(tmp_path, shard_id=0, num_shards=1, fsync=policy,
+                        fsync_interval_s=60.0)
+    wal.start(None)
+    wal.append({"op": "create", "config": {"name": "x"}})
+    try:
+        assert WriteAheadLog(tmp_path, shard_id=0, num_shards=1).read() == (
+            None, [{"op": "create", "config": {"name": "x"}}])
+    finally:
+        wal.close()
