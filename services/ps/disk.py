@@ -5,7 +5,9 @@ moves the least recently used ones here (demotion); a row read or pushed again m
 (promotion). A row lives in exactly one tier. Each disk slot is one record of
 :func:`record_dtype` — id, eviction bookkeeping, the row in its storage dtype and its
 optimizer state — so a row's move touches one place of the file. The id → slot index and the
-live/dirty flags of the slots stay in RAM; the file grows by doubling and is sparse.
+live/dirty flags of the slots stay in RAM. Demoted rows are appended (whole pages, in
+order); freed slots are reclaimed by compacting the file when it is full and a quarter of it
+is free; the file grows by doubling and is sparse.
 
 The file is scratch, not a durable copy: it is unlinked as soon as it is open (the process's
 descriptor keeps it), so nothing is left behind by a crash; checkpoints are the durable copy
@@ -25,7 +27,7 @@ from services.ps.hashtable import IdHashTable
 
 __all__ = ["DiskTier", "record_dtype"]
 
-META_FIELDS = ("id", "tick", "uses", "last_used")
+_COMPACT_CHUNK = 1 << 20
 
 
 def record_dtype(dim: int, storage_dtype: np.dtype,
@@ -61,7 +63,6 @@ class DiskTier:
         self._dirty = np.zeros(0, dtype=bool)
         self._map = self._remap(max(1, int(capacity)))
         self._raw = self._bytes(self._map)
-        self._free = np.empty(0, dtype=np.int64)
         self._high = 0
 
     def _remap(self, cap: int) -> np.memmap:
@@ -165,21 +166,41 @@ class DiskTier:
     # ----------------------------------------------------------------- slots
 
     def _allocate(self, n: int) -> np.ndarray:
-        take = min(n, self._free.shape[0])
-        reused = np.sort(self._free[self._free.shape[0] - take:])  # ascending: fewer seeks
-        self._free = self._free[:self._free.shape[0] - take]
-        fresh = np.arange(self._high, self._high + n - take, dtype=np.int64)
-        self._high += n - take
+        """``n`` slots at the end of the used part: a write-back fills whole pages in order
+        (a freed slot in the middle would cost a read and a write of its page). When the file
+        is full and a quarter of it is freed slots, :meth:`_compact` reclaims them first."""
         cap = self._map.shape[0]
-        if self._high > cap:
-            while cap < self._high:
+        if self._high + n > cap and 4 * (self._high - len(self._index)) >= cap:
+            self._compact()
+        if self._high + n > cap:
+            while cap < self._high + n:
                 cap *= 2
             self._map.flush()
             self._map = self._remap(cap)
             self._raw = self._bytes(self._map)
-        return np.concatenate([reused, fresh])
+        slots = np.arange(self._high, self._high + n, dtype=np.int64)
+        self._high += n
+        return slots
+
+    def _compact(self) -> None:
+        """Move every live record to the front, in order, and give the rest back as holes."""
+        live = np.flatnonzero(self._live[:self._high])
+        n = live.shape[0]
+        for start in range(0, n, _COMPACT_CHUNK):  # destinations never pass their sources
+            src = live[start:start + _COMPACT_CHUNK]
+            dst = np.arange(start, start + src.shape[0], dtype=np.int64)
+            self._raw[dst] = self._raw[src]
+            self._index.insert(self._gather(dst)["id"], dst)
+        self._dirty[:n] = self._dirty[live]
+        self._dirty[n:self._high] = False
+        self._live[:n] = True
+        self._live[n:self._high] = False
+        self._high = n
+        size = self._map.shape[0] * self.dtype.itemsize
+        self._map.flush()
+        self._file.truncate(n * self.dtype.itemsize)  # frees the blocks past the live records
+        self._file.truncate(size)
 
     def _release(self, slots: np.ndarray) -> None:
         self._live[slots] = False
         self._dirty[slots] = False
-        self._free = np.concatenate([self._free, slots.astype(np.int64)])

@@ -187,6 +187,17 @@ def test_crash_during_write_back_then_restore_from_the_checkpoint(tmp_path, monk
     assert_same(ram, restored)
 
 
+def test_write_backs_append_and_compaction_keeps_the_file_small(tmp_path):
+    ram, tiered, _ = pair(tmp_path, ram_rows=8, initial_capacity=64)
+    for _, ids, grads in zipf_calls(9, 120):
+        ram.push(ids, grads)
+        tiered.push(ids, grads)
+    s = tiered.stats()
+    assert s["demoted"] * 64 > 250_000  # appended without reuse, the file would pass 250 kB
+    assert s["disk_bytes"] < 100_000 and s["disk_rows"] > 300
+    assert_same(ram, tiered)
+
+
 def test_the_arena_file_is_scratch_and_leaves_nothing(tmp_path):
     _, tiered, _ = pair(tmp_path, ram_rows=2)
     tiered.lookup(np.arange(5000, dtype=np.uint64))
