@@ -20,7 +20,7 @@ __all__ = ["BENCHES", "register_benches", "save_plot", "write_json"]
 # Modules exposing ``register_bench(subparsers)``: ``python -m bench <name>`` for each.
 BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",
            "bench.staleness", "bench.load", "bench.recovery", "bench.chaos", "bench.push_cost",
-           "bench.quality", "bench.serve", "bench.dashboard"]
+           "bench.quality", "bench.serve", "bench.dashboard", "bench.scale"]
 
 
 def register_benches(subparsers: argparse._SubParsersAction) -> None:

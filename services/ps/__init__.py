@@ -1,4 +1,5 @@
-"""The embedding parameter server: in-memory tables, server-side optimizers, checkpoints."""
+"""The embedding parameter server: in-memory tables (with an optional disk tier), server-side
+optimizers, checkpoints."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from services.ps.tables import (
     Initializer,
     OptimizerConfig,
     OptimizerKind,
+    StorageConfig,
+    StorageTier,
     TableConfig,
     initial_rows,
 )
@@ -25,6 +28,8 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerKind",
     "PushResult",
+    "StorageConfig",
+    "StorageTier",
     "TableConfig",
     "TableSnapshot",
     "initial_rows",

@@ -12,6 +12,11 @@ deterministic :func:`~services.ps.tables.initial_rows`; it is dropped by evictio
 ``max_rows`` is reached, LRU or LFU, never an id of the batch being served), by TTL
 (:meth:`EmbeddingTable.expire`) or by :meth:`EmbeddingTable.delete`, leaving a tombstone for
 the next snapshot. An id without a row always reads as its initial row.
+
+Disk tier (``storage.tier: disk``): past ``storage.ram_rows``, the least recently used rows
+move with their state and bookkeeping to a :class:`~services.ps.disk.DiskTier` (after each
+batch, down to 7/8 of ``ram_rows``) and move back when touched, so every update runs on the
+RAM arena, bit-identically. Eviction, TTL, deletes, snapshots and restores see both tiers.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
+from services.common.errors import ConfigError
+from services.ps.disk import DiskTier, record_dtype
 from services.ps.hashtable import (
     IdHashTable,
     dedup_slots,
@@ -36,9 +42,17 @@ from services.ps.hashtable import (
     unique_inverse,
 )
 from services.ps.optimizers import apply_update, init_state, state_layout
+from services.ps.table_io import (
+    PushResult,
+    TableSnapshot,
+    check_snapshot,
+    validate_grads,
+    validate_ids,
+)
 from services.ps.tables import (
     EvictionPolicy,
     OptimizerConfig,
+    StorageTier,
     TableConfig,
     admission_uniform,
     initial_rows,
@@ -47,36 +61,7 @@ from services.ps.tables import (
 __all__ = ["EmbeddingTable", "PushResult", "TableSnapshot", "warm_up"]
 
 _COUNTERS = ("lookups", "pushes", "ids_looked_up", "ids_pushed", "misses", "evictions",
-             "expired", "deleted", "dropped_nonfinite", "not_admitted")
-_META = {"tick": np.int64, "uses": np.int64}
-
-
-@dataclass(slots=True)
-class PushResult:
-    """What a push did, counted in unique ids."""
-
-    applied: int = 0
-    dropped_nonfinite: int = 0
-    not_admitted: int = 0
-
-
-@dataclass(slots=True)
-class TableSnapshot:
-    """Rows of a table (all, or those changed since the previous snapshot) and tombstones.
-
-    ``rows`` are float32 in ``ids`` order (ids sorted ascending); ``state`` holds the
-    optimizer state rows by name; ``meta`` the eviction bookkeeping (``tick``, ``uses``);
-    ``tombstones`` the ids dropped since the previous snapshot. Restoring applies the
-    tombstones first, then the rows.
-    """
-
-    config: TableConfig
-    ids: np.ndarray
-    rows: np.ndarray
-    state: dict[str, np.ndarray]
-    tombstones: np.ndarray
-    incremental: bool = False
-    meta: dict[str, np.ndarray] = field(default_factory=dict)
+             "expired", "deleted", "dropped_nonfinite", "not_admitted", "promoted", "demoted")
 
 
 def _committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
@@ -88,10 +73,14 @@ def _committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
 
 
 def _smallest(k: int, primary: np.ndarray, secondary: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Positions of the k smallest entries by (primary, secondary, id), in O(n) + ties."""
+    """Positions of the k smallest entries by integer (primary, secondary, id), in O(n) + ties."""
     if k >= primary.shape[0]:
         return np.arange(primary.shape[0])
-    kth = primary[np.argpartition(primary, k - 1)[k - 1]]
+    lo = int(primary.min())
+    if int(primary.max()) - lo < 4 * primary.shape[0]:  # counting: introselect crawls on ties
+        kth = lo + int(np.searchsorted(np.cumsum(np.bincount(primary - lo)), k))
+    else:
+        kth = primary[np.argpartition(primary, k - 1)[k - 1]]
     below = np.flatnonzero(primary < kth)
     ties = np.flatnonzero(primary == kth)
     order = np.lexsort((ids[ties], secondary[ties]))
@@ -127,43 +116,22 @@ class EmbeddingTable:
         self._tick = 0
         self._tombstones: list[np.ndarray] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._disk: DiskTier | None = None
+        if config.storage.tier is StorageTier.DISK:
+            layout = state_layout(config.optimizer, self.dim)
+            self._disk = DiskTier(str(config.storage.path), config.name,
+                                  record_dtype(self.dim, self._dtype, layout), cap)
 
     # ----------------------------------------------------------------- validation
 
     def validate_lookup(self, ids: Any) -> np.ndarray:
         """``ids`` as a contiguous uint64 vector, or :class:`InvalidArgument`."""
-        name = self.config.name
-        if not isinstance(ids, np.ndarray):
-            raise InvalidArgument(f"table {name}: ids must be a numpy array, got {type(ids).__name__}")
-        if ids.ndim != 1:
-            raise InvalidArgument(f"table {name}: ids must be 1-D, got shape {ids.shape}")
-        if ids.dtype == np.uint64:
-            return np.ascontiguousarray(ids)
-        if ids.dtype.kind not in "iu":
-            raise InvalidArgument(f"table {name}: ids must be uint64, got dtype {ids.dtype}")
-        if ids.dtype.kind == "i" and ids.size and ids.min() < 0:
-            raise InvalidArgument(f"table {name}: ids must be non-negative, got {ids.min()}")
-        return ids.astype(np.uint64)
+        return validate_ids(self.config.name, ids)
 
     def validate_push(self, ids: Any, grads: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(ids uint64, grads float32 (n, dim))`` or :class:`InvalidArgument`."""
-        ids = self.validate_lookup(ids)
-        name = self.config.name
-        if not isinstance(grads, np.ndarray):
-            raise InvalidArgument(f"table {name}: grads must be a numpy array, "
-                                  f"got {type(grads).__name__}")
-        if grads.dtype.kind != "f":
-            raise InvalidArgument(f"table {name}: grads must be float32, got dtype {grads.dtype}")
-        if grads.ndim != 2:
-            raise InvalidArgument(f"table {name}: grads must be 2-D (n, {self.dim}), "
-                                  f"got shape {grads.shape}")
-        if grads.shape[1] != self.dim:
-            raise InvalidArgument(f"table {name}: grads have dim {grads.shape[1]}, "
-                                  f"the table has dim {self.dim}")
-        if grads.shape[0] != ids.shape[0]:
-            raise InvalidArgument(f"table {name}: {ids.shape[0]} ids but {grads.shape[0]} "
-                                  f"gradient rows")
-        return ids, np.ascontiguousarray(grads, dtype=np.float32)
+        ids = validate_ids(self.config.name, ids)
+        return ids, validate_grads(self.config, ids, grads)
 
     # ----------------------------------------------------------------- reads
 
@@ -180,12 +148,17 @@ class EmbeddingTable:
         ids = self.validate_lookup(ids)
         with self._lock:
             slots = self._index.find(ids)
-            return self._gather(ids, slots), slots >= 0
+            rows, present = self._gather(ids, slots), slots >= 0
+            if self._disk is not None:
+                rec, found = self._disk.read(ids)
+                rows[found] = rec["row"][found].astype(np.float32)
+                present |= found
+            return rows, present
 
     def ids(self) -> np.ndarray:
         """Every id that has a row, sorted."""
         with self._lock:
-            return np.sort(self._slot_ids[:self._high][self._live[:self._high]])
+            return self._all_rows(dirty_only=False)["id"]
 
     def lookup(self, ids: Any) -> np.ndarray:
         """Rows of ``ids`` (float32, request order); creates admitted rows, marks rows used."""
@@ -194,6 +167,7 @@ class EmbeddingTable:
             self._counters["lookups"] += 1
             self._counters["ids_looked_up"] += ids.shape[0]
             slots = self._index.find(ids)
+            self._promote(ids, slots)
             missing = slots < 0
             if missing.any():
                 pos = np.flatnonzero(missing)
@@ -201,7 +175,9 @@ class EmbeddingTable:
                 created = self._admit_and_create(mids, protected=slots[~missing])
                 slots[pos] = created[inv]
             self._mark_used(slots)
-            return self._gather(ids, slots)
+            out = self._gather(ids, slots)
+            self._spill()
+            return out
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
@@ -224,6 +200,7 @@ class EmbeddingTable:
             self._counters["pushes"] += 1
             self._counters["ids_pushed"] += ids.shape[0]
             slots = self._index.find(ids)
+            self._promote(ids, slots)
             missing = slots < 0
             dropped = not_admitted = 0
             if missing.any():
@@ -238,6 +215,7 @@ class EmbeddingTable:
             self._apply(uslots, summed)
             self._dirty[uslots] = True
             self._mark_used(uslots)
+            self._spill()
             return PushResult(applied=int(uslots.shape[0]), dropped_nonfinite=dropped,
                               not_admitted=not_admitted)
 
@@ -304,10 +282,11 @@ class EmbeddingTable:
         ids = self.validate_lookup(ids)
         with self._lock:
             self._pending.remove(ids)
-            slots = self._index.find(np.unique(ids))
+            uids = np.unique(ids)
+            slots = self._index.find(uids)
             slots = slots[slots >= 0]
             self._drop(slots, "deleted")
-            return int(slots.shape[0])
+            return int(slots.shape[0]) + self._drop_disk(uids, "deleted")
 
     def expire(self) -> int:
         """Drop rows untouched for ``ttl_s`` seconds of the table's clock; returns how many."""
@@ -319,7 +298,9 @@ class EmbeddingTable:
             old = self._live[:high] & (now - self._last_used[:high] > self.config.ttl_s)
             slots = np.flatnonzero(old)
             self._drop(slots, "expired")
-            return int(slots.shape[0])
+            on_disk = (0 if self._disk is None else
+                       self._drop_disk(self._disk.idle_ids(now, self.config.ttl_s), "expired"))
+            return int(slots.shape[0]) + on_disk
 
     # ----------------------------------------------------------------- row life cycle
 
@@ -363,9 +344,8 @@ class EmbeddingTable:
             cap *= 2
 
         def grown(a: np.ndarray, fill: int = 0) -> np.ndarray:
-            b = np.empty((cap, *a.shape[1:]), dtype=a.dtype)
+            b = _committed((cap, *a.shape[1:]), a.dtype, fill)
             b[:a.shape[0]] = a
-            b[a.shape[0]:] = fill
             return b
 
         self._rows = grown(self._rows)
@@ -401,49 +381,118 @@ class EmbeddingTable:
         candidates[protected[protected >= 0]] = False
         cand = np.flatnonzero(candidates)
         ticks, uses, ids = self._ticks[cand], self._uses[cand], self._slot_ids[cand]
+        if self._disk is not None:
+            dslots = self._disk.live_slots()
+            ticks, uses, ids = (np.concatenate([mine, self._disk.field(name, dslots)]) for
+                                mine, name in ((ticks, "tick"), (uses, "uses"), (ids, "id")))
         if self.config.eviction is EvictionPolicy.LFU:
-            victims = cand[_smallest(k, uses, ticks, ids)]
+            picked = _smallest(k, uses, ticks, ids)
         else:
-            victims = cand[_smallest(k, ticks, uses, ids)]
-        self._drop(victims, "evictions")
+            picked = _smallest(k, ticks, uses, ids)
+        in_ram = picked < cand.shape[0]
+        self._drop(cand[picked[in_ram]], "evictions")
+        self._drop_disk(ids[picked[~in_ram]], "evictions")
 
-    def _drop(self, slots: np.ndarray, counter: str | None) -> None:
-        """Free rows; with a counter name, count them and leave tombstones."""
-        if not slots.shape[0]:
-            return
+    def _release(self, slots: np.ndarray) -> np.ndarray:
+        """Free RAM slots (their rows leave the RAM tier); returns their ids."""
         ids = self._slot_ids[slots]
         self._index.remove(ids)
         self._live[slots] = False
         self._dirty[slots] = False
         self._free = np.concatenate([self._free, slots.astype(np.int64)])
+        return ids
+
+    def _drop(self, slots: np.ndarray, counter: str | None) -> None:
+        """Free rows; with a counter name, count them and leave tombstones."""
+        if not slots.shape[0]:
+            return
+        ids = self._release(slots)
         self._num_live -= slots.shape[0]
         if counter is not None:
             self._tombstones.append(ids)
             self._counters[counter] += slots.shape[0]
+
+    def _drop_disk(self, ids: np.ndarray, counter: str | None) -> int:
+        """Drop the disk rows of unique ``ids`` (others are ignored); returns how many."""
+        if self._disk is None or not ids.shape[0]:
+            return 0
+        gone = self._disk.remove(ids)
+        self._num_live -= gone.shape[0]
+        if counter is not None and gone.shape[0]:
+            self._tombstones.append(gone)
+            self._counters[counter] += gone.shape[0]
+        return int(gone.shape[0])
+
+    # ----------------------------------------------------------------- disk tier
+
+    def _promote(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Move the disk rows of ``ids`` absent from RAM (``slots`` -1) into RAM; fills slots."""
+        if self._disk is None or not len(self._disk):
+            return
+        pos = np.flatnonzero(slots < 0)
+        hit = pos[self._disk.find(ids[pos]) >= 0]
+        if not hit.shape[0]:
+            return
+        uids, inv = unique_inverse(ids[hit])
+        new = self._allocate(uids.shape[0])
+        self._index.insert(uids, new)
+        self._dirty[new] = self._disk.take(uids, self._columns(), new)
+        self._live[new] = True
+        slots[hit] = new[inv]
+        self._counters["promoted"] += uids.shape[0]
+
+    def _spill(self) -> None:
+        """Past ``ram_rows`` rows in RAM, move the least recently used to disk (to 7/8)."""
+        if self._disk is None:
+            return
+        limit = int(self.config.storage.ram_rows or 0)
+        in_ram = self._num_live - len(self._disk)
+        if in_ram <= limit:
+            return
+        live = np.flatnonzero(self._live[:self._high])
+        k = in_ram - (limit - limit // 8)
+        victims = live[_smallest(k, self._ticks[live], self._uses[live], self._slot_ids[live])]
+        self._disk.put(self._columns(), victims, self._dirty[victims])
+        self._release(victims)
+        self._counters["demoted"] += k
+
+    def _columns(self) -> dict[str, np.ndarray]:
+        """The RAM arena's per-slot arrays under the disk records' field names."""
+        return {"id": self._slot_ids, "tick": self._ticks, "uses": self._uses,
+                "last_used": self._last_used, "row": self._rows,
+                **{f"state:{k}": v for k, v in self._state.items()}}
 
     # ----------------------------------------------------------------- snapshots
 
     def snapshot(self, *, incremental: bool = False) -> TableSnapshot:
         """All rows (or those changed since the last snapshot) and tombstones; resets both."""
         with self._lock:
-            high = self._high
-            sel = self._live[:high] & self._dirty[:high] if incremental else self._live[:high]
-            slots = np.flatnonzero(sel)
-            slots = slots[np.argsort(self._slot_ids[slots], kind="stable")]
+            cols = self._all_rows(dirty_only=incremental)
             tomb = (np.unique(np.concatenate(self._tombstones)) if self._tombstones
                     else np.empty(0, dtype=np.uint64))
-            snap = TableSnapshot(
-                config=self.config,
-                ids=self._slot_ids[slots],
-                rows=self._rows[slots].astype(np.float32),
-                state={k: v[slots] for k, v in self._state.items()},
-                tombstones=tomb,
-                incremental=incremental,
-                meta={"tick": self._ticks[slots], "uses": self._uses[slots]},
-            )
-            self._dirty[:high] = False
+            snap = TableSnapshot(config=self.config, ids=cols["id"],
+                                 rows=cols["row"].astype(np.float32),
+                                 state={k: cols[f"state:{k}"] for k in self._state},
+                                 tombstones=tomb, incremental=incremental,
+                                 meta={"tick": cols["tick"], "uses": cols["uses"]})
+            self._dirty[:self._high] = False
+            if self._disk is not None:
+                self._disk.set_clean()
             self._tombstones = []
             return snap
+
+    def _all_rows(self, *, dirty_only: bool) -> dict[str, np.ndarray]:
+        """:meth:`_columns` of both tiers' rows (only those changed since the last snapshot
+        if ``dirty_only``), ids ascending; rows in their storage dtype."""
+        high = self._high
+        sel = self._live[:high] & self._dirty[:high] if dirty_only else self._live[:high]
+        slots = np.flatnonzero(sel)
+        cols = {name: arr[slots] for name, arr in self._columns().items()}
+        if self._disk is not None:
+            rec = self._disk.records(self._disk.live_slots(dirty_only=dirty_only))
+            cols = {name: np.concatenate([arr, rec[name]]) for name, arr in cols.items()}
+        order = np.argsort(cols["id"], kind="stable")
+        return {name: arr[order] for name, arr in cols.items()}
 
     def requeue(self, snap: TableSnapshot) -> None:
         """Undo the reset of a snapshot that could not be saved: its rows and tombstones
@@ -451,27 +500,10 @@ class EmbeddingTable:
         with self._lock:
             slots = self._index.find(snap.ids)
             self._dirty[slots[slots >= 0]] = True
+            if self._disk is not None:
+                self._disk.mark_dirty(snap.ids)
             if snap.tombstones.shape[0]:
                 self._tombstones.insert(0, snap.tombstones)
-
-    def _check_compatible(self, snap: TableSnapshot) -> None:
-        name = self.config.name
-        if snap.config.dim != self.dim:
-            raise FailedPrecondition(f"table {name}: snapshot has dim {snap.config.dim}, "
-                                     f"the table has dim {self.dim}")
-        if snap.config.optimizer.kind != self.config.optimizer.kind:
-            raise FailedPrecondition(f"table {name}: snapshot optimizer is "
-                                     f"{snap.config.optimizer.kind}, the table's is "
-                                     f"{self.config.optimizer.kind}")
-        n = snap.ids.shape[0]
-        if snap.rows.shape != (n, self.dim):
-            raise FailedPrecondition(f"table {name}: snapshot rows have shape {snap.rows.shape}, "
-                                     f"expected ({n}, {self.dim})")
-        for key, (shape, _) in state_layout(self.config.optimizer, self.dim).items():
-            got = snap.state.get(key)
-            if got is None or got.shape != (n, *shape):
-                raise FailedPrecondition(f"table {name}: snapshot optimizer state {key!r} is "
-                                         f"missing or has the wrong shape")
 
     def restore(self, snap: TableSnapshot, *,
                 keep: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
@@ -480,57 +512,67 @@ class EmbeddingTable:
         ``keep(ids) -> bool mask`` selects the ids to take (resharding). Restored rows count
         as clean: the next incremental snapshot holds changes made after the restore.
         """
-        self._check_compatible(snap)
+        check_snapshot(self.config, snap)
         ids = np.ascontiguousarray(snap.ids, dtype=np.uint64)
         tomb = np.ascontiguousarray(snap.tombstones, dtype=np.uint64)
         sel = np.ones(ids.shape[0], dtype=bool) if keep is None else np.asarray(keep(ids), bool)
         if keep is not None and tomb.shape[0]:
             tomb = tomb[np.asarray(keep(tomb), dtype=bool)]
-        ids = ids[sel]
+        pos = np.flatnonzero(sel)
         with self._lock:
             gone = self._index.find(tomb)
             self._drop(gone[gone >= 0], None)
-            slots = self._index.find(ids)
-            new = slots < 0
-            if new.any():
-                fresh = self._allocate(int(new.sum()))
-                self._index.insert(ids[new], fresh)
-                slots[new] = fresh
-                self._slot_ids[fresh] = ids[new]
-                self._live[fresh] = True
-                self._num_live += fresh.shape[0]
-            self._rows[slots] = snap.rows[sel].astype(self._dtype)
-            for key, arr in self._state.items():
-                arr[slots] = snap.state[key][sel]
-            self._dirty[slots] = False
-            self._last_used[slots] = self._clock()
-            for key, arr in (("tick", self._ticks), ("uses", self._uses)):
-                if key in snap.meta:
-                    arr[slots] = snap.meta[key][sel]
-            if slots.shape[0]:
-                self._tick = max(self._tick, int(self._ticks[slots].max()))
+            self._drop_disk(np.unique(tomb), None)
+            step = max(1, pos.shape[0] if self._disk is None else self.config.storage.ram_rows or 1)
+            for i in range(0, pos.shape[0], step):  # a tiered table spills as it goes
+                self._restore_rows(snap, ids, pos[i:i + step])
+                self._spill()
+
+    def _restore_rows(self, snap: TableSnapshot, all_ids: np.ndarray, pos: np.ndarray) -> None:
+        """Load the snapshot's rows ``pos`` into RAM (created or overwritten), as clean rows."""
+        ids = all_ids[pos]
+        slots = self._index.find(ids)
+        self._promote(ids, slots)
+        new = slots < 0
+        if new.any():
+            fresh = self._allocate(int(new.sum()))
+            self._index.insert(ids[new], fresh)
+            slots[new] = fresh
+            self._slot_ids[fresh] = ids[new]
+            self._live[fresh] = True
+            self._num_live += fresh.shape[0]
+        self._rows[slots] = snap.rows[pos].astype(self._dtype)
+        for key, arr in self._state.items():
+            arr[slots] = snap.state[key][pos]
+        self._dirty[slots] = False
+        self._last_used[slots] = self._clock()
+        for key, arr in (("tick", self._ticks), ("uses", self._uses)):
+            if key in snap.meta:
+                arr[slots] = snap.meta[key][pos]
+        if slots.shape[0]:
+            self._tick = max(self._tick, int(self._ticks[slots].max()))
 
     # ----------------------------------------------------------------- stats
 
     def content_digest(self) -> str:
         """sha256 of every live id with its stored row and optimizer state (order-free)."""
         with self._lock:
-            high = self._high
-            slots = np.flatnonzero(self._live[:high])
-            slots = slots[np.argsort(self._slot_ids[slots], kind="stable")]
+            cols = self._all_rows(dirty_only=False)
             h = hashlib.sha256()
-            h.update(self._slot_ids[slots].tobytes())
-            h.update(np.ascontiguousarray(self._rows[slots]).tobytes())
+            h.update(cols["id"].tobytes())
+            h.update(np.ascontiguousarray(cols["row"]).tobytes())
             for key in sorted(self._state):
                 h.update(key.encode())
-                h.update(np.ascontiguousarray(self._state[key][slots]).tobytes())
+                h.update(np.ascontiguousarray(cols[f"state:{key}"]).tobytes())
             return h.hexdigest()
 
     def nbytes(self) -> int:
-        """Bytes held by the arena, optimizer state, bookkeeping and hash indexes."""
+        """Bytes held in RAM: arena, optimizer state, bookkeeping, both tiers' indexes."""
         arrays = [self._rows, self._slot_ids, self._live, self._dirty, self._ticks, self._uses,
                   self._last_used, self._mark, *self._state.values()]
-        return int(sum(a.nbytes for a in arrays) + self._index.nbytes + self._pending.nbytes)
+        disk = 0 if self._disk is None else self._disk.nbytes_ram
+        return int(sum(a.nbytes for a in arrays) + self._index.nbytes + self._pending.nbytes
+                   + disk)
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes of this table (a JSON-ready dict)."""
@@ -540,6 +582,8 @@ class EmbeddingTable:
                 "rows": self._num_live,
                 "capacity": int(self._rows.shape[0]),
                 "bytes": self.nbytes(),
+                "disk_rows": 0 if self._disk is None else len(self._disk),
+                "disk_bytes": 0 if self._disk is None else self._disk.nbytes_disk,
                 "pending_admission": len(self._pending),
                 **self._counters,
             }

@@ -27,6 +27,8 @@ __all__ = [
     "Initializer",
     "OptimizerConfig",
     "OptimizerKind",
+    "StorageConfig",
+    "StorageTier",
     "TableConfig",
     "admission_uniform",
     "initial_rows",
@@ -57,6 +59,11 @@ class OptimizerKind(StrEnum):
 class EvictionPolicy(StrEnum):
     LRU = "lru"
     LFU = "lfu"
+
+
+class StorageTier(StrEnum):
+    RAM = "ram"
+    DISK = "disk"
 
 
 def _enum(cls: type[E], value: Any, where: str) -> E:
@@ -136,13 +143,36 @@ class OptimizerConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class StorageConfig:
+    """Where a table's rows live: all in RAM, or (``tier: disk``) at most about ``ram_rows``
+    in RAM and the colder rows in a scratch arena file under the directory ``path``."""
+
+    tier: StorageTier = StorageTier.RAM
+    path: str | None = None
+    ram_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        self.tier = _enum(StorageTier, self.tier, "storage.tier")
+        if self.tier is StorageTier.RAM:
+            if self.path is not None or self.ram_rows is not None:
+                raise ConfigError("storage: path and ram_rows apply to tier disk only")
+            return
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError(f"storage.path: tier disk needs a directory, got {self.path!r}")
+        if self.ram_rows is None:
+            raise ConfigError("storage.ram_rows: tier disk needs the number of rows kept in RAM")
+        self.ram_rows = _integer(self.ram_rows, "storage.ram_rows", low=1)
+
+
+@dataclass(kw_only=True, slots=True)
 class TableConfig:
     """One embedding table: shape, storage, initializer, optimizer, admission and capacity.
 
     Admission: an id gets a row at its ``admit_min_count``-th sighting (lookups and pushes,
     each call counts once per id; 0 and 1 admit at once) and, when ``admit_probability`` < 1,
     only if a seeded draw for that sighting passes. ``max_rows`` bounds the live rows with
-    ``eviction`` (LRU/LFU); ``ttl_s`` drops rows untouched that long when ``expire()`` runs.
+    ``eviction`` (LRU/LFU) over both storage tiers; ``ttl_s`` drops rows untouched that long
+    when ``expire()`` runs. ``storage`` puts cold rows on disk (:class:`StorageConfig`).
     """
 
     name: str
@@ -160,6 +190,7 @@ class TableConfig:
     eviction: EvictionPolicy = EvictionPolicy.LRU
     ttl_s: float | None = None
     initial_capacity: int = 1024
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.fullmatch(self.name):
@@ -194,6 +225,14 @@ class TableConfig:
         self.initial_capacity = _integer(self.initial_capacity,
                                          f"table {self.name}: initial_capacity", low=1,
                                          high=2**31)
+        if isinstance(self.storage, dict):
+            try:
+                self.storage = StorageConfig(**self.storage)
+            except TypeError as exc:
+                raise ConfigError(f"table {self.name}: storage: {exc}") from exc
+        if not isinstance(self.storage, StorageConfig):
+            raise ConfigError(f"table {self.name}: storage must be a StorageConfig, "
+                              f"got {self.storage!r}")
 
     @property
     def storage_dtype(self) -> np.dtype:

@@ -1,6 +1,9 @@
-"""Smoke run of the store benchmark on a tiny size: it runs and checks its own arithmetic."""
+"""Smoke runs of the PS benchmarks (store, push dedup, scale) on tiny sizes: they run and check
+their own arithmetic."""
 
 from __future__ import annotations
+
+import pytest
 
 from bench.store import bench_store, main
 
@@ -23,3 +26,30 @@ def test_bench_push_dedup_smoke(capsys):
     assert r["rounds"] >= 3 and r["batch_ids"] == 64
     assert r["rows_per_s_with_check"] > 0 and r["rows_per_s_without"] > 0
     assert r["ratio"] > 0 and r["retry_answer_ms"] > 0
+
+
+def test_bench_scale_smoke(tmp_path, capsys):
+    import argparse
+    import json
+
+    from bench.scale import register_bench
+
+    parser = argparse.ArgumentParser()
+    register_bench(parser.add_subparsers())
+    args = parser.parse_args(["scale", "--ram-sizes", "3000", "--disk-sizes", "3000",
+                              "--ram-rows", "300", "--batch", "256", "--steps", "2",
+                              "--path", str(tmp_path), "--json", str(tmp_path / "s.json"),
+                              "--plot", str(tmp_path / "s.png")])
+    assert args.func(args) == 0
+    r = json.loads((tmp_path / "s.json").read_text())
+    ram, disk = r["cases"]
+    assert (ram["tier"], disk["tier"]) == ("ram", "disk") and ram["hit_ratio"] == 1.0
+    assert 0 < disk["hit_ratio"] < 1 and disk["disk_rows"] >= 3000 - 300 - 256
+    assert disk["disk_bytes_per_row"] > 0 == ram["disk_bytes_per_row"]
+    assert disk["ram_bytes_per_row"] < ram["ram_bytes_per_row"]
+    assert r["tiered_vs_ram"] == disk["rows_per_s"] / ram["rows_per_s"]
+    assert (tmp_path / "s.png").stat().st_size > 0
+    assert "tiered_vs_ram" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("persimmon-scale")] == []
+    with pytest.raises(SystemExit):
+        parser.parse_args(["scale", "--ram-sizes", "0"])

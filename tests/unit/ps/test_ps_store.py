@@ -274,3 +274,16 @@ def test_concurrent_calls_from_threads_are_serialised():
     ids = sequential.ids()
     assert np.array_equal(threaded.ids(), ids)
     assert np.array_equal(threaded.peek(ids)[0], sequential.peek(ids)[0])
+
+
+@pytest.mark.parametrize("span", [3, 10**12])  # counting (narrow range) and introselect (wide)
+def test_smallest_matches_a_full_sort_with_ties(span):
+    from services.ps.store import _smallest
+
+    rng = np.random.default_rng(span)
+    primary = rng.integers(0, span, 5000)
+    secondary = rng.integers(0, 3, 5000)
+    ids = rng.permutation(5000).astype(np.uint64)
+    want = np.lexsort((ids, secondary, primary))
+    for k in (1, 17, 2500, 4999):
+        assert sorted(_smallest(k, primary, secondary, ids).tolist()) == sorted(want[:k].tolist())

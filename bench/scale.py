@@ -1,0 +1,225 @@
+"""Benchmark: how one PS table's cost grows with its rows, all in RAM and with the disk tier.
+
+Each case builds one table of ``rows`` rows (ids a fixed bijection of ``0..rows-1``, created
+by lookups in chunks: the build time), then runs Zipf(1.1) traffic over those rows: a
+``batch`` of ids is drawn (duplicates removed, as a worker sends them), looked up, and
+receives one Adagrad push (Zipf truncated to the table: draws past its rows are redrawn).
+After ``warmup`` untimed steps, ``steps`` steps are timed; rows/s is their total over their
+total time (a tiered table's write-backs come in bursts: the median step would hide them).
+Reported per case: lookup + push rows/s, the RAM tier's hit ratio (rows a lookup found in
+RAM; 1 for RAM-only tables), RAM bytes per row (everything the table
+allocates in RAM, indexes included, over its rows), disk bytes per row (blocks of the arena
+file) and the build time. The baseline is the all-in-RAM table of the same run.
+
+Run: ``persimmon bench scale [--ram-sizes 1000000,10000000] [--disk-sizes 10000000]
+[--ram-rows 1000000] [--json PATH] [--plot PNG]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from bench import save_plot, write_json
+from services.common.commands import int_at_least
+from services.ps.optimizers import state_layout
+from services.ps.store import EmbeddingTable
+from services.ps.tables import OptimizerConfig, StorageConfig, TableConfig
+
+__all__ = ["bench_scale", "register_bench"]
+
+ZIPF_A = 1.1
+_SCRAMBLE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection of uint64
+
+
+def _ids(ranks: np.ndarray) -> np.ndarray:
+    """The id of each popularity rank (spread over uint64, so hot ids are not neighbours)."""
+    return ranks.astype(np.uint64) * _SCRAMBLE
+
+
+def zipf_ranks(rng: np.random.Generator, n: int, rows: int) -> np.ndarray:
+    """``n`` popularity ranks in ``[0, rows)`` drawn from Zipf(1.1) truncated to ``rows``."""
+    out = np.empty(0, dtype=np.int64)
+    while out.shape[0] < n:
+        z = rng.zipf(ZIPF_A, n)
+        out = np.concatenate([out, z[z <= rows] - 1])
+    return out[:n]
+
+
+def _config(rows: int, dim: int, optimizer: str, disk: str | None, ram_rows: int,
+            batch: int) -> TableConfig:
+    storage = (StorageConfig() if disk is None
+               else StorageConfig(tier="disk", path=disk, ram_rows=ram_rows))
+    capacity = rows if disk is None else ram_rows + batch
+    return TableConfig(name="scale", dim=dim, initial_capacity=capacity, storage=storage,
+                       optimizer=OptimizerConfig(kind=optimizer, lr=0.05))
+
+
+def _build(config: TableConfig, rows: int, chunk: int) -> tuple[EmbeddingTable, float]:
+    t0 = time.perf_counter()
+    table = EmbeddingTable(config)
+    for start in range(0, rows, chunk):
+        table.lookup(_ids(np.arange(start, min(rows, start + chunk))))
+    return table, time.perf_counter() - t0
+
+
+def run_case(rows: int, *, dim: int = 16, optimizer: str = "adagrad", disk: str | None = None,
+             ram_rows: int = 1_000_000, batch: int = 65_536, steps: int = 20, warmup: int = 3,
+             seed: int = 0) -> dict[str, Any]:
+    """One table of ``rows`` rows (RAM-only, or tiered under directory ``disk``), timed."""
+    config = _config(rows, dim, optimizer, disk, ram_rows, batch)
+    table, build_s = _build(config, rows, chunk=min(ram_rows, 1 << 20) if disk else 1 << 20)
+    rng = np.random.default_rng(seed)
+    times, sent = [], []
+    before = table.stats()
+    for step in range(warmup + steps):
+        if step == warmup:
+            before = table.stats()
+        ids = np.unique(_ids(zipf_ranks(rng, batch, rows)))
+        grads = rng.standard_normal((ids.shape[0], dim), dtype=np.float32)
+        t0 = time.perf_counter()
+        table.lookup(ids)
+        table.push(ids, grads)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+            sent.append(2 * ids.shape[0])
+    after = table.stats()
+    looked = after["ids_looked_up"] - before["ids_looked_up"]
+    payload = 4 * dim + sum(int(np.prod(shape)) * np.dtype(dt).itemsize
+                            for shape, dt in state_layout(config.optimizer, dim).values())
+    step_s = statistics.median(times)
+    return {
+        "rows": rows,
+        "tier": "ram" if disk is None else "disk",
+        "ram_rows": rows if disk is None else ram_rows,
+        "build_s": build_s,
+        "step_s_median": step_s,
+        "step_s_max": max(times),
+        "ids_per_step": statistics.median(sent) / 2,
+        "rows_per_s": sum(sent) / sum(times),
+        "hit_ratio": 1.0 - (after["promoted"] - before["promoted"]) / max(1, looked),
+        "ram_bytes_per_row": after["bytes"] / after["rows"],
+        "disk_bytes_per_row": after["disk_bytes"] / after["rows"],
+        "payload_bytes_per_row": payload,
+        "disk_rows": after["disk_rows"],
+    }
+
+
+def bench_scale(*, ram_sizes: list[int], disk_sizes: list[int], ram_rows: int = 1_000_000,
+                dim: int = 16, batch: int = 65_536, steps: int = 20, warmup: int = 3,
+                path: str | None = None, seed: int = 0) -> dict[str, Any]:
+    """Every case of the run and the ratios of the largest tiered case to the largest
+    all-in-RAM one (``tiered_vs_ram``) and of RAM per row to the payload."""
+    cases = []
+    for n in ram_sizes:
+        cases.append(run_case(n, dim=dim, batch=batch, steps=steps, warmup=warmup, seed=seed))
+        print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
+    for n in disk_sizes:
+        with tempfile.TemporaryDirectory(dir=path, prefix="persimmon-scale-") as tmp:
+            cases.append(run_case(n, dim=dim, disk=tmp, ram_rows=ram_rows, batch=batch,
+                                  steps=steps, warmup=warmup, seed=seed))
+        print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
+    result: dict[str, Any] = {"dim": dim, "batch": batch, "zipf_a": ZIPF_A, "steps": steps,
+                              "cases": cases}
+    ram = [c for c in cases if c["tier"] == "ram"]
+    tiered = [c for c in cases if c["tier"] == "disk"]
+    if ram:
+        big = max(ram, key=lambda c: c["rows"])
+        result["ram_bytes_per_row_ratio"] = big["ram_bytes_per_row"] / big["payload_bytes_per_row"]
+        if tiered:
+            top = max(tiered, key=lambda c: c["rows"])
+            result["tiered_vs_ram"] = top["rows_per_s"] / big["rows_per_s"]
+            result["tiered_vs_ram_cases"] = [top["rows"], big["rows"]]
+    return result
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"scale: one table, dim {result['dim']}, Adagrad, Zipf({result['zipf_a']}) batches of "
+          f"{result['batch']:,} ids (unique), {result['steps']} steps")
+    print(f"{'rows':>13} {'tier':>5} {'in RAM':>11} {'build s':>8} {'rows/s':>12} {'hit':>6} "
+          f"{'RAM B/row':>10} {'disk B/row':>11}")
+    for c in result["cases"]:
+        print(f"{c['rows']:>13,} {c['tier']:>5} {c['ram_rows']:>11,} {c['build_s']:>8.1f} "
+              f"{c['rows_per_s']:>12,.0f} {c['hit_ratio']:>6.3f} {c['ram_bytes_per_row']:>10.1f} "
+              f"{c['disk_bytes_per_row']:>11.1f}")
+    if "ram_bytes_per_row_ratio" in result:
+        print(f"ram_bytes_per_row_ratio = {result['ram_bytes_per_row_ratio']:.2f} "
+              f"(RAM per row over row + optimizer state, largest in-RAM table)")
+    if "tiered_vs_ram" in result:
+        a, b = result["tiered_vs_ram_cases"]
+        print(f"tiered_vs_ram = {result['tiered_vs_ram']:.2f} (rows/s, {a:,} rows tiered over "
+              f"{b:,} in RAM)")
+
+
+def plot(result: dict[str, Any], png: str) -> None:
+    """Rows/s and RAM bytes per row against table rows, one line per tier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for tier, colour in (("ram", "tab:blue"), ("disk", "tab:orange")):
+        pts = sorted((c for c in result["cases"] if c["tier"] == tier), key=lambda c: c["rows"])
+        if pts:
+            xs = [c["rows"] for c in pts]
+            left.plot(xs, [c["rows_per_s"] for c in pts], "o-", color=colour, label=tier)
+            right.plot(xs, [c["ram_bytes_per_row"] for c in pts], "o-", color=colour,
+                       label=f"{tier}: RAM")
+            if tier == "disk":
+                right.plot(xs, [c["disk_bytes_per_row"] for c in pts], "s--", color=colour,
+                           label="disk: disk")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.legend()
+    left.set(xlabel="rows in the table", ylabel="lookup + push rows/s", title="throughput")
+    right.set(xlabel="rows in the table", ylabel="bytes per row", title="memory")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(float(s)) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"sizes must be comma-separated numbers: {text!r}") from exc
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1: {text!r}")
+    return sizes
+
+
+def _main(args: argparse.Namespace) -> int:
+    result = bench_scale(ram_sizes=args.ram_sizes, disk_sizes=args.disk_sizes,
+                         ram_rows=args.ram_rows, dim=args.dim, batch=args.batch,
+                         steps=args.steps, warmup=args.warmup, path=args.path, seed=args.seed)
+    _print(result)
+    print(f"cost against rows: {save_plot(plot, result, args.plot, 'scale')}")
+    write_json(result, args.json)
+    return 0
+
+
+def register_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("scale", help="one PS table's cost against its rows, "
+                                                 "in RAM and with the disk tier")
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--plot", help="PNG path (default: in the temp dir)")
+    parser.add_argument("--ram-sizes", type=_sizes, default=[1_000_000, 10_000_000],
+                        help="rows of the all-in-RAM tables (comma-separated, 1e6 allowed)")
+    parser.add_argument("--disk-sizes", type=_sizes, default=[10_000_000],
+                        help="rows of the tiered tables")
+    parser.add_argument("--ram-rows", type=int_at_least(1), default=1_000_000,
+                        help="storage.ram_rows of the tiered tables")
+    parser.add_argument("--path", help="directory for the disk tier (default: the temp dir)")
+    parser.add_argument("--dim", type=int_at_least(1), default=16)
+    parser.add_argument("--batch", type=int_at_least(1), default=65_536, help="ids drawn per step")
+    parser.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per case")
+    parser.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed steps first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_main)

@@ -1,0 +1,206 @@
+"""The disk tier of an embedding table: cold rows in a memory-mapped, slot-addressed arena file.
+
+A tiered :class:`~services.ps.store.EmbeddingTable` keeps its hot rows in the RAM arena and
+moves the least recently used ones here (demotion); a row read or pushed again moves back
+(promotion). A row lives in exactly one tier. Each disk slot is one record of
+:func:`record_dtype` — id, eviction bookkeeping, the row in its storage dtype and its
+optimizer state — so a row's move touches one place of the file. The id → slot index and the
+live/dirty flags of the slots stay in RAM. Demoted rows are appended (whole pages, in
+order); freed slots are reclaimed by compacting the file when it is full and a quarter of it
+is free; the file grows by doubling and is sparse.
+
+The file is scratch, not a durable copy: it is unlinked as soon as it is open (the process's
+descriptor keeps it), so nothing is left behind by a crash; checkpoints are the durable copy
+and read both tiers.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from services.common.errors import ConfigError
+from services.ps.hashtable import IdHashTable
+
+__all__ = ["DiskTier", "record_dtype"]
+
+_COMPACT_CHUNK = 1 << 20
+
+
+def record_dtype(dim: int, storage_dtype: np.dtype,
+                 state: dict[str, tuple[tuple[int, ...], np.dtype]]) -> np.dtype:
+    """The record of one disk slot: ``id``, ``tick``, ``uses``, ``last_used``, ``row`` and
+    ``state:<name>`` per optimizer state array (``state`` as from ``state_layout``)."""
+    fields: list[tuple] = [("id", np.uint64), ("tick", np.int64), ("uses", np.int64),
+                           ("last_used", np.float64), ("row", storage_dtype, (dim,))]
+    fields += [(f"state:{name}", dt, shape) for name, (shape, dt) in sorted(state.items())]
+    return np.dtype(fields)
+
+
+class DiskTier:
+    """Rows of one table on disk: whole-batch ``put``/``take``/``read``/``remove`` by id.
+
+    Not thread-safe: the owning table serialises access under its lock.
+    """
+
+    def __init__(self, directory: str | Path, name: str, dtype: np.dtype,
+                 capacity: int = 1024) -> None:
+        directory = Path(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".arena", dir=directory)
+        except OSError as exc:
+            raise ConfigError(f"table {name}: storage.path {str(directory)!r} cannot hold the "
+                              f"disk tier: {exc}") from exc
+        os.unlink(path)
+        self._file = os.fdopen(fd, "r+b")
+        self.dtype = dtype
+        self._index = IdHashTable(capacity)
+        self._live = np.zeros(0, dtype=bool)
+        self._dirty = np.zeros(0, dtype=bool)
+        self._map = self._remap(max(1, int(capacity)))
+        self._raw = self._bytes(self._map)
+        self._high = 0
+
+    def _remap(self, cap: int) -> np.memmap:
+        self._file.truncate(cap * self.dtype.itemsize)
+        self._live = np.concatenate([self._live, np.zeros(cap - self._live.shape[0], bool)])
+        self._dirty = np.concatenate([self._dirty, np.zeros(cap - self._dirty.shape[0], bool)])
+        return np.memmap(self._file, dtype=self.dtype, mode="r+", shape=(cap,))
+
+    def _bytes(self, records: np.ndarray) -> np.ndarray:
+        """``records`` as a (n, record size) uint8 array: whole records move by memcpy, much
+        faster than numpy's copy of a structured dtype."""
+        return records.view(np.uint8).reshape(records.shape[0], self.dtype.itemsize)
+
+    def _gather(self, slots: np.ndarray) -> np.ndarray:
+        return self._raw[slots].view(self.dtype).reshape(slots.shape[0])
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # ----------------------------------------------------------------- by id
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The disk slot of each id, -1 where the id has no row here."""
+        return self._index.find(ids)
+
+    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(records, found)``: the records of ``ids`` (garbage where not found); no change."""
+        slots = self._index.find(ids)
+        found = slots >= 0
+        return self._gather(np.where(found, slots, 0)), found
+
+    def put(self, columns: dict[str, np.ndarray], at: np.ndarray, dirty: np.ndarray) -> None:
+        """Store the rows ``columns[field][at]`` (arrays named as the record's fields) of ids
+        that have no row here; ``dirty``: changed since the table's last snapshot."""
+        records = np.empty(at.shape[0], dtype=self.dtype)
+        for name in self.dtype.names or ():
+            records[name] = columns[name][at]
+        slots = self._allocate(records.shape[0])
+        self._index.insert(records["id"], slots)
+        self._raw[slots] = self._bytes(records)
+        self._live[slots] = True
+        self._dirty[slots] = dirty
+
+    def take(self, ids: np.ndarray, columns: dict[str, np.ndarray], at: np.ndarray
+             ) -> np.ndarray:
+        """Move the rows of unique ids that all have one here into ``columns[field][at]``;
+        returns their dirty flags; their slots are freed."""
+        slots = self._index.remove(ids)
+        records, dirty = self._gather(slots), self._dirty[slots].copy()
+        for name in self.dtype.names or ():
+            columns[name][at] = records[name]
+        self._release(slots)
+        return dirty
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """Drop the rows of unique ``ids``; returns the ids that had one."""
+        slots = self._index.remove(ids)
+        hit = slots >= 0
+        self._release(slots[hit])
+        return ids[hit]
+
+    def mark_dirty(self, ids: np.ndarray) -> None:
+        slots = self._index.find(ids)
+        self._dirty[slots[slots >= 0]] = True
+
+    # ----------------------------------------------------------------- whole tier
+
+    def live_slots(self, *, dirty_only: bool = False) -> np.ndarray:
+        """Slots holding a row (only rows changed since the last snapshot if ``dirty_only``)."""
+        sel = self._live[:self._high]
+        if dirty_only:
+            sel = sel & self._dirty[:self._high]
+        return np.flatnonzero(sel)
+
+    def field(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """One field (e.g. ``tick``) of the records at ``slots``."""
+        return np.asarray(self._map[name][slots])
+
+    def idle_ids(self, now: float, ttl_s: float) -> np.ndarray:
+        """Ids of the rows last used more than ``ttl_s`` before ``now``."""
+        slots = self.live_slots()
+        return self.field("id", slots[now - self.field("last_used", slots) > ttl_s])
+
+    def records(self, slots: np.ndarray) -> np.ndarray:
+        return self._gather(slots)
+
+    def set_clean(self) -> None:
+        """Every row counts as saved (the table took a snapshot)."""
+        self._dirty[:] = False
+
+    @property
+    def nbytes_ram(self) -> int:
+        """Bytes this tier holds in RAM: the id index and the per-slot flags."""
+        return int(self._index.nbytes + self._live.nbytes + self._dirty.nbytes)
+
+    @property
+    def nbytes_disk(self) -> int:
+        """Bytes of disk the arena file occupies (it is sparse: slots never written are free)."""
+        return int(os.fstat(self._file.fileno()).st_blocks * 512)
+
+    # ----------------------------------------------------------------- slots
+
+    def _allocate(self, n: int) -> np.ndarray:
+        """``n`` slots at the end of the used part: a write-back fills whole pages in order
+        (a freed slot in the middle would cost a read and a write of its page). When the file
+        is full and a quarter of it is freed slots, :meth:`_compact` reclaims them first."""
+        cap = self._map.shape[0]
+        if self._high + n > cap and 4 * (self._high - len(self._index)) >= cap:
+            self._compact()
+        if self._high + n > cap:
+            while cap < self._high + n:
+                cap *= 2
+            self._map.flush()
+            self._map = self._remap(cap)
+            self._raw = self._bytes(self._map)
+        slots = np.arange(self._high, self._high + n, dtype=np.int64)
+        self._high += n
+        return slots
+
+    def _compact(self) -> None:
+        """Move every live record to the front, in order, and give the rest back as holes."""
+        live = np.flatnonzero(self._live[:self._high])
+        n = live.shape[0]
+        for start in range(0, n, _COMPACT_CHUNK):  # destinations never pass their sources
+            src = live[start:start + _COMPACT_CHUNK]
+            dst = np.arange(start, start + src.shape[0], dtype=np.int64)
+            self._raw[dst] = self._raw[src]
+            self._index.insert(self._gather(dst)["id"], dst)
+        self._dirty[:n] = self._dirty[live]
+        self._dirty[n:self._high] = False
+        self._live[:n] = True
+        self._live[n:self._high] = False
+        self._high = n
+        size = self._map.shape[0] * self.dtype.itemsize
+        self._map.flush()
+        self._file.truncate(n * self.dtype.itemsize)  # frees the blocks past the live records
+        self._file.truncate(size)
+
+    def _release(self, slots: np.ndarray) -> None:
+        self._live[slots] = False
+        self._dirty[slots] = False

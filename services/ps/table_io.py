@@ -1,0 +1,99 @@
+"""What goes into and out of an embedding table: validated id and gradient batches, the result
+of a push, and snapshots (with the check that one fits a table)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.ps.optimizers import state_layout
+from services.ps.tables import TableConfig
+
+__all__ = ["PushResult", "TableSnapshot", "check_snapshot", "validate_grads", "validate_ids"]
+
+
+@dataclass(slots=True)
+class PushResult:
+    """What a push did, counted in unique ids."""
+
+    applied: int = 0
+    dropped_nonfinite: int = 0
+    not_admitted: int = 0
+
+
+@dataclass(slots=True)
+class TableSnapshot:
+    """Rows of a table (all, or those changed since the previous snapshot) and tombstones.
+
+    ``rows`` are float32 in ``ids`` order (ids sorted ascending); ``state`` holds the
+    optimizer state rows by name; ``meta`` the eviction bookkeeping (``tick``, ``uses``);
+    ``tombstones`` the ids dropped since the previous snapshot. Restoring applies the
+    tombstones first, then the rows.
+    """
+
+    config: TableConfig
+    ids: np.ndarray
+    rows: np.ndarray
+    state: dict[str, np.ndarray]
+    tombstones: np.ndarray
+    incremental: bool = False
+    meta: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def validate_ids(name: str, ids: Any) -> np.ndarray:
+    """``ids`` as a contiguous uint64 vector, or :class:`InvalidArgument` naming table ``name``."""
+    if not isinstance(ids, np.ndarray):
+        raise InvalidArgument(f"table {name}: ids must be a numpy array, got {type(ids).__name__}")
+    if ids.ndim != 1:
+        raise InvalidArgument(f"table {name}: ids must be 1-D, got shape {ids.shape}")
+    if ids.dtype == np.uint64:
+        return np.ascontiguousarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise InvalidArgument(f"table {name}: ids must be uint64, got dtype {ids.dtype}")
+    if ids.dtype.kind == "i" and ids.size and ids.min() < 0:
+        raise InvalidArgument(f"table {name}: ids must be non-negative, got {ids.min()}")
+    return ids.astype(np.uint64)
+
+
+def validate_grads(config: TableConfig, ids: np.ndarray, grads: Any) -> np.ndarray:
+    """``grads`` as contiguous float32 ``(len(ids), dim)``, or :class:`InvalidArgument`."""
+    name, dim = config.name, config.dim
+    if not isinstance(grads, np.ndarray):
+        raise InvalidArgument(f"table {name}: grads must be a numpy array, "
+                              f"got {type(grads).__name__}")
+    if grads.dtype.kind != "f":
+        raise InvalidArgument(f"table {name}: grads must be float32, got dtype {grads.dtype}")
+    if grads.ndim != 2:
+        raise InvalidArgument(f"table {name}: grads must be 2-D (n, {dim}), "
+                              f"got shape {grads.shape}")
+    if grads.shape[1] != dim:
+        raise InvalidArgument(f"table {name}: grads have dim {grads.shape[1]}, "
+                              f"the table has dim {dim}")
+    if grads.shape[0] != ids.shape[0]:
+        raise InvalidArgument(f"table {name}: {ids.shape[0]} ids but {grads.shape[0]} "
+                              f"gradient rows")
+    return np.ascontiguousarray(grads, dtype=np.float32)
+
+
+def check_snapshot(config: TableConfig, snap: TableSnapshot) -> None:
+    """:class:`FailedPrecondition` unless ``snap`` can be restored into a table of ``config``."""
+    name, dim = config.name, config.dim
+    if snap.config.dim != dim:
+        raise FailedPrecondition(f"table {name}: snapshot has dim {snap.config.dim}, "
+                                 f"the table has dim {dim}")
+    if snap.config.optimizer.kind != config.optimizer.kind:
+        raise FailedPrecondition(f"table {name}: snapshot optimizer is "
+                                 f"{snap.config.optimizer.kind}, the table's is "
+                                 f"{config.optimizer.kind}")
+    n = snap.ids.shape[0]
+    if snap.rows.shape != (n, dim):
+        raise FailedPrecondition(f"table {name}: snapshot rows have shape {snap.rows.shape}, "
+                                 f"expected ({n}, {dim})")
+    for key, (shape, _) in state_layout(config.optimizer, dim).items():
+        got = snap.state.get(key)
+        if got is None or got.shape != (n, *shape):
+            raise FailedPrecondition(f"table {name}: snapshot optimizer state {key!r} is "
+                                     f"missing or has the wrong shape")
