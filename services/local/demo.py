@@ -24,7 +24,7 @@ from rich.table import Table
 from services.common.commands import float_at_least, int_at_least, output_file
 from services.common.config import add_flags, flag_values, load_config
 from services.common.errors import ConfigError
-from services.local.processes import free_port
+from services.local.processes import free_port, stopping_children_on_sigterm
 from services.worker.config import SYNC_FIELDS, TrainerConfig
 
 __all__ = ["register_cli"]
@@ -116,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
                            args=(f"http://127.0.0.1:{admin_port}", total_steps, done))
     bar.start()
     try:
-        with failure_summary(args.summary_json):
+        with stopping_children_on_sigterm(), failure_summary(args.summary_json):
             summary = train_on_local_cluster(
                 train_data=f"synthetic:{args.rows}",
                 eval_data=f"synthetic:{args.eval_rows}?split=test", config=config,

@@ -11,6 +11,7 @@ reported by its own last error line, once, as an :class:`~services.common.errors
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,8 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import IO, Any
 
 from services.common.commands import debug_enabled
@@ -30,7 +32,7 @@ from services.common.errors import Unavailable
 from services.local.supervise import Supervisor
 
 __all__ = ["LocalLoader", "LocalPS", "StderrTail", "free_port", "start_service",
-           "start_services", "stop_processes", "wait_ready"]
+           "start_services", "stop_processes", "stopping_children_on_sigterm", "wait_ready"]
 
 # Each service runs as its own module (``python -m services.ps``): it starts without importing
 # the CLI, torch or the benchmarks, which is what a supervisor's restart waits for.
@@ -121,6 +123,25 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def stopping_children_on_sigterm() -> Iterator[None]:
+    """A SIGTERM to this command ends it as Ctrl-C does (KeyboardInterrupt), so the
+    with-blocks that own its child processes stop them on the way out (Python's default
+    ends at once and leaves them running). The previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def start_service(command: list[str], ready_file: str, timeout: float = 60.0, *,

@@ -249,6 +249,8 @@ class PlantedData:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from services.local.processes import stopping_children_on_sigterm
+
     config = load_trainer_config(args)
     print_config("train", config)
     train_spec, eval_spec = data_specs(args)
@@ -256,7 +258,7 @@ def _run_train(args: argparse.Namespace) -> int:
     ps_placement(args.ps, args.workers, config, keep_best=keep)  # before anything starts
     if args.check_config:
         return 0
-    with failure_summary(args.summary_json):
+    with stopping_children_on_sigterm(), failure_summary(args.summary_json):
         summary = train_on_local_cluster(
             train_data=train_spec, eval_data=eval_spec, config=config,
             validation_data=args.validation_data,

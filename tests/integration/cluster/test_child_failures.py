@@ -4,7 +4,11 @@ debugging (``--debug``, which the child inherits as ``PERSIMMON_DEBUG``)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +50,46 @@ def test_train_whose_loader_fails_exits_1_with_one_line(
     err = capfd.readouterr().err
     assert err.count("Traceback (most recent call last)") == 2, err  # the child's and ours
     assert err.rstrip().endswith(EMPTY_AVAZU)
+
+
+def _children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (Linux /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return set()
+    return {int(c) for c in text.split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+def test_sigterm_to_train_stops_its_child_processes(tmp_path: Path) -> None:
+    """SIGTERM ends ``persimmon train`` as Ctrl-C does: its loaders and PS shard processes
+    stop with it (by default Python would exit at once and leave them running)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "train",
+         "--train-data", "synthetic:4000000", "--ps", "processes", "--shards", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        children: set[int] = set()
+        while len(children) < 4:  # a loader, its held-out one, 2 shards
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, f"children seen: {children}"
+            children = _children(proc.pid)
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        left = [pid for pid in children if _alive(pid)]
+        for pid in left:  # what a failing run would leave behind
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    assert not left
