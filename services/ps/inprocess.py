@@ -147,6 +147,10 @@ class InProcessShards:
         self.dims = {t["name"]: int(t["dim"]) for t in found}
         return found
 
+    async def stats(self, table: str | None = None) -> list[dict[str, Any]]:
+        """Per-shard statistics, as :meth:`clients.ps_client.PSClient.stats` gives them."""
+        return [shard.stats(table) for shard in self.shards]
+
     @property
     def direct(self) -> bool:
         """Whether ``lookup_now``/``push_now`` may serve (not while a gate holds pushes)."""

@@ -172,11 +172,7 @@ class PSServicer:
     async def _stats(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         req = StatsRequest.from_wire(
             decode_message(raw, max_bytes=self.shard.config.max_message_bytes))
-        names = [req.table] if req.table is not None else list(self.shard.tables)
-        return encode_message(StatsReply(
-            shard_id=self.shard.config.shard_id,
-            tables={n: {**self.shard.table(n).stats(), **self.shard.staleness.stats(n)}
-                    for n in names}).to_wire())
+        return encode_message(StatsReply(**self.shard.stats(req.table)).to_wire())
 
 
 def _codec(name: str, codecs: dict[str, Codec]) -> Codec:

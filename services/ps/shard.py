@@ -120,6 +120,14 @@ class Shard:
             del self.tables[name]
         del self._locks[name]
 
+    def stats(self, table: str | None = None) -> dict[str, Any]:
+        """``{shard_id, tables: {name: counters, sizes and staleness}}`` of ``table`` or of
+        every table (what Stats answers)."""
+        names = [table] if table is not None else list(self.tables)
+        return {"shard_id": self.config.shard_id,
+                "tables": {n: {**self.table(n).stats(), **self.staleness.stats(n)}
+                           for n in names}}
+
     def describe(self, name: str) -> dict[str, Any]:
         table = self.table(name)
         return {"config": config_to_dict(table.config), "stats": table.stats()}

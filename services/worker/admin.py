@@ -1,11 +1,11 @@
 """A worker's live state and its admin REST API: health, Prometheus metrics, ``/v1/progress``,
-``/v1/curves`` and the live page ``/dashboard``.
+``/v1/curves``, ``/v1/shards`` and the live page ``/dashboard``.
 
 :class:`WorkerProgress` is what the Trainer updates every step (samples, throughput, loss,
 staleness, held-out evaluations) and times its PS round trips into; :func:`make_worker_admin`
 serves it. ``persimmon demo`` draws its progress bar from ``GET /v1/progress`` of rank 0 and
 prints the URL of its ``/dashboard``: one static HTML file (``dashboard.html``, package data,
-no library) that polls ``/v1/progress``, ``/v1/curves`` and ``/metrics``.
+no library) that polls ``/v1/progress``, ``/v1/curves``, ``/v1/shards`` and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 import time
 from collections import Counter as Tally
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib.resources import files
 from typing import Any
 
@@ -127,8 +127,12 @@ class WorkerProgress:
                               for k in sorted(self.staleness_counts)]}
 
 
+ShardStats = Callable[[], Awaitable[list[dict[str, Any]]]]  # the PS client's stats()
+
+
 def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str, Any]],
-                      ready: Callable[[], bool]) -> FastAPI:
+                      ready: Callable[[], bool], shards: ShardStats | None = None) -> FastAPI:
+    """The worker's admin app; ``shards`` reads the PS shards' statistics (``/v1/shards``)."""
     app = make_admin_app(title="Persimmon worker", registry=progress.registry, config=config,
                          ready=ready)
 
@@ -142,6 +146,12 @@ def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str
         """The loss curve, the held-out evaluations and the staleness histogram."""
         return progress.curves()
 
+    @app.get("/v1/shards", tags=["training"])
+    async def get_shards() -> dict[str, Any]:
+        """Per PS shard, its tables summed: rows (in RAM and on disk), bytes, ids looked up,
+        misses (ids that had no row) and their ratio, ids pushed; empty without a PS."""
+        return {"shards": [_shard_summary(s) for s in await shards()] if shards else []}
+
     @app.get("/dashboard", tags=["training"], response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
         """The live page of this worker (polls the JSON routes and /metrics)."""
@@ -152,6 +162,16 @@ def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str
         return RedirectResponse("/dashboard")
 
     return app
+
+
+def _shard_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    """One shard's Stats (``{shard_id, tables: {name: counters}}``), its tables summed."""
+    tables = stats["tables"].values()
+    total = {key: sum(int(t.get(key, 0)) for t in tables)
+             for key in ("rows", "disk_rows", "bytes", "ids_looked_up", "misses", "ids_pushed")}
+    looked = total["ids_looked_up"]
+    return {"shard_id": stats["shard_id"], "tables": len(tables), **total,
+            "miss_ratio": total["misses"] / looked if looked else None}
 
 
 @functools.cache

@@ -245,8 +245,9 @@ class Trainer:
             self._connected = True
             self.pipeline.check_tables()
         if self.config.admin_port is not None and self._admin is None:
+            stats = getattr(self.ps if self.ps is not None else self.pipeline.rows, "stats", None)
             app = make_worker_admin(self.progress, config=lambda: config_to_dict(self.config),
-                                    ready=lambda: self._connected)
+                                    ready=lambda: self._connected, shards=stats)
             port = self.config.admin_port  # ranks on one host: rank r serves port + r
             port = port + self.progress.rank if port else 0
             self._admin = AdminServer(app, self.config.admin_host, port)

@@ -13,13 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.admin import AdminServer
 from services.common.auth import ServerSecurity
 from services.common.codecs.streams import WireStatsCollector
+from services.common.sharding import ShardedIds
+from services.ps.inprocess import InProcessShards
 from services.worker.admin import WorkerProgress, make_worker_admin
+from services.worker.config import ps_table_configs
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 CODEC_ROWS = [{"stream": "ps_rows", "codec": "fp16", "direction": "received",
@@ -38,7 +42,9 @@ class LiveAdmin:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        app = make_worker_admin(self.progress, config=dict, ready=lambda: True)
+        self.shards = InProcessShards(ps_table_configs({"a": 4, "b": 4}), num_shards=2)
+        app = make_worker_admin(self.progress, config=dict, ready=lambda: True,
+                                shards=self.shards.stats)
         self.server = AdminServer(app, "127.0.0.1", 0, security=ServerSecurity())
         port = self.call(self.server.start)
         self.url = f"http://127.0.0.1:{port}"
@@ -104,6 +110,8 @@ for (const e of document.querySelectorAll("[data-value]")) shown[e.id] = parse(e
 for (const e of document.querySelectorAll("svg")) shown[e.id] = parse(e.dataset.points);
 shown.bytes = [...document.querySelectorAll("#bytes tbody tr")].map(
     r => [r.dataset.stream, r.dataset.codec, r.dataset.direction, +r.dataset.raw, +r.dataset.wire]);
+shown.shards = [...document.querySelectorAll("#shards tbody tr")].map(
+    r => JSON.parse(r.dataset.shard));
 shown.error = document.getElementById("error").textContent;
 return shown;
 """
@@ -122,6 +130,10 @@ def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> 
 
 def test_the_page_shows_what_the_admin_api_serves(admin: LiveAdmin, browser: Any,
                                                   tmp_path: Path) -> None:
+    ids = {"a": np.arange(300, dtype=np.uint64), "b": np.arange(50, dtype=np.uint64)}
+    layout, _ = ShardedIds.of_tables(ids, 2)
+    admin.shards.lookup_now(layout)  # 350 rows made: every id a miss
+    admin.shards.lookup_now(layout)  # then none
     admin.train(5, first_loss=0.7)
     browser.get(admin.url + "/dashboard?every=100")
     _wait(lambda: _shown(browser).get("step") == 5, "the page shows the first steps")
@@ -150,6 +162,10 @@ def test_the_page_shows_what_the_admin_api_serves(admin: LiveAdmin, browser: Any
     assert sorted(shown["bytes"]) == sorted(
         [c["stream"], c["codec"], c["direction"], c["raw_bytes"], c["wire_bytes"]]
         for c in CODEC_ROWS)
+    served = admin.get("/v1/shards").json()["shards"]
+    assert shown["shards"] == served and [s["shard_id"] for s in served] == [0, 1]
+    assert sum(s["rows"] for s in served) == 350 and sum(s["misses"] for s in served) == 350
+    assert all(s["miss_ratio"] == pytest.approx(0.5) for s in served)  # looked up twice
     assert shown["error"] == ""
     assert browser.save_screenshot(str(tmp_path / "dashboard.png"))
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
