@@ -149,7 +149,9 @@ def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str
     @app.get("/v1/shards", tags=["training"])
     async def get_shards() -> dict[str, Any]:
         """Per PS shard, its tables summed: rows (in RAM and on disk), bytes, ids looked up,
-        misses (ids that had no row) and their ratio, ids pushed; empty without a PS."""
+        misses (ids that had no row) and their ratio, ids pushed, and the global staleness of
+        its step-tagged lookups (pushes of every worker they missed: mean, max); empty
+        without a PS."""
         return {"shards": [_shard_summary(s) for s in await shards()] if shards else []}
 
     @app.get("/dashboard", tags=["training"], response_class=HTMLResponse)
@@ -169,9 +171,14 @@ def _shard_summary(stats: dict[str, Any]) -> dict[str, Any]:
     tables = stats["tables"].values()
     total = {key: sum(int(t.get(key, 0)) for t in tables)
              for key in ("rows", "disk_rows", "bytes", "ids_looked_up", "misses", "ids_pushed")}
-    looked = total["ids_looked_up"]
+    looked, tagged = total["ids_looked_up"], sum(int(t.get("tagged_lookups", 0)) for t in tables)
     return {"shard_id": stats["shard_id"], "tables": len(tables), **total,
-            "miss_ratio": total["misses"] / looked if looked else None}
+            "miss_ratio": total["misses"] / looked if looked else None,
+            "global_staleness_mean": sum(t.get("global_staleness_mean", 0.0)
+                                         * t.get("tagged_lookups", 0) for t in tables) / tagged
+            if tagged else None,
+            "global_staleness_max": max((int(t.get("global_staleness_max", 0)) for t in tables),
+                                        default=0)}
 
 
 @functools.cache
