@@ -132,7 +132,12 @@ class MultiplexedStream:
                 if entry is not None and not entry[0].done():
                     entry[0].set_result(body)
         except grpc.aio.AioRpcError as exc:
-            error = error_from_grpc(exc.code(), exc.details() or "")
+            if exc.code() == grpc.StatusCode.INTERNAL and "from Core" in (exc.details() or ""):
+                # the transport broke under the stream (its peer died): unavailable, so the
+                # requests it carried are retried (pushes are idempotent, lookups read)
+                error = Unavailable(f"{self._method} stream broke: {exc.details()}")
+            else:
+                error = error_from_grpc(exc.code(), exc.details() or "")
         except PersimmonError as exc:
             error = exc
         except asyncio.CancelledError:
