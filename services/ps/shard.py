@@ -190,13 +190,13 @@ class Shard:
             yield
 
     def _once(self, origin: PushOrigin | None, content: Callable[[], int],
-              parts: Sequence[PushPart], *, log: bool = True) -> PushResult:
+              parts: Sequence[PushPart]) -> PushResult:
         """Apply the validated ``parts``, at most once per ``origin``: a retry (same
-        ``content()`` fingerprint) gets the first ack; logged first (``log``). The caller
-        holds the pushed tables' locks, so the window, the log and the rows change together."""
+        ``content()`` fingerprint) gets the first ack; logged first (no log while a replay
+        reads it). The caller holds the pushed tables' locks, so the window, the log and the
+        rows change together."""
         if origin is None or not self.config.idempotent_pushes:
-            if log:
-                self._log(push_record(None, 0, parts))
+            self._log(push_record(None, 0, parts))
             return self._apply(parts)
         window = self.pushes
         fp = content()
@@ -204,8 +204,7 @@ class Shard:
         if done is not None:
             return done
         try:
-            if log:
-                self._log(push_record(origin, fp, parts))
+            self._log(push_record(origin, fp, parts))
             result = self._apply(parts)
         except BaseException:
             window.abandon(origin)
@@ -522,8 +521,7 @@ class Shard:
         retries = self.pushes.retries
         try:
             with self._holding([name for name, _, _ in parts]):
-                self._once(None if origin is None else PushOrigin(*origin), lambda: fp, parts,
-                           log=False)
+                self._once(None if origin is None else PushOrigin(*origin), lambda: fp, parts)
         except FailedPrecondition:  # below the window: older than pushes the state holds
             return False
         return self.pushes.retries == retries

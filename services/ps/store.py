@@ -149,10 +149,11 @@ class EmbeddingTable:
         with self._lock:
             slots = self._index.find(ids)
             rows, present = self._gather(ids, slots), slots >= 0
-            if self._disk is not None:
-                rec, found = self._disk.read(ids)
-                rows[found] = rec["row"][found].astype(np.float32)
-                present |= found
+            if self._disk is not None and not present.all():  # a row is in one tier only
+                cold = np.flatnonzero(~present)
+                rec, found = self._disk.read(ids[cold])
+                rows[cold[found]] = rec["row"][found].astype(np.float32)
+                present[cold[found]] = True
             return rows, present
 
     def ids(self) -> np.ndarray:

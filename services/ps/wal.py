@@ -88,13 +88,11 @@ class WriteAheadLog:
         self.fsync = WalFsync(fsync)
         self.fsync_interval_s = fsync_interval_s
         self.base: str | None = None  # the checkpoint the current segment follows
-        self.records = 0  # appended to the current segment (read back ones included)
         self.dropped_bytes = 0  # of a torn tail cut off by read()
         self._lock = threading.Lock()
         self._fd: int | None = None
-        self._path: Path | None = None
         self._dirty = False
-        self._read: tuple[Path, str | None, int] | None = None  # the segment read() read
+        self._read: tuple[Path, str | None] | None = None  # the segment read() read
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
 
@@ -124,7 +122,7 @@ class WriteAheadLog:
         header, *records = bodies
         if header.get("op") != "header" or header.get("format") != FORMAT:
             raise FailedPrecondition(f"WAL segment {path} has an unknown header {header}")
-        self._read = (path, header.get("base"), len(records))
+        self._read = (path, header.get("base"))
         return header.get("base"), records
 
     def resume(self) -> None:
@@ -149,18 +147,18 @@ class WriteAheadLog:
         finally:
             os.close(fd)
         fsync_dir(self.directory)
-        self._open(path, base, 0)
+        self._open(path, base)
         for p in old:
             p.unlink()
         if old:
             fsync_dir(self.directory)
 
-    def _open(self, path: Path, base: str | None, records: int) -> None:
+    def _open(self, path: Path, base: str | None) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
-            self._fd, self._path, self.base, self.records = fd, path, base, records
+            self._fd, self.base = fd, base
             self._dirty = False
         if self.fsync is WalFsync.BATCH and self._syncer is None:
             self._syncer = threading.Thread(target=self._sync_loop, name="wal-sync", daemon=True)
@@ -177,7 +175,6 @@ class WriteAheadLog:
                 raise FailedPrecondition("the write-ahead log is not open (read and resume it, "
                                          "or start a segment, first)")
             _write(self._fd, frame)
-            self.records += 1
             if self.fsync is WalFsync.ALWAYS:
                 os.fsync(self._fd)
             else:

@@ -29,7 +29,7 @@ from services.common.batch import Jagged
 from services.common.config import from_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.serve.export import DENSE, SPEC, open_tables, verify_version, version_chain
-from services.serve.rows import EmbeddingRows, InitialRows, PSLookup, PSRows
+from services.serve.rows import EmbeddingRows, InitialRows, PSLookup, PSRows, lookup_tables
 from services.serve.spec import Features, FeatureSpec
 from services.worker.models import ModelConfig
 from services.worker.pooling import plan_batch, pool_batch
@@ -157,8 +157,9 @@ class Predictor:
                                   f"{features.dense.shape}")
         plan = plan_batch({f: features.sparse[f] for f in self.features},
                           table_of=self.features, num_shards=1, groups=self._groups)
-        rows = [np.concatenate([self.tables[t].lookup(g.layout.table_ids(t))
-                                for t in g.layout.tables]) for g in plan.groups]
+        found = lookup_tables(self.tables, {t: g.layout.table_ids(t) for g in plan.groups
+                                            for t in g.layout.tables})
+        rows = [np.concatenate([found[t] for t in g.layout.tables]) for g in plan.groups]
         with torch.inference_mode():
             pooled = pool_batch(plan, rows, mode=self.pooling)
             out = self.model(pooled.pooled, torch.from_numpy(features.dense))

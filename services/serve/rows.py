@@ -25,14 +25,15 @@ import numpy as np
 from services.common.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["ROW_DTYPES", "EmbeddingRows", "InitialRows", "PSLookup", "PSRows", "RowLayer",
-           "TableRows", "decode_rows", "encode_rows", "find_sorted"]
+           "TableRows", "decode_rows", "encode_rows", "find_sorted", "lookup_tables"]
 
 ROW_DTYPES = ("float32", "float16", "int8")
 
 # (the PS table config as a dict, uint64 ids) -> float32 (n, dim): the rows before any update
 InitialRows = Callable[[Mapping[str, Any], np.ndarray], np.ndarray]
-# (table, uint64 ids) -> float32 (len(ids), dim): a read-only lookup on the live PS shards
-PSLookup = Callable[[str, np.ndarray], np.ndarray]
+# {table: uint64 ids} -> {table: float32 (len(ids), dim)}: one read-only lookup of several
+# tables on the live PS shards (one message per shard)
+PSLookup = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -177,17 +178,32 @@ class PSRows:
         self.name = name
         self.config = dict(config)
         self.dim = int(config["dim"])
-        self._lookup = lookup
+        self.read = lookup  # shared by every PS table of a version
         self.lookup(np.zeros(1, dtype=np.uint64))
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """float32 ``(len(ids), dim)``: the PS's rows now (initial rows for ids it lacks)."""
-        ids = np.asarray(ids, dtype=np.uint64)
-        rows = np.asarray(self._lookup(self.name, ids), dtype=np.float32)
-        if rows.shape != (ids.size, self.dim):
+        return lookup_tables({self.name: self}, {self.name: ids})[self.name]
+
+    def checked(self, ids: np.ndarray, rows: Any) -> np.ndarray:
+        """``rows`` the PS gave for ``ids``, float32, checked against the version's dim."""
+        rows = np.asarray(rows, dtype=np.float32)
+        if rows.shape != (np.size(ids), self.dim):
             raise FailedPrecondition(f"table {self.name} on the PS has rows of shape "
                                      f"{list(rows.shape[1:])}, the version dim {self.dim}")
         return rows
+
+
+def lookup_tables(tables: Mapping[str, EmbeddingRows | PSRows],
+                  ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Rows of each table's ids (``{table: ids}``); the tables on the PS in one read."""
+    ids = {t: np.asarray(i, dtype=np.uint64) for t, i in ids.items()}
+    on_ps = {t: rows for t, rows in tables.items() if t in ids and isinstance(rows, PSRows)}
+    out = {t: tables[t].lookup(i) for t, i in ids.items() if t not in on_ps}
+    if on_ps:
+        read = next(iter(on_ps.values())).read({t: ids[t] for t in on_ps})  # one read for all
+        out.update((t, rows.checked(ids[t], read[t])) for t, rows in on_ps.items())
+    return out
 
 
 def _load(path: Path) -> np.ndarray:

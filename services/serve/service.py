@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import grpc
 import numpy as np
 import torch
 
-from clients.ps_client import PSClient
+from clients.ps_client import PSClient, unique_ids
 from services.common.admin import AdminServer
 from services.common.config import config_to_dict
 from services.common.errors import FailedPrecondition
@@ -101,12 +102,15 @@ class ServeService(ServingService):
         if self._ps is not None:
             await self._ps.close()
 
-    def _ps_lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
-        """Read-only rows from the live PS; called from worker threads, never the loop's."""
+    def _ps_lookup(self, ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Read-only rows of several tables from the live PS in one read (a message per
+        shard); called from worker threads, never the loop's."""
         if self._ps is None or self._loop is None:
             raise FailedPrecondition("the PS client is not connected")
-        return asyncio.run_coroutine_threadsafe(
-            self._ps.lookup(table, ids, read_only=True), self._loop).result()
+        uniq = {t: unique_ids(i) for t, i in ids.items()}
+        rows = asyncio.run_coroutine_threadsafe(self._ps.lookup_tables(
+            {t: u for t, (u, _) in uniq.items()}, read_only=True), self._loop).result()
+        return {t: rows[t][inverse] for t, (_, inverse) in uniq.items()}
 
     async def _watch(self) -> None:
         """Look for a newer complete version every ``watch_interval_s``."""

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.common.errors import ConfigError
-from services.worker.sync.base import BaseSync, add_flat_, check_every, flatten
+from services.worker.sync.base import BaseSync, add_flat_, check_every, dense_grads, flatten
 
 __all__ = ["ChainEdges", "GADMMSync", "LogisticWorker", "logistic_objective",
            "planted_logistic", "run_chain", "simulate"]
@@ -220,10 +220,7 @@ class GADMMSync(BaseSync):
     def _on_backward(self, step: int) -> None:
         if self.edges is None:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
-        add_flat_(grads, self.edges.grad(flatten(self.params)))
+        add_flat_(dense_grads(self.params), self.edges.grad(flatten(self.params)))
 
     def _on_step(self, step: int) -> None:
         if self.edges is None or (step + 1) % self.every:
