@@ -24,13 +24,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from bench import write_json
+from services.common.commands import int_at_least
 
 __all__ = ["register_bench", "run"]
 
@@ -39,27 +39,27 @@ PS_NICE = 10
 POLICIES = ("always", "batch", "never")
 
 
-def _start_clusters(work: str, ways: list[str], shards: int, config: str,
-                    procs: list[subprocess.Popen[bytes]]) -> dict[str, list[str]]:
-    """The shard addresses of every way, all started side by side; each process started is
-    added to ``procs`` (to stop), also when another fails to start."""
-    from services.local.processes import start_service
+def _start_clusters(work: str, ways: list[str], shards: int, config: str
+                    ) -> tuple[dict[str, list[str]], list[subprocess.Popen[bytes]]]:
+    """The shard addresses of every way and the processes (to stop), all started side by
+    side (:func:`~services.local.processes.start_services`: one failing stops them all)."""
+    from services.local.processes import start_services
 
-    def start(way: str, k: int) -> str:
+    commands = []
+    for way in ways:
         flags = {"off": ["--idempotent-pushes", "false"], "on": []}.get(way)
         if flags is None:
             flags = ["--wal-dir", os.path.join(work, way),
                      "--wal-fsync", way.removeprefix("wal_")]
-        cmd = [sys.executable, "-m", "services.ps", "--log-level", "ERROR", "--config", config,
-               "--shard-id", str(k), "--num-shards", str(shards), *flags]
-        proc, grpc_port, _ = start_service(cmd, os.path.join(work, f"{way}-{k}.ready"),
-                                           timeout=300, nice=PS_NICE)
-        procs.append(proc)
-        return f"127.0.0.1:{grpc_port}"
-
-    with ThreadPoolExecutor(len(ways) * shards) as pool:
-        futures = {way: [pool.submit(start, way, k) for k in range(shards)] for way in ways}
-    return {way: [f.result() for f in started] for way, started in futures.items()}
+        for k in range(shards):
+            commands.append((
+                [sys.executable, "-m", "services.ps", "--log-level", "ERROR", "--config",
+                 config, "--shard-id", str(k), "--num-shards", str(shards), *flags],
+                os.path.join(work, f"{way}-{k}.ready")))
+    started = start_services(commands, timeout=300, nice=PS_NICE)
+    addresses = [f"127.0.0.1:{grpc_port}" for _, grpc_port, _ in started]
+    return ({way: addresses[i * shards:(i + 1) * shards] for i, way in enumerate(ways)},
+            [proc for proc, _, _ in started])
 
 
 def _train(addresses: list[str], batches: list[Any], config: Any) -> float:
@@ -83,8 +83,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     policies = [p for p in args.wal_fsync.split(",") if p]
     if not set(policies) <= set(POLICIES):
         raise ValueError(f"--wal-fsync takes a comma list of {POLICIES}, got {args.wal_fsync!r}")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     torch.set_num_threads(1)
     data = SyntheticDataset(SyntheticConfig(seed=args.seed))
     features = list(data.config.sparse_names)
@@ -98,9 +96,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ps_config = os.path.join(work, "ps.yaml")
         with open(ps_config, "w") as f:
             yaml.safe_dump({"tables": tables}, f)
-        procs: list[subprocess.Popen[bytes]] = []
+        clusters, procs = _start_clusters(work, ways, args.shards, ps_config)
         try:
-            clusters = _start_clusters(work, ways, args.shards, ps_config, procs)
             for way in ways:  # untimed: torch's and numba's one-time loading, on each path
                 _train(clusters[way], train[:2], config)
             for r in range(args.repeats):
@@ -147,7 +144,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mode", default="sync", choices=["sync", "hybrid", "async"])
     parser.add_argument("--wal-fsync", default="batch,always",
                         help=f"comma list of WAL fsync policies to measure, of {POLICIES}")
-    parser.add_argument("--repeats", type=int, default=7, help="paired repeats")
+    parser.add_argument("--repeats", type=int_at_least(1), default=7, help="paired repeats")
     parser.add_argument("--work-dir", help="where the WALs go (default: the temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_main)
