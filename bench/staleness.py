@@ -15,7 +15,7 @@ vocabularies, so a step has 8 tables of lookups and pushes to overlap with compu
 so every batch reads and writes the same hot rows; ``--data criteo`` the Criteo-shaped profile
 (26 features, vocabularies capped at 200k ids, Zipf 1.1).
 
-The S rows bound every table (``hot_ratio=0``): they show what the window costs. S = 0 bounds
+The S rows bound every row (``hot_ratio=0``, ``head_rate=0``): they show what the window costs. S = 0 bounds
 only a worker's own pushes; the ``global_sync`` row is synchronous across the workers (every
 worker's push of step t applied before any lookup of step t + 1), the baseline of a fair
 comparison with several workers. The last row is the default hybrid mode, S = 8 with the hot
@@ -62,10 +62,11 @@ def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> Tra
     if s == DEFAULT_ROW:
         defaults = TrainerConfig()
         return replace(base, mode="hybrid", staleness=defaults.staleness,
-                       hot_ratio=defaults.hot_ratio, hot_staleness=defaults.hot_staleness)
+                       hot_ratio=defaults.hot_ratio, hot_staleness=defaults.hot_staleness,
+                       head_rate=defaults.head_rate)
     if s == 0:
         return replace(base, mode="sync", staleness=0)
-    return replace(base, mode="hybrid", staleness=int(s), hot_ratio=0.0)
+    return replace(base, mode="hybrid", staleness=int(s), hot_ratio=0.0, head_rate=0.0)
 
 
 def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,

@@ -79,10 +79,10 @@ RUNS = {  # key: what the table calls it
     "hybrid_hot": "the same, hybrid with hot tables synchronous",
     "sync": "Persimmon, 2 shard processes over gRPC, sync",
 }
-_PERSIMMON_RUNS = {  # key: placement, mode, hot_ratio (None: the default)
-    "default": ("embedded", "hybrid", None), "sync_embedded": ("embedded", "sync", 0.0),
-    "hybrid_embedded": ("embedded", "hybrid", 0.0), "hybrid": ("processes", "hybrid", 0.0),
-    "hybrid_hot": ("processes", "hybrid", None), "sync": ("processes", "sync", 0.0)}
+_PERSIMMON_RUNS = {  # key: placement, mode, hot tables and head ids as by default (else none)
+    "default": ("embedded", "hybrid", True), "sync_embedded": ("embedded", "sync", False),
+    "hybrid_embedded": ("embedded", "hybrid", False), "hybrid": ("processes", "hybrid", False),
+    "hybrid_hot": ("processes", "hybrid", True), "sync": ("processes", "sync", False)}
 _RTT_RUNS = ("hybrid", "hybrid_hot", "sync")
 
 
@@ -99,7 +99,7 @@ def _warm_up_torch() -> None:
 
 
 def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str], dim: int,
-               seed: int, placement: str, mode: str, hot_ratio: float | None,
+               seed: int, placement: str, mode: str, hot: bool,
                rtt_ms: float | None = None) -> dict[str, Any]:
     """One Persimmon run; ``rtt_ms``: the shard processes behind a :class:`LatencyProxy`."""
     from services.local.processes import LocalPS
@@ -111,8 +111,8 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
     tables = ps_table_configs(dict.fromkeys(features, dim), lr=_PS_LR)
     config = TrainerConfig(mode=mode, staleness=8, lr=_DENSE_LR, pooling="mean", seed=seed,
                            ps_process=placement == "processes")
-    if hot_ratio is not None:
-        config = replace(config, hot_ratio=hot_ratio)
+    if not hot:
+        config = replace(config, hot_ratio=0.0, head_rate=0.0)
     train_on = dict(train_batches=train, eval_batches=test, model=ModelConfig(name="dlrm"),
                     config=config)
     if placement == "embedded":

@@ -151,6 +151,19 @@ class ShardedIds:
     def num_shards(self) -> int:
         return int(self.counts.shape[0])
 
+    def subset(self, keep: np.ndarray) -> ShardedIds:
+        """The layout of the ids where the boolean mask ``keep`` holds, in the same order,
+        with the same tables and tag."""
+        cells = np.repeat(np.arange(self.counts.size), self.counts.ravel())
+        counts = np.bincount(cells[keep], minlength=self.counts.size)
+        return ShardedIds(self.tables, self.ids[keep], counts.reshape(self.counts.shape),
+                          tag=self.tag)
+
+    def table_index(self) -> np.ndarray:
+        """For every id, the index of its table in ``tables``."""
+        cells = np.arange(self.counts.size) % len(self.tables)
+        return np.repeat(cells, self.counts.ravel())
+
     def table_ids(self, table: str) -> np.ndarray:
         """The ids of one table, shard by shard."""
         j = self.tables.index(table)

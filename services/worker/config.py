@@ -53,6 +53,9 @@ class TrainerConfig:
                 "sample (hot rows) get hot_staleness instead of staleness (0: none)"})
     hot_staleness: int = field(default=1, metadata={
         "help": "hybrid: the staleness bound of hot tables (1: synchronous)"})
+    head_rate: float = field(default=1.0, metadata={
+        "help": "hybrid, shards in this process: ids seen at least this often per batch are "
+                "read and updated by the compute thread, synchronously (0: none)"})
     dense_optimizer: str = field(default="adam", metadata={
         "help": "adam, adagrad, sgd, lamb, onebit_adam or onebit_lamb (these two all-reduce "
                 "themselves)"})
@@ -178,6 +181,8 @@ class TrainerConfig:
     def _check_hot(self) -> None:
         if not 0 <= self.hot_ratio <= 1:
             raise ConfigError(f"hot_ratio must be in [0, 1], got {self.hot_ratio}")
+        if not self.head_rate >= 0:
+            raise ConfigError(f"head_rate must be >= 0, got {self.head_rate}")
         if isinstance(self.hot_staleness, bool) or not isinstance(self.hot_staleness, int) \
                 or self.hot_staleness < 1:
             raise ConfigError(f"hot_staleness must be an int >= 1, got {self.hot_staleness!r}")

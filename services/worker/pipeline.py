@@ -38,6 +38,9 @@ rows live in this process (a :class:`clients.rows.DirectRows`, e.g. embedded sha
 ``hot_window`` is 1, the compute thread itself reads a batch's hot rows just before its step
 (:meth:`EmbeddingPipeline.read_hot`) and applies their gradients just after
 (:meth:`EmbeddingPipeline.apply_hot`): synchronous hot tables with no round trip to wait for.
+The same holds there for the *head ids* of the other tables (``head_rate``,
+:mod:`services.worker.heads`): their most frequent ids are read and updated by the compute
+thread, the rest keep the window.
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
@@ -74,6 +77,7 @@ from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
 from services.common.lifecycle import settle
 from services.worker.exchange import EmbeddingPath, RowsPath
+from services.worker.heads import HeadIds, SplitBatch
 from services.worker.pooling import BatchPlan, plan_batch
 
 __all__ = ["Batches", "EmbeddingPipeline", "Prepared", "StepTimers", "iterate"]
@@ -106,6 +110,7 @@ class Prepared:
     plan: BatchPlan
     rows: Rows
     staleness: int
+    split: SplitBatch | None = None  # its head ids, read and updated by the compute thread
 
 
 @dataclass(slots=True)
@@ -125,6 +130,7 @@ class _Ahead:
     plan: BatchPlan
     looked_up: asyncio.Task[tuple[Rows, int]]
     hot: asyncio.Future[Rows] | None = None
+    split: SplitBatch | None = None
 
 
 @dataclass(slots=True)
@@ -158,7 +164,8 @@ class EmbeddingPipeline:
     ``workers``: this worker's rank and the number of workers, in the step tags;
     ``barrier``: awaited by every acknowledged push before its slot is freed (then no batch
     rides on a push; see the module doc). ``path``: what a lookup and a push send
-    (:mod:`services.worker.exchange`; default unique rows).
+    (:mod:`services.worker.exchange`; default unique rows). ``head_rate``: where the rows
+    live in this process, ids seen at least this often per batch are head ids (None: none).
     """
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
@@ -166,7 +173,7 @@ class EmbeddingPipeline:
                  timers: StepTimers | None = None, hot_ratio: float | None = None,
                  hot_window: int = 1, worker: int = 0, workers: int = 1,
                  barrier: Callable[[], Awaitable[Any]] | None = None,
-                 path: EmbeddingPath | None = None) -> None:
+                 path: EmbeddingPath | None = None, head_rate: float | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
@@ -197,6 +204,8 @@ class EmbeddingPipeline:
         self._chain: _HotChain | None = None
         self._direct_hot: list[int] = []  # hot groups the compute thread reads and updates
         self._direct_rows: DirectRows | None = None  # the rows client they are read from
+        self._head_rate = head_rate if window != 1 else None
+        self.heads: HeadIds | None = None  # the windowed groups' head ids, once decided
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._windowed: list[int] = []  # the groups under the staleness window (not hot)
         self._slots: asyncio.Semaphore | None = None
@@ -259,19 +268,22 @@ class EmbeddingPipeline:
         if self._groups is None:
             await self._ensure_dims()
             self._groups = self._table_groups()
-            self._windowed = list(range(len(self._groups)))
+            hot: list[int] = []
             if self._hot_ratio:
                 first = plan_batch(features, table_of=self.tables, groups=self._groups)
                 limit = self._hot_ratio * max(batch.size, 1)
                 self.hot_tables = [t for t, ids in first.unique.items() if ids.size <= limit]
                 self._groups = self._table_groups(self.hot_tables)
                 hot = [i for i, g in enumerate(self._groups) if g[0] in self.hot_tables]
-                if hot and self._hot_window == 1 and isinstance(self.rows, DirectRows) \
-                        and self.rows.direct and isinstance(self.path, RowsPath):
-                    self._direct_hot, self._direct_rows = hot, self.rows
-                elif hot:
-                    self._chain = _HotChain(self, hot, self._hot_window)
-                self._windowed = [i for i in range(len(self._groups)) if i not in hot]
+            self._windowed = [i for i in range(len(self._groups)) if i not in hot]
+            direct = self.rows if (isinstance(self.rows, DirectRows) and self.rows.direct
+                                   and isinstance(self.path, RowsPath)) else None
+            if hot and self._hot_window == 1 and direct is not None:
+                self._direct_hot, self._direct_rows = hot, direct
+            elif hot:
+                self._chain = _HotChain(self, hot, self._hot_window)
+            if direct is not None and self._head_rate and self._windowed:
+                self.heads, self._direct_rows = HeadIds(self._windowed, self._head_rate), direct
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
 
@@ -307,6 +319,10 @@ class EmbeddingPipeline:
         if self._direct_rows is not None:
             for i in self._direct_hot:
                 item.rows[i] = self._direct_rows.lookup_now(item.plan.groups[i].layout)
+            if item.split is not None:
+                for i, (_, head, _) in item.split.groups.items():
+                    item.rows[i] = item.split.rows(i, item.rows[i],
+                                                   self._direct_rows.lookup_now(head))
 
     def apply_hot(self, item: Prepared, grads: Rows) -> None:
         """Apply ``item``'s direct hot groups' gradients now (from the compute thread, just
@@ -314,6 +330,9 @@ class EmbeddingPipeline:
         if self._direct_rows is not None:
             for i in self._direct_hot:
                 self._direct_rows.push_now(item.plan.groups[i].layout, grads[i])
+            if item.split is not None:
+                for i, (head_at, head, _) in item.split.groups.items():
+                    self._direct_rows.push_now(head, grads[i][head_at])
 
     # ---- one run: lookups ahead of compute ----------------------------------------------
 
@@ -353,16 +372,18 @@ class EmbeddingPipeline:
                     await first(batch)
                     first = None
                 hot = self._chain.request(plan) if self._chain is not None else None
+                split = self.heads.split(plan) if self.heads is not None else None
+                wire = split.remote if split is not None else plan  # what the window sends
                 if slots is not None and slots.locked():  # ride on the push that frees one
-                    rider = _Rider(plan, asyncio.get_running_loop().create_future())
+                    rider = _Rider(wire, asyncio.get_running_loop().create_future())
                     self._riders.append(rider)
                     looked_up = asyncio.create_task(self._ride(rider))
                 else:
                     if slots is not None:
                         await slots.acquire()
-                    looked_up = asyncio.create_task(self._look_up(plan, self._unacked))
+                    looked_up = asyncio.create_task(self._look_up(wire, self._unacked))
                     self._unacked += 1
-                await ahead.put(_Ahead(batch, plan, looked_up, hot))
+                await ahead.put(_Ahead(batch, plan, looked_up, hot, split))
                 taken += 1
             await ahead.put(None)
             await feeder
@@ -408,7 +429,7 @@ class EmbeddingPipeline:
                 if not self._windowed:
                     staleness = 0  # every table is hot: each lookup saw every earlier push
                 await put(Prepared(item.batch, item.plan, self._merge(item.plan, rows, hot),
-                                   staleness))
+                                   staleness, item.split))
             await put(None)
         except Exception as exc:  # a failed lookup: the consumer raises it
             fail(exc)
@@ -450,13 +471,15 @@ class EmbeddingPipeline:
             self._carried += 1
         hot_push = (asyncio.ensure_future(self._chain.push(item.plan, grads))
                     if self._chain is not None else None)
+        plan, sent = ((item.plan, grads) if item.split is None else
+                      (item.split.remote, item.split.remote_grads(grads)))  # heads: applied
         try:
             started = time.perf_counter()
             if rider is None:
-                await asyncio.gather(*(self.path.push(self.rows, item.plan, i, grads[i])
+                await asyncio.gather(*(self.path.push(self.rows, plan, i, sent[i])
                                        for i in self._windowed))
             else:
-                state.rows = await self._push_then_lookup(item.plan, grads, rider.plan)
+                state.rows = await self._push_then_lookup(plan, sent, rider.plan)
                 if self._timers is not None:
                     self._timers.lookup_seconds.observe(time.perf_counter() - started)
             if hot_push is not None:

@@ -19,6 +19,7 @@ import pytest
 
 from services.common.batch import Batch, Jagged
 from services.common.errors import ConfigError, InvalidArgument
+from services.common.sharding import ShardedIds
 from services.ps.inprocess import InProcessShards, PushGate
 from services.worker.pipeline import EmbeddingPipeline, Prepared
 
@@ -351,6 +352,28 @@ async def test_direct_hot_tables_see_every_earlier_push_with_no_round_trip() -> 
     assert pipeline.hot_tables == ["u"]
     assert missed["u"] == [0] * N
     assert max(missed["t"]) == window - 1
+
+
+async def test_head_ids_of_a_windowed_table_are_read_and_updated_by_the_compute_thread(
+        ) -> None:
+    """Table ``t`` holds ROW_ID in every batch and three ids no other batch has: with
+    head_rate 1, ROW_ID is a head id from the second batch on (seen twice), read just before
+    each step and updated just after; the fresh ids keep the window (their pushes still wait
+    at the gate). ROW_ID's row then misses at most the first batch's push (sent through the
+    window before it was head), never window - 1, and in the end holds every push exactly
+    once (a head gradient also sent by push() applies twice, one never applied is missing)."""
+    window = 4
+    gate = PushGate()
+    shards = DirectGatedShards([table(name="t"), table(name="u")], gate=gate)
+    pipeline = EmbeddingPipeline(shards, window=window, tables={"f": "t", "g": "u"},
+                                 hot_ratio=0.3, head_rate=1.0)
+    missed = await missed_per_table(pipeline, gate, pushes=N, direct=True)
+    assert pipeline.heads is not None and pipeline.heads.head_count() == 1
+    assert missed["u"] == [0] * N
+    assert max(missed["t"]) <= 1 < window - 1
+    row, _ = ShardedIds.of_tables({"t": np.array([ROW_ID])}, shards.num_shards)
+    final = shards.lookup_now(row)
+    assert np.array_equal(final[0], np.ones(N, np.float32))
 
 
 def test_hot_settings_are_checked() -> None:

@@ -1,0 +1,92 @@
+"""Head ids (:mod:`services.worker.heads`): which ids are head, and how a batch is split.
+
+Batches are built so that each id's rate per batch is known: in table ``a`` id 1 occurs 3 times
+in every batch and id 2 once every other batch; in table ``b`` id 1 once in every batch and id 2
+(the same value as ``a``'s id 2) 3 times in every batch; every batch also has ids no other
+batch has.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.common.errors import ConfigError
+from services.worker.heads import HeadIds
+from services.worker.pooling import BatchPlan, plan_batch
+
+SHARDS = 2
+
+
+def plan(b: int) -> BatchPlan:
+    fresh = [1000 + 10 * b + k for k in range(4)]
+    a = [1, 1, 1, *([2] if b % 2 == 0 else []), *fresh]
+    bb = [1, 2, 2, 2, *fresh]
+    features = {name: (np.array(ids, np.uint64), np.ones(len(ids), np.int32))
+                for name, ids in (("a", a), ("b", bb))}
+    # one sample per id: both features need the same count
+    size = max(len(a), len(bb))
+    for name in features:
+        values, _ = features[name]
+        values = np.concatenate([values, np.full(size - values.size, 5000 + b, np.uint64)])
+        features[name] = (values, np.ones(size, np.int32))
+    return plan_batch(features, num_shards=SHARDS, groups=[["a", "b"]])
+
+
+def heads_of(heads: HeadIds, p: BatchPlan) -> set[tuple[str, int]]:
+    """The (table, id) pairs of ``p`` that ``heads`` splits off as head ids."""
+    split = heads.split(p)
+    if split is None:
+        return set()
+    head_at, layout, _ = split.groups[0]
+    tables = p.groups[0].layout.table_index()[head_at]
+    full = p.groups[0].layout
+    assert np.array_equal(layout.ids, full.ids[head_at])
+    return {(full.tables[t], int(i)) for t, i in zip(tables, layout.ids, strict=True)}
+
+
+@pytest.mark.parametrize(("rate", "expected"), [
+    (1.0, {("a", 1), ("b", 1), ("b", 2)}),    # a's id 2 is seen 0.5 times per batch
+    (2.0, {("a", 1), ("b", 2)}),              # b's id 1 once per batch: not head at 2
+    (0.5, {("a", 1), ("a", 2), ("b", 1), ("b", 2)}),
+])
+def test_head_ids_are_the_ids_seen_at_least_rate_times_per_batch(rate, expected) -> None:
+    """Per table: a's id 2 and b's id 2 share a value but not a rate (a key that ignores the
+    table fails the first case); fresh ids are never head (seen once)."""
+    heads = HeadIds([0], rate, memory=8)
+    got = [heads_of(heads, plan(b)) for b in range(24)]
+    assert got[0] == {("a", 1), ("b", 2)}  # one batch: ids seen at least twice in it
+    for b in range(8, 24):  # a's id 2 is only in the even batches
+        assert got[b] == (expected if b % 2 == 0 else expected - {("a", 2)}), b
+
+
+def test_a_split_sends_the_rest_and_puts_rows_back_in_place() -> None:
+    heads = HeadIds([0], 1.0)
+    for b in range(4):
+        p = plan(b)
+        split = heads.split(p)
+    assert split is not None
+    head_at, head_layout, rest_at = split.groups[0]
+    full = p.groups[0].layout
+    remote = split.remote.groups[0].layout
+    assert sorted([*head_at, *rest_at]) == list(range(full.ids.size))
+    assert np.array_equal(remote.ids, full.ids[rest_at])
+    # each (shard, table) cell keeps its ids: the counts add up to the full layout's
+    assert np.array_equal(remote.counts + head_layout.counts, full.counts)
+    assert remote.tag == full.tag and split.remote.groups[0].inverse is p.groups[0].inverse
+    # rows come back in the full layout's order; gradients go out as the rest's
+    rows = np.arange(full.ids.size, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+    assert np.array_equal(split.rows(0, rows[rest_at], rows[head_at]), rows)
+    (sent,) = split.remote_grads([rows])
+    assert np.array_equal(sent, rows[rest_at])
+
+
+def test_no_head_ids_no_split_and_bad_settings_are_clear() -> None:
+    heads = HeadIds([0], 100.0)
+    assert all(heads.split(plan(b)) is None for b in range(4))
+    assert heads.head_count() == 0
+    for bad in (0.0, -1.0):
+        with pytest.raises(ConfigError, match="rate"):
+            HeadIds([0], bad)
+    with pytest.raises(ConfigError, match="memory"):
+        HeadIds([0], 1.0, memory=0)
