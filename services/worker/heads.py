@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+from numba import njit
 
 from services.common.errors import ConfigError
 from services.common.sharding import ShardedIds
@@ -38,6 +39,37 @@ def _keys(layout: ShardedIds) -> np.ndarray:
     (ids of two tables may share a key: that only moves a row to the other path)."""
     tables = layout.table_index().astype(np.uint64) + np.uint64(1)
     return layout.ids ^ (tables * _MIX)
+
+
+@njit(cache=True, nogil=True)
+def _hash_set(keys):  # pragma: no cover - numba
+    """An open-addressing set of ``keys`` (0 marks a free slot: a key 0 is never a member)."""
+    size = 2
+    while size < 2 * keys.size:
+        size *= 2
+    table = np.zeros(size, dtype=np.uint64)
+    mask = np.uint64(size - 1)
+    for key in keys:
+        at = (key * _MIX) >> np.uint64(40) & mask
+        while table[at] != 0 and table[at] != key:
+            at = (at + np.uint64(1)) & mask
+        table[at] = key
+    return table
+
+
+@njit(cache=True, nogil=True)
+def _members(table, keys, out):  # pragma: no cover - numba
+    """``out[k]``: ``keys[k]`` is in the set ``table`` (:func:`_hash_set`)."""
+    mask = np.uint64(table.size - 1)
+    for k in range(keys.size):
+        key = keys[k]
+        at = (key * _MIX) >> np.uint64(40) & mask
+        out[k] = False
+        while table[at] != 0:
+            if table[at] == key:
+                out[k] = True
+                break
+            at = (at + np.uint64(1)) & mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,25 +100,27 @@ class SplitBatch:
 
 class HeadIds:
     """Which ids of the windowed groups are head ids (see the module doc): the ids seen at
-    least ``rate`` times per batch on average over the last ``memory`` batches, decided again
-    after batches 1, 2, 4, ... and then every ``memory`` batches."""
+    least ``rate`` times per batch on average over the last ``memory`` batches (at most),
+    decided after batches 1, 2, 4, ... up to ``memory`` and then every ``every`` batches."""
 
-    def __init__(self, groups: Sequence[int], rate: float, memory: int = 16) -> None:
+    def __init__(self, groups: Sequence[int], rate: float, memory: int = 16,
+                 every: int = 64) -> None:
         if not rate > 0:
             raise ConfigError(f"head rate must be > 0, got {rate!r}")
-        if memory < 1:
-            raise ConfigError(f"head memory must be >= 1, got {memory!r}")
+        if memory < 1 or every < 1:
+            raise ConfigError(f"head memory and every must be >= 1, got {memory!r}, {every!r}")
         self.groups = list(groups)
         self.rate = rate
-        self.memory = memory
+        self.memory, self.every = memory, every
         self._seen: dict[int, collections.deque[tuple[np.ndarray, np.ndarray]]] = {
             i: collections.deque(maxlen=memory) for i in self.groups}
-        self._head: dict[int, np.ndarray] = {i: np.empty(0, np.uint64) for i in self.groups}
+        self._head: dict[int, np.ndarray] = {}  # per group: a hash set of its head keys
+        self._count_now = 0
         self._batches = 0
 
     def head_count(self) -> int:
         """Head ids now, over every group."""
-        return sum(h.size for h in self._head.values())
+        return self._count_now
 
     def split(self, plan: BatchPlan) -> SplitBatch | None:
         """Count ``plan``'s ids, then split its groups by the head ids decided so far (None
@@ -95,11 +129,11 @@ class HeadIds:
         self._count(plan, keys)
         groups = {}
         for i, k in keys.items():
-            head = self._head[i]
-            if not head.size or not k.size:
+            head = self._head.get(i)
+            if head is None or not k.size:
                 continue
-            at = np.minimum(np.searchsorted(head, k), head.size - 1)
-            is_head = head[at] == k
+            is_head = np.empty(k.size, dtype=bool)
+            _members(head, k, is_head)
             if is_head.any():
                 layout = plan.groups[i].layout
                 groups[i] = (np.flatnonzero(is_head), layout.subset(is_head),
@@ -122,9 +156,10 @@ class HeadIds:
             self._seen[i].append((k, occurs))
         self._batches += 1
         n = self._batches
-        if n & (n - 1) == 0 and n <= self.memory or n % self.memory == 0:
-            for i, seen in self._seen.items():
-                self._head[i] = self._decide(seen)
+        if n & (n - 1) == 0 and n <= self.memory or n % self.every == 0:
+            heads = {i: self._decide(seen) for i, seen in self._seen.items()}
+            self._count_now = sum(h.size for h in heads.values())
+            self._head = {i: _hash_set(h) for i, h in heads.items() if h.size}
 
     def _decide(self, seen: collections.deque[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         keys = np.concatenate([k for k, _ in seen])
