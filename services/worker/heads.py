@@ -1,4 +1,5 @@
-"""Head ids: the rows of a large table that nearly every batch touches, kept synchronous.
+"""Hot rows: head ids (the rows of a large table that nearly every batch touches) and the hot
+chain that keeps them, with the hot tables, under a window of their own.
 
 Under a staleness window of S batches a row misses the updates of the batches in flight
 that touched it. Under Zipf traffic that costs nothing for the tail of a table (an id seen
@@ -18,18 +19,27 @@ it is applied: an id that moves between the two is applied once either way.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, Unavailable
+from services.common.lifecycle import settle
 from services.common.sharding import ShardedIds
 from services.worker.pooling import BatchPlan
 
-__all__ = ["HeadIds", "SplitBatch"]
+if TYPE_CHECKING:
+    from services.worker.pipeline import EmbeddingPipeline
+
+__all__ = ["HeadIds", "HotChain", "SplitBatch"]
+
+Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # spreads a table's index over the bits of its ids' keys
 
@@ -76,26 +86,32 @@ def _members(table, keys, out):  # pragma: no cover - numba
 class SplitBatch:
     """One batch's windowed groups split into head ids and the rest.
 
-    ``remote`` is the batch's plan with each split group's layout holding the rest only (what
-    the lookups and pushes under the window send); ``groups`` maps a split group's index to
-    the positions of its head ids in the full layout, their layout, and the positions of the
-    rest."""
+    ``remote`` is the batch's plan with each windowed group's layout holding the rest only
+    (what the lookups and pushes under the window send), ``head`` the plan with each windowed
+    group's layout holding its head ids only (possibly none); ``groups`` maps a windowed
+    group's index to the positions of its head ids in the full layout and those of the rest.
+    """
 
     remote: BatchPlan
-    groups: dict[int, tuple[np.ndarray, ShardedIds, np.ndarray]]
+    head: BatchPlan
+    groups: dict[int, tuple[np.ndarray, np.ndarray]]
 
     def rows(self, group: int, rest: np.ndarray, head: np.ndarray) -> np.ndarray:
         """The group's rows in the full layout's order from the rest's and the head's."""
-        head_at, _, rest_at = self.groups[group]
-        out = np.empty((head_at.size + rest_at.size, head.shape[1]), dtype=head.dtype)
+        head_at, rest_at = self.groups[group]
+        dim = head.shape[1] if head.size else rest.shape[1]
+        out = np.empty((head_at.size + rest_at.size, dim), dtype=rest.dtype)
         out[head_at] = head
         out[rest_at] = rest
         return out
 
     def remote_grads(self, grads: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Every group's gradients as the remote plan sends them (the rest's of split
-        groups)."""
-        return [g[self.groups[i][2]] if i in self.groups else g for i, g in enumerate(grads)]
+        """Every group's gradients as ``remote`` sends them (the rest's of windowed groups)."""
+        return [g[self.groups[i][1]] if i in self.groups else g for i, g in enumerate(grads)]
+
+    def head_grads(self, grads: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Every group's gradients as ``head`` sends them (the head ids' of windowed groups)."""
+        return [g[self.groups[i][0]] if i in self.groups else g for i, g in enumerate(grads)]
 
 
 class HeadIds:
@@ -122,31 +138,21 @@ class HeadIds:
         """Head ids now, over every group."""
         return self._count_now
 
-    def split(self, plan: BatchPlan) -> SplitBatch | None:
-        """Count ``plan``'s ids, then split its groups by the head ids decided so far (None
-        where no group holds one)."""
+    def split(self, plan: BatchPlan) -> SplitBatch:
+        """Count ``plan``'s ids, then split its windowed groups by the head ids decided so
+        far."""
         keys = {i: _keys(plan.groups[i].layout) for i in self.groups}
         self._count(plan, keys)
-        groups = {}
+        remote, head, groups = list(plan.groups), list(plan.groups), {}
         for i, k in keys.items():
-            head = self._head.get(i)
-            if head is None or not k.size:
-                continue
-            is_head = np.empty(k.size, dtype=bool)
-            _members(head, k, is_head)
-            if is_head.any():
-                layout = plan.groups[i].layout
-                groups[i] = (np.flatnonzero(is_head), layout.subset(is_head),
-                             np.flatnonzero(~is_head))
-        if not groups:
-            return None
-        remote = list(plan.groups)
-        for i, (_, _, rest_at) in groups.items():
+            is_head = np.zeros(k.size, dtype=bool)
+            if (members := self._head.get(i)) is not None:
+                _members(members, k, is_head)
             layout = plan.groups[i].layout
-            keep = np.zeros(layout.ids.size, dtype=bool)
-            keep[rest_at] = True
-            remote[i] = replace(remote[i], layout=layout.subset(keep))
-        return SplitBatch(replace(plan, groups=remote), groups)
+            groups[i] = (np.flatnonzero(is_head), np.flatnonzero(~is_head))
+            remote[i] = replace(remote[i], layout=layout.subset(~is_head))
+            head[i] = replace(head[i], layout=layout.subset(is_head))
+        return SplitBatch(replace(plan, groups=remote), replace(plan, groups=head), groups)
 
     def _count(self, plan: BatchPlan, keys: dict[int, np.ndarray]) -> None:
         """Remember the batch's keys with how often each occurs; decide the head ids again
@@ -167,3 +173,63 @@ class HeadIds:
         unique, where = np.unique(keys, return_inverse=True)
         total = np.bincount(where, weights=occurs, minlength=unique.size)
         return unique[total >= max(2.0, self.rate * len(seen))]
+
+
+class HotChain:
+    """The hot groups' rows (hot tables, and the head ids of the windowed groups where the
+    rows are remote) under a window of ``window`` batches: a batch's lookup starts only
+    once the push of the batch ``window`` before it is acknowledged; that push carries the
+    lookup when the batch is planned already (one message per shard and group), else the
+    batch looks up on its own after it. Window 1 is synchronous."""
+
+    def __init__(self, pipeline: EmbeddingPipeline, groups: list[int], window: int) -> None:
+        self.pipeline = pipeline
+        self.groups = groups
+        self.window = window
+        self._waiting: collections.deque[tuple[BatchPlan, asyncio.Future[Rows]]] = \
+            collections.deque()
+        self._out = 0  # batches looked up whose push is not acknowledged yet
+
+    def reset(self) -> None:
+        """Forget the batches of a finished run."""
+        for _, future in self._waiting:
+            future.cancel()
+        self._waiting.clear()
+        self._out = 0
+
+    def request(self, plan: BatchPlan) -> asyncio.Future[Rows]:
+        """The future rows of ``plan``'s hot groups (batches must request in their order)."""
+        future: asyncio.Future[Rows] = asyncio.get_running_loop().create_future()
+        self._waiting.append((plan, future))
+        self._advance()
+        return future
+
+    def _advance(self) -> None:
+        while self._out < self.window and self._waiting:
+            plan, future = self._waiting.popleft()
+            self._out += 1
+            task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups))
+            task.add_done_callback(functools.partial(settle, future))
+
+    async def push(self, plan: BatchPlan, grads: Rows) -> None:
+        """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
+        batch its rows, looked up in the same message."""
+        pipeline = self.pipeline
+        following = self._waiting.popleft() if self._waiting else None
+        try:
+            if following is None:
+                await asyncio.gather(*(pipeline.path.push(pipeline.rows, plan, i, grads[i])
+                                       for i in self.groups))
+            else:
+                done = await asyncio.gather(*(pipeline.path.push_then_lookup(
+                    pipeline.rows, plan, i, grads[i], following[0]) for i in self.groups))
+                if not following[1].done():
+                    following[1].set_result(list(done))
+        except BaseException as exc:
+            if following is not None and not following[1].done():
+                following[1].set_exception(exc if isinstance(exc, Exception)
+                                           else Unavailable("the push it rode on was cancelled"))
+            raise
+        if following is None:
+            self._out -= 1
+            self._advance()

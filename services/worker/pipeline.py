@@ -29,18 +29,15 @@ applied at every shard before any worker's lookup of step t + 1 starts.
 Every batch a run trains has its layouts tagged (worker rank, step, workers): the PS counts, per
 lookup, the earlier pushes of every worker it did not see (``services.ps.staleness``).
 
-*Hot tables* have a window of their own, ``hot_window`` (1: synchronous): a table whose first
-batch holds at most ``hot_ratio`` distinct ids per sample (its rows are touched by nearly every
-batch) gets its rows for batch t only once the push of batch t - hot_window to it is
-acknowledged, in the same message (:class:`_HotChain`). Stale updates hurt such rows most:
-every one of the batches in flight moves them. The other tables keep ``window``. Where the
-rows live in this process (a :class:`clients.rows.DirectRows`, e.g. embedded shards) and
-``hot_window`` is 1, the compute thread itself reads a batch's hot rows just before its step
-(:meth:`EmbeddingPipeline.read_hot`) and applies their gradients just after
-(:meth:`EmbeddingPipeline.apply_hot`): synchronous hot tables with no round trip to wait for.
-The same holds there for the *head ids* of the other tables (``head_rate``,
-:mod:`services.worker.heads`): their most frequent ids are read and updated by the compute
-thread, the rest keep the window.
+*Hot tables* (whose first batch holds at most ``hot_ratio`` distinct ids per sample) and the
+*head ids* of the others (their most frequent ids, ``head_rate``, :mod:`services.worker.heads`)
+are rows nearly every batch touches, which stale updates hurt most. They have a window of
+their own, ``hot_window`` (1: synchronous): batch t gets them only once the push of batch
+t - hot_window to them is acknowledged, in the same message (:class:`HotChain`). Where the
+rows live in this process (a :class:`clients.rows.DirectRows`, e.g. embedded shards), the
+compute thread itself reads them just before its step (:meth:`EmbeddingPipeline.read_hot`)
+and applies their gradients just after (:meth:`EmbeddingPipeline.apply_hot`): synchronous,
+with no round trip to wait for (hot tables so only with ``hot_window`` 1).
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
@@ -75,9 +72,9 @@ import numpy as np
 from clients.rows import DirectRows, RowsClient
 from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
-from services.common.lifecycle import settle
+from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath, RowsPath
-from services.worker.heads import HeadIds, SplitBatch
+from services.worker.heads import HeadIds, HotChain, SplitBatch
 from services.worker.pooling import BatchPlan, plan_batch
 
 __all__ = ["Batches", "EmbeddingPipeline", "Prepared", "StepTimers", "iterate"]
@@ -97,7 +94,6 @@ class StepTimers(Protocol):
 
     @property
     def lookup_seconds(self) -> _Histogram: ...
-
     @property
     def push_seconds(self) -> _Histogram: ...
 
@@ -146,9 +142,9 @@ async def iterate(batches: Batches) -> AsyncIterator[Batch]:
     if isinstance(batches, AsyncIterable):
         async for b in batches:
             yield b
-    else:
-        for b in batches:
-            yield b
+        return
+    for b in batches:
+        yield b
 
 
 class EmbeddingPipeline:
@@ -164,9 +160,8 @@ class EmbeddingPipeline:
     ``workers``: this worker's rank and the number of workers, in the step tags;
     ``barrier``: awaited by every acknowledged push before its slot is freed (then no batch
     rides on a push; see the module doc). ``path``: what a lookup and a push send
-    (:mod:`services.worker.exchange`; default unique rows). ``head_rate``: where the rows
-    live in this process, ids seen at least this often per batch are head ids (None: none).
-    """
+    (:mod:`services.worker.exchange`; default unique rows). ``head_rate``: ids seen at least
+    this often per batch are head ids (None: none)."""
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  tables: Mapping[str, str] | None = None,
@@ -201,7 +196,7 @@ class EmbeddingPipeline:
         self._hot_ratio = hot_ratio if window is not None and window > hot_window else None
         self._hot_window = hot_window
         self.hot_tables: list[str] = []  # decided at the first plan
-        self._chain: _HotChain | None = None
+        self._chain: HotChain | None = None
         self._direct_hot: list[int] = []  # hot groups the compute thread reads and updates
         self._direct_rows: DirectRows | None = None  # the rows client they are read from
         self._head_rate = head_rate if window != 1 else None
@@ -279,11 +274,15 @@ class EmbeddingPipeline:
             direct = self.rows if (isinstance(self.rows, DirectRows) and self.rows.direct
                                    and isinstance(self.path, RowsPath)) else None
             if hot and self._hot_window == 1 and direct is not None:
-                self._direct_hot, self._direct_rows = hot, direct
-            elif hot:
-                self._chain = _HotChain(self, hot, self._hot_window)
-            if direct is not None and self._head_rate and self._windowed:
-                self.heads, self._direct_rows = HeadIds(self._windowed, self._head_rate), direct
+                self._direct_hot, self._direct_rows, hot = hot, direct, []
+            if self._head_rate and self._windowed and isinstance(self.path, RowsPath):
+                self.heads = HeadIds(self._windowed, self._head_rate)
+                if direct is not None:
+                    self._direct_rows = direct
+                else:  # the head ids ride the hot chain
+                    hot = sorted(hot + self._windowed)
+            if hot:
+                self._chain = HotChain(self, hot, self._hot_window)
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
 
@@ -299,9 +298,11 @@ class EmbeddingPipeline:
             if self._timers is not None:
                 self._timers.lookup_seconds.observe(time.perf_counter() - started)
 
-    def _merge(self, plan: BatchPlan, windowed: Rows, hot: Rows | None) -> Rows:
-        """Every group's rows in group order; a direct hot group's are empty until
-        :meth:`read_hot` (the compute thread) fills them."""
+    def _merge(self, plan: BatchPlan, windowed: Rows, hot: Rows | None,
+               split: SplitBatch | None) -> Rows:
+        """Every group's rows in group order (a windowed group's head ids from the hot chain
+        where they ride it); a direct hot group's are empty until :meth:`read_hot` (the
+        compute thread) fills them."""
         if hot is None and not self._direct_hot:
             return windowed
         out = [_NOT_READ] * len(plan.groups)
@@ -310,7 +311,8 @@ class EmbeddingPipeline:
         if hot is not None:
             assert self._chain is not None
             for i, rows in zip(self._chain.groups, hot, strict=True):
-                out[i] = rows
+                out[i] = rows if split is None or i not in split.groups else \
+                    split.rows(i, out[i], rows)
         return out
 
     def read_hot(self, item: Prepared) -> None:
@@ -319,10 +321,17 @@ class EmbeddingPipeline:
         if self._direct_rows is not None:
             for i in self._direct_hot:
                 item.rows[i] = self._direct_rows.lookup_now(item.plan.groups[i].layout)
-            if item.split is not None:
-                for i, (_, head, _) in item.split.groups.items():
-                    item.rows[i] = item.split.rows(i, item.rows[i],
-                                                   self._direct_rows.lookup_now(head))
+            for i, layout, _ in self._direct_heads(item):
+                assert item.split is not None
+                item.rows[i] = item.split.rows(i, item.rows[i],
+                                               self._direct_rows.lookup_now(layout))
+
+    @staticmethod
+    def _direct_heads(item: Prepared) -> list[tuple[int, ShardedIds, np.ndarray]]:
+        """(group, layout, positions) of ``item``'s head ids, per windowed group with some."""
+        split = item.split
+        return [] if split is None else [(i, split.head.groups[i].layout, at) for i, (at, _)
+                                         in split.groups.items() if at.size]
 
     def apply_hot(self, item: Prepared, grads: Rows) -> None:
         """Apply ``item``'s direct hot groups' gradients now (from the compute thread, just
@@ -330,9 +339,8 @@ class EmbeddingPipeline:
         if self._direct_rows is not None:
             for i in self._direct_hot:
                 self._direct_rows.push_now(item.plan.groups[i].layout, grads[i])
-            if item.split is not None:
-                for i, (head_at, head, _) in item.split.groups.items():
-                    self._direct_rows.push_now(head, grads[i][head_at])
+            for i, layout, head_at in self._direct_heads(item):
+                self._direct_rows.push_now(layout, grads[i][head_at])
 
     # ---- one run: lookups ahead of compute ----------------------------------------------
 
@@ -371,9 +379,10 @@ class EmbeddingPipeline:
                 if first is not None:
                     await first(batch)
                     first = None
-                hot = self._chain.request(plan) if self._chain is not None else None
                 split = self.heads.split(plan) if self.heads is not None else None
                 wire = split.remote if split is not None else plan  # what the window sends
+                hot = (self._chain.request(split.head if split is not None else plan)
+                       if self._chain is not None else None)
                 if slots is not None and slots.locked():  # ride on the push that frees one
                     rider = _Rider(wire, asyncio.get_running_loop().create_future())
                     self._riders.append(rider)
@@ -428,7 +437,7 @@ class EmbeddingPipeline:
                 hot = await item.hot if item.hot is not None else None
                 if not self._windowed:
                     staleness = 0  # every table is hot: each lookup saw every earlier push
-                await put(Prepared(item.batch, item.plan, self._merge(item.plan, rows, hot),
+                await put(Prepared(item.batch, item.plan, self._merge(item.plan, rows, hot, item.split),
                                    staleness, item.split))
             await put(None)
         except Exception as exc:  # a failed lookup: the consumer raises it
@@ -469,7 +478,9 @@ class EmbeddingPipeline:
         rider = state.rider = self._riders.popleft() if riding else None
         if rider is not None:
             self._carried += 1
-        hot_push = (asyncio.ensure_future(self._chain.push(item.plan, grads))
+        hot_push = (asyncio.ensure_future(self._chain.push(item.plan, grads) if item.split is None
+                                          else self._chain.push(item.split.head,
+                                                                item.split.head_grads(grads)))
                     if self._chain is not None else None)
         plan, sent = ((item.plan, grads) if item.split is None else
                       (item.split.remote, item.split.remote_grads(grads)))  # heads: applied
@@ -533,62 +544,3 @@ class EmbeddingPipeline:
         group; every batch has the same features, so both plans have the same groups)."""
         return list(await asyncio.gather(*(self.path.push_then_lookup(
             self.rows, plan, i, grads[i], then) for i in self._windowed)))
-
-
-class _HotChain:
-    """The hot groups' rows under a window of ``window`` batches: a batch's lookup starts only
-    once the push of the batch ``window`` before it is acknowledged; that push carries the
-    lookup when the batch is planned already (one message per shard and group), else the
-    batch looks up on its own after it. Window 1 is synchronous."""
-
-    def __init__(self, pipeline: EmbeddingPipeline, groups: list[int], window: int) -> None:
-        self.pipeline = pipeline
-        self.groups = groups
-        self.window = window
-        self._waiting: collections.deque[tuple[BatchPlan, asyncio.Future[Rows]]] = \
-            collections.deque()
-        self._out = 0  # batches looked up whose push is not acknowledged yet
-
-    def reset(self) -> None:
-        """Forget the batches of a finished run."""
-        for _, future in self._waiting:
-            future.cancel()
-        self._waiting.clear()
-        self._out = 0
-
-    def request(self, plan: BatchPlan) -> asyncio.Future[Rows]:
-        """The future rows of ``plan``'s hot groups (batches must request in their order)."""
-        future: asyncio.Future[Rows] = asyncio.get_running_loop().create_future()
-        self._waiting.append((plan, future))
-        self._advance()
-        return future
-
-    def _advance(self) -> None:
-        while self._out < self.window and self._waiting:
-            plan, future = self._waiting.popleft()
-            self._out += 1
-            task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups))
-            task.add_done_callback(functools.partial(settle, future))
-
-    async def push(self, plan: BatchPlan, grads: Rows) -> None:
-        """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
-        batch its rows, looked up in the same message."""
-        pipeline = self.pipeline
-        following = self._waiting.popleft() if self._waiting else None
-        try:
-            if following is None:
-                await asyncio.gather(*(pipeline.path.push(pipeline.rows, plan, i, grads[i])
-                                       for i in self.groups))
-            else:
-                done = await asyncio.gather(*(pipeline.path.push_then_lookup(
-                    pipeline.rows, plan, i, grads[i], following[0]) for i in self.groups))
-                if not following[1].done():
-                    following[1].set_result(list(done))
-        except BaseException as exc:
-            if following is not None and not following[1].done():
-                following[1].set_exception(exc if isinstance(exc, Exception)
-                                           else Unavailable("the push it rode on was cancelled"))
-            raise
-        if following is None:
-            self._out -= 1
-            self._advance()

@@ -81,9 +81,9 @@ async def test_ps_client_process_trains_exactly_as_in_process(cluster: LocalPS,
 async def test_hybrid_staleness_never_exceeds_bound(cluster: LocalPS,
                                                     data: SyntheticDataset) -> None:
     s = 2
-    # hot_ratio 0: every table under the window (the planted tables are all hot)
+    # hot_ratio 0, head_rate 0: every row under the window (the planted tables are all hot)
     async with trainer(cluster, "hy_", mode="hybrid", staleness=s, admin_port=0,
-                       hot_ratio=0.0) as t:
+                       hot_ratio=0.0, head_rate=0.0) as t:
         summary = await t.fit(data.batches(128, 128 * 40))
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{t.admin_port}") as http:
             progress = (await http.get("/v1/progress")).json()

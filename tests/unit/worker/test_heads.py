@@ -36,9 +36,8 @@ def plan(b: int) -> BatchPlan:
 def heads_of(heads: HeadIds, p: BatchPlan) -> set[tuple[str, int]]:
     """The (table, id) pairs of ``p`` that ``heads`` splits off as head ids."""
     split = heads.split(p)
-    if split is None:
-        return set()
-    head_at, layout, _ = split.groups[0]
+    head_at, _ = split.groups[0]
+    layout = split.head.groups[0].layout
     tables = p.groups[0].layout.table_index()[head_at]
     full = p.groups[0].layout
     assert np.array_equal(layout.ids, full.ids[head_at])
@@ -65,10 +64,10 @@ def test_a_split_sends_the_rest_and_puts_rows_back_in_place() -> None:
     for b in range(4):
         p = plan(b)
         split = heads.split(p)
-    assert split is not None
-    head_at, head_layout, rest_at = split.groups[0]
+    assert split.groups[0][0].size  # a's id 1 and b's id 2 at least
+    head_at, rest_at = split.groups[0]
     full = p.groups[0].layout
-    remote = split.remote.groups[0].layout
+    remote, head_layout = split.remote.groups[0].layout, split.head.groups[0].layout
     assert sorted([*head_at, *rest_at]) == list(range(full.ids.size))
     assert np.array_equal(remote.ids, full.ids[rest_at])
     # each (shard, table) cell keeps its ids: the counts add up to the full layout's
@@ -79,14 +78,20 @@ def test_a_split_sends_the_rest_and_puts_rows_back_in_place() -> None:
     assert np.array_equal(split.rows(0, rows[rest_at], rows[head_at]), rows)
     (sent,) = split.remote_grads([rows])
     assert np.array_equal(sent, rows[rest_at])
+    (sent,) = split.head_grads([rows])
+    assert np.array_equal(sent, rows[head_at])
 
 
-def test_no_head_ids_no_split_and_bad_settings_are_clear() -> None:
+def test_no_head_ids_all_rest_and_bad_settings_are_clear() -> None:
     heads = HeadIds([0], 100.0)
-    assert all(heads.split(plan(b)) is None for b in range(4))
+    for b in range(4):
+        p = plan(b)
+        split = heads.split(p)
+        assert split.head.groups[0].layout.ids.size == 0
+        assert np.array_equal(split.remote.groups[0].layout.ids, p.groups[0].layout.ids)
     assert heads.head_count() == 0
     for bad in (0.0, -1.0):
         with pytest.raises(ConfigError, match="rate"):
             HeadIds([0], bad)
-    with pytest.raises(ConfigError, match="memory"):
+    with pytest.raises(ConfigError, match="memory and every"):
         HeadIds([0], 1.0, memory=0)

@@ -354,20 +354,25 @@ async def test_direct_hot_tables_see_every_earlier_push_with_no_round_trip() -> 
     assert max(missed["t"]) == window - 1
 
 
-async def test_head_ids_of_a_windowed_table_are_read_and_updated_by_the_compute_thread(
-        ) -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["compute_thread", "hot_chain"])
+async def test_head_ids_of_a_windowed_table_are_synchronous(direct: bool) -> None:
     """Table ``t`` holds ROW_ID in every batch and three ids no other batch has: with
-    head_rate 1, ROW_ID is a head id from the second batch on (seen twice), read just before
-    each step and updated just after; the fresh ids keep the window (their pushes still wait
-    at the gate). ROW_ID's row then misses at most the first batch's push (sent through the
-    window before it was head), never window - 1, and in the end holds every push exactly
-    once (a head gradient also sent by push() applies twice, one never applied is missing)."""
+    head_rate 1, ROW_ID is a head id from the second batch on (seen twice). Where the rows
+    live in this process it is read just before each step and updated just after (the compute
+    thread), else it rides the hot chain (window 1); the fresh ids keep the window (their
+    pushes still wait at the gate). ROW_ID's row then misses at most the first batch's push
+    (sent through the window before it was head), never window - 1, and in the end holds every
+    push exactly once (a head gradient also sent with the rest applies twice, one never sent
+    is missing)."""
     window = 4
     gate = PushGate()
-    shards = DirectGatedShards([table(name="t"), table(name="u")], gate=gate)
+    shards = (DirectGatedShards if direct else InProcessShards)(
+        [table(name="t"), table(name="u")], gate=gate)
     pipeline = EmbeddingPipeline(shards, window=window, tables={"f": "t", "g": "u"},
                                  hot_ratio=0.3, head_rate=1.0)
-    missed = await missed_per_table(pipeline, gate, pushes=N, direct=True)
+    # through the gate: the rest's push, and on the hot chain both tables' head pushes
+    missed = await missed_per_table(pipeline, gate, pushes=N if direct else 3 * N,
+                                    direct=direct)
     assert pipeline.heads is not None and pipeline.heads.head_count() == 1
     assert missed["u"] == [0] * N
     assert max(missed["t"]) <= 1 < window - 1
