@@ -50,7 +50,8 @@ from services.common.messages import decode, encode
 from services.common.rpc import open_channel
 from services.loader.schema import criteo_layout
 from services.local.processes import start_service, stop_processes
-from services.ps.tables import TableConfig, initial_rows
+from services.local.train import ps_initial_rows
+from services.ps.tables import TableConfig
 from services.serve import FeatureSpec, Predictor, TableRows, write_version
 from services.serve.server import SERVICE_NAME, PredictReply, PredictRequest
 from services.worker.models import ModelConfig
@@ -62,10 +63,6 @@ BATCH, CLIENTS, SWAP_CLIENTS, SWAP_BATCH, SWAP_WINDOWS = 256, 4, 8, 8, 3
 SPEC = FeatureSpec.from_layout(criteo_layout(DENSE, SPARSE), kind="criteo")
 MODEL = ModelConfig(name="dlrm")
 console = Console(stderr=True)
-
-
-def _initial_rows(config: Any, ids: np.ndarray) -> np.ndarray:
-    return initial_rows(TableConfig(**config), ids)
 
 
 def _lines(n: int, seed: int = 0) -> list[str]:
@@ -256,7 +253,7 @@ async def _swaps(url: str, models: Path, base: dict[str, Any], probe: list[str],
 
 
 def _predict(models: Path, version: str, lines: list[str]) -> list[float]:
-    predictor = Predictor.load(models / version, initial_rows=_initial_rows)
+    predictor = Predictor.load(models / version, initial_rows=ps_initial_rows)
     return predictor.predict(predictor.featurize({"lines": lines})).tolist()
 
 
@@ -299,7 +296,7 @@ def run(*, rows: int = 100_000, seconds: float = 5.0, rounds: int = 5, swap_seco
         tables = _tables(lines, rows, rng)
         base = _write(models, 1, tables, bias=0.25)
         batches = [lines[i:i + BATCH] for i in range(0, len(lines), BATCH)]
-        predictor = Predictor.load(models / base["version_id"], initial_rows=_initial_rows)
+        predictor = Predictor.load(models / base["version_id"], initial_rows=ps_initial_rows)
         for lines_of_batch in batches:  # warm-up: numba kernels compiled or loaded
             predictor.predict(predictor.featurize({"lines": lines_of_batch}))
         console.log("starting persimmon serve")
