@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import threading
 import time
@@ -147,13 +146,11 @@ class Shard:
             table = self.table(name)
             with self._locks[name]:
                 try:
-                    kind = table.config.optimizer.kind
-                    dataclasses.replace(table.config.optimizer, **changes)  # checked first,
-                    if changes.get("kind", kind) == kind:  # logged (a new kind: refused below),
-                        self._log({"op": "optimizer", "table": name, "changes": changes})
-                    return table.set_optimizer(**changes)  # then applied
-                except (TypeError, ValueError, ConfigError) as exc:
+                    table.config.optimizer_with(changes)  # checked first,
+                except ConfigError as exc:
                     raise InvalidArgument(f"bad optimizer settings {changes}: {exc}") from exc
+                self._log({"op": "optimizer", "table": name, "changes": changes})  # logged,
+                return table.set_optimizer(**changes)  # then applied
 
     # ---- lookups and pushes -------------------------------------------------------------
 
