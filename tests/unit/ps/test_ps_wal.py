@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from services.common.config import from_dict
-from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
+from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from services.ps.config import PSConfig
 from services.ps.dedup import PushOrigin
 from services.ps.shard import Shard
@@ -185,6 +185,43 @@ def test_pushes_racing_a_restore_are_rolled_back_or_logged_after_it(tmp_path):
     live = counts(shard, ids=ids)
     assert counts(again, ids=ids) == live and counts(again) == [1] * 10
     assert set(live) <= {0, 1} and all(np.array(live)[late] == 1)
+
+
+def test_pushes_racing_a_drop_leave_a_log_that_replays(tmp_path):
+    """A push that was validated before its table was dropped is checked again once it holds
+    the lock: NotFound, and nothing logged after the drop (such a record would make every
+    replay of the log fail with NotFound)."""
+    shard = make_shard(tmp_path, wal_fsync=WalFsync.NEVER)
+    asyncio.run(shard.recover())
+    stop, errors = threading.Event(), []
+
+    def pusher(k: int) -> None:
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            try:
+                shard.push_many_sync(["other"], [1], IDS[k:k + 1], count_grads(1),
+                                     origin=PushOrigin(100 + k, seq))
+            except NotFound:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - the test fails on it below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=pusher, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(200):
+            shard.drop_table("other")
+            shard.create_table(counting_table("other"))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors
+    live = counts(shard, "other", IDS[:2])
+    again, got = recovered(tmp_path)
+    assert got["changes"] == 400 and counts(again, "other", IDS[:2]) == live
 
 
 def test_a_torn_tail_is_dropped_and_the_log_goes_on(tmp_path):
