@@ -12,10 +12,12 @@ import importlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["BENCHES", "register_benches", "save_plot", "write_json"]
+import numpy as np
+
+__all__ = ["BENCHES", "latency_quantiles", "register_benches", "save_plot", "write_json"]
 
 # Modules exposing ``register_bench(subparsers)``: ``python -m bench <name>`` for each.
 BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",
@@ -34,6 +36,13 @@ def write_json(result: dict[str, Any], path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def latency_quantiles(seconds: Sequence[float]) -> dict[str, float]:
+    """The median and 99th percentile of latencies ``seconds``, in ms (``p50_ms``,
+    ``p99_ms``)."""
+    ms = np.asarray(seconds, dtype=np.float64) * 1e3
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
 
 
 def save_plot(plot: Callable[[dict[str, Any], str], None], result: dict[str, Any],

@@ -161,7 +161,7 @@ def expected_counts(spec: str, records: list[bytes]) -> tuple[np.ndarray, dict[i
     from services.loader.sources.messages import MessageParser
 
     parser = MessageParser(SourceSpec.parse(spec), LoaderConfig(source=spec).dense_transform())
-    parsed = parser.parse(records)
+    parsed = parser.parse([*records])
     if parsed.bad:
         raise RuntimeError(f"{len(parsed.bad)} produced records do not parse")
     ids = np.concatenate([f.values for f in parsed.sparse.values()])
@@ -203,21 +203,23 @@ class _Job:
         self.loop = asyncio.new_event_loop()  # the probes' (--wal): gRPC keeps to one loop
 
     def start_ps(self) -> None:
+        """The shard processes, started side by side (one failing stops them all)."""
         import yaml
 
-        from services.local.processes import start_service
+        from services.local.processes import start_services
 
         config = self.work / "ps.yaml"
         config.write_text(yaml.safe_dump({"tables": [
             {"name": name, "dim": 1, "initializer": "zeros",
              "optimizer": {"kind": "sgd", "lr": 1.0}} for name in (TABLE, PROBE)]}))
         wal = ["--wal-dir", str(self.work / "wal"), "--wal-fsync", self.args.wal_fsync]
-        for k in range(SHARDS):
-            cmd = [*_SERVICE, "services.ps", "--log-level", "ERROR", "--config", str(config),
-                   "--shard-id", str(k), "--num-shards", str(SHARDS),
-                   "--checkpoint-dir", str(self.root), *(wal if self.args.wal else [])]
-            proc, grpc_port, admin_port = start_service(cmd, str(self.work / f"ps-{k}.ready"),
-                                                        timeout=300)
+        commands = [[*_SERVICE, "services.ps", "--log-level", "ERROR", "--config", str(config),
+                     "--shard-id", str(k), "--num-shards", str(SHARDS),
+                     "--checkpoint-dir", str(self.root), *(wal if self.args.wal else [])]
+                    for k in range(SHARDS)]
+        started = start_services([(cmd, str(self.work / f"ps-{k}.ready"))
+                                  for k, cmd in enumerate(commands)], timeout=300)
+        for cmd, (proc, grpc_port, admin_port) in zip(commands, started, strict=True):
             self.ps.append(proc)
             self.ps_commands.append([*cmd, "--grpc-port", str(grpc_port),
                                      "--admin-port", str(admin_port)])

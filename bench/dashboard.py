@@ -31,7 +31,6 @@ import asyncio
 import itertools
 import json
 import multiprocessing
-import os
 import statistics
 import threading
 import time
@@ -44,6 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import write_json
+from bench.procstats import cpu_seconds
 from services.common.commands import float_at_least, int_at_least
 from services.local.processes import free_port
 
@@ -159,20 +159,15 @@ def _training_job(batch_size: int) -> Iterator[tuple[str, int]]:
         job.join(timeout=30)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid``, all its threads (Linux ``/proc``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _phase(url: str, pid: int, seconds: float) -> tuple[float, float]:
     """The job's samples per second and per CPU second over the next ``seconds``."""
-    before, t0, c0 = _progress(url), time.perf_counter(), _cpu_seconds(pid)
+    before, t0, c0 = _progress(url), time.perf_counter(), cpu_seconds(pid)
     time.sleep(seconds)
-    after, t1, c1 = _progress(url), time.perf_counter(), _cpu_seconds(pid)
+    after, t1, c1 = _progress(url), time.perf_counter(), cpu_seconds(pid)
     if after["state"] != "training":
         raise RuntimeError(f"the job stopped training during a phase: {after['state']}")
+    if c0 is None or c1 is None:
+        raise RuntimeError(f"no CPU time of the job (process {pid}) in /proc (Linux only)")
     samples = after["samples"] - before["samples"]
     return samples / (t1 - t0), samples / max(c1 - c0, 1e-9)
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench import write_json
+from bench import latency_quantiles, write_json
+from bench.procstats import memory_mb
 from clients.ps_client import PSClient
 from services.common.commands import float_at_least, int_at_least
 from services.local.processes import LocalPS
@@ -34,10 +34,10 @@ console = Console(stderr=True)
 
 def rss_mb(pid: int) -> float:
     """Resident memory of process ``pid`` in MiB (Linux ``/proc``)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    rss = memory_mb(pid, "VmRSS")
+    if rss is None:
+        raise RuntimeError(f"no resident memory of process {pid} in /proc (Linux only)")
+    return rss
 
 
 async def _client_loop(ps: PSClient, rng: np.random.Generator, universe: int, batch: int,
@@ -68,9 +68,8 @@ async def _load(addresses: list[str], clients: int, seconds: float, universe: in
         elapsed = time.perf_counter() - start
     finally:
         await asyncio.gather(*(ps.close() for ps in pss))
-    ms = np.array(latencies) * 1e3
     return {"ops": len(latencies), "ops_per_s": len(latencies) / elapsed,
-            "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+            **latency_quantiles(latencies)}
 
 
 async def _populate(addresses: list[str], universe: int) -> None:
@@ -106,7 +105,8 @@ async def _measure(pid: int, addresses: list[str], *, seconds: float, clients: i
     console.log(f"baseline: 1 client, {baseline_s:.0f} s")
     single = await _load(addresses, 1, baseline_s, universe, batch, seed=2000)
     console.log(f"load: {clients} clients x {batch}-id lookups and pushes, {seconds:.0f} s")
-    samples, phases, done = [rss_start], [], 0.0
+    samples, done = [rss_start], 0.0
+    phases: list[dict[str, float]] = []
     while done < seconds:
         chunk = min(sample_every_s, seconds - done)
         phases.append(await _load(addresses, clients, chunk, universe, batch,

@@ -43,14 +43,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench import write_json
+from bench import latency_quantiles, write_json
 from bench.loader import write_criteo_file
 from services.common.config import config_to_dict
 from services.common.messages import decode, encode
 from services.common.rpc import open_channel
 from services.loader.schema import criteo_layout
 from services.local.processes import start_service, stop_processes
-from services.ps.tables import TableConfig, initial_rows
+from services.local.train import ps_initial_rows
+from services.ps.tables import TableConfig
 from services.serve import FeatureSpec, Predictor, TableRows, write_version
 from services.serve.server import SERVICE_NAME, PredictReply, PredictRequest
 from services.worker.models import ModelConfig
@@ -62,10 +63,6 @@ BATCH, CLIENTS, SWAP_CLIENTS, SWAP_BATCH, SWAP_WINDOWS = 256, 4, 8, 8, 3
 SPEC = FeatureSpec.from_layout(criteo_layout(DENSE, SPARSE), kind="criteo")
 MODEL = ModelConfig(name="dlrm")
 console = Console(stderr=True)
-
-
-def _initial_rows(config: Any, ids: np.ndarray) -> np.ndarray:
-    return initial_rows(TableConfig(**config), ids)
 
 
 def _lines(n: int, seed: int = 0) -> list[str]:
@@ -104,12 +101,6 @@ def _write(models: Path, step: int, tables: dict[str, TableRows], *, bias: float
     return write_version(models, step=step, model=MODEL, state=_state(bias),
                          features={f: f for f in SPEC.sparse}, num_dense=DENSE, tables=tables,
                          spec=SPEC, base=base, keep=keep)
-
-
-def _quantiles(seconds: list[float]) -> dict[str, float]:
-    ms = np.array(seconds) * 1e3
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "requests": len(seconds)}
 
 
 async def _load(call: Callable[[], Awaitable[Any]], clients: int, seconds: float,
@@ -202,7 +193,8 @@ async def _latency(url: str, lines: list[str], seconds: float) -> dict[str, Any]
         out = {}
         for clients in (1, 8):
             latencies, failed, _ = await _load(_rest(http, lines[:1]), clients, seconds)
-            out[f"clients_{clients}"] = {**_quantiles(latencies), "failed": failed}
+            out[f"clients_{clients}"] = {**latency_quantiles(latencies),
+                                         "requests": len(latencies), "failed": failed}
         return out
 
 
@@ -252,14 +244,16 @@ async def _swaps(url: str, models: Path, base: dict[str, Any], probe: list[str],
     for version, seen in answers.items():
         want = np.array(_predict(models, version, probe))
         mixed += int(np.sum(np.abs(np.array(seen) - want).max(axis=1) > 1e-5))
+    during, before = latency_quantiles(swapping), latency_quantiles(steady)
     return {"swap_versions_written": len(written) - 1, "swap_versions_seen": len(answers),
             "swap_failed_requests": failed + steady_failed, "swap_mixed_responses": mixed,
-            "swap_steady": _quantiles(steady), "swap_during": _quantiles(swapping),
-            "swap_p99_ratio": _quantiles(swapping)["p99_ms"] / _quantiles(steady)["p99_ms"]}
+            "swap_steady": {**before, "requests": len(steady)},
+            "swap_during": {**during, "requests": len(swapping)},
+            "swap_p99_ratio": during["p99_ms"] / before["p99_ms"]}
 
 
 def _predict(models: Path, version: str, lines: list[str]) -> list[float]:
-    predictor = Predictor.load(models / version, initial_rows=_initial_rows)
+    predictor = Predictor.load(models / version, initial_rows=ps_initial_rows)
     return predictor.predict(predictor.featurize({"lines": lines})).tolist()
 
 
@@ -302,7 +296,7 @@ def run(*, rows: int = 100_000, seconds: float = 5.0, rounds: int = 5, swap_seco
         tables = _tables(lines, rows, rng)
         base = _write(models, 1, tables, bias=0.25)
         batches = [lines[i:i + BATCH] for i in range(0, len(lines), BATCH)]
-        predictor = Predictor.load(models / base["version_id"], initial_rows=_initial_rows)
+        predictor = Predictor.load(models / base["version_id"], initial_rows=ps_initial_rows)
         for lines_of_batch in batches:  # warm-up: numba kernels compiled or loaded
             predictor.predict(predictor.featurize({"lines": lines_of_batch}))
         console.log("starting persimmon serve")

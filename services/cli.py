@@ -14,7 +14,6 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from services.common.commands import command_parser, run_parsed
 from services.common.errors import ConfigError
@@ -34,23 +33,10 @@ def _worker(subparsers: argparse._SubParsersAction) -> None:
 
 def _serve(subparsers: argparse._SubParsersAction) -> None:
     """``persimmon serve`` and ``export``, with the PS's initial rows and checkpoint reader."""
+    from services.local.train import ps_initial_rows, ps_read_shards
     from services.serve.__main__ import register_cli
 
-    register_cli(subparsers, initial_rows=_ps_initial_rows, read_shards=_ps_read_shards)
-
-
-def _ps_initial_rows(config: Any, ids: Any) -> Any:
-    """The PS's own initial rows of a table config (rows a served model has never trained)."""
-    from services.ps.tables import TableConfig, initial_rows
-
-    return initial_rows(TableConfig(**config), ids)
-
-
-def _ps_read_shards(root: Any, checkpoint_id: str) -> Any:
-    """Every shard's part of a PS checkpoint, read as one shard."""
-    from services.ps.checkpoint import read_checkpoint
-
-    return read_checkpoint(root, checkpoint_id, shard_id=0, num_shards=1)
+    register_cli(subparsers, initial_rows=ps_initial_rows, read_shards=ps_read_shards)
 
 
 def _hook(module: str) -> Register:

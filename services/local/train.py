@@ -15,14 +15,16 @@ planted data generated in the worker's process.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import tempfile
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode
+
+import numpy as np
 
 from services.common.commands import float_at_least, int_at_least
 from services.common.config import print_config
@@ -38,8 +40,11 @@ from services.worker.service import (
     summary_dict,
 )
 
-__all__ = ["PS_PLACEMENTS", "PlantedData", "data_specs", "ps_placement", "register_cli",
-           "train_on_local_cluster"]
+if TYPE_CHECKING:
+    from services.ps.store import TableSnapshot
+
+__all__ = ["PS_PLACEMENTS", "PlantedData", "data_specs", "ps_initial_rows", "ps_placement",
+           "ps_read_shards", "register_cli", "train_on_local_cluster"]
 
 PS_PLACEMENTS = {
     "auto": "embedded for one worker without PS-wire codecs, else processes",
@@ -211,13 +216,27 @@ def _online_export(config: TrainerConfig, model: ModelConfig, checkpoint_dir: st
     ``export_dir``."""
     if checkpoint_dir is None:
         return None
-    from services.ps.checkpoint import read_checkpoint
     from services.serve.online import OnlineExport, loader_feature_spec
 
     return OnlineExport.from_config(
         config, checkpoint_dir=checkpoint_dir, ps_admin_urls=ps_admin_urls, model=model,
-        spec=loader_feature_spec(loader_admin_url),
-        read_shards=functools.partial(read_checkpoint, shard_id=0, num_shards=1)).attach
+        spec=loader_feature_spec(loader_admin_url), read_shards=ps_read_shards).attach
+
+
+def ps_initial_rows(config: Mapping[str, Any], ids: np.ndarray) -> np.ndarray:
+    """The PS's own initial rows of ``ids`` in a table of ``config`` (a served model's rows
+    for ids it has never trained)."""
+    from services.ps.tables import TableConfig, initial_rows
+
+    return initial_rows(TableConfig(**config), ids)
+
+
+def ps_read_shards(root: Path | str, checkpoint_id: str) -> dict[str, list[TableSnapshot]]:
+    """Every shard's part of PS checkpoint ``checkpoint_id`` under ``root``, read as one
+    shard (what an export of the served model reads)."""
+    from services.ps.checkpoint import read_checkpoint
+
+    return read_checkpoint(root, checkpoint_id, shard_id=0, num_shards=1)
 
 
 class PlantedData:

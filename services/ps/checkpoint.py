@@ -48,8 +48,8 @@ from services.common.sharding import shard_of
 from services.ps.store import EmbeddingTable, TableSnapshot
 from services.ps.tables import TableConfig
 
-__all__ = ["list_checkpoints", "read_checkpoint", "read_push_window", "restore_tables",
-           "write_checkpoint"]
+__all__ = ["check_checkpoint_id", "list_checkpoints", "read_checkpoint", "read_push_window",
+           "restore_tables", "write_checkpoint"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -61,7 +61,8 @@ def _part_name(shard_id: int, num_shards: int) -> str:
     return f"shard-{shard_id}-of-{num_shards}"
 
 
-def _check_id(checkpoint_id: str) -> None:
+def check_checkpoint_id(checkpoint_id: str) -> None:
+    """InvalidArgument unless ``checkpoint_id`` can name a checkpoint directory."""
     if not isinstance(checkpoint_id, str) or not _ID_RE.fullmatch(checkpoint_id):
         raise InvalidArgument(f"checkpoint id {checkpoint_id!r} must be 1-128 characters of "
                               "letters, digits, '-', '_' or '.', not starting with '.'")
@@ -127,13 +128,13 @@ def write_checkpoint(root: Path | str, checkpoint_id: str, shard_id: int, num_sh
     and tombstones are put back so the next checkpoint still contains them.
     """
     root = Path(root)
-    _check_id(checkpoint_id)
+    check_checkpoint_id(checkpoint_id)
     if not 0 <= shard_id < num_shards:
         raise InvalidArgument(f"shard_id must be in [0, {num_shards}), got {shard_id}")
     if incremental:
         if parent is None:
             raise InvalidArgument("an incremental checkpoint needs a parent checkpoint id")
-        _check_id(parent)
+        check_checkpoint_id(parent)
         if not (root / parent).is_dir():
             raise NotFound(f"parent checkpoint {parent!r} does not exist under {root}")
     ckpt_dir = root / checkpoint_id
@@ -244,7 +245,7 @@ def _chain(root: Path, checkpoint_id: str) -> list[str]:
     chain: list[str] = []
     current: str | None = checkpoint_id
     while current is not None:
-        _check_id(current)
+        check_checkpoint_id(current)
         if current in chain:
             raise FailedPrecondition(f"checkpoint {checkpoint_id!r} has a cyclic parent chain")
         parts = _parts(root, current)
@@ -325,7 +326,7 @@ def read_push_window(root: Path | str, checkpoint_id: str, *, shard_id: int,
     ``checkpoint_id``; None when that part has none or the checkpoint was written by another
     number of shards."""
     root = Path(root)
-    _check_id(checkpoint_id)
+    check_checkpoint_id(checkpoint_id)
     for path, k, n in _parts(root, checkpoint_id):
         if (k, n) == (shard_id, num_shards):
             files = _read_manifest(path).get("pushes")

@@ -4,7 +4,9 @@ Transport-free: the gRPC servicer and the admin REST API both call this. Every m
 validates first and mutates after, so a rejected request changes nothing. Table work runs
 under one lock per table: on the event loop for requests of at most ``INLINE_IDS`` ids whose
 tables are free, in worker threads (``asyncio.to_thread``) otherwise. A push holds the locks of
-all its tables (taken in name order, as a checkpoint takes them) while it is applied.
+all its tables (taken in name order, as a checkpoint and a restore take them) while it is
+applied, to the tables it was validated against: a push comes wholly before a restore (rolled
+back) or after it (validated again, logged in the log's new segment).
 
 A push may name its ``origin`` (client id, sequence number; every push over the wire does):
 it is then applied at most once, a retry answered with the first ack
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import threading
 import time
@@ -45,6 +46,7 @@ from services.common.errors import (
 )
 from services.common.sharding import shard_of
 from services.ps.checkpoint import (
+    check_checkpoint_id,
     list_checkpoints,
     read_checkpoint,
     read_push_window,
@@ -62,6 +64,7 @@ __all__ = ["INLINE_IDS", "Shard"]
 T = TypeVar("T")
 LookupParts = tuple[Sequence[str], Sequence[int], np.ndarray]  # tables, counts, ids
 PushParts = tuple[Sequence[str], Sequence[int], np.ndarray, Any]  # ... and the grads
+Checked = tuple[Callable[[], int], list[PushPart], list[EmbeddingTable]]  # see _push_once
 INLINE_IDS = 16_384  # requests up to this many ids: served on the event loop (~0.2 ms)
 
 
@@ -72,6 +75,7 @@ class Shard:
         self.config = config
         self.tables: dict[str, EmbeddingTable] = {}
         self._locks: dict[str, threading.RLock] = {}  # re-entered by work served inline
+        self._layout = threading.Lock()  # which tables there are: create, drop, restore
         self._ckpt_lock = asyncio.Lock()
         self._last_checkpoint: str | None = None
         self.pushes = PushWindow()  # the pushes applied, per client (see services.ps.dedup)
@@ -103,22 +107,25 @@ class Shard:
     def create_table(self, table_config: TableConfig | dict[str, Any]) -> EmbeddingTable:
         if isinstance(table_config, dict):
             table_config = from_dict(TableConfig, table_config, where="table")
-        if table_config.name in self.tables:
-            raise AlreadyExists(f"table {table_config.name!r} already exists")
-        if len(self.tables) >= self.config.max_tables:
-            raise ResourceExhausted(f"shard holds the maximum of {self.config.max_tables} tables")
-        self._log({"op": "create", "config": config_to_dict(table_config)})
-        table = EmbeddingTable(table_config)
-        self._locks[table_config.name] = threading.RLock()
-        self.tables[table_config.name] = table
+        with self._layout:
+            if table_config.name in self.tables:
+                raise AlreadyExists(f"table {table_config.name!r} already exists")
+            if len(self.tables) >= self.config.max_tables:
+                raise ResourceExhausted(
+                    f"shard holds the maximum of {self.config.max_tables} tables")
+            self._log({"op": "create", "config": config_to_dict(table_config)})
+            table = EmbeddingTable(table_config)
+            self._locks[table_config.name] = threading.RLock()
+            self.tables[table_config.name] = table
         return table
 
     def drop_table(self, name: str) -> None:
-        self.table(name)
-        with self._locks[name]:
-            self._log({"op": "drop", "table": name})
-            del self.tables[name]
-        del self._locks[name]
+        with self._layout:
+            self.table(name)
+            with self._locks[name]:
+                self._log({"op": "drop", "table": name})
+                del self.tables[name]
+                del self._locks[name]
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """``{shard_id, tables: {name: counters, sizes and staleness}}`` of ``table`` or of
@@ -133,18 +140,17 @@ class Shard:
         return {"config": config_to_dict(table.config), "stats": table.stats()}
 
     def set_optimizer(self, name: str, changes: dict[str, Any]) -> OptimizerConfig:
-        table = self.table(name)
         if not isinstance(changes, dict) or not changes:
             raise InvalidArgument("optimizer changes must be a non-empty object, e.g. {\"lr\": 0.05}")
-        with self._locks[name]:
-            try:
-                kind = table.config.optimizer.kind
-                dataclasses.replace(table.config.optimizer, **changes)  # checked first,
-                if changes.get("kind", kind) == kind:  # logged (a new kind is refused below),
-                    self._log({"op": "optimizer", "table": name, "changes": changes})
+        with self._layout:
+            table = self.table(name)
+            with self._locks[name]:
+                try:
+                    table.config.optimizer_with(changes)  # checked first,
+                except ConfigError as exc:
+                    raise InvalidArgument(f"bad optimizer settings {changes}: {exc}") from exc
+                self._log({"op": "optimizer", "table": name, "changes": changes})  # logged,
                 return table.set_optimizer(**changes)  # then applied
-            except (TypeError, ValueError, ConfigError) as exc:
-                raise InvalidArgument(f"bad optimizer settings {changes}: {exc}") from exc
 
     # ---- lookups and pushes -------------------------------------------------------------
 
@@ -174,20 +180,36 @@ class Shard:
 
     def push_sync(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
                   origin: PushOrigin | None = None) -> PushResult:
-        table = self.table(name)
-        ids, grads = table.validate_push(self.check_ids(ids), grads)
-        with self._holding([name]):
-            return self._once(origin, lambda: fingerprint((name,), [ids], [grads]),
-                              [(name, ids, grads)])
+        def check() -> Checked:
+            table = self.table(name)
+            i, g = table.validate_push(self.check_ids(ids), grads)
+            return lambda: fingerprint((name,), [i], [g]), [(name, i, g)], [table]
+        return self._push_once(check, origin)
+
+    def _push_once(self, check: Callable[[], Checked], origin: PushOrigin | None) -> PushResult:
+        """Apply the push that ``check()`` validates (its fingerprint, its parts and the
+        tables it validated them against) at most once per ``origin``, under the pushed
+        tables' locks; validated again if a restore or a drop replaced a table meanwhile."""
+        while True:
+            content, parts, tables = check()
+            names = [name for name, _, _ in parts]
+            with self._holding(names) as held:
+                if held and all(self.tables.get(name) is table
+                                for name, table in zip(names, tables, strict=True)):
+                    return self._once(origin, content, parts)
 
     @contextlib.contextmanager
-    def _holding(self, names: Sequence[str]) -> Iterator[None]:
+    def _holding(self, names: Sequence[str]) -> Iterator[bool]:
         """Hold the locks of tables ``names``, taken in name order (deadlock-free with a
-        checkpoint, which takes every table's in that order)."""
+        checkpoint, which takes every table's in that order); False: one has none (gone)."""
         with contextlib.ExitStack() as stack:
             for name in sorted(set(names)):
-                stack.enter_context(self._locks[name])
-            yield
+                lock = self._locks.get(name)
+                if lock is None:
+                    yield False
+                    return
+                stack.enter_context(lock)
+            yield True
 
     def _once(self, origin: PushOrigin | None, content: Callable[[], int],
               parts: Sequence[PushPart]) -> PushResult:
@@ -299,20 +321,24 @@ class Shard:
                        origin: PushOrigin | None = None) -> PushResult:
         """Apply several tables' gradients: one ``(len(ids), dim)`` array, or one array per
         table (all tables or none, at most once per ``origin``)."""
-        parts, _ = self._table_slices(tables, counts, ids)
         sampled = [grads] if isinstance(grads, np.ndarray) else list(grads)
-        if isinstance(grads, np.ndarray):
-            if grads.ndim != 2 or grads.shape[0] != ids.size:
-                raise InvalidArgument(f"grads must be ({ids.size}, dim), got {grads.shape}")
-            bounds = np.cumsum([0, *counts])
-            grads = [grads[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        elif len(grads) != len(parts):
-            raise InvalidArgument(f"{len(grads)} gradient arrays for {len(parts)} tables")
-        checked = [(name, *self.table(name).validate_push(part, g))
-                   for (name, part), g in zip(parts, grads, strict=True)]
-        with self._holding(tables):
-            return self._once(origin, lambda: fingerprint((tuple(tables), tuple(counts)), [ids],
-                                                          sampled), checked)
+
+        def check() -> Checked:
+            parts, _ = self._table_slices(tables, counts, ids)
+            split = sampled
+            if isinstance(grads, np.ndarray):
+                if grads.ndim != 2 or grads.shape[0] != ids.size:
+                    raise InvalidArgument(f"grads must be ({ids.size}, dim), got {grads.shape}")
+                bounds = np.cumsum([0, *counts])
+                split = [grads[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+            elif len(grads) != len(parts):
+                raise InvalidArgument(f"{len(grads)} gradient arrays for {len(parts)} tables")
+            held = [self.table(name) for name, _ in parts]
+            checked = [(name, *table.validate_push(part, g)) for (name, part), g, table
+                       in zip(parts, split, held, strict=True)]
+            return (lambda: fingerprint((tuple(tables), tuple(counts)), [ids], sampled),
+                    checked, held)
+        return self._push_once(check, origin)
 
     def push_then_lookup_sync(self, push: PushParts, lookup: LookupParts, *,
                               origin: PushOrigin | None = None
@@ -375,18 +401,18 @@ class Shard:
         """Apply the per-sample pooled gradients ``grads`` (``(len(lengths), dim)``): each id
         of sample ``b`` gets ``grads[b]`` (summed over its occurrences) — sum pooling's
         backward, done here (at most once per ``origin``)."""
-        table = self.table(name)
-        self.check_ids(ids)
-        lengths = self.check_lengths(ids, lengths)
-        if not isinstance(grads, np.ndarray) or grads.ndim != 2 \
-                or grads.shape[0] != lengths.size:
-            raise InvalidArgument(f"pooled grads must be (samples, dim) = ({lengths.size}, "
-                                  f"{table.config.dim}), got "
-                                  f"{getattr(grads, 'shape', type(grads).__name__)}")
-        ids, expanded = table.validate_push(ids, np.repeat(grads, lengths, axis=0))
-        with self._holding([name]):
-            return self._once(origin, lambda: fingerprint((name,), [ids, lengths], [grads]),
-                              [(name, ids, expanded)])
+        def check() -> Checked:
+            table = self.table(name)
+            counts = self.check_lengths(self.check_ids(ids), lengths)
+            if not isinstance(grads, np.ndarray) or grads.ndim != 2 \
+                    or grads.shape[0] != counts.size:
+                raise InvalidArgument(f"pooled grads must be (samples, dim) = ({counts.size}, "
+                                      f"{table.config.dim}), got "
+                                      f"{getattr(grads, 'shape', type(grads).__name__)}")
+            i, expanded = table.validate_push(ids, np.repeat(grads, counts, axis=0))
+            return (lambda: fingerprint((name,), [i, counts], [grads]), [(name, i, expanded)],
+                    [table])
+        return self._push_once(check, origin)
 
     async def pooled_lookup(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return await self._serve([name], np.size(ids), self.pooled_lookup_sync, name, ids, lengths)
@@ -431,7 +457,7 @@ class Shard:
         """Write all tables atomically; incremental checkpoints chain to the last one."""
         root = self._checkpoint_root()
         checkpoint_id = checkpoint_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        _check_checkpoint_id(checkpoint_id)
+        check_checkpoint_id(checkpoint_id)
         async with self._ckpt_lock:
             if incremental and self._last_checkpoint is None:
                 raise FailedPrecondition("an incremental checkpoint needs an earlier checkpoint "
@@ -444,10 +470,7 @@ class Shard:
 
     def _write_checkpoint(self, root: Path, checkpoint_id: str, incremental: bool,
                           parent: str | None) -> dict[str, Any]:
-        locks = [self._locks[name] for name in sorted(self.tables)]
-        for lock in locks:
-            lock.acquire()
-        try:
+        with self._layout, self._holding(list(self.tables)):
             manifest = write_checkpoint(root, checkpoint_id, self.config.shard_id,
                                         self.config.num_shards, self.tables,
                                         incremental=incremental, parent=parent,
@@ -455,9 +478,6 @@ class Shard:
             if self.wal is not None:  # the log restarts from this state
                 self.wal.start(checkpoint_id)
             return manifest
-        finally:
-            for lock in locks:
-                lock.release()
 
     def checkpoints(self) -> list[dict[str, Any]]:
         if not self.config.checkpoint_dir:
@@ -469,9 +489,7 @@ class Shard:
         (resharding when the shard count differs; the window then starts empty, as the
         clients' sequence numbers were per old shard); the write-ahead log restarts from it
         (the pushes it held after its base are dropped: a restore is a rollback)."""
-        checkpoint_id = await self._restore(checkpoint_id)
-        if self.wal is not None:
-            await asyncio.to_thread(self.wal.start, checkpoint_id)
+        await self._restore(checkpoint_id, restart_log=True)
         return {name: table.num_rows for name, table in self.tables.items()}
 
     async def recover(self) -> dict[str, int]:
@@ -485,7 +503,7 @@ class Shard:
         wal = self.wal
         base, records = await asyncio.to_thread(wal.read)
         if base is not None:
-            await self._restore(base)
+            await self._restore(base, restart_log=False)
         self.wal = None  # the records replayed are in the log already
         try:
             counts = await asyncio.to_thread(self._replay, records)
@@ -526,14 +544,14 @@ class Shard:
             return False
         return self.pushes.retries == retries
 
-    async def _restore(self, checkpoint_id: str) -> str:
+    async def _restore(self, checkpoint_id: str, *, restart_log: bool) -> None:
         root = self._checkpoint_root()
         if checkpoint_id == "latest":
             known = self.checkpoints()
             if not known:
                 raise NotFound(f"no checkpoints under {root}")
             checkpoint_id = known[-1]["checkpoint_id"]
-        _check_checkpoint_id(checkpoint_id)
+        check_checkpoint_id(checkpoint_id)
         async with self._ckpt_lock:
             snapshots = await asyncio.to_thread(
                 read_checkpoint, root, checkpoint_id,
@@ -548,11 +566,20 @@ class Shard:
                 for snap in chain:
                     table.restore(snap)
                 fresh[name] = table
-            self.tables = fresh
-            self._locks = {name: threading.RLock() for name in fresh}
-            self.pushes = pushes
+            await asyncio.to_thread(self._replace, fresh, pushes,
+                                    checkpoint_id if restart_log else None)
             self._last_checkpoint = checkpoint_id
-        return checkpoint_id
+
+    def _replace(self, tables: dict[str, EmbeddingTable], pushes: PushWindow,
+                 base: str | None) -> None:
+        """Swap in restored ``tables`` and window holding every table's lock, so that no push
+        comes between; the log restarts from checkpoint ``base`` first (None: goes on)."""
+        with self._layout, self._holding(list(self._locks)):
+            if base is not None and self.wal is not None:
+                self.wal.start(base)
+            self.pushes = pushes  # before the tables: a push that sees them uses it
+            self._locks = {name: self._locks.get(name) or threading.RLock() for name in tables}
+            self.tables = tables
 
     def close(self) -> None:
         """Sync and close the write-ahead log, if any."""
@@ -568,11 +595,3 @@ def segment_sum(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         starts = np.cumsum(lengths) - lengths
         out[nonempty] = np.add.reduceat(rows, starts[nonempty], axis=0)
     return out
-
-
-def _check_checkpoint_id(checkpoint_id: str) -> None:
-    ok = checkpoint_id and len(checkpoint_id) <= 128 and all(
-        c.isalnum() or c in "-_." for c in checkpoint_id) and not checkpoint_id.startswith(".")
-    if not ok:
-        raise InvalidArgument(f"checkpoint id {checkpoint_id!r} must be 1-128 characters of "
-                              "letters, digits, '-', '_' or '.'")

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from services.common.errors import ConfigError
 from services.ps.disk import DiskTier, record_dtype
 from services.ps.hashtable import (
     IdHashTable,
@@ -264,17 +263,10 @@ class EmbeddingTable:
         self._rows[slots] = wide.astype(self._dtype)
 
     def set_optimizer(self, **changes: Any) -> OptimizerConfig:
-        """Change optimizer settings (not its kind); validated; the state is kept."""
-        if "kind" in changes and changes["kind"] != self.config.optimizer.kind:
-            raise ConfigError(f"table {self.config.name}: the optimizer kind cannot change "
-                              f"({self.config.optimizer.kind} -> {changes['kind']})")
+        """Change optimizer settings (not its kind: :meth:`TableConfig.optimizer_with`
+        checks them); the state is kept."""
         with self._lock:
-            try:
-                new = replace(self.config.optimizer, **changes)
-            except TypeError as exc:
-                raise ConfigError(f"table {self.config.name}: {exc}") from exc
-            except ValueError as exc:
-                raise ConfigError(f"table {self.config.name}: {exc}") from exc
+            new = self.config.optimizer_with(changes)
             self.config = replace(self.config, optimizer=new)
             return new
 

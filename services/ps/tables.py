@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -243,6 +243,18 @@ class TableConfig:
     def admits_all(self) -> bool:
         """True when every id gets a row at first sight."""
         return self.admit_min_count <= 1 and self.admit_probability >= 1.0
+
+    def optimizer_with(self, changes: dict[str, Any]) -> OptimizerConfig:
+        """The optimizer settings with ``changes``, checked: a ConfigError for a bad or
+        unknown setting, and for a new kind (its state would not fit)."""
+        kind = self.optimizer.kind
+        if changes.get("kind", kind) != kind:
+            raise ConfigError(f"table {self.name}: the optimizer kind cannot change "
+                              f"({kind} -> {changes['kind']})")
+        try:
+            return replace(self.optimizer, **changes)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"table {self.name}: {exc}") from exc
 
 
 _INIT_CODES = {Initializer.UNIFORM: 0, Initializer.NORMAL: 1, Initializer.ZEROS: 2}

@@ -102,12 +102,19 @@ def load_dense_part(data: bytes) -> dict[str, Any]:
 def loader_offsets_part(admin_url: str) -> PartSource:
     """A part source reading the loader's committed offsets from its admin API."""
     async def read() -> bytes:
-        async with httpx.AsyncClient(base_url=admin_url, timeout=30.0) as http:
-            response = await http.get("/v1/offsets")
-        if response.status_code != 200:
-            raise error_from_http(response.status_code, response.json())
-        return json.dumps(response.json(), sort_keys=True).encode()
+        offsets = await _loader_admin(admin_url, "GET", "/v1/offsets")
+        return json.dumps(offsets, sort_keys=True).encode()
     return read
+
+
+async def _loader_admin(admin_url: str, method: str, path: str) -> Any:
+    """The JSON answer of the loader's admin API at ``admin_url`` to ``method path`` (an
+    error answer raised as its Persimmon error)."""
+    async with httpx.AsyncClient(base_url=admin_url, timeout=30.0) as http:
+        response = await http.request(method, path)
+    if response.status_code != 200:
+        raise error_from_http(response.status_code, response.json())
+    return response.json()
 
 
 class JobCheckpointer:
@@ -273,11 +280,8 @@ class ConsistentCut:
         """Ask the loader to commit the cut's offsets (a failure is logged: the next cut
         commits later offsets, and a resume reads the cut, not the commits)."""
         try:
-            async with httpx.AsyncClient(base_url=str(self.loader_admin_url),
-                                         timeout=30.0) as http:
-                response = await http.post(f"/v1/cuts/{checkpoint_id}/commit")
-            if response.status_code != 200:
-                raise error_from_http(response.status_code, response.json())
+            await _loader_admin(str(self.loader_admin_url), "POST",
+                                f"/v1/cuts/{checkpoint_id}/commit")
         except (httpx.HTTPError, PersimmonError) as exc:
             log.warning("committing cut %s to the loader failed: %s", checkpoint_id, exc)
 

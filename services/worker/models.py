@@ -143,9 +143,10 @@ class DenseNorm(nn.Module):
         self.count.fill_(total)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.training and x.shape[0] and float(self.count) < self.warmup:
-            self._update(x.detach())
-        if not float(self.count):
+        count = float(self.count)  # one read of the buffer (a device sync on a GPU)
+        if self.training and x.shape[0] and count < self.warmup:
+            self._update(x.detach())  # a non-empty batch: the count is > 0 after it
+        elif not count:
             return x
         scale = torch.rsqrt(self.m2 / self.count + self.eps)
         return ((x - self.mean.to(x.dtype)) * scale.to(x.dtype))

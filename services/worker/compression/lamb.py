@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from services.common.errors import ConfigError, InvalidArgument
 
-__all__ = ["Lamb", "lr_factor", "sqrt_scaled_lr", "trust_ratio"]
+__all__ = ["Lamb", "check_float", "lr_factor", "sqrt_scaled_lr", "trust_ratio"]
 
 
 def trust_ratio(p_norm: float, u_norm: float, min_coeff: float, max_coeff: float) -> float:
@@ -56,10 +56,12 @@ def sqrt_scaled_lr(lr: float, batch: int, base_batch: int) -> float:
     return lr * math.sqrt(batch / base_batch)
 
 
-def _check(name: str, value: Any, lo: float, hi: float) -> float:
+def check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """``value`` as a float if it is a finite number in ``[lo, hi]`` (``(lo, hi]`` with
+    ``lo_open``), else a ConfigError naming ``name``. The optimizers' settings check."""
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not lo <= value <= hi:
-        raise ConfigError(f"Lamb: {name} must be in [{lo}, {hi}], got {value!r}")
+    if not ok or value > hi or value < lo or (lo_open and value == lo):
+        raise ConfigError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
     return float(value)
 
 
@@ -71,12 +73,12 @@ class Lamb(Optimizer):
                  eps: float = 1e-6, weight_decay: float = 0.0, *, warmup_steps: int = 0,
                  decay_steps: int = 0, min_coeff: float = 0.01, max_coeff: float = 10.0
                  ) -> None:
-        _check("lr", lr, 0.0, math.inf)
+        check_float("Lamb: lr", lr, 0.0, math.inf)
         for name, beta in zip(("beta1", "beta2"), betas, strict=True):
-            _check(name, beta, 0.0, 1.0 - 1e-12)
-        _check("eps", eps, 1e-30, 1.0)
-        _check("weight_decay", weight_decay, 0.0, math.inf)
-        _check("min_coeff", min_coeff, 1e-30, max_coeff)
+            check_float(f"Lamb: {name}", beta, 0.0, 1.0 - 1e-12)
+        check_float("Lamb: eps", eps, 1e-30, 1.0)
+        check_float("Lamb: weight_decay", weight_decay, 0.0, math.inf)
+        check_float("Lamb: min_coeff", min_coeff, 1e-30, max_coeff)
         for name, steps in (("warmup_steps", warmup_steps), ("decay_steps", decay_steps)):
             if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
                 raise ConfigError(f"Lamb: {name} must be an int >= 0, got {steps!r}")

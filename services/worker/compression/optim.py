@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from services.common.codecs.quant import ONEBIT_EMBEDDING_REFUSAL
 from services.common.errors import ConfigError, InvalidArgument
 from services.worker.compression.collectives import CommStats, OnebitReducer, world_of
-from services.worker.compression.lamb import trust_ratio
+from services.worker.compression.lamb import check_float, trust_ratio
 
 __all__ = ["EMBEDDING_REFUSAL", "OnebitAdam", "OnebitLamb", "dense_parameters"]
 
@@ -48,30 +48,23 @@ def dense_parameters(params: nn.Module | Iterable[Any], who: str) -> Any:
     return params
 
 
-def _check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > hi or value < lo or (lo_open and value == lo):
-        raise ConfigError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
-    return float(value)
-
-
 class _OnebitOptimizer(Optimizer):
     """Shared machinery: parameter checks, warm-up all-reduce, compressed momentum, counters."""
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, freeze_step: int,
                  variance_floor: float, process_group: Any) -> None:
         who = type(self).__name__
-        self.variance_floor = _check_float(f"{who}: variance_floor", variance_floor, 0.0, 1.0)
+        self.variance_floor = check_float(f"{who}: variance_floor", variance_floor, 0.0, 1.0)
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ConfigError(f"{who}: freeze_step must be a positive int, got {freeze_step!r}")
         b1, b2 = defaults["betas"]
-        _check_float(f"{who}: lr", defaults["lr"], 0.0, math.inf)
-        _check_float(f"{who}: beta1", b1, 0.0, 1.0)
+        check_float(f"{who}: lr", defaults["lr"], 0.0, math.inf)
+        check_float(f"{who}: beta1", b1, 0.0, 1.0)
         if b1 >= 1.0:
             raise ConfigError(f"{who}: beta1 must be < 1, got {b1!r}")
-        _check_float(f"{who}: beta2", b2, 0.0, 1.0)
-        _check_float(f"{who}: eps", defaults["eps"], 0.0, math.inf, lo_open=True)
-        _check_float(f"{who}: weight_decay", defaults["weight_decay"], 0.0, math.inf)
+        check_float(f"{who}: beta2", b2, 0.0, 1.0)
+        check_float(f"{who}: eps", defaults["eps"], 0.0, math.inf, lo_open=True)
+        check_float(f"{who}: weight_decay", defaults["weight_decay"], 0.0, math.inf)
         super().__init__(dense_parameters(params, who), defaults)
         self.freeze_step = freeze_step
         self.process_group = process_group
@@ -273,11 +266,11 @@ class OnebitLamb(_OnebitOptimizer):
                  max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                  variance_floor: float = 0.01, process_group: Any = None) -> None:
-        _check_float("OnebitLamb: min_coeff", min_coeff, 0.0, max_coeff, lo_open=True)
-        _check_float("OnebitLamb: coeff_beta", coeff_beta, 0.0, 1.0)
-        _check_float("OnebitLamb: factor_min", factor_min, 0.0, 1.0, lo_open=True)
-        _check_float("OnebitLamb: factor_max", factor_max, 1.0, math.inf)
-        _check_float("OnebitLamb: factor_threshold", factor_threshold, 0.0, 1.0)
+        check_float("OnebitLamb: min_coeff", min_coeff, 0.0, max_coeff, lo_open=True)
+        check_float("OnebitLamb: coeff_beta", coeff_beta, 0.0, 1.0)
+        check_float("OnebitLamb: factor_min", factor_min, 0.0, 1.0, lo_open=True)
+        check_float("OnebitLamb: factor_max", factor_max, 1.0, math.inf)
+        check_float("OnebitLamb: factor_threshold", factor_threshold, 0.0, 1.0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "max_coeff": max_coeff, "min_coeff": min_coeff}
         super().__init__(params, defaults, freeze_step=freeze_step,
