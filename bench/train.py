@@ -58,6 +58,7 @@ from rich.table import Table
 from bench import write_json
 from bench.netem import LatencyProxy
 from bench.peers import torch_baseline, torchrec_available, torchrec_baseline
+from bench.procstats import cpu_seconds, memory_mb
 from services.common.batch import Batch
 from services.common.commands import int_at_least
 
@@ -125,7 +126,7 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
                                                                          for t in stats))}
     with LocalPS(2, tables, nice=PS_NICE) as cluster:
         ps_pids = [p.pid for p in cluster.procs]
-        before = [_cpu_seconds(pid) for pid in ps_pids]
+        before = [cpu_seconds(pid) for pid in ps_pids]
         if rtt_ms is None:
             summary = run_local_training(ps_addresses=cluster.addresses, **train_on)
             measured = None
@@ -133,8 +134,8 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
             with LatencyProxy(cluster.addresses, rtt_ms=rtt_ms) as proxy:
                 measured = proxy.measured_rtt_ms()
                 summary = run_local_training(ps_addresses=proxy.addresses, **train_on)
-        after = [_cpu_seconds(pid) for pid in ps_pids]
-        peak_rss = [_peak_rss_mb(pid) for pid in ps_pids]
+        after = [cpu_seconds(pid) for pid in ps_pids]
+        peak_rss = [memory_mb(pid, "VmHWM") for pid in ps_pids]
     ps_cpu = [b - a for a, b in zip(before, after, strict=True) if a is not None and b is not None]
     cpu = {"worker": summary["worker_cpu_ms_per_step"],  # over its training steps only
            # over the whole run (the evaluation too), per training step
@@ -147,28 +148,6 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
 def _summary_figures(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in ("samples_per_s", "auc", "staleness_max", "step_wall_ms",
                                     "step_cpu_ms", "batch_wait_ms")}
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; else None)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _peak_rss_mb(pid: int) -> float | None:
-    """Peak resident set size of process ``pid`` in MB (Linux ``VmHWM``; else None)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
