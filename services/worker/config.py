@@ -40,7 +40,8 @@ class TrainerConfig:
     worker waits for the others, so every worker's push of step t is applied before any
     worker's lookup of step t + 1 (``sync`` bounds only a worker's own pushes). In ``hybrid``
     mode the *hot* tables (``hot_ratio``: at most that many distinct ids per sample in the
-    first batch) have the bound ``hot_staleness`` instead: stale updates of rows that every
+    first batch) have the bound ``hot_staleness`` instead, and so do the *head ids* of the
+    others (seen at least ``head_rate`` times per batch): stale updates of rows that every
     batch touches cost most of hybrid's AUC gap to sync (docs/training.md).
     """
 
