@@ -54,6 +54,10 @@ class TrainerConfig:
                 "sample (hot rows) get hot_staleness instead of staleness (0: none)"})
     hot_staleness: int = field(default=1, metadata={
         "help": "hybrid: the staleness bound of hot tables (1: synchronous)"})
+    global_hot: bool = field(default=False, metadata={
+        "help": "hybrid, several workers: every worker's push of a step to the hot tables and "
+                "head ids is applied before any worker looks them up for the next step (a "
+                "barrier per step)"})
     head_rate: float = field(default=1.0, metadata={
         "help": "hybrid, shards in this process: ids seen at least this often per batch are "
                 "read and updated by the compute thread, synchronously (0: none)"})

@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numba import njit
@@ -180,12 +180,16 @@ class HotChain:
     rows are remote) under a window of ``window`` batches: a batch's lookup starts only
     once the push of the batch ``window`` before it is acknowledged; that push carries the
     lookup when the batch is planned already (one message per shard and group), else the
-    batch looks up on its own after it. Window 1 is synchronous."""
+    batch looks up on its own after it. Window 1 is synchronous. With a ``barrier`` (a wait
+    for every worker) each acknowledged push waits at it, and no lookup rides on a push: with
+    window 1 every worker's push of batch t is applied before any worker's lookup of t + 1."""
 
-    def __init__(self, pipeline: EmbeddingPipeline, groups: list[int], window: int) -> None:
+    def __init__(self, pipeline: EmbeddingPipeline, groups: list[int], window: int,
+                 barrier: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.pipeline = pipeline
         self.groups = groups
         self.window = window
+        self.barrier = barrier
         self._waiting: collections.deque[tuple[BatchPlan, asyncio.Future[Rows]]] = \
             collections.deque()
         self._out = 0  # batches looked up whose push is not acknowledged yet
@@ -215,7 +219,7 @@ class HotChain:
         """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
         batch its rows, looked up in the same message."""
         pipeline = self.pipeline
-        following = self._waiting.popleft() if self._waiting else None
+        following = self._waiting.popleft() if self._waiting and not self.barrier else None
         try:
             if following is None:
                 await asyncio.gather(*(pipeline.path.push(pipeline.rows, plan, i, grads[i])
@@ -230,6 +234,8 @@ class HotChain:
                 following[1].set_exception(exc if isinstance(exc, Exception)
                                            else Unavailable("the push it rode on was cancelled"))
             raise
+        if self.barrier is not None:
+            await self.barrier()
         if following is None:
             self._out -= 1
             self._advance()

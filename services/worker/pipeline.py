@@ -161,14 +161,16 @@ class EmbeddingPipeline:
     ``barrier``: awaited by every acknowledged push before its slot is freed (then no batch
     rides on a push; see the module doc). ``path``: what a lookup and a push send
     (:mod:`services.worker.exchange`; default unique rows). ``head_rate``: ids seen at least
-    this often per batch are head ids (None: none)."""
+    this often per batch are head ids (None: none); ``hot_barrier``: awaited by every
+    acknowledged push of the hot chain (hot rows synchronous across the workers)."""
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  tables: Mapping[str, str] | None = None,
                  timers: StepTimers | None = None, hot_ratio: float | None = None,
                  hot_window: int = 1, worker: int = 0, workers: int = 1,
                  barrier: Callable[[], Awaitable[Any]] | None = None,
-                 path: EmbeddingPath | None = None, head_rate: float | None = None) -> None:
+                 path: EmbeddingPath | None = None, head_rate: float | None = None,
+                 hot_barrier: Callable[[], Awaitable[Any]] | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
@@ -191,7 +193,7 @@ class EmbeddingPipeline:
             raise ConfigError("a barrier needs a window: pushes are waited for")
         self._timers = timers
         self.worker, self.workers = worker, workers
-        self._barrier = barrier
+        self._barrier, self._hot_barrier = barrier, hot_barrier
         self._steps = 0  # batches fed so far, over every run: the step of the next tag
         self._hot_ratio = hot_ratio if window is not None and window > hot_window else None
         self._hot_window = hot_window
@@ -282,7 +284,7 @@ class EmbeddingPipeline:
                 else:  # the head ids ride the hot chain
                     hot = sorted(hot + self._windowed)
             if hot:
-                self._chain = HotChain(self, hot, self._hot_window)
+                self._chain = HotChain(self, hot, self._hot_window, self._hot_barrier)
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
 

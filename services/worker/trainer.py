@@ -152,7 +152,9 @@ class Trainer:
             window=cfg.window, prefetch=cfg.prefetch, tables=tables, timers=self.progress,
             hot_ratio=cfg.hot_ratio or None, hot_window=cfg.hot_staleness, worker=rank,
             workers=world, barrier=self._global_barrier() if cfg.mode == "global_sync" else None,
-            path=embedding_path(cfg.embedding_path, cfg.pooling), head_rate=cfg.head_rate or None)
+            path=embedding_path(cfg.embedding_path, cfg.pooling), head_rate=cfg.head_rate or None,
+            hot_barrier=self._global_barrier() if cfg.mode == "hybrid" and cfg.global_hot
+            else None)
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None

@@ -77,13 +77,16 @@ async def train(worker: int, pipeline: EmbeddingPipeline, lockstep: asyncio.Barr
 
 
 async def run(window: int, barrier: Callable[[asyncio.Barrier], Callable[[], Awaitable[Any]]]
-              | None = None) -> tuple[dict[str, Any], list[list[tuple[int, set[int], int]]]]:
+              | None = None, *, hot: bool = False, **options: Any
+              ) -> tuple[dict[str, Any], list[list[tuple[int, set[int], int]]]]:
+    """W workers' steps; ``barrier`` after each acknowledged push (``hot``: the hot chain's
+    pushes only); ``options`` for every pipeline."""
     gate = PushGate()
     shards = InProcessShards([table()], gate=gate)
     lockstep, everyone = asyncio.Barrier(W), asyncio.Barrier(W)
+    wait = {("hot_barrier" if hot else "barrier"): barrier(everyone) if barrier else None}
     pipelines = [EmbeddingPipeline(shards, window=window, tables={"f": "t"}, worker=w, workers=W,
-                                   barrier=barrier(everyone) if barrier else None)
-                 for w in range(W)]
+                                   **wait, **options) for w in range(W)]
     progress = [0]
     releaser = asyncio.create_task(release_when_stuck(gate, progress))
     try:
@@ -146,6 +149,24 @@ async def test_the_ps_counts_the_pushes_of_every_worker_a_lookup_missed(window: 
     globals_ = ps_matches_rows(stats, seen)
     assert stats["own_staleness_max"] == window - 1
     assert max(globals_) > stats["own_staleness_max"]  # the other workers' pushes missed too
+
+
+@pytest.mark.parametrize("global_hot", [True, False])
+async def test_global_hot_head_ids_see_every_workers_push_of_the_step_before(global_hot: bool
+                                                                             ) -> None:
+    """Hybrid, window 4, ROW_ID a head id from step 1 on (seen in every batch): it rides the
+    hot chain. With a barrier after each of its acknowledged pushes, the lookup of step t >= 2
+    includes every worker's push of steps 1 .. t - 1 (step 0's went through the window, before
+    ROW_ID was head); without it, a worker's head rows miss the other worker's latest pushes
+    (a chain that rides the next lookup on its push, or frees the barrier at send, fails the
+    first case)."""
+    _, seen = await run(4, gloo_like if global_hot else None, hot=True, head_rate=1.0)
+    late = [(t, {v * N + s for v in range(W) for s in range(1, t)} - applied)
+            for steps in seen for t, applied, _ in steps if t >= 2]
+    if global_hot:
+        assert all(not missing for _, missing in late), late
+    else:
+        assert any(missing for _, missing in late)
 
 
 def test_bad_worker_ranks_and_a_barrier_without_a_window_are_clear_errors() -> None:
