@@ -24,18 +24,17 @@ import collections
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from numba import njit
 
+from clients.rows import RowsClient
 from services.common.errors import ConfigError, Unavailable
 from services.common.lifecycle import settle
 from services.common.sharding import ShardedIds
+from services.worker.exchange import EmbeddingPath
 from services.worker.pooling import BatchPlan
-
-if TYPE_CHECKING:
-    from services.worker.pipeline import EmbeddingPipeline
 
 __all__ = ["HeadIds", "HotChain", "SplitBatch"]
 
@@ -175,6 +174,15 @@ class HeadIds:
         return unique[total >= max(2.0, self.rate * len(seen))]
 
 
+class ChainHost(Protocol):
+    """What the hot chain uses of its embedding pipeline."""
+
+    rows: RowsClient
+    path: EmbeddingPath
+
+    async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None) -> Rows: ...
+
+
 class HotChain:
     """The hot groups' rows (hot tables, and the head ids of the windowed groups where the
     rows are remote) under a window of ``window`` batches: a batch's lookup starts only
@@ -184,7 +192,7 @@ class HotChain:
     for every worker) each acknowledged push waits at it, and no lookup rides on a push: with
     window 1 every worker's push of batch t is applied before any worker's lookup of t + 1."""
 
-    def __init__(self, pipeline: EmbeddingPipeline, groups: list[int], window: int,
+    def __init__(self, pipeline: ChainHost, groups: list[int], window: int,
                  barrier: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.pipeline = pipeline
         self.groups = groups
