@@ -15,11 +15,12 @@ vocabularies, so a step has 8 tables of lookups and pushes to overlap with compu
 so every batch reads and writes the same hot rows; ``--data criteo`` the Criteo-shaped profile
 (26 features, vocabularies capped at 200k ids, Zipf 1.1).
 
-The S rows bound every row (``hot_ratio=0``, ``head_rate=0``): they show what the window costs. S = 0 bounds
-only a worker's own pushes; the ``global_sync`` row is synchronous across the workers (every
-worker's push of step t applied before any lookup of step t + 1), the baseline of a fair
-comparison with several workers. The last row is the default hybrid mode, S = 8 with the hot
-tables (few distinct ids per batch) at ``hot_staleness=1``.
+The S rows bound every row (``hot_ratio=0``, ``head_rate=0``): they show what the window
+costs. S = 0 bounds only a worker's own pushes; the ``global_sync`` row is synchronous across
+the workers (every worker's push of step t applied before any lookup of step t + 1), the
+baseline of a fair comparison with several workers. The last row is the default hybrid mode,
+S = 8 with the head ids (ids seen in about every batch) at ``hot_staleness=1`` across the
+workers (``global_hot``).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ _ASYNC_PREFETCH = 64
 
 
 def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> TrainerConfig:
-    """S = 0: sync mode; S >= 1: hybrid with bound S on every table; None: async
-    (unbounded); :data:`DEFAULT_ROW`: hybrid as configured by default (S = 8, hot tables at
+    """S = 0: sync mode; S >= 1: hybrid with bound S on every row; None: async
+    (unbounded); :data:`DEFAULT_ROW`: hybrid as configured by default (S = 8, head ids at
     ``hot_staleness``); :data:`GLOBAL_ROW`: global_sync mode."""
     base = replace(base, sync="allreduce")
     if s == GLOBAL_ROW:
@@ -63,7 +64,7 @@ def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> Tra
         defaults = TrainerConfig()
         return replace(base, mode="hybrid", staleness=defaults.staleness,
                        hot_ratio=defaults.hot_ratio, hot_staleness=defaults.hot_staleness,
-                       head_rate=defaults.head_rate)
+                       head_rate=defaults.head_rate, global_hot=defaults.global_hot)
     if s == 0:
         return replace(base, mode="sync", staleness=0)
     return replace(base, mode="hybrid", staleness=int(s), hot_ratio=0.0, head_rate=0.0)
@@ -101,14 +102,15 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
                      "auc_gap": statistics.fmean(gaps) if gaps else None, "gap_per_seed": gaps,
                      "staleness_max": max(x["staleness_max"] for x in xs),
                      "staleness_mean": statistics.fmean(x["staleness_mean"] for x in xs),
-                     "hot_tables": xs[0].get("hot_tables", [])})
+                     "hot_tables": xs[0].get("hot_tables", []),
+                     "head_ids": xs[0].get("head_ids", 0)})
     return {"workers": workers, "rows": rows, "batch_size": batch_size, "data": data,
             "seeds": seeds, "oracle_auc": statistics.fmean(oracles), "runs": runs}
 
 
 def _label(s: int | str | None) -> str:
     if s == DEFAULT_ROW:
-        return "8, hot tables 1 (default)"
+        return "8, head ids 1 (default)"
     if s == GLOBAL_ROW:
         return "0 across workers"
     return "unbounded" if s is None else str(s)

@@ -8,21 +8,22 @@ Every way of :data:`RUNS`, in one run:
   with one thread per core) and ``torchrec`` (TorchRec DMP, fused kernel, row-wise Adagrad,
   one thread per core; where installed). Ids are mapped to rows before the clock starts (the
   favourable case for them).
-- Persimmon, one worker (this process) and 2 PS shards. ``default`` is what ``persimmon
-  train`` does on one machine: the shards embedded in the worker's process, hybrid with hot
-  tables synchronous; ``sync_embedded`` and ``hybrid_embedded`` (S=8 on every table) the
-  same placement in the other modes. ``hybrid``, ``hybrid_hot`` and ``sync`` are the remote
-  path: shard processes (nice 10, as background work beside a trainer should run) over gRPC,
-  the worker's PS traffic in its child process (``ps_process``).
+- Persimmon, one worker (this process). ``default`` is what ``persimmon train`` does on one
+  machine: one PS shard embedded in the worker's process, hybrid with head ids synchronous
+  (read and updated by the compute thread); ``sync_embedded`` and ``hybrid_embedded`` (S=8
+  on every row) the same placement in the other modes. ``hybrid``, ``hybrid_hot`` and
+  ``sync`` are the remote path: 2 shard processes (nice 10, as background work beside a
+  trainer should run) over gRPC, the worker's PS traffic in its child process
+  (``ps_process``).
 
 Keys: ``vs_torchrec`` / ``vs_torch`` = Persimmon's fastest run / the peer's;
 ``default_vs_torchrec`` and ``sync_vs_torchrec`` the default and sync (embedded) runs against
 TorchRec; ``embedded_vs_processes`` = sync embedded / sync over gRPC; ``vs_local`` = hybrid
-/ local and ``hybrid_vs_sync``, ``hot_vs_sync`` on the remote path (S=8 on every table, and
-hot tables synchronous, against sync). ``--profile criteo`` trains on the Criteo-shaped
+/ local and ``hybrid_vs_sync``, ``hot_vs_sync`` on the remote path (S=8 on every row, and
+head ids synchronous, against sync). ``--profile criteo`` trains on the Criteo-shaped
 planted profile, ``toy`` on the small one.
 
-``--rtt-ms 0,0.5,2`` repeats the remote path's hybrid, hybrid-with-hot-tables and sync runs
+``--rtt-ms 0,0.5,2`` repeats the remote path's hybrid, hybrid-with-head-ids and sync runs
 with the shards behind a latency-injecting proxy (:mod:`bench.netem`; no kernel netem here):
 ``rtt`` rows of ``{rtt_ms, measured_rtt_ms, hybrid_vs_sync, hot_vs_sync, auc_hybrid, auc_hot,
 auc_sync}``. The proxy's process shares the cores, which a real network would not.
@@ -73,11 +74,11 @@ RUNS = {  # key: what the table calls it
     "local": "plain torch, 1 thread: nn.EmbeddingBag + sparse Adagrad",
     "torch": "plain torch with every core's thread",
     "torchrec": "TorchRec DMP, fused kernel, row-wise Adagrad, every core's thread",
-    "default": "Persimmon as `persimmon train` runs: shards embedded, hybrid, hot tables sync",
-    "sync_embedded": "Persimmon, shards embedded, sync",
-    "hybrid_embedded": "Persimmon, shards embedded, hybrid S=8 on every table",
-    "hybrid": "Persimmon, 2 shard processes over gRPC, hybrid S=8 on every table",
-    "hybrid_hot": "the same, hybrid with hot tables synchronous",
+    "default": "Persimmon as `persimmon train` runs: shard embedded, hybrid, head ids sync",
+    "sync_embedded": "Persimmon, shard embedded, sync",
+    "hybrid_embedded": "Persimmon, shard embedded, hybrid S=8 on every row",
+    "hybrid": "Persimmon, 2 shard processes over gRPC, hybrid S=8 on every row",
+    "hybrid_hot": "the same, hybrid with head ids synchronous (push-then-lookup chain)",
     "sync": "Persimmon, 2 shard processes over gRPC, sync",
 }
 _PERSIMMON_RUNS = {  # key: placement, mode, hot tables and head ids as by default (else none)
@@ -117,7 +118,7 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
     train_on = dict(train_batches=train, eval_batches=test, model=ModelConfig(name="dlrm"),
                     config=config)
     if placement == "embedded":
-        shards = InProcessShards(tables, num_shards=2).warm_up()
+        shards = InProcessShards(tables).warm_up()  # one shard, as `persimmon train` embeds
         summary = run_local_training(rows_client=shards, **train_on)
         stats = [t.stats() for shard in shards.shards for t in shard.tables.values()]
         return {**_summary_figures(summary), "cpu_ms_per_step": {

@@ -149,7 +149,7 @@ def _sparse_features(admin_url: str) -> list[str]:
 
 def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: TrainerConfig,
                            validation_data: str | None = None,
-                           model: ModelConfig, workers: int = 1, shards: int = 2,
+                           model: ModelConfig, workers: int = 1, shards: int | None = None,
                            dim: int = 16, ps_lr: float = 0.05, ps_optimizer: str = "adagrad",
                            ps_weight_decay: float = 0.0, ps_initial_accumulator: float = 0.0,
                            ps_table_lr: dict[str, float] | None = None,
@@ -159,6 +159,8 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
     """Start loaders on loopback ports and the PS shards where ``ps`` places them
     (:func:`ps_placement`), train ``workers`` gloo ranks, stop everything; return the
     summary (with ``oracle_auc`` for planted data and ``ps`` = where the shards ran).
+    ``shards``: default one embedded shard (holding every table: no per-shard calls to pay
+    for in one process), two shard processes.
     ``validation_data``: the loader spec the best state is selected on."""
     from services.local.processes import LocalLoader, LocalPS
     from services.ps.inprocess import InProcessShards
@@ -188,11 +190,11 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
         if placement == "embedded":
             snapshots = ({"checkpoint_dir": stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="persimmon-best-"))} if keep_best else None)  # the best state's rows
-            embedded = InProcessShards(tables, num_shards=shards,
+            embedded = InProcessShards(tables, num_shards=shards or 1,
                                        shard_config=snapshots).warm_up()
             where: dict[str, Any] = {"rows_client": embedded}
         else:
-            cluster = stack.enter_context(LocalPS(shards, tables, exports,
+            cluster = stack.enter_context(LocalPS(shards or 2, tables, exports,
                                                   registry=config.registry))
             where = {"ps_addresses": cluster.addresses}
             attach = _online_export(config, model, exports, cluster.admin_urls,
@@ -311,7 +313,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--validation-data", help="loader spec of the validation data: "
                        "evaluated every --eval-every steps and at the end; the state of the "
                        "best validation AUC is kept (--keep-best, default with it)")
-    train.add_argument("--shards", type=int_at_least(1), default=2, help="PS shards")
+    train.add_argument("--shards", type=int_at_least(1), default=None,
+                       help="PS shards (default: 1 in the worker's process, 2 processes)")
     train.add_argument("--ps", default="auto", choices=list(PS_PLACEMENTS),
                        help="where the PS shards run: " + "; ".join(
                            f"{k}: {v}" for k, v in PS_PLACEMENTS.items()))

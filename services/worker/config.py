@@ -39,22 +39,24 @@ class TrainerConfig:
     ``global_sync`` is ``sync`` across the workers: after each push is acknowledged every
     worker waits for the others, so every worker's push of step t is applied before any
     worker's lookup of step t + 1 (``sync`` bounds only a worker's own pushes). In ``hybrid``
-    mode the *hot* tables (``hot_ratio``: at most that many distinct ids per sample in the
-    first batch) have the bound ``hot_staleness`` instead, and so do the *head ids* of the
-    others (seen at least ``head_rate`` times per batch): stale updates of rows that every
-    batch touches cost most of hybrid's AUC gap to sync (docs/training.md).
+    mode the *head ids* (seen at least ``head_rate`` times per batch) and the *hot* tables
+    (``hot_ratio``: at most that many distinct ids per sample in the first batch; off by
+    default, head ids cover them) have the bound ``hot_staleness`` instead, across the workers
+    with ``global_hot``: stale updates of rows that every batch touches cost most of hybrid's
+    AUC gap to sync (docs/training.md).
     """
 
     mode: str = field(default="hybrid", metadata={
         "help": "sync, global_sync (sync across the workers), hybrid or async"})
     staleness: int = field(default=8, metadata={"help": "hybrid: batches in flight (S)"})
     prefetch: int = field(default=8, metadata={"help": "async: lookups ahead of compute"})
-    hot_ratio: float = field(default=0.3, metadata={
+    hot_ratio: float = field(default=0.0, metadata={
         "help": "hybrid: tables whose first batch has at most this many distinct ids per "
-                "sample (hot rows) get hot_staleness instead of staleness (0: none)"})
+                "sample (hot rows) get hot_staleness instead of staleness (0: none; head ids "
+                "cover them on the rows path, e.g. 0.3 for des)"})
     hot_staleness: int = field(default=1, metadata={
         "help": "hybrid: the staleness bound of hot tables (1: synchronous)"})
-    global_hot: bool = field(default=False, metadata={
+    global_hot: bool = field(default=True, metadata={
         "help": "hybrid, several workers: every worker's push of a step to the hot tables and "
                 "head ids is applied before any worker looks them up for the next step (a "
                 "barrier per step)"})

@@ -317,6 +317,10 @@ class EmbeddingPipeline:
                     split.rows(i, out[i], rows)
         return out
 
+    def head_count(self) -> int:
+        """Head ids now (0 without head ids)."""
+        return self.heads.head_count() if self.heads is not None else 0
+
     def read_hot(self, item: Prepared) -> None:
         """Fill ``item``'s direct hot groups' rows now (from the compute thread, just before
         its step): they include every earlier step's :meth:`apply_hot`."""

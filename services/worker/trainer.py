@@ -522,7 +522,7 @@ class Trainer:
             samples_per_s=samples / seconds if seconds > 0 else 0.0,
             loss=float(np.mean(recent[-50:])) if steps_done else math.nan,
             staleness_max=staleness.max, staleness_mean=staleness.mean,
-            hot_tables=list(self.pipeline.hot_tables),
+            hot_tables=list(self.pipeline.hot_tables), head_ids=self.pipeline.head_count(),
             step_wall_ms=timing["step_wall_ms"], step_cpu_ms=timing["step_cpu_ms"],
             batch_wait_ms=timing["batch_wait_ms"],
             worker_cpu_ms_per_step=1e3 * cpu_seconds / steps_done if steps_done else 0.0,

@@ -61,8 +61,9 @@ def test_bench_staleness_reports_every_bound(tmp_path: Path) -> None:
     runs = result["runs"]
     assert [r["staleness"] for r in runs] == [0, 2, None, "global_sync", "8+hot"]
     assert [r["mode"] for r in runs] == ["sync", "hybrid", "async", "global_sync", "hybrid"]
-    assert runs[1]["hot_tables"] == [] and len(runs[4]["hot_tables"]) == 8  # planted: all hot
-    assert runs[3]["hot_tables"] == [] and runs[3]["staleness_max"] == 0
+    assert runs[1]["head_ids"] == 0 and runs[4]["head_ids"] > 0  # the default: head ids
+    assert all(r["hot_tables"] == [] for r in runs)  # none by default
+    assert runs[3]["staleness_max"] == 0
     for r in runs:
         assert finite(r["samples_per_s"]) and r["samples_per_s"] > 0
         assert finite(r["auc"]) and 0 < r["auc"] < 1
@@ -77,9 +78,9 @@ def test_staleness_bounds_map_to_trainer_modes() -> None:
     assert (staleness_config("global_sync").mode,
             staleness_config("global_sync").window) == ("global_sync", 1)
     assert staleness_config(None).mode == "async" and staleness_config(None).window is None
-    assert staleness_config(16).hot_ratio == 0  # the S rows bound every table
+    assert staleness_config(16).head_rate == 0  # the S rows bound every row
     default = staleness_config("8+hot")
-    assert (default.staleness, default.hot_staleness) == (8, 1) and default.hot_ratio > 0
+    assert (default.staleness, default.hot_staleness) == (8, 1) and default.head_rate > 0
     assert staleness_list("0, 4,unbounded") == (0, 4, None)
     with pytest.raises(argparse.ArgumentTypeError, match="bad staleness '-1'"):
         staleness_list("-1")
