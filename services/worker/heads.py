@@ -10,11 +10,12 @@ the same for the frequent ids of the large ones.
 
 :class:`HeadIds` counts, per table, how often each id occurs in the recent batches (the last
 ``memory``) and calls *head* the ids seen at least ``rate`` times per batch on average (and
-twice at least). Where the rows live in this process, :meth:`HeadIds.split` splits each of a
-batch's windowed groups into its head ids, which the compute thread reads just before its step
-and updates just after (no round trip, every earlier step's update seen), and the rest, which
-keep the window. Which ids are head only decides the path a row's update takes, never whether
-it is applied: an id that moves between the two is applied once either way.
+twice at least). :meth:`HeadIds.split` splits each of a batch's windowed groups into its head
+ids and the rest, which keeps the window. Where the rows live in this process the compute
+thread reads the head ids just before its step and updates them just after (no round trip,
+every earlier step's update seen); else they ride :class:`HotChain` with the hot tables.
+Which ids are head only decides the path a row's update takes, never whether it is applied:
+an id that moves between the two is applied once either way.
 """
 
 from __future__ import annotations
@@ -53,13 +54,13 @@ def _keys(layout: ShardedIds) -> np.ndarray:
 @njit(cache=True, nogil=True)
 def _hash_set(keys):  # pragma: no cover - numba
     """An open-addressing set of ``keys`` (0 marks a free slot: a key 0 is never a member)."""
-    size = 2
-    while size < 2 * keys.size:
-        size *= 2
-    table = np.zeros(size, dtype=np.uint64)
-    mask = np.uint64(size - 1)
+    bits = 1
+    while (1 << bits) < 2 * keys.size:
+        bits += 1
+    table = np.zeros(1 << bits, dtype=np.uint64)
+    mask = np.uint64(table.size - 1)
     for key in keys:
-        at = (key * _MIX) >> np.uint64(40) & mask
+        at = (key * _MIX) >> np.uint64(64 - bits) & mask
         while table[at] != 0 and table[at] != key:
             at = (at + np.uint64(1)) & mask
         table[at] = key
@@ -69,10 +70,13 @@ def _hash_set(keys):  # pragma: no cover - numba
 @njit(cache=True, nogil=True)
 def _members(table, keys, out):  # pragma: no cover - numba
     """``out[k]``: ``keys[k]`` is in the set ``table`` (:func:`_hash_set`)."""
-    mask = np.uint64(table.size - 1)
+    bits = 1
+    while (1 << bits) < table.size:
+        bits += 1
+    mask, shift = np.uint64(table.size - 1), np.uint64(64 - bits)
     for k in range(keys.size):
         key = keys[k]
-        at = (key * _MIX) >> np.uint64(40) & mask
+        at = (key * _MIX) >> shift & mask
         out[k] = False
         while table[at] != 0:
             if table[at] == key:

@@ -95,3 +95,21 @@ def test_no_head_ids_all_rest_and_bad_settings_are_clear() -> None:
             HeadIds([0], bad)
     with pytest.raises(ConfigError, match="memory and every"):
         HeadIds([0], 1.0, memory=0)
+
+
+def test_thousands_of_head_ids_are_found_among_fresh_ones() -> None:
+    """5,000 ids twice in every batch (head) among 5,000 ids no other batch has: the hash set
+    of head keys answers exactly (a probe that stops early, or a slot index that ignores the
+    set's size, misses some or finds fresh ones)."""
+    heads = HeadIds([0], 1.0)
+    rng = np.random.default_rng(0)
+    frequent = rng.choice(2**40, 5000, replace=False).astype(np.uint64)
+    for b in range(3):
+        fresh = (np.arange(5000, dtype=np.uint64) + np.uint64(2**41 + 5000 * b))
+        ids = np.concatenate([frequent, frequent, fresh])
+        p = plan_batch({"a": (ids, np.ones(ids.size, np.int32))}, num_shards=SHARDS)
+        split = heads.split(p)
+    head_ids = split.head.groups[0].layout.ids
+    assert heads.head_count() == 5000
+    assert np.array_equal(np.sort(head_ids), np.sort(frequent))
+    assert np.array_equal(np.sort(split.remote.groups[0].layout.ids), np.sort(fresh))
