@@ -94,6 +94,7 @@ class StepTimers(Protocol):
 
     @property
     def lookup_seconds(self) -> _Histogram: ...
+
     @property
     def push_seconds(self) -> _Histogram: ...
 
@@ -142,9 +143,9 @@ async def iterate(batches: Batches) -> AsyncIterator[Batch]:
     if isinstance(batches, AsyncIterable):
         async for b in batches:
             yield b
-        return
-    for b in batches:
-        yield b
+    else:
+        for b in batches:
+            yield b
 
 
 class EmbeddingPipeline:
@@ -322,8 +323,8 @@ class EmbeddingPipeline:
         return self.heads.head_count() if self.heads is not None else 0
 
     def read_hot(self, item: Prepared) -> None:
-        """Fill ``item``'s direct hot groups' rows now (from the compute thread, just before
-        its step): they include every earlier step's :meth:`apply_hot`."""
+        """Fill ``item``'s direct hot groups' rows and its head ids' now (from the compute
+        thread, just before its step): they include every earlier step's :meth:`apply_hot`."""
         if self._direct_rows is not None:
             for i in self._direct_hot:
                 item.rows[i] = self._direct_rows.lookup_now(item.plan.groups[i].layout)
@@ -340,8 +341,8 @@ class EmbeddingPipeline:
                                          in split.groups.items() if at.size]
 
     def apply_hot(self, item: Prepared, grads: Rows) -> None:
-        """Apply ``item``'s direct hot groups' gradients now (from the compute thread, just
-        after its step); :meth:`push` sends the other groups'."""
+        """Apply ``item``'s direct hot groups' and head ids' gradients now (from the compute
+        thread, just after its step); :meth:`push` sends the rest."""
         if self._direct_rows is not None:
             for i in self._direct_hot:
                 self._direct_rows.push_now(item.plan.groups[i].layout, grads[i])
@@ -443,8 +444,8 @@ class EmbeddingPipeline:
                 hot = await item.hot if item.hot is not None else None
                 if not self._windowed:
                     staleness = 0  # every table is hot: each lookup saw every earlier push
-                await put(Prepared(item.batch, item.plan, self._merge(item.plan, rows, hot, item.split),
-                                   staleness, item.split))
+                rows = self._merge(item.plan, rows, hot, item.split)
+                await put(Prepared(item.batch, item.plan, rows, staleness, item.split))
             await put(None)
         except Exception as exc:  # a failed lookup: the consumer raises it
             fail(exc)
