@@ -218,7 +218,7 @@ class Shard:
         reads it). The caller holds the pushed tables' locks, so the window, the log and the
         rows change together."""
         if origin is None or not self.config.idempotent_pushes:
-            self._log(push_record(None, 0, parts))
+            self._log(push_record, None, 0, parts)
             return self._apply(parts)
         window = self.pushes
         fp = content()
@@ -226,7 +226,7 @@ class Shard:
         if done is not None:
             return done
         try:
-            self._log(push_record(origin, fp, parts))
+            self._log(push_record, origin, fp, parts)
             result = self._apply(parts)
         except BaseException:
             window.abandon(origin)
@@ -241,9 +241,9 @@ class Shard:
                           dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
                           not_admitted=sum(r.not_admitted for r in results))
 
-    def _log(self, record: dict[str, Any]) -> None:
-        if self.wal is not None:
-            self.wal.append(record)
+    def _log(self, record: dict[str, Any] | Callable[..., dict[str, Any]], *args: Any) -> None:
+        if self.wal is not None:  # a push's record is built only when there is a log
+            self.wal.append(record(*args) if callable(record) else record)
 
     async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         return await self._serve([name], np.size(ids), self.lookup_sync, name, ids)
