@@ -153,8 +153,9 @@ class HeadIds:
                 _members(members, k, is_head)
             layout = plan.groups[i].layout
             groups[i] = (np.flatnonzero(is_head), np.flatnonzero(~is_head))
-            remote[i] = replace(remote[i], layout=layout.subset(~is_head))
             head[i] = replace(head[i], layout=layout.subset(is_head))
+            if groups[i][0].size:  # else the rest is the whole layout
+                remote[i] = replace(remote[i], layout=layout.subset(~is_head))
         return SplitBatch(replace(plan, groups=remote), replace(plan, groups=head), groups)
 
     def _count(self, plan: BatchPlan, keys: dict[int, np.ndarray]) -> None:
