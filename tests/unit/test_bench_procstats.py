@@ -14,8 +14,6 @@ import pytest
 from bench import latency_quantiles
 from bench.procstats import cpu_seconds, memory_mb
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc only")
-
 
 def _absent_pid() -> int:
     """A pid no process can have: one above the kernel's largest."""
