@@ -61,8 +61,9 @@ class TrainerConfig:
                 "head ids is applied before any worker looks them up for the next step (a "
                 "barrier per step)"})
     head_rate: float = field(default=1.0, metadata={
-        "help": "hybrid, shards in this process: ids seen at least this often per batch are "
-                "read and updated by the compute thread, synchronously (0: none)"})
+        "help": "hybrid: ids seen at least this often per batch are head ids, bound by "
+                "hot_staleness (the compute thread reads and updates them where the shards "
+                "are in this process; 0: none)"})
     dense_optimizer: str = field(default="adam", metadata={
         "help": "adam, adagrad, sgd, lamb, onebit_adam or onebit_lamb (these two all-reduce "
                 "themselves)"})
