@@ -23,8 +23,12 @@ on the test rows, in the same run:
   ``validation_data`` and its ``ModelCheckpoint(monitor="val_auc", save_best_only=True)``:
   the weights of its best epoch.
 
-JSON: ``datasets: [{name, rows, persimmon_auc, persimmon_best_epoch,
-persimmon_validation_auc, lr_auc, deepctr_auc, margin}, ...]``.
+With ``--seeds N`` Persimmon and DeepCTR-Torch run once per seed (paired: the same seeds for
+both) and their AUC is the mean over the seeds; LogisticRegression has no seed.
+
+JSON: ``seeds``, ``datasets: [{name, rows, persimmon_auc, persimmon_aucs (per seed),
+persimmon_best_epoch, persimmon_validation_auc, lr_auc, deepctr_auc, deepctr_aucs, margin},
+...]``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -214,8 +219,8 @@ def logistic_regression_auc(data: QualityData) -> float:
     return float(roc_auc_score(data.labels[data.test], best.decision_function(x_test)))
 
 
-def deepctr_auc(data: QualityData, workdir: Path, *, epochs: int, threads: int
-                ) -> float | None:
+def deepctr_auc(data: QualityData, workdir: Path, *, epochs: int, threads: int,
+                seed: int = 0) -> float | None:
     """Test AUC of DeepCTR-Torch's DeepFM (dim 16, its defaults) with the weights of its
     epoch of best validation AUC, or None if not installed."""
     try:
@@ -228,7 +233,7 @@ def deepctr_auc(data: QualityData, workdir: Path, *, epochs: int, threads: int
     from sklearn.metrics import roc_auc_score
 
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     inputs: dict[str, np.ndarray] = {}
     columns: list[Any] = []
     for c, values in data.sparse.items():
@@ -250,7 +255,7 @@ def deepctr_auc(data: QualityData, workdir: Path, *, epochs: int, threads: int
         x = np.log1p(np.nan_to_num(values, nan=0.0).clip(min=0))
         inputs[c] = ((x - x[data.train].mean()) / (x[data.train].std() + 1e-9)).astype(np.float32)
         columns.append(DenseFeat(c, 1))
-    model = DeepFM(columns, columns, task="binary", device="cpu", seed=0)
+    model = DeepFM(columns, columns, task="binary", device="cpu", seed=seed)
     model.compile("adam", "binary_crossentropy", metrics=["auc"])
     train, validation, test = ({k: v[rows] for k, v in inputs.items()}
                                for rows in (data.train, data.validation, data.test))
@@ -264,22 +269,45 @@ def deepctr_auc(data: QualityData, workdir: Path, *, epochs: int, threads: int
     return float(roc_auc_score(data.labels[data.test], scores))
 
 
+def _seeded(extra: list[str], seed: int) -> list[str]:
+    """persimmon train's flags with ``--seed``/``--data-seed`` set to ``seed``."""
+    return [*extra, "--seed", str(seed), "--data-seed", str(seed)]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every data set: Persimmon once per seed (``--seeds``, paired: seed ``s`` is
+    ``--seed s --data-seed s``) and DeepCTR-Torch with the same seeds, LogisticRegression
+    once (it has none); each system's AUC is its mean over the seeds."""
     results = []
+    seeds = range(args.seeds)
     for name in args.datasets:
         data = load_dataset(name, rows=args.rows)
         row: dict[str, Any] = {"name": name, "rows": data.rows}
+        runs = []
         with tempfile.TemporaryDirectory(prefix=f"persimmon-quality-{name}-") as tmp:
-            row.update(persimmon_auc(data, Path(tmp), model=args.model, epochs=args.epochs,
-                                     extra=args.train_args))
+            for seed in seeds:
+                extra = args.train_args if args.seeds == 1 else _seeded(args.train_args, seed)
+                runs.append(persimmon_auc(data, Path(tmp), model=args.model,
+                                          epochs=args.epochs, extra=extra))
             row["lr_auc"] = logistic_regression_auc(data)
-            row["deepctr_auc"] = (deepctr_auc(data, Path(tmp), epochs=args.epochs,
-                                              threads=args.threads) if args.deepctr else None)
+            deep = [deepctr_auc(data, Path(tmp), epochs=args.epochs, threads=args.threads,
+                                seed=seed) for seed in (seeds if args.deepctr else ())]
+        row.update(runs[0] if args.seeds == 1 else {
+            "persimmon_auc": statistics.fmean(r["persimmon_auc"] for r in runs),
+            "persimmon_best_epoch": statistics.fmean(r["persimmon_best_epoch"] for r in runs),
+            "persimmon_validation_auc": statistics.fmean(r["persimmon_validation_auc"]
+                                                         for r in runs),
+            "persimmon_s": sum(r["persimmon_s"] for r in runs)})
+        row["persimmon_aucs"] = [r["persimmon_auc"] for r in runs]
+        row["deepctr_aucs"] = deep if deep and None not in deep else []
+        row["deepctr_auc"] = statistics.fmean(row["deepctr_aucs"]) if row["deepctr_aucs"] \
+            else None
         peers = [a for a in (row["lr_auc"], row["deepctr_auc"]) if a is not None]
         row["margin"] = row["persimmon_auc"] - max(peers)
         results.append(row)
         print(json.dumps(row), flush=True)
-    return {"model": args.model, "epochs": args.epochs, "datasets": results}
+    return {"model": args.model, "epochs": args.epochs, "seeds": args.seeds,
+            "datasets": results}
 
 
 def _print_table(result: dict[str, Any]) -> None:
@@ -287,13 +315,15 @@ def _print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"bench quality: persimmon train --model {result['model']} "
-                        f"--epochs {result['epochs']} against its peers (test AUC)")
-    for col in ("data set", "rows", "Persimmon", "epoch kept (validation AUC)",
+                        f"--epochs {result['epochs']} against its peers (test AUC, mean over "
+                        f"{result['seeds']} paired seed(s))")
+    for col in ("data set", "rows", "Persimmon", "per seed", "epoch kept (validation AUC)",
                 "LogisticRegression", "DeepCTR-Torch DeepFM", "margin over the best peer"):
         table.add_column(col, justify="right")
     for r in result["datasets"]:
         deep = "not run" if r["deepctr_auc"] is None else f"{r['deepctr_auc']:.4f}"
         table.add_row(r["name"], f"{r['rows']:,}", f"{r['persimmon_auc']:.4f}",
+                      " ".join(f"{a:.4f}" for a in r["persimmon_aucs"]),
                       f"{r['persimmon_best_epoch']:.2f} ({r['persimmon_validation_auc']:.4f})",
                       f"{r['lr_auc']:.4f}", deep, f"{r['margin']:+.4f}")
     Console().print(table)
@@ -321,6 +351,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="torch threads of DeepCTR")
     parser.add_argument("--deepctr", action=argparse.BooleanOptionalAction, default=True,
                         help="run DeepCTR-Torch (it does not depend on --train-args' seeds)")
+    parser.add_argument("--seeds", type=int_at_least(1), default=1,
+                        help="paired seeds: Persimmon (--seed S --data-seed S) and DeepCTR-Torch "
+                             "run once per seed S in 0..N-1, their AUC the mean")
     parser.add_argument("--train-args", type=lambda s: s.split(), default=[],
                         help="extra flags for persimmon train, one string")
     parser.set_defaults(func=_main)
