@@ -36,7 +36,9 @@ class AdminClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: str, path: str, json: Any = None) -> Any:
+    async def request(self, method: str, path: str, json: Any = None) -> Any:
+        """The JSON answer to ``method path`` (None when empty); an error answer raised as its
+        Persimmon error."""
         response = await self._http.request(method, path, json=json)
         if response.status_code >= 400:
             try:
@@ -53,41 +55,41 @@ class AdminClient:
         return (await self._http.get("/readyz")).status_code == 200
 
     async def config(self) -> dict[str, Any]:
-        return await self._call("GET", "/v1/config")
+        return await self.request("GET", "/v1/config")
 
     async def tables(self) -> list[dict[str, Any]]:
-        return await self._call("GET", "/v1/tables")
+        return await self.request("GET", "/v1/tables")
 
     async def create_table(self, config: dict[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", "/v1/tables", config)
+        return await self.request("POST", "/v1/tables", config)
 
     async def table(self, name: str) -> dict[str, Any]:
-        return await self._call("GET", f"/v1/tables/{name}")
+        return await self.request("GET", f"/v1/tables/{name}")
 
     async def delete_table(self, name: str) -> None:
-        await self._call("DELETE", f"/v1/tables/{name}")
+        await self.request("DELETE", f"/v1/tables/{name}")
 
     async def table_stats(self, name: str) -> dict[str, Any]:
-        return await self._call("GET", f"/v1/tables/{name}/stats")
+        return await self.request("GET", f"/v1/tables/{name}/stats")
 
     async def row(self, name: str, row_id: int) -> dict[str, Any]:
-        return await self._call("GET", f"/v1/tables/{name}/rows/{row_id}")
+        return await self.request("GET", f"/v1/tables/{name}/rows/{row_id}")
 
     async def set_optimizer(self, name: str, **changes: Any) -> dict[str, Any]:
-        return await self._call("PATCH", f"/v1/tables/{name}/optimizer", changes)
+        return await self.request("PATCH", f"/v1/tables/{name}/optimizer", changes)
 
     async def checkpoint(self, checkpoint_id: str | None = None, *,
                          incremental: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"incremental": incremental}
         if checkpoint_id is not None:
             body["id"] = checkpoint_id
-        return await self._call("POST", "/v1/checkpoints", body)
+        return await self.request("POST", "/v1/checkpoints", body)
 
     async def checkpoints(self) -> list[dict[str, Any]]:
-        return await self._call("GET", "/v1/checkpoints")
+        return await self.request("GET", "/v1/checkpoints")
 
     async def restore(self, checkpoint_id: str) -> dict[str, Any]:
-        return await self._call("POST", f"/v1/checkpoints/{checkpoint_id}/restore")
+        return await self.request("POST", f"/v1/checkpoints/{checkpoint_id}/restore")
 
     async def metrics(self) -> str:
         response = await self._http.get("/metrics")

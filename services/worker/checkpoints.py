@@ -65,7 +65,6 @@ from services.common.errors import (
     InvalidArgument,
     PersimmonError,
     Unavailable,
-    error_from_http,
 )
 from services.common.files import atomic_write
 from services.common.lifecycle import settle
@@ -108,13 +107,11 @@ def loader_offsets_part(admin_url: str) -> PartSource:
 
 
 async def _loader_admin(admin_url: str, method: str, path: str) -> Any:
-    """The JSON answer of the loader's admin API at ``admin_url`` to ``method path`` (an
-    error answer raised as its Persimmon error)."""
-    async with httpx.AsyncClient(base_url=admin_url, timeout=30.0) as http:
-        response = await http.request(method, path)
-    if response.status_code != 200:
-        raise error_from_http(response.status_code, response.json())
-    return response.json()
+    """The JSON answer of the loader's admin API at ``admin_url`` to ``method path``, with
+    the token and TLS settings of the environment (an error answer raised as its Persimmon
+    error)."""
+    async with AdminClient(admin_url) as admin:
+        return await admin.request(method, path)
 
 
 class JobCheckpointer:

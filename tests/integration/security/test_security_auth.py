@@ -137,3 +137,21 @@ async def test_ps_client_sends_the_token_from_its_argument_or_the_environment(st
     async with PSClient([ps.address]) as client:
         rows = await client.lookup("item", ids)
     np.testing.assert_allclose(rows, ps.shard.table("item").peek(ids)[0])
+
+
+async def test_the_workers_calls_to_the_loader_admin_carry_the_token(monkeypatch):
+    from services.worker.checkpoints import _loader_admin
+
+    monkeypatch.setenv("PERSIMMON_TOKEN", TOKEN)
+    loader = LoaderService(LoaderConfig(source="synthetic:1000", grpc_port=0, admin_port=0,
+                                        batch_size=100))
+    await loader.start()
+    try:
+        await _loader_admin(loader.admin_url, "POST", "/v1/pause")  # as a cut's commit is
+        assert loader.pipeline.paused
+        monkeypatch.setenv("PERSIMMON_TOKEN", "wrong")
+        with pytest.raises(PermissionDenied):
+            await _loader_admin(loader.admin_url, "POST", "/v1/resume")
+        assert loader.pipeline.paused
+    finally:
+        await loader.close()
