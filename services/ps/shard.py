@@ -120,12 +120,10 @@ class Shard:
         return table
 
     def drop_table(self, name: str) -> None:
-        with self._layout:
-            self.table(name)
-            with self._locks[name]:
-                self._log({"op": "drop", "table": name})
-                del self.tables[name]
-                del self._locks[name]
+        with self._layout, self._locked(name):
+            self._log({"op": "drop", "table": name})
+            del self.tables[name]
+            del self._locks[name]
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """``{shard_id, tables: {name: counters, sizes and staleness}}`` of ``table`` or of
@@ -142,15 +140,13 @@ class Shard:
     def set_optimizer(self, name: str, changes: dict[str, Any]) -> OptimizerConfig:
         if not isinstance(changes, dict) or not changes:
             raise InvalidArgument("optimizer changes must be a non-empty object, e.g. {\"lr\": 0.05}")
-        with self._layout:
-            table = self.table(name)
-            with self._locks[name]:
-                try:
-                    table.config.optimizer_with(changes)  # checked first,
-                except ConfigError as exc:
-                    raise InvalidArgument(f"bad optimizer settings {changes}: {exc}") from exc
-                self._log({"op": "optimizer", "table": name, "changes": changes})  # logged,
-                return table.set_optimizer(**changes)  # then applied
+        with self._layout, self._locked(name) as table:
+            try:
+                table.config.optimizer_with(changes)  # checked first,
+            except ConfigError as exc:
+                raise InvalidArgument(f"bad optimizer settings {changes}: {exc}") from exc
+            self._log({"op": "optimizer", "table": name, "changes": changes})  # logged,
+            return table.set_optimizer(**changes)  # then applied
 
     # ---- lookups and pushes -------------------------------------------------------------
 
@@ -173,9 +169,8 @@ class Shard:
         return ids
 
     def lookup_sync(self, name: str, ids: np.ndarray) -> np.ndarray:
-        table = self.table(name)
-        table.validate_lookup(self.check_ids(ids))
-        with self._locks[name]:
+        self.table(name).validate_lookup(self.check_ids(ids))
+        with self._locked(name) as table:
             return table.lookup(ids)
 
     def push_sync(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
@@ -197,6 +192,13 @@ class Shard:
                 if held and all(self.tables.get(name) is table
                                 for name, table in zip(names, tables, strict=True)):
                     return self._once(origin, content, parts)
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[EmbeddingTable]:
+        """Table ``name`` under its lock; NotFound if it is dropped, before or meanwhile."""
+        lock = self._locks.get(name)
+        with lock if lock is not None else contextlib.nullcontext():
+            yield self.table(name)
 
     @contextlib.contextmanager
     def _holding(self, names: Sequence[str]) -> Iterator[bool]:
@@ -307,11 +309,11 @@ class Shard:
         out = np.empty((num_ids, dim), dtype=np.float32)
         start = 0
         for name, part in parts:
-            with self._locks[name]:
+            with self._locked(name) as table:
                 if read_only:
-                    out[start:start + part.size] = self.table(name).peek(part)[0]
+                    out[start:start + part.size] = table.peek(part)[0]
                 else:
-                    out[start:start + part.size] = self.table(name).lookup(part)
+                    out[start:start + part.size] = table.lookup(part)
                     self.staleness.looked_up(name)
             start += part.size
         return out
@@ -389,10 +391,9 @@ class Shard:
     def pooled_lookup_sync(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Per-sample sums of the rows of ``ids`` (sample ``b`` owns the next ``lengths[b]``
         ids): ``(len(lengths), dim)`` float32, zeros for a sample with none here."""
-        table = self.table(name)
-        table.validate_lookup(self.check_ids(ids))
+        self.table(name).validate_lookup(self.check_ids(ids))
         lengths = self.check_lengths(ids, lengths)
-        with self._locks[name]:
+        with self._locked(name) as table:
             rows = table.lookup(ids)
         return segment_sum(rows, lengths)
 
@@ -433,15 +434,14 @@ class Shard:
         if not 0 <= row_id < 2**64:
             raise InvalidArgument(f"id {row_id} is not a uint64")
         ids = self.check_ids(np.array([row_id], dtype=np.uint64))
-        table = self.table(name)
-        with self._locks[name]:
+        with self._locked(name) as table:
             rows, present = table.peek(ids)
         return {"id": row_id, "present": bool(present[0]), "row": rows[0].tolist()}
 
     def expire(self) -> int:
         dropped = 0
-        for name, table in list(self.tables.items()):
-            with self._locks[name]:
+        for name in list(self.tables):
+            with contextlib.suppress(NotFound), self._locked(name) as table:
                 dropped += table.expire()
         return dropped
 
