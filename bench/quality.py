@@ -172,7 +172,7 @@ def persimmon_auc(data: QualityData, workdir: Path, *, model: str, epochs: int,
             "persimmon_best_epoch": result["best_step"] / epoch_steps,
             "persimmon_validation_auc": result["best_validation_auc"],
             "persimmon_validation": [round(h["auc"], 4) for h in result["validation"]],
-            "persimmon_s": seconds}
+            "persimmon_ps_optimizer": result["ps_optimizer"], "persimmon_s": seconds}
 
 
 def _one_hot(data: QualityData) -> list[Any]:
@@ -297,6 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "persimmon_best_epoch": statistics.fmean(r["persimmon_best_epoch"] for r in runs),
             "persimmon_validation_auc": statistics.fmean(r["persimmon_validation_auc"]
                                                          for r in runs),
+            "persimmon_ps_optimizer": runs[0]["persimmon_ps_optimizer"],
             "persimmon_s": sum(r["persimmon_s"] for r in runs)})
         row["persimmon_aucs"] = [r["persimmon_auc"] for r in runs]
         row["deepctr_aucs"] = deep if deep and None not in deep else []

@@ -150,8 +150,9 @@ def _sparse_features(admin_url: str) -> list[str]:
 def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: TrainerConfig,
                            validation_data: str | None = None,
                            model: ModelConfig, workers: int = 1, shards: int | None = None,
-                           dim: int = 16, ps_lr: float = 0.05, ps_optimizer: str = "adagrad",
-                           ps_weight_decay: float = 0.0, ps_initial_accumulator: float = 0.0,
+                           dim: int = 16, ps_lr: float | None = None,
+                           ps_optimizer: str = "adagrad", ps_weight_decay: float = 0.0,
+                           ps_initial_accumulator: float | None = None,
                            ps_table_lr: dict[str, float] | None = None,
                            batch_size: int = 512, shuffle_buffer: int = 0,
                            epochs: int = 1, data_seed: int = 0, ps: str = "auto"
@@ -161,7 +162,9 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
     summary (with ``oracle_auc`` for planted data and ``ps`` = where the shards ran).
     ``shards``: default one embedded shard (holding every table: no per-shard calls to pay
     for in one process), two shard processes.
-    ``validation_data``: the loader spec the best state is selected on."""
+    ``validation_data``: the loader spec the best state is selected on. ``ps_lr`` and
+    ``ps_initial_accumulator`` default to the model's (:meth:`ModelConfig.ps_adagrad`) for
+    the Adagrads, to 0.05 and 0 for the other optimizers."""
     from services.local.processes import LocalLoader, LocalPS
     from services.ps.inprocess import InProcessShards
     from services.worker.local import run_local_training
@@ -180,9 +183,13 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                                                   world_size=workers, seed=data_seed))
                   if validation_data else None)
         features = _sparse_features(loader.admin_url)
-        tables = ps_table_configs({f: model.table_dim(dim) for f in features}, lr=ps_lr,
+        lr, accumulator = (model.ps_adagrad() if ps_optimizer in ("adagrad", "rowwise_adagrad")
+                           else (0.05, 0.0))
+        tables = ps_table_configs({f: model.table_dim(dim) for f in features},
+                                  lr=lr if ps_lr is None else ps_lr,
                                   optimizer=ps_optimizer, weight_decay=ps_weight_decay,
-                                  initial_accumulator=ps_initial_accumulator,
+                                  initial_accumulator=(accumulator if ps_initial_accumulator
+                                                       is None else ps_initial_accumulator),
                                   table_lr=ps_table_lr)
         exports = stack.enter_context(tempfile.TemporaryDirectory(prefix="persimmon-export-")) \
             if config.export_dir else None  # the PS checkpoints each export is made from
@@ -205,6 +212,7 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
             validation_loader=checks.address if checks else None, model=model,
             config=config, num_workers=workers, attach=attach))
     summary["ps"] = placement
+    summary["ps_optimizer"] = tables[0]["optimizer"]  # every table's, but --ps-table-lr's lr
     oracle = _oracle(train_data, eval_data, data_seed)
     if oracle is not None:
         summary.update(oracle_auc=oracle["auc"], oracle_logloss=oracle["logloss"])
@@ -320,7 +328,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                            f"{k}: {v}" for k, v in PS_PLACEMENTS.items()))
     train.add_argument("--workers", type=int_at_least(1), default=1, help="worker processes (gloo)")
     train.add_argument("--dim", type=int_at_least(1), default=16, help="embedding dimension")
-    train.add_argument("--ps-lr", type=float_at_least(0, inclusive=False), default=0.05, help="PS learning rate")
+    train.add_argument("--ps-lr", type=float_at_least(0, inclusive=False), default=None,
+                       help="PS learning rate (default: 0.2 for deepfm's Adagrad, else 0.05)")
     train.add_argument("--ps-optimizer", default="adagrad",
                        choices=["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"],
                        help="the PS tables' optimizer")
@@ -328,9 +337,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                        help="training rows shuffled together by the loader (0: file order)")
     train.add_argument("--ps-weight-decay", type=float_at_least(0), default=0.0,
                        help="L2 of every PS table's rows (added to their gradients)")
-    train.add_argument("--ps-initial-accumulator", type=float_at_least(0), default=0.0,
+    train.add_argument("--ps-initial-accumulator", type=float_at_least(0), default=None,
                        help="the PS Adagrads' starting accumulator (0: the first step of "
-                            "every element is +-lr)")
+                            "every element is +-lr; default: 1e-4 for deepfm, else 0)")
     train.add_argument("--ps-table-lr", type=_table_lrs, default=None,
                        help="PS lr of some features' tables: FEATURE=LR[,FEATURE=LR...]")
     train.add_argument("--dense-norm", action=argparse.BooleanOptionalAction, default=True,

@@ -62,6 +62,9 @@ def test_train_on_criteo_files_written_by_synth(tmp_path: Path) -> None:
     assert summary["eval_samples"] == 8192
     # one worker: the shards ran in its process (the default), so no PS byte crossed a wire
     assert summary["ps"] == "embedded"
+    assert summary["ps_optimizer"]["kind"] == "adagrad"  # DLRM's defaults: lr 0.05, none
+    assert (summary["ps_optimizer"]["lr"], summary["ps_optimizer"]["initial_accumulator"]) \
+        == (0.05, 0.0)
     assert summary["wire_bytes"] == dict.fromkeys(("lookup_out", "lookup_in", "push_out",
                                                    "push_in"), 0)
 

@@ -52,6 +52,9 @@ def test_persimmon_and_logistic_regression_learn_the_planted_effects(tmp_path: P
     # validated once per epoch (11 steps of 256 rows), the kept state is one of them
     assert len(got["persimmon_validation"]) == 2 and got["persimmon_best_epoch"] in (1, 2)
     assert round(got["persimmon_validation_auc"], 4) == max(got["persimmon_validation"])
+    # DeepFM's own PS Adagrad defaults reached the tables
+    assert (got["persimmon_ps_optimizer"]["lr"],
+            got["persimmon_ps_optimizer"]["initial_accumulator"]) == (0.2, 1e-4)
 
 
 def test_seeds_run_persimmon_once_per_paired_seed(tmp_path: Path, monkeypatch) -> None:
@@ -62,10 +65,14 @@ def test_seeds_run_persimmon_once_per_paired_seed(tmp_path: Path, monkeypatch) -
     monkeypatch.setattr(quality, "load_dataset", lambda name, rows=None: tiny())
     args = argparse.Namespace(datasets=["tiny"], rows=None, model="deepfm", epochs=1,
                               seeds=2, deepctr=False, threads=1,
-                              train_args=["--batch-size", "256"])
+                              train_args=["--batch-size", "256",
+                                          "--ps-initial-accumulator", "0"])
     row = quality.run(args)["datasets"][0]
     first, second = row["persimmon_aucs"]
     # a seed not passed on trains the same model twice
     assert first != second, row
     assert min(first, second) <= row["persimmon_auc"] <= max(first, second)
     assert row["deepctr_auc"] is None and row["margin"] == row["persimmon_auc"] - row["lr_auc"]
+    # a flag given wins over the model's default; the one not given stays the model's
+    assert (row["persimmon_ps_optimizer"]["lr"],
+            row["persimmon_ps_optimizer"]["initial_accumulator"]) == (0.2, 0.0)
