@@ -60,7 +60,7 @@ class TrainerConfig:
         "help": "hybrid, several workers: every worker's push of a step to the hot tables and "
                 "head ids is applied before any worker looks them up for the next step (a "
                 "barrier per step)"})
-    head_rate: float = field(default=1.0, metadata={
+    head_rate: float = field(default=2.0, metadata={
         "help": "hybrid: ids seen at least this often per batch are head ids, bound by "
                 "hot_staleness (the compute thread reads and updates them where the shards "
                 "are in this process; 0: none)"})
