@@ -351,7 +351,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int_at_least(1), default=2,
                         help="torch threads of DeepCTR")
     parser.add_argument("--deepctr", action=argparse.BooleanOptionalAction, default=True,
-                        help="run DeepCTR-Torch (it does not depend on --train-args' seeds)")
+                        help="run DeepCTR-Torch (seeded by --seeds, not by --train-args)")
     parser.add_argument("--seeds", type=int_at_least(1), default=1,
                         help="paired seeds: Persimmon (--seed S --data-seed S) and DeepCTR-Torch "
                              "run once per seed S in 0..N-1, their AUC the mean")
