@@ -146,14 +146,20 @@ def _batch_size(extra: list[str]) -> int:
     return int(parser.parse_known_args(extra)[0].batch_size)
 
 
+def write_splits(data: QualityData, workdir: Path) -> dict[str, Path]:
+    """The training, validation and test rows as Criteo TSV files in ``workdir``."""
+    files = {split: workdir / f"{split}.txt" for split in ("train", "validation", "test")}
+    for split, path in files.items():
+        write_criteo(data, getattr(data, split), path)
+    return files
+
+
 def persimmon_auc(data: QualityData, workdir: Path, *, model: str, epochs: int,
-                  extra: list[str]) -> dict[str, Any]:
-    """``persimmon train`` on the converted split, validated once per epoch: test AUC
-    (``persimmon_auc``), the epoch whose state it kept with its validation AUC, seconds."""
-    files = {}
-    for split in ("train", "validation", "test"):
-        files[split] = workdir / f"{split}.txt"
-        write_criteo(data, getattr(data, split), files[split])
+                  extra: list[str], files: dict[str, Path] | None = None) -> dict[str, Any]:
+    """``persimmon train`` on the converted split (``files`` from :func:`write_splits`,
+    written here when None), validated once per epoch: test AUC (``persimmon_auc``), the
+    epoch whose state it kept with its validation AUC, seconds."""
+    files = files if files is not None else write_splits(data, workdir)
     query = f"dense={len(data.dense)}&sparse={len(data.sparse)}"
     if data.multi_hot:
         query += "&multi_hot=,"
@@ -285,10 +291,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"name": name, "rows": data.rows}
         runs = []
         with tempfile.TemporaryDirectory(prefix=f"persimmon-quality-{name}-") as tmp:
+            files = write_splits(data, Path(tmp))
             for seed in seeds:
                 extra = args.train_args if args.seeds == 1 else _seeded(args.train_args, seed)
                 runs.append(persimmon_auc(data, Path(tmp), model=args.model,
-                                          epochs=args.epochs, extra=extra))
+                                          epochs=args.epochs, extra=extra, files=files))
             row["lr_auc"] = logistic_regression_auc(data)
             deep = [deepctr_auc(data, Path(tmp), epochs=args.epochs, threads=args.threads,
                                 seed=seed) for seed in (seeds if args.deepctr else ())]

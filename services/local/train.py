@@ -163,8 +163,8 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
     ``shards``: default one embedded shard (holding every table: no per-shard calls to pay
     for in one process), two shard processes.
     ``validation_data``: the loader spec the best state is selected on. ``ps_lr`` and
-    ``ps_initial_accumulator`` default to the model's (:meth:`ModelConfig.ps_adagrad`) for
-    Adagrad (where they were measured), to 0.05 and 0 for the other optimizers."""
+    ``ps_initial_accumulator`` default to the model's
+    (:meth:`ModelConfig.ps_optimizer_defaults`)."""
     from services.local.processes import LocalLoader, LocalPS
     from services.ps.inprocess import InProcessShards
     from services.worker.local import run_local_training
@@ -183,7 +183,7 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                                                   world_size=workers, seed=data_seed))
                   if validation_data else None)
         features = _sparse_features(loader.admin_url)
-        lr, accumulator = model.ps_adagrad() if ps_optimizer == "adagrad" else (0.05, 0.0)
+        lr, accumulator = model.ps_optimizer_defaults(ps_optimizer)
         tables = ps_table_configs({f: model.table_dim(dim) for f in features},
                                   lr=lr if ps_lr is None else ps_lr,
                                   optimizer=ps_optimizer, weight_decay=ps_weight_decay,

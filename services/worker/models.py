@@ -408,10 +408,11 @@ def build_model(name: str, *, sparse_dims: Mapping[str, int], num_dense: int,
                           f"it takes {list(_ARCH_PARAMS[name])}")
     return cls(sparse_dims=sparse_dims, num_dense=num_dense, **arch)
 
-# (lr, initial accumulator) of the PS Adagrad per model, measured with `bench quality` and
-# `persimmon train` on the Criteo-shaped profile: (0.2, 1e-4) gains DeepFM 0.005-0.012 AUC
-# on all three and costs DLRM, DCN-v2 and Wide&Deep 0.011-0.014 on the Criteo-shaped data
-_PS_ADAGRAD_DEFAULT = (0.05, 0.0)
+# (lr, initial accumulator) of the PS tables' optimizer; per model for Adagrad, measured with
+# `bench quality` and `persimmon train` on the Criteo-shaped profile: (0.2, 1e-4) gains DeepFM
+# 0.005-0.012 AUC on all three and costs DLRM, DCN-v2 and Wide&Deep 0.011-0.014 on the
+# Criteo-shaped data
+_PS_OPTIMIZER_DEFAULT = (0.05, 0.0)
 _PS_ADAGRAD = {"deepfm": (0.2, 1e-4)}
 
 
@@ -455,11 +456,13 @@ class ModelConfig:
         when its tables hold each id's first-order weight."""
         return embedding_dim + 1 if self.uses_id_weights else embedding_dim
 
-    def ps_adagrad(self) -> tuple[float, float]:
-        """(lr, initial accumulator) of the PS tables' Adagrad that ``persimmon train`` uses
-        for this model unless told (docs/benchmarks.md#quality): DeepFM learns better with
-        a small starting accumulator and a larger lr; the other models with none."""
-        return _PS_ADAGRAD.get(self.name, _PS_ADAGRAD_DEFAULT)
+    def ps_optimizer_defaults(self, kind: str) -> tuple[float, float]:
+        """(lr, initial accumulator) of the PS tables' optimizer ``kind`` that ``persimmon
+        train`` uses for this model unless told (docs/benchmarks.md#quality): with Adagrad
+        DeepFM learns better from a small starting accumulator and a larger lr, the other
+        models from none; the other optimizers were not measured per model."""
+        return _PS_ADAGRAD.get(self.name, _PS_OPTIMIZER_DEFAULT) if kind == "adagrad" \
+            else _PS_OPTIMIZER_DEFAULT
 
     @property
     def uses_id_weights(self) -> bool:
