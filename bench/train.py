@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import resource
 import statistics
 from collections.abc import Sequence
@@ -63,8 +64,8 @@ from bench.procstats import cpu_seconds, memory_mb
 from services.common.batch import Batch
 from services.common.commands import int_at_least
 
-__all__ = ["RUNS", "hybrid_ceiling", "median_run", "paired_ratios", "register_bench", "rtt_row",
-           "run"]
+__all__ = ["RUNS", "hybrid_ceiling", "machine", "median_run", "paired_ratios", "register_bench",
+           "rtt_row", "run"]
 
 console = Console()
 _PS_LR = 0.05
@@ -102,8 +103,9 @@ def _warm_up_torch() -> None:
 
 def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str], dim: int,
                seed: int, placement: str, mode: str, hot: bool,
-               rtt_ms: float | None = None) -> dict[str, Any]:
-    """One Persimmon run; ``rtt_ms``: the shard processes behind a :class:`LatencyProxy`."""
+               rtt_ms: float | None = None, device: str | None = None) -> dict[str, Any]:
+    """One Persimmon run; ``rtt_ms``: the shard processes behind a :class:`LatencyProxy`;
+    ``device``: the worker's torch device (None: CUDA where there is one)."""
     from services.local.processes import LocalPS
     from services.ps.inprocess import InProcessShards
     from services.worker.config import TrainerConfig, ps_table_configs
@@ -112,7 +114,7 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
 
     tables = ps_table_configs(dict.fromkeys(features, dim), lr=_PS_LR)
     config = TrainerConfig(mode=mode, staleness=8, lr=_DENSE_LR, pooling="mean", seed=seed,
-                           ps_process=placement == "processes")
+                           ps_process=placement == "processes", device=device)
     if not hot:
         config = replace(config, hot_ratio=0.0, head_rate=0.0)
     train_on = dict(train_batches=train, eval_batches=test, model=ModelConfig(name="dlrm"),
@@ -182,12 +184,14 @@ def _baseline(key: str, train: Sequence[Batch], test: Sequence[Batch], features:
 
 
 def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int = 0,
-        repeats: int = 9, profile: str = "toy", rtt_ms: Sequence[float] = ()
-        ) -> dict[str, Any]:
+        repeats: int = 9, profile: str = "toy", rtt_ms: Sequence[float] = (),
+        only_rtt: bool = False, device: str | None = None) -> dict[str, Any]:
     """Train every way of :data:`RUNS` on the same batches of the planted ``profile``,
     ``repeats`` times in turn (then, for each of ``rtt_ms``, the remote path behind the
     latency proxy); the median run of each way and the median of each ratio within a
-    repeat. TorchRec runs only where it is installed.
+    repeat. TorchRec runs only where it is installed. ``only_rtt``: the runs behind the
+    proxy only; ``device``: Persimmon's torch device (None: CUDA where there is one; the
+    peers run on the CPU).
 
     Persimmon's torch runs one intra-op thread (2 cores: the PS work needs the other);
     ``local`` one, ``torch`` and ``torchrec`` one per core."""
@@ -205,16 +209,18 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
              else os.cpu_count()) or 1
     # untimed: the first runs in a process pay numba's and torch's one-time loading (seen as
     # a first repeat at half speed)
-    _persimmon(train[:4], test[:1], features, dim, seed, *_PERSIMMON_RUNS["default"])
+    _persimmon(train[:4], test[:1], features, dim, seed, *_PERSIMMON_RUNS["default"],
+               device=device)
     _baseline("local", train[:4], test[:1], features, dim, seed, cores)
-    keys = [k for k in RUNS if k != "torchrec" or torchrec_available()]
+    keys = [] if only_rtt else [k for k in RUNS if k != "torchrec" or torchrec_available()]
     ways = [(key, None) for key in keys] + [(key, r) for r in rtt_ms for key in _RTT_RUNS]
     every: dict[tuple[str, float | None], list[dict[str, Any]]] = {w: [] for w in ways}
     for repeat in track(range(repeats), description="bench train repeats", console=console):
         # every other repeat in reverse order: a drift of the machine's speed within a repeat
         # favours neither side of a ratio over the whole run
         for key, rtt in (ways if repeat % 2 == 0 else reversed(ways)):
-            done = (_persimmon(train, test, features, dim, seed, *_PERSIMMON_RUNS[key], rtt)
+            done = (_persimmon(train, test, features, dim, seed, *_PERSIMMON_RUNS[key], rtt,
+                               device)
                     if key in _PERSIMMON_RUNS else
                     _baseline(key, train, test, features, dim, seed, cores))
             every[key, rtt].append(done)
@@ -224,14 +230,31 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
     runs = {key: median_run(values) for key, values in direct.items()}
     for r in runs.values():
         r["ms_per_step"] = 1e3 * batch_size / r["samples_per_s"]
-    per_repeat = paired_ratios(direct, batch_size, cores)
+    per_repeat = paired_ratios(direct, batch_size, cores) if direct else {}
     return {"profile": profile, "rows": rows, "batch_size": batch_size, "repeats": repeats,
-            "cores": cores, "peak_rss_mb": _self_peak_rss_mb(),
+            "cores": cores, "machine": machine(device), "peak_rss_mb": _self_peak_rss_mb(),
             "oracle_auc": data.oracle(16384)["auc"], "runs": runs,
             **{key: statistics.median(values) if values else None
                for key, values in per_repeat.items()},
             "ratios_per_repeat": per_repeat,
             "rtt": [rtt_row(r, {key: every[key, r] for key in _RTT_RUNS}) for r in rtt_ms]}
+
+
+def machine(device: str | None = None) -> dict[str, str]:
+    """What ran the bench: the CPU's model name and the worker's torch device (figures of
+    two machines compare only as ratios measured on each)."""
+    from services.worker.models import pick_device
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    picked = pick_device(device)
+    gpu = torch.cuda.get_device_name(picked) if picked.type == "cuda" else None
+    return {"cpu": cpu, "device": str(picked) + (f" ({gpu})" if gpu else "")}
 
 
 def _self_peak_rss_mb() -> float:
@@ -292,8 +315,11 @@ def _print_table(result: dict[str, Any]) -> None:
         r = result["runs"][key]
         table.add_row(name, f"{r['samples_per_s']:,.0f}", f"{r['ms_per_step']:.2f}",
                       f"{r['auc']:.4f}")
-    console.print(table)
+    if result["runs"]:
+        console.print(table)
     for key in _PERSIMMON_RUNS:
+        if key not in result["runs"]:
+            continue
         r = result["runs"][key]
         cpu = r["cpu_ms_per_step"]
         ps = f"{cpu['ps']:.2f}" if cpu["ps"] is not None else "?"
@@ -307,6 +333,8 @@ def _print_table(result: dict[str, Any]) -> None:
         "vs_torchrec", "default_vs_torchrec", "sync_vs_torchrec", "vs_torch", "vs_local",
         "embedded_vs_processes", "hybrid_vs_sync", "hot_vs_sync", "hybrid_vs_sync_ceiling")
         if result.get(key) is not None)
+    console.print(f"machine: {result['machine']['cpu']}, {result['cores']} cores; Persimmon "
+                  f"on {result['machine']['device']}")
     console.print(f"medians of {result['repeats']} paired repeats: {figures}   (oracle AUC "
                   f"{result['oracle_auc']:.4f}; this process's peak RSS "
                   f"{result['peak_rss_mb']:.0f} MB)")
@@ -318,8 +346,12 @@ def _print_table(result: dict[str, Any]) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.only_rtt and not args.rtt_ms:
+        console.print("persimmon bench train: error: --only-rtt needs --rtt-ms")
+        return 2
     result = run(rows=args.rows, batch_size=args.batch_size, seed=args.seed,
-                 repeats=args.repeats, profile=args.profile, rtt_ms=args.rtt_ms)
+                 repeats=args.repeats, profile=args.profile, rtt_ms=args.rtt_ms,
+                 only_rtt=args.only_rtt, device=args.device)
     _print_table(result)
     write_json(result, args.json)
     return 0
@@ -350,4 +382,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rtt-ms", type=_rtt_list, default=[],
                         help="also run the remote path behind a proxy adding these round-trip "
                              "times (comma-separated ms, e.g. 0,0.5,2)")
+    parser.add_argument("--only-rtt", action="store_true",
+                        help="run only the remote path behind the proxy (needs --rtt-ms)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="Persimmon's torch device (default: CUDA where there is one; the "
+                             "peers run on the CPU)")
     parser.set_defaults(func=_main)
