@@ -103,9 +103,11 @@ def _warm_up_torch() -> None:
 
 def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str], dim: int,
                seed: int, placement: str, mode: str, hot: bool,
-               rtt_ms: float | None = None, device: str | None = None) -> dict[str, Any]:
+               rtt_ms: float | None = None, device: str | None = None,
+               hot_staleness: int = 1) -> dict[str, Any]:
     """One Persimmon run; ``rtt_ms``: the shard processes behind a :class:`LatencyProxy`;
-    ``device``: the worker's torch device (None: CUDA where there is one)."""
+    ``device``: the worker's torch device (None: CUDA where there is one); ``hot_staleness``:
+    the bound of the head ids (1: synchronous, the default)."""
     from services.local.processes import LocalPS
     from services.ps.inprocess import InProcessShards
     from services.worker.config import TrainerConfig, ps_table_configs
@@ -114,7 +116,8 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
 
     tables = ps_table_configs(dict.fromkeys(features, dim), lr=_PS_LR)
     config = TrainerConfig(mode=mode, staleness=8, lr=_DENSE_LR, pooling="mean", seed=seed,
-                           ps_process=placement == "processes", device=device)
+                           ps_process=placement == "processes", device=device,
+                           hot_staleness=hot_staleness)
     if not hot:
         config = replace(config, hot_ratio=0.0, head_rate=0.0)
     train_on = dict(train_batches=train, eval_batches=test, model=ModelConfig(name="dlrm"),
@@ -185,13 +188,14 @@ def _baseline(key: str, train: Sequence[Batch], test: Sequence[Batch], features:
 
 def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int = 0,
         repeats: int = 9, profile: str = "toy", rtt_ms: Sequence[float] = (),
-        only_rtt: bool = False, device: str | None = None) -> dict[str, Any]:
+        only_rtt: bool = False, device: str | None = None, hot_staleness: int = 1
+        ) -> dict[str, Any]:
     """Train every way of :data:`RUNS` on the same batches of the planted ``profile``,
     ``repeats`` times in turn (then, for each of ``rtt_ms``, the remote path behind the
     latency proxy); the median run of each way and the median of each ratio within a
     repeat. TorchRec runs only where it is installed. ``only_rtt``: the runs behind the
     proxy only; ``device``: Persimmon's torch device (None: CUDA where there is one; the
-    peers run on the CPU).
+    peers run on the CPU); ``hot_staleness``: the head ids' bound in the runs that have them.
 
     Persimmon's torch runs one intra-op thread (2 cores: the PS work needs the other);
     ``local`` one, ``torch`` and ``torchrec`` one per core."""
@@ -220,7 +224,7 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
         # favours neither side of a ratio over the whole run
         for key, rtt in (ways if repeat % 2 == 0 else reversed(ways)):
             done = (_persimmon(train, test, features, dim, seed, *_PERSIMMON_RUNS[key], rtt,
-                               device)
+                               device, hot_staleness)
                     if key in _PERSIMMON_RUNS else
                     _baseline(key, train, test, features, dim, seed, cores))
             every[key, rtt].append(done)
@@ -232,7 +236,8 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
         r["ms_per_step"] = 1e3 * batch_size / r["samples_per_s"]
     per_repeat = paired_ratios(direct, batch_size, cores) if direct else {}
     return {"profile": profile, "rows": rows, "batch_size": batch_size, "repeats": repeats,
-            "cores": cores, "machine": machine(device), "peak_rss_mb": _self_peak_rss_mb(),
+            "cores": cores, "machine": machine(device), "hot_staleness": hot_staleness,
+            "peak_rss_mb": _self_peak_rss_mb(),
             "oracle_auc": data.oracle(16384)["auc"], "runs": runs,
             **{key: statistics.median(values) if values else None
                for key, values in per_repeat.items()},
@@ -351,7 +356,7 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     result = run(rows=args.rows, batch_size=args.batch_size, seed=args.seed,
                  repeats=args.repeats, profile=args.profile, rtt_ms=args.rtt_ms,
-                 only_rtt=args.only_rtt, device=args.device)
+                 only_rtt=args.only_rtt, device=args.device, hot_staleness=args.hot_staleness)
     _print_table(result)
     write_json(result, args.json)
     return 0
@@ -387,4 +392,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="Persimmon's torch device (default: CUDA where there is one; the "
                              "peers run on the CPU)")
+    parser.add_argument("--hot-staleness", type=int_at_least(1), default=1,
+                        help="the head ids' staleness bound in the runs that have them (default "
+                             "1: synchronous, as persimmon train)")
     parser.set_defaults(func=_main)
