@@ -183,9 +183,11 @@ class ChainHost(Protocol):
     """What the hot chain uses of its embedding pipeline."""
 
     rows: RowsClient
+    chain_rows: RowsClient | None
     path: EmbeddingPath
 
-    async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None) -> Rows: ...
+    async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None, *,
+                     rows: RowsClient | None = None) -> Rows: ...
 
 
 class HotChain:
@@ -195,7 +197,9 @@ class HotChain:
     lookup when the batch is planned already (one message per shard and group), else the
     batch looks up on its own after it. Window 1 is synchronous. With a ``barrier`` (a wait
     for every worker) each acknowledged push waits at it, and no lookup rides on a push: with
-    window 1 every worker's push of batch t is applied before any worker's lookup of t + 1."""
+    window 1 every worker's push of batch t is applied before any worker's lookup of t + 1.
+    Its requests go through the pipeline's ``chain_rows`` where it has one (a lane of their
+    own), else through its ``rows``."""
 
     def __init__(self, pipeline: ChainHost, groups: list[int], window: int,
                  barrier: Callable[[], Awaitable[Any]] | None = None) -> None:
@@ -225,21 +229,26 @@ class HotChain:
         while self._out < self.window and self._waiting:
             plan, future = self._waiting.popleft()
             self._out += 1
-            task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups))
+            task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups,
+                                                              rows=self._rows()))
             task.add_done_callback(functools.partial(settle, future))
+
+    def _rows(self) -> RowsClient:
+        lane = self.pipeline.chain_rows
+        return self.pipeline.rows if lane is None else lane
 
     async def push(self, plan: BatchPlan, grads: Rows) -> None:
         """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
         batch its rows, looked up in the same message."""
-        pipeline = self.pipeline
+        path, rows = self.pipeline.path, self._rows()
         following = self._waiting.popleft() if self._waiting and not self.barrier else None
         try:
             if following is None:
-                await asyncio.gather(*(pipeline.path.push(pipeline.rows, plan, i, grads[i])
+                await asyncio.gather(*(path.push(rows, plan, i, grads[i])
                                        for i in self.groups))
             else:
-                done = await asyncio.gather(*(pipeline.path.push_then_lookup(
-                    pipeline.rows, plan, i, grads[i], following[0]) for i in self.groups))
+                done = await asyncio.gather(*(path.push_then_lookup(
+                    rows, plan, i, grads[i], following[0]) for i in self.groups))
                 if not following[1].done():
                     following[1].set_result(list(done))
         except BaseException as exc:

@@ -71,6 +71,7 @@ import numpy as np
 
 from clients.rows import DirectRows, RowsClient
 from services.common.batch import Batch
+from services.common.codecs import WireStats
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
 from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath, RowsPath
@@ -178,6 +179,10 @@ class EmbeddingPipeline:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
         self.rows = rows
+        # the hot chain's rows client: a lane of its own beside ``rows`` when that one carries
+        # the bulk traffic (a PS client process), so that the small requests every step waits
+        # for do not queue behind it (None: ``rows``)
+        self.chain_rows: RowsClient | None = None
         self.path = path if path is not None else RowsPath()
         self.window = window
         self.prefetch = prefetch
@@ -289,13 +294,16 @@ class EmbeddingPipeline:
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
 
-    async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None) -> Rows:
+    async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None, *,
+                     rows: RowsClient | None = None) -> Rows:
         """The rows of every group of the plan, or of ``groups`` (indices) only, as the path
-        looks them up (rows: one message per shard and group)."""
+        looks them up (rows: one message per shard and group) through ``rows`` (default: the
+        pipeline's)."""
         started = time.perf_counter()
         chosen = range(len(plan.groups)) if groups is None else groups
+        client = self.rows if rows is None else rows
         try:
-            return list(await asyncio.gather(*(self.path.lookup(self.rows, plan, i)
+            return list(await asyncio.gather(*(self.path.lookup(client, plan, i)
                                                for i in chosen)))
         finally:
             if self._timers is not None:
@@ -317,6 +325,20 @@ class EmbeddingPipeline:
                 out[i] = rows if split is None or i not in split.groups else \
                     split.rows(i, out[i], rows)
         return out
+
+    def clients(self) -> list[RowsClient]:
+        """The rows clients the steps use: ``rows``, and the hot chain's lane if any."""
+        lane = self.chain_rows
+        return [self.rows] if lane is None or lane is self.rows else [self.rows, lane]
+
+    def wire_bytes(self) -> dict[str, int]:
+        """Bytes on the wire per stream, over :meth:`clients`."""
+        counts = [client.wire_bytes() for client in self.clients()]
+        return {key: sum(c.get(key, 0) for c in counts) for key in counts[0]}
+
+    def codec_stats(self) -> WireStats:
+        """Raw and wire bytes per stream and codec, over :meth:`clients`."""
+        return WireStats.merged(*(client.codec_stats for client in self.clients()))
 
     def head_count(self) -> int:
         """Head ids now (0 without head ids)."""

@@ -244,6 +244,7 @@ class Trainer:
                     self.pipeline.rows = await PSClientProcess(
                         self.ps.addresses, registry=self.config.registry,
                         **self._ps_options()).connect()
+                    self.pipeline.chain_rows = self.ps  # the hot chain's lane of its own
             self._connected = True
             self.pipeline.check_tables()
         if self.config.admin_port is not None and self._admin is None:
@@ -265,6 +266,7 @@ class Trainer:
                 if self.pipeline.rows is not self.ps:
                     await self.pipeline.rows.close()
                     self.pipeline.rows = self.ps
+                    self.pipeline.chain_rows = None
                 await self.ps.close()
             self._connected = False
         if self._sync is not None and self._forward is not None:
@@ -322,7 +324,7 @@ class Trainer:
     def codec_rows(self) -> list[dict[str, Any]]:
         """Raw and wire bytes per stream and codec: the PS payloads, the dense exchange this
         trainer set up and DCT-MP activations (exported as ``persimmon_codec_bytes_total``)."""
-        rows = self.rows.codec_stats.rows()
+        rows = self.pipeline.codec_stats().rows()
         dense = (self.config.dense_optimizer if self.config.dense_optimizer in ONEBIT_OPTIMIZERS
                  else self.config.dense_codec)
         for stream, codec, stats in (("dense_allreduce", dense, self._dense_stats),
@@ -416,10 +418,11 @@ class Trainer:
     async def _report_grads_loss(self, loss: float) -> None:
         """Feed the mean loss to the rows client's adaquant grads codec before the step's push
         (in hybrid mode a push not yet encoded when the next step reports may use its s)."""
-        report = getattr(self.rows, "report_loss", None)
-        if report is not None and adapts_to_loss(self.config.grads_codec):
-            levels = await report(loss)
-            if levels is not None:
+        adapts = adapts_to_loss(self.config.grads_codec)
+        for client in self.pipeline.clients() if adapts else ():
+            report = getattr(client, "report_loss", None)
+            levels = await report(loss) if report is not None else None
+            if levels is not None and client is self.rows:
                 self.adaquant_levels["grads"].append(levels)
 
     def _eval_step(self, item: Prepared) -> np.ndarray:
@@ -536,8 +539,8 @@ class Trainer:
         if best is not None:
             await best.finish(summary)
         await self._held_out(summary, eval_batches, averaged=averaged)
-        summary.wire_bytes = self.rows.wire_bytes()
-        summary.codec_bytes = self.rows.codec_stats.as_dict()  # payloads per codec
+        summary.wire_bytes = self.pipeline.wire_bytes()
+        summary.codec_bytes = self.pipeline.codec_stats().as_dict()  # payloads per codec
         summary.dense_bytes = self._dense_stats.as_dict() if self._dense_stats else {}
         summary.activation_bytes = (self._activations.stats.as_dict()
                                     if self._activations is not None else {})

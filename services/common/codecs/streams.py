@@ -84,6 +84,18 @@ class WireStats:
     def get(self, stream: str, codec: str, direction: str) -> CodecStats:
         return self._counts.get((stream, codec, direction), CodecStats())
 
+    @classmethod
+    def merged(cls, *parts: WireStats) -> WireStats:
+        """The counts of ``parts`` added up (one client's traffic over several lanes)."""
+        out = cls()
+        for part in parts:
+            for key, stats in part._counts.items():
+                total = out._counts.setdefault(key, CodecStats())
+                total.raw_bytes += stats.raw_bytes
+                total.wire_bytes += stats.wire_bytes
+                total.arrays += stats.arrays
+        return out
+
     def rows(self) -> list[dict[str, Any]]:
         """One flat record per (stream, codec, direction), sorted: ready for metric labels."""
         return [{"stream": s, "codec": c, "direction": d, **st.as_dict()}

@@ -21,7 +21,7 @@ from services.worker.trainer import Trainer
 
 DATA = SyntheticConfig(seed=3)
 FEATURES = DATA.sparse_names
-PREFIXES = ("sa_", "sb_", "pa_", "pb_", "hy_", "as_", "le_", "bad_")
+PREFIXES = ("sa_", "sb_", "pa_", "pb_", "hy_", "as_", "le_", "bad_", "ln_")
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,24 @@ async def test_ps_client_process_trains_exactly_as_in_process(cluster: LocalPS,
     assert summary.wire_bytes == runs[False][0].wire_bytes  # the same messages
     assert summary.codec_bytes == runs[False][0].codec_bytes
     assert summary.worker_cpu_ms_per_step > 0
+
+
+async def test_ps_client_process_gives_the_hot_chain_a_lane_of_its_own(
+        cluster: LocalPS, data: SyntheticDataset) -> None:
+    """With ps_process the head ids' push-then-lookup chain, which every step waits for,
+    goes through the worker's own PS client, not behind the bulk traffic of the child; the
+    summary counts the bytes of both."""
+    async with trainer(cluster, "ln_", mode="hybrid", staleness=4, ps_process=True,
+                       seed=7) as t:
+        summary = await t.fit(data.batches(256, 256 * 24))
+        lane, child = t.ps, t.rows
+        assert isinstance(child, PSClientProcess) and lane is not None
+        assert t.pipeline.head_count() > 0 and t.pipeline.clients() == [child, lane]
+        lane_bytes, child_bytes = lane.wire_bytes(), child.wire_bytes()
+    assert lane_bytes["push_out"] > 0 and lane_bytes["push_in"] > 0  # the chain's messages
+    assert child_bytes["lookup_out"] > 0 and child_bytes["push_out"] > 0  # the rest
+    assert summary.wire_bytes == {k: lane_bytes[k] + child_bytes[k] for k in lane_bytes}
+    assert summary.steps == 24 and np.isfinite(summary.recent_losses).all()
 
 
 async def test_hybrid_staleness_never_exceeds_bound(cluster: LocalPS,

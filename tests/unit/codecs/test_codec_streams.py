@@ -68,6 +68,19 @@ def test_wire_stats_rejects_unknown_direction():
         WireStats().add("s", "none", "sideways", 1, 1)
 
 
+def test_wire_stats_merged_adds_each_key_and_leaves_the_parts_alone():
+    child, lane = WireStats(), WireStats()
+    child.add("push", "fp16", "sent", 400, 200)
+    child.add("lookup", "none", "received", 64, 64)
+    lane.add("push", "fp16", "sent", 40, 20)
+    both = WireStats.merged(child, lane)
+    assert both.get("push", "fp16", "sent").as_dict() == {
+        "raw_bytes": 440, "wire_bytes": 220, "arrays": 2, "ratio": 2.0}
+    assert both.get("lookup", "none", "received").arrays == 1
+    assert child.get("push", "fp16", "sent").raw_bytes == 400  # the parts are not changed
+    assert WireStats.merged().rows() == []
+
+
 def test_codec_spec_from_config_mapping():
     spec = from_dict(CodecSpec, {"name": "qsgd", "params": {"levels": 7}})
     assert spec.build().levels == 7
