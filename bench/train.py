@@ -250,16 +250,19 @@ def machine(device: str | None = None) -> dict[str, str]:
     two machines compare only as ratios measured on each)."""
     from services.worker.models import pick_device
 
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
+            info = dict(line.split(":", 1) for line in f if ":" in line)
+        cpu = info.get("model name\t", cpu).strip()
+        flags = set(info.get("flags\t\t", "").split())
     except OSError:
         pass
+    vector = next((isa for isa in ("amx_tile", "avx512f", "avx2") if isa in flags), "")
     picked = pick_device(device)
     gpu = torch.cuda.get_device_name(picked) if picked.type == "cuda" else None
-    return {"cpu": cpu, "device": str(picked) + (f" ({gpu})" if gpu else "")}
+    return {"cpu": cpu + (f" ({vector})" if vector else ""),
+            "device": str(picked) + (f" ({gpu})" if gpu else "")}
 
 
 def _self_peak_rss_mb() -> float:

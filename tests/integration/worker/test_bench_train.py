@@ -14,6 +14,7 @@ import pytest
 from bench.netem import LatencyProxy
 from bench.peers import torchrec_available
 from bench.train import RUNS, hybrid_ceiling, median_run, paired_ratios, rtt_row, run
+from services.common.errors import ConfigError
 
 
 def test_bench_train_reports_every_ratio_from_its_own_runs() -> None:
@@ -58,6 +59,17 @@ def test_bench_train_reports_every_ratio_from_its_own_runs() -> None:
     for key in ("default", "hybrid_hot", "hybrid", "hybrid_embedded"):  # the rest of the rows
         assert runs[key]["staleness_max"] <= 8
     assert result["rtt"] == []  # no --rtt-ms
+
+
+def test_only_rtt_runs_the_remote_path_behind_the_proxy_and_names_the_machine() -> None:
+    result = run(rows=2048, batch_size=512, repeats=1, rtt_ms=[0.0], only_rtt=True,
+                 hot_staleness=2, device="cpu")
+    assert result["runs"] == {} and result["hot_staleness"] == 2
+    [row] = result["rtt"]
+    assert row["rtt_ms"] == 0.0 and row["hybrid_vs_sync"] > 0 and 0.3 < row["auc_hot"] <= 1
+    assert result["machine"]["device"] == "cpu" and result["machine"]["cpu"]
+    with pytest.raises(ConfigError, match="hot_staleness"):  # the bound reaches the trainer
+        run(rows=2048, batch_size=512, repeats=1, rtt_ms=[0.0], only_rtt=True, hot_staleness=0)
 
 
 def testrtt_rows_pair_the_runs_behind_the_proxy() -> None:
