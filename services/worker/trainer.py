@@ -10,8 +10,8 @@ One step of one batch::
 The embedding side (staleness slots, riders, lookahead, pushes) is the
 :class:`~services.worker.pipeline.EmbeddingPipeline`; it reaches the rows through a
 :class:`clients.rows.RowsClient`: a :class:`PSClient` to ``ps_addresses`` (or the shards of a
-registry), with ``ps_process`` a :class:`PSClientProcess` (the steps' PS traffic in a child
-process), or any client given as ``rows_client`` (e.g. the PS's shards in this process).
+registry), with ``ps_process`` a :class:`PSClientProcess` (bulk PS traffic in a child process,
+the hot chain on the PSClient), or any ``rows_client`` (e.g. the PS's shards in this process).
 Compute runs in a :class:`~services.worker.compute.ComputeThread` so the event loop keeps
 serving lookups and pushes meanwhile. The Trainer keeps the dense replica: the model, its
 optimizer, the dense sync, ``fit`` and ``evaluate``.
@@ -416,7 +416,7 @@ class Trainer:
         return float(value.item())
 
     async def _report_grads_loss(self, loss: float) -> None:
-        """Feed the mean loss to the rows client's adaquant grads codec before the step's push
+        """Feed the mean loss to the rows clients' adaquant grads codecs before the step's push
         (in hybrid mode a push not yet encoded when the next step reports may use its s)."""
         adapts = adapts_to_loss(self.config.grads_codec)
         for client in self.pipeline.clients() if adapts else ():
