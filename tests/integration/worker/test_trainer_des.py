@@ -83,7 +83,10 @@ async def test_des_trains_as_the_rows_path_in_sync_mode(shards, data, pooling) -
     assert des_run.steps == rows_run.steps == 12 and des_run.staleness_max == 0
     np.testing.assert_allclose(des_run.recent_losses, rows_run.recent_losses, rtol=1e-4)
     assert len(set(rows_run.recent_losses)) > 1  # it trains: the losses move
-    np.testing.assert_allclose(des_rows, rows_rows, rtol=1e-4, atol=1e-6)
+    # the two paths sum a row's gradient in different orders (float32): Adagrad's scale-free
+    # first steps make a near-zero gradient's round-off visible (4e-4 relative seen on an
+    # AVX-512 machine); a wrong DES (a pooling or a spreading mistake) is off by far more
+    np.testing.assert_allclose(des_rows, rows_rows, rtol=1e-3, atol=1e-6)
     assert not np.allclose(rows_rows, des_rows[::-1])  # the rows did move apart per id
     torch.testing.assert_close(des_w, rows_w, rtol=1e-4, atol=1e-6)
     assert abs(des_run.auc - rows_run.auc) < 1e-4
