@@ -55,7 +55,9 @@ class TrainerConfig:
                 "sample (hot rows) get hot_staleness instead of staleness (0: none; head ids "
                 "cover them on the rows path, e.g. 0.3 for des)"})
     hot_staleness: int = field(default=1, metadata={
-        "help": "hybrid: the staleness bound of hot tables (1: synchronous)"})
+        "help": "hybrid: the staleness bound of the hot tables and head ids (1: synchronous; "
+                "2 lets one of their pushes be in flight: faster over a network, slightly "
+                "less accurate)"})
     global_hot: bool = field(default=True, metadata={
         "help": "hybrid, several workers: every worker's push of a step to the hot tables and "
                 "head ids is applied before any worker looks them up for the next step (a "
