@@ -215,7 +215,8 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
     # a first repeat at half speed)
     _persimmon(train[:4], test[:1], features, dim, seed, *_PERSIMMON_RUNS["default"],
                device=device)
-    _baseline("local", train[:4], test[:1], features, dim, seed, cores)
+    if not only_rtt:
+        _baseline("local", train[:4], test[:1], features, dim, seed, cores)
     keys = [] if only_rtt else [k for k in RUNS if k != "torchrec" or torchrec_available()]
     ways = [(key, None) for key in keys] + [(key, r) for r in rtt_ms for key in _RTT_RUNS]
     every: dict[tuple[str, float | None], list[dict[str, Any]]] = {w: [] for w in ways}
