@@ -27,6 +27,9 @@ planted profile, ``toy`` on the small one.
 with the shards behind a latency-injecting proxy (:mod:`bench.netem`; no kernel netem here):
 ``rtt`` rows of ``{rtt_ms, measured_rtt_ms, hybrid_vs_sync, hot_vs_sync, auc_hybrid, auc_hot,
 auc_sync}``. The proxy's process shares the cores, which a real network would not.
+``--only-rtt`` runs those alone (as on a lent GPU machine without the peers), ``--device``
+puts Persimmon's dense compute on the CPU or a GPU, ``--hot-staleness`` sets the head ids'
+bound; ``machine`` in the JSON names the CPU (and its widest vector ISA) and the device.
 
 Each Persimmon run reports its compute thread's mean ``step_wall_ms`` and ``step_cpu_ms``,
 ``batch_wait_ms``, the CPU per training step (``cpu_ms_per_step``: worker with its children,
