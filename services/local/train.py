@@ -327,8 +327,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                            f"{k}: {v}" for k, v in PS_PLACEMENTS.items()))
     train.add_argument("--workers", type=int_at_least(1), default=1, help="worker processes (gloo)")
     train.add_argument("--dim", type=int_at_least(1), default=16, help="embedding dimension")
+    (fm_lr, fm_acc), (lr, acc) = (ModelConfig(name=m).ps_optimizer_defaults("adagrad")
+                                  for m in ("deepfm", "dlrm"))  # the help states them
     train.add_argument("--ps-lr", type=float_at_least(0, inclusive=False), default=None,
-                       help="PS learning rate (default: 0.2 for deepfm's Adagrad, else 0.05)")
+                       help=f"PS learning rate (default: {fm_lr} for deepfm's Adagrad, else "
+                            f"{lr})")
     train.add_argument("--ps-optimizer", default="adagrad",
                        choices=["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"],
                        help="the PS tables' optimizer")
@@ -338,7 +341,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                        help="L2 of every PS table's rows (added to their gradients)")
     train.add_argument("--ps-initial-accumulator", type=float_at_least(0), default=None,
                        help="the PS Adagrads' starting accumulator (0: the first step of "
-                            "every element is +-lr; default: 1e-4 for deepfm, else 0)")
+                            f"every element is +-lr; default: {fm_acc:g} for deepfm, else "
+                            f"{acc:g})")
     train.add_argument("--ps-table-lr", type=_table_lrs, default=None,
                        help="PS lr of some features' tables: FEATURE=LR[,FEATURE=LR...]")
     train.add_argument("--dense-norm", action=argparse.BooleanOptionalAction, default=True,
