@@ -1,4 +1,5 @@
-"""Shared fixtures: a private redis-server per session, free ports, polling with a deadline."""
+"""Shared fixtures: a private redis-server per session, free ports, polling with a deadline,
+a call that loses a cancel the way redis-py can."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 
 from services.local.processes import free_port
 
-__all__ = ["eventually", "free_port"]
+__all__ = ["eventually", "free_port", "swallowing_first_cancel"]
 
 
 async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
@@ -33,6 +35,29 @@ async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         await asyncio.sleep(interval)
+
+
+def swallowing_first_cancel(call: Callable[..., Awaitable[Any]], entered: asyncio.Event,
+                            delay_s: float = 0.2) -> Callable[..., Awaitable[Any]]:
+    """``call`` as redis-py 8's asyncio client sometimes behaves: the first cancel that lands
+    while it waits is lost (it returns None as if nothing happened). Each call sets
+    ``entered`` and waits ``delay_s`` (a slow link) before the real command, so a test that
+    cancels once ``entered`` is set lands its cancel inside the call."""
+    lost = 0
+
+    async def wrapped(*args: Any, **kwargs: Any) -> Any:
+        nonlocal lost
+        entered.set()
+        try:
+            await asyncio.sleep(delay_s)
+            return await call(*args, **kwargs)
+        except asyncio.CancelledError:
+            if lost:
+                raise
+            lost += 1
+            return None
+
+    return wrapped
 
 
 def _redis_pid(port: int) -> int | None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 __all__ = ["AsyncService", "ServingService", "cancel_and_wait", "freeze_startup_objects",
-           "run_service", "serve_from_flags", "settle"]
+           "raise_if_cancelled", "run_service", "serve_from_flags", "settle"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,16 @@ def settle(future: asyncio.Future[T], task: asyncio.Future[T]) -> None:
         future.set_exception(exc)
     else:
         future.set_result(task.result())
+
+
+def raise_if_cancelled() -> None:
+    """Raise ``CancelledError`` if the current task was asked to stop and a library swallowed
+    the request: redis-py's asyncio client (8.x) can return a command's reply when a cancel
+    lands just as the reply arrives, leaving ``cancelling()`` set and the task running on.
+    Call it after such awaits in a loop that must end when its task is cancelled."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def cancel_and_wait(task: asyncio.Task[Any]) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
-from services.common.lifecycle import cancel_and_wait
+from services.common.lifecycle import cancel_and_wait, raise_if_cancelled
 
 __all__ = ["Heartbeat", "InProcessRegistry", "Member", "RedisRegistry", "Registry",
            "discover_shards", "open_registry"]
@@ -146,9 +146,11 @@ class RedisRegistry:
         import redis.exceptions
 
         try:
-            return await coro
+            result = await coro
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             raise Unavailable(f"registry {self.url}: {what} failed: {exc}") from exc
+        raise_if_cancelled()  # a cancel redis-py swallowed still stops the heartbeat
+        return result
 
     async def register(self, member: Member, ttl_s: float) -> None:
         _check_ttl(ttl_s)

@@ -21,6 +21,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from services.common.lifecycle import raise_if_cancelled
 from services.loader.batching import Settled
 from services.loader.config import LoaderConfig, SourceSpec
 from services.loader.sources.base import SourceBlock, parsed_block
@@ -103,6 +104,7 @@ class RedisStreamSource:
     async def blocks(self) -> AsyncIterator[SourceBlock]:
         start_id = "0"  # first our own pending entries, then new ones
         while True:
+            raise_if_cancelled()
             try:
                 entries = await self._claim()
                 if not entries:
@@ -119,6 +121,7 @@ class RedisStreamSource:
                 log.warning("redis read failed, retrying: %s", exc)
                 await asyncio.sleep(self.config.poll_timeout_ms / 1000)
                 continue
+            raise_if_cancelled()  # redis-py can swallow a cancel landing as a reply arrives
             entries = [(i, f) for i, f in entries if i not in self._inflight]
             if not entries:
                 continue

@@ -3,6 +3,7 @@ expiry of a dead member, discovery in shard order, job state, PS shards register
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -19,7 +20,7 @@ from services.common.registry import (
 )
 from services.ps.config import PSConfig
 from services.ps.service import PSService
-from tests.conftest import eventually, free_port
+from tests.conftest import eventually, free_port, swallowing_first_cancel
 
 
 @pytest.fixture(params=["redis", "memory"])
@@ -193,3 +194,21 @@ async def test_worker_finds_the_registered_loader() -> None:
         await registered_loader(url, timeout_s=0.1)
     await open_registry(url).register(Member(kind="loader", index=0, address="ld:50061"), 30)
     assert await registered_loader(url) == "ld:50061"
+
+
+async def test_heartbeat_closes_when_redis_py_swallows_its_cancel(redis_url) -> None:
+    """The cancel of ``close`` lands while a refresh waits on Redis and the client loses it:
+    the heartbeat still stops (before the fix ``close`` waited forever)."""
+    registry = open_registry(f"{redis_url}?job={uuid.uuid4().hex[:8]}")
+    beat = Heartbeat(registry, shard(0, n=1), ttl_s=0.3)
+    await beat.start()
+    entered = asyncio.Event()
+    registry._redis.set = swallowing_first_cancel(registry._redis.set, entered)
+    await asyncio.wait_for(entered.wait(), 5)
+    closing = asyncio.create_task(beat.close())
+    done, _ = await asyncio.wait([closing], timeout=5)  # waits without cancelling again
+    if not done:
+        closing.cancel()  # a second cancel of the beat gets through
+    assert done, "the heartbeat ran on past its cancel"
+    assert await registry.members("ps") == []
+    await registry.close()

@@ -3,6 +3,7 @@ worker's ack, a restart that re-reads its pending entries, XAUTOCLAIM of a dead 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from urllib.parse import urlsplit
@@ -10,7 +11,9 @@ from urllib.parse import urlsplit
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import eventually
+from services.loader.config import LoaderConfig
+from services.loader.sources import make_source
+from tests.conftest import eventually, swallowing_first_cancel
 from tests.integration.loader.loader_support import consume_until, drain, until
 
 pytestmark = pytest.mark.service
@@ -64,6 +67,30 @@ async def test_ack_after_worker_ack_and_restart_rereads_pending(stream, start_lo
     assert not acked_rows & seen  # XACKed entries are not delivered again
     await until(lambda: no_pending(client, name))
     await eventually(lambda: second.source.offsets()[f"redis:{name}"]["in_flight"] == 0)
+
+
+async def test_the_read_loop_stops_when_redis_py_swallows_its_cancel(stream):
+    """A loader's close cancels the producer while XREADGROUP waits; redis-py may lose that
+    cancel. The read loop still ends (before the fix the loader's close hung for ever)."""
+    _, _, prefix = stream
+    source = make_source(LoaderConfig(source=f"{prefix}?group=g&dense=2&sparse=2"))
+    await source.start()
+    entered = asyncio.Event()
+    source._redis.xreadgroup = swallowing_first_cancel(source._redis.xreadgroup, entered)
+
+    async def read() -> None:
+        async for _ in source.blocks():
+            pass
+
+    task = asyncio.create_task(read())
+    await asyncio.wait_for(entered.wait(), 5)
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=5)  # waits without cancelling again
+    if not done:
+        task.cancel()  # a second cancel gets through
+        await asyncio.wait([task], timeout=5)
+    await source.close()
+    assert done, "the read loop ran on past its cancel"
 
 
 async def test_entries_of_a_dead_consumer_are_claimed(stream, start_loader):

@@ -72,3 +72,42 @@ async def test_admin_server_close_cancels_a_request_that_never_ends(monkeypatch)
     await asyncio.wait_for(server.close(), 20)
     assert cancelled.is_set()
     writer.close()
+
+
+async def test_raise_if_cancelled_ends_a_loop_whose_library_swallowed_the_cancel():
+    """A call that swallows its task's cancel (as redis-py's asyncio client can) leaves the
+    loop running; checking ``cancelling()`` after it ends the loop."""
+    from services.common.lifecycle import raise_if_cancelled
+
+    swallowed = 0
+
+    async def swallowing_call() -> None:
+        nonlocal swallowed
+        try:
+            await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            if swallowed:  # only the first cancel is lost
+                raise
+            swallowed += 1  # the library returns normally: the cancel is lost
+
+    async def loop(check: bool) -> int:
+        rounds = 0
+        while True:
+            await swallowing_call()
+            rounds += 1
+            if check:
+                raise_if_cancelled()
+
+    for check in (False, True):
+        swallowed = 0
+        task = asyncio.create_task(loop(check))
+        await asyncio.sleep(0.005)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=0.5)
+        assert bool(done) is check  # without the check the loop runs on past its cancel
+        assert swallowed == 1
+        if not done:
+            task.cancel()  # a second cancel goes through
+            await asyncio.wait([task], timeout=0.5)
+            assert task.done()
+    raise_if_cancelled()  # a task nobody cancelled runs on
