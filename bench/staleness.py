@@ -20,7 +20,8 @@ costs. S = 0 bounds only a worker's own pushes; the ``global_sync`` row is synch
 the workers (every worker's push of step t applied before any lookup of step t + 1), the
 baseline of a fair comparison with several workers. The last row is the default hybrid mode,
 S = 8 with the head ids (ids seen in about every batch) at ``hot_staleness=1`` across the
-workers (``global_hot``).
+workers (``global_hot``); ``--hot-staleness 1,2`` adds that row with the head ids' bound 2
+(``"8+hot2"``: one of their pushes in flight).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from services.loader.synthetic import SyntheticConfig, synthetic_profile
 from services.local.compare import PLANTED, TRAINING, train_configs
 from services.worker.config import TrainerConfig
 
-__all__ = ["STALENESS", "register_bench", "run", "staleness_config", "staleness_list"]
+__all__ = ["STALENESS", "default_row", "register_bench", "run", "staleness_config",
+           "staleness_list"]
 
 console = Console(stderr=True)
 STALENESS: tuple[int | None, ...] = (0, 1, 2, 4, 8, 16, 32, None)   # None: unbounded
@@ -51,19 +53,28 @@ GLOBAL_ROW = "global_sync"  # synchronous across the workers, before the default
 _ASYNC_PREFETCH = 64
 
 
+def default_row(hot_staleness: int) -> str:
+    """The row name of the default hybrid settings with the head ids' bound ``hot_staleness``
+    (:data:`DEFAULT_ROW` for the default bound)."""
+    return DEFAULT_ROW if hot_staleness == TrainerConfig().hot_staleness \
+        else f"{DEFAULT_ROW}{hot_staleness}"
+
+
 def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> TrainerConfig:
     """S = 0: sync mode; S >= 1: hybrid with bound S on every row; None: async
     (unbounded); :data:`DEFAULT_ROW`: hybrid as configured by default (S = 8, head ids at
-    ``hot_staleness``); :data:`GLOBAL_ROW`: global_sync mode."""
+    ``hot_staleness``), ``"8+hotK"`` the same with ``hot_staleness=K``; :data:`GLOBAL_ROW`:
+    global_sync mode."""
     base = replace(base, sync="allreduce")
     if s == GLOBAL_ROW:
         return replace(base, mode="global_sync", staleness=0)
     if s is None:
         return replace(base, mode="async", prefetch=_ASYNC_PREFETCH)
-    if s == DEFAULT_ROW:
+    if isinstance(s, str) and s.startswith(DEFAULT_ROW):
         defaults = TrainerConfig()
+        hot = int(s[len(DEFAULT_ROW):] or defaults.hot_staleness)
         return replace(base, mode="hybrid", staleness=defaults.staleness,
-                       hot_ratio=defaults.hot_ratio, hot_staleness=defaults.hot_staleness,
+                       hot_ratio=defaults.hot_ratio, hot_staleness=hot,
                        head_rate=defaults.head_rate, global_hot=defaults.global_hot)
     if s == 0:
         return replace(base, mode="sync", staleness=0)
@@ -72,15 +83,19 @@ def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> Tra
 
 def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
         workers: int = 4, data: str = "default",
-        staleness: tuple[int | None, ...] = STALENESS, seeds: int = 1) -> dict[str, Any]:
+        staleness: tuple[int | None, ...] = STALENESS, seeds: int = 1,
+        hot_staleness: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """Every bound on the same data, once per seed (the data set's and the dense model's);
     the JSON-ready result (see the module docstring). With several seeds, ``auc`` is the mean
-    over the seeds and ``auc_gap`` the mean of the paired per-seed gaps to S = 0."""
+    over the seeds and ``auc_gap`` the mean of the paired per-seed gaps to S = 0.
+    ``hot_staleness``: the head ids' bounds of the default rows, one row each."""
     if data not in DATA:
         raise ConfigError(f"unknown data {data!r}; available: {sorted(DATA)}")
     if seeds < 1:
         raise ConfigError(f"seeds must be >= 1, got {seeds}")
-    bounds = (*staleness, GLOBAL_ROW, DEFAULT_ROW)
+    if not hot_staleness or any(h < 1 for h in hot_staleness):
+        raise ConfigError(f"hot_staleness must be ints >= 1, got {hot_staleness!r}")
+    bounds = (*staleness, GLOBAL_ROW, *(default_row(h) for h in hot_staleness))
     per_seed, oracles = [], []
     for seed in range(seeds):
         configs = [replace(staleness_config(s), seed=seed) for s in bounds]
@@ -110,7 +125,9 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
 
 def _label(s: int | str | None) -> str:
     if s == DEFAULT_ROW:
-        return "8, head ids 1 (default)"
+        return f"8, head ids {TrainerConfig().hot_staleness} (default)"
+    if isinstance(s, str) and s.startswith(DEFAULT_ROW):
+        return f"8, head ids {s[len(DEFAULT_ROW):]}"
     if s == GLOBAL_ROW:
         return "0 across workers"
     return "unbounded" if s is None else str(s)
@@ -169,10 +186,19 @@ def staleness_list(text: str) -> tuple[int | None, ...]:
     return tuple(out)
 
 
+def _bounds(text: str) -> tuple[int, ...]:
+    """``--hot-staleness 1,2``: ints >= 1."""
+    bound = int_at_least(1)
+    values = tuple(bound(part.strip()) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected bounds like 1,2, got {text!r}")
+    return values
+
+
 def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
                  workers=args.workers, data=args.data, staleness=args.staleness,
-                 seeds=args.seeds)
+                 seeds=args.seeds, hot_staleness=args.hot_staleness)
     _print_table(result)
     png = save_plot(plot, result, args.plot, "staleness")
     console.print(f"samples/s and AUC against S: {png}")
@@ -196,4 +222,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="planted data: default (8 long-tailed features) or small")
     parser.add_argument("--staleness", type=staleness_list,
                         default=STALENESS, help="comma-separated S values ('unbounded' too)")
+    parser.add_argument("--hot-staleness", type=_bounds, default=(1,),
+                        help="comma-separated head-id bounds of the default row, one row each "
+                             "(e.g. 1,2)")
     parser.set_defaults(func=_main)

@@ -12,7 +12,7 @@ import pytest
 
 import bench.staleness as staleness_bench
 import bench.sync as sync_bench
-from bench.staleness import STALENESS, staleness_config, staleness_list
+from bench.staleness import STALENESS, default_row, staleness_config, staleness_list
 from services.cli import main
 from services.common.errors import ConfigError
 from services.local.compare import STRATEGY_SETTINGS
@@ -56,12 +56,14 @@ def test_bench_sync_reports_each_strategy_asked(tmp_path: Path) -> None:
 
 
 def test_bench_staleness_reports_every_bound(tmp_path: Path) -> None:
-    result = bench(tmp_path, "staleness", "--staleness", "0,2,unbounded")
+    result = bench(tmp_path, "staleness", "--staleness", "0,2,unbounded", "--hot-staleness", "1,2")
     assert finite(result["oracle_auc"])
     runs = result["runs"]
-    assert [r["staleness"] for r in runs] == [0, 2, None, "global_sync", "8+hot"]
-    assert [r["mode"] for r in runs] == ["sync", "hybrid", "async", "global_sync", "hybrid"]
+    assert [r["staleness"] for r in runs] == [0, 2, None, "global_sync", "8+hot", "8+hot2"]
+    assert [r["mode"] for r in runs] == ["sync", "hybrid", "async", "global_sync", "hybrid",
+                                         "hybrid"]
     assert runs[1]["head_ids"] == 0 and runs[4]["head_ids"] > 0  # the default: head ids
+    assert runs[5]["head_ids"] > 0
     assert all(r["hot_tables"] == [] for r in runs)  # none by default
     assert runs[3]["staleness_max"] == 0
     for r in runs:
@@ -81,6 +83,10 @@ def test_staleness_bounds_map_to_trainer_modes() -> None:
     assert staleness_config(16).head_rate == 0  # the S rows bound every row
     default = staleness_config("8+hot")
     assert (default.staleness, default.hot_staleness) == (8, 1) and default.head_rate > 0
+    assert default_row(1) == "8+hot" and default_row(2) == "8+hot2"
+    one_behind = staleness_config(default_row(2))
+    assert (one_behind.staleness, one_behind.hot_staleness) == (8, 2)
+    assert one_behind.head_rate == default.head_rate and one_behind.global_hot
     assert staleness_list("0, 4,unbounded") == (0, 4, None)
     with pytest.raises(argparse.ArgumentTypeError, match="bad staleness '-1'"):
         staleness_list("-1")
@@ -91,3 +97,8 @@ def test_benches_reject_unknown_choices_before_starting_anything() -> None:
         sync_bench.run(strategies=["allreduce", "allgather"])
     with pytest.raises(ConfigError, match="unknown data 'avazu'"):
         staleness_bench.run(data="avazu")
+    with pytest.raises(ConfigError, match="hot_staleness must be ints >= 1"):
+        staleness_bench.run(hot_staleness=(1, 0))
+    with pytest.raises(SystemExit) as exit_info:  # a usage error, before any training
+        main(["bench", "staleness", "--hot-staleness", "1,0"])
+    assert exit_info.value.code == 2
