@@ -146,11 +146,9 @@ class RedisRegistry:
         import redis.exceptions
 
         try:
-            result = await coro
+            return await coro
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             raise Unavailable(f"registry {self.url}: {what} failed: {exc}") from exc
-        raise_if_cancelled()  # a cancel redis-py swallowed still stops the heartbeat
-        return result
 
     async def register(self, member: Member, ttl_s: float) -> None:
         _check_ttl(ttl_s)
@@ -237,6 +235,7 @@ class Heartbeat:
             except Unavailable as exc:
                 log.warning("heartbeat of %s %d failed: %s", self.member.kind,
                             self.member.index, exc.message)
+            raise_if_cancelled()  # a cancel redis-py lost still stops the heartbeat
 
     async def close(self) -> None:
         if self._task is not None:
@@ -254,6 +253,7 @@ async def discover_shards(registry: Registry, *, timeout_s: float = 60.0,
     deadline = time.monotonic() + timeout_s
     while True:
         shards = await registry.members("ps")
+        raise_if_cancelled()
         if shards:
             count = shards[0].count
             if [m.index for m in shards if m.count == count] == list(range(count)):
