@@ -6,9 +6,10 @@ doubling at load factor 1/2. Every operation takes a whole batch of ids; the loo
 numba with the GIL released. The same module holds the splitmix64 mixer that the
 counter-based initializer and admission draws are built on, and :func:`unique_inverse`,
 a hash-based ``np.unique(return_inverse=True)`` that keeps first-appearance order in O(n),
-and the per-slot batch kernels of the row arena (gather, dedup, sum, touch). Where a loop
-does real work per random row, the next rows are prefetched (``llvm.prefetch``): on this
-kind of machine that halves the time of hash probes and optimizer updates.
+and the per-slot batch kernels of the row arena (gather, dedup, sum, touch, eviction's k
+smallest). Where a loop does real work per random row, the next rows are prefetched
+(``llvm.prefetch``): on this kind of machine that halves the time of hash probes and
+optimizer updates.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
 
 __all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "dedup_slots", "gather_rows", "mix64",
-           "mix64_int", "nonfinite_rows", "prefetch", "prefetch_row", "sum_rows_by_slot",
-           "to_unit", "touch_slots", "unique_inverse"]
+           "mix64_int", "nonfinite_rows", "prefetch", "prefetch_row", "smallest_keys",
+           "sum_rows_by_slot", "to_unit", "touch_slots", "unique_inverse"]
 
 _S11 = np.uint64(11)
 _EMPTY = -1
@@ -370,3 +371,19 @@ def nonfinite_rows(x, out):  # pragma: no cover - numba
         out[i] = flag
         bad += flag
     return bad
+
+
+def smallest_keys(k: int, primary: np.ndarray, secondary: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Positions of the k smallest entries by integer (primary, secondary, id), in O(n) + ties
+    (eviction's victims: LRU by (tick, uses), LFU by (uses, tick))."""
+    if k >= primary.shape[0]:
+        return np.arange(primary.shape[0])
+    lo = int(primary.min())
+    if int(primary.max()) - lo < 4 * primary.shape[0]:  # counting: introselect crawls on ties
+        kth = lo + int(np.searchsorted(np.cumsum(np.bincount(primary - lo)), k))
+    else:
+        kth = primary[np.argpartition(primary, k - 1)[k - 1]]
+    below = np.flatnonzero(primary < kth)
+    ties = np.flatnonzero(primary == kth)
+    order = np.lexsort((ids[ties], secondary[ties]))
+    return np.concatenate([below, ties[order[:k - below.shape[0]]]])

@@ -2,7 +2,8 @@
 
 Layout: an :class:`~services.ps.hashtable.IdHashTable` maps id → slot; slot ``s`` owns
 ``rows[s]`` (storage dtype), the optimizer state rows ``state[name][s]`` and per-slot
-bookkeeping (id, live flag, last-use tick and time, use count, dirty flag). Freed slots go on
+bookkeeping (id, live and dirty flags; last-use tick and time and use count only where
+eviction, TTL or the disk tier reads them: 24 bytes a row less without). Freed slots go on
 a free list; the arena and the index grow by doubling. Every public method works on whole
 batches (numpy and numba, no Python loop per id) and holds the table's lock, so the gRPC
 server may call it from worker threads.
@@ -36,6 +37,7 @@ from services.ps.hashtable import (
     dedup_slots,
     gather_rows,
     nonfinite_rows,
+    smallest_keys,
     sum_rows_by_slot,
     touch_slots,
     unique_inverse,
@@ -71,21 +73,6 @@ def _committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
     return a
 
 
-def _smallest(k: int, primary: np.ndarray, secondary: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Positions of the k smallest entries by integer (primary, secondary, id), in O(n) + ties."""
-    if k >= primary.shape[0]:
-        return np.arange(primary.shape[0])
-    lo = int(primary.min())
-    if int(primary.max()) - lo < 4 * primary.shape[0]:  # counting: introselect crawls on ties
-        kth = lo + int(np.searchsorted(np.cumsum(np.bincount(primary - lo)), k))
-    else:
-        kth = primary[np.argpartition(primary, k - 1)[k - 1]]
-    below = np.flatnonzero(primary < kth)
-    ties = np.flatnonzero(primary == kth)
-    order = np.lexsort((ids[ties], secondary[ties]))
-    return np.concatenate([below, ties[order[:k - below.shape[0]]]])
-
-
 class EmbeddingTable:
     """One embedding table held in memory, with its optimizer, admission and eviction."""
 
@@ -105,9 +92,13 @@ class EmbeddingTable:
         self._slot_ids = _committed((cap,), np.uint64)
         self._live = _committed((cap,), bool)
         self._dirty = _committed((cap,), bool)
-        self._ticks = _committed((cap,), np.int64)
-        self._uses = _committed((cap,), np.int64)
-        self._last_used = _committed((cap,), np.float64)
+        # last-use tick and time, use count: read by eviction, TTL and the disk tier only
+        self._tracks_use = (config.max_rows is not None or config.ttl_s is not None
+                            or config.storage.tier is StorageTier.DISK)
+        used = cap if self._tracks_use else 0
+        self._ticks = _committed((used,), np.int64)
+        self._uses = _committed((used,), np.int64)
+        self._last_used = _committed((used,), np.float64)
         self._mark = _committed((cap,), np.int64, -1)  # scratch of push: slot -> position
         self._free = np.empty(0, dtype=np.int64)  # stack of freed slots below _high
         self._high = 0  # slots >= _high were never used
@@ -343,7 +334,7 @@ class EmbeddingTable:
 
         self._rows = grown(self._rows)
         self._state = {k: grown(v) for k, v in self._state.items()}
-        for name in ("_slot_ids", "_live", "_dirty", "_ticks", "_uses", "_last_used"):
+        for name in ("_slot_ids", "_live", "_dirty", *self._use_columns()):
             setattr(self, name, grown(getattr(self, name)))
         self._mark = grown(self._mark, -1)
 
@@ -357,16 +348,23 @@ class EmbeddingTable:
         self._slot_ids[slots] = ids
         self._live[slots] = True
         self._dirty[slots] = True
-        self._uses[slots] = 0
-        self._ticks[slots] = self._tick
-        self._last_used[slots] = self._clock()
+        if self._tracks_use:
+            self._uses[slots] = 0
+            self._ticks[slots] = self._tick
+            self._last_used[slots] = self._clock()
         self._num_live += ids.shape[0]
         self._counters["misses"] += ids.shape[0]
         return slots
 
+    def _use_columns(self) -> tuple[str, ...]:
+        """The per-slot arrays of the use bookkeeping, where this table keeps it."""
+        return ("_ticks", "_uses", "_last_used") if self._tracks_use else ()
+
     def _mark_used(self, slots: np.ndarray) -> None:
         self._tick += 1
-        touch_slots(slots, self._ticks, self._uses, self._last_used, self._tick, float(self._clock()))
+        if self._tracks_use:
+            touch_slots(slots, self._ticks, self._uses, self._last_used, self._tick,
+                        float(self._clock()))
 
     def _evict(self, k: int, protected: np.ndarray) -> None:
         high = self._high
@@ -379,9 +377,9 @@ class EmbeddingTable:
             ticks, uses, ids = (np.concatenate([mine, self._disk.field(name, dslots)]) for
                                 mine, name in ((ticks, "tick"), (uses, "uses"), (ids, "id")))
         if self.config.eviction is EvictionPolicy.LFU:
-            picked = _smallest(k, uses, ticks, ids)
+            picked = smallest_keys(k, uses, ticks, ids)
         else:
-            picked = _smallest(k, ticks, uses, ids)
+            picked = smallest_keys(k, ticks, uses, ids)
         in_ram = picked < cand.shape[0]
         self._drop(cand[picked[in_ram]], "evictions")
         self._drop_disk(ids[picked[~in_ram]], "evictions")
@@ -444,15 +442,17 @@ class EmbeddingTable:
             return
         live = np.flatnonzero(self._live[:self._high])
         k = in_ram - (limit - limit // 8)
-        victims = live[_smallest(k, self._ticks[live], self._uses[live], self._slot_ids[live])]
+        victims = live[smallest_keys(k, self._ticks[live], self._uses[live], self._slot_ids[live])]
         self._disk.put(self._columns(), victims, self._dirty[victims])
         self._release(victims)
         self._counters["demoted"] += k
 
     def _columns(self) -> dict[str, np.ndarray]:
-        """The RAM arena's per-slot arrays under the disk records' field names."""
-        return {"id": self._slot_ids, "tick": self._ticks, "uses": self._uses,
-                "last_used": self._last_used, "row": self._rows,
+        """The RAM arena's per-slot arrays under the disk records' field names (the use
+        bookkeeping where this table keeps it)."""
+        use = {"tick": self._ticks, "uses": self._uses,
+               "last_used": self._last_used} if self._tracks_use else {}
+        return {"id": self._slot_ids, **use, "row": self._rows,
                 **{f"state:{k}": v for k, v in self._state.items()}}
 
     # ----------------------------------------------------------------- snapshots
@@ -467,7 +467,7 @@ class EmbeddingTable:
                                  rows=cols["row"].astype(np.float32),
                                  state={k: cols[f"state:{k}"] for k in self._state},
                                  tombstones=tomb, incremental=incremental,
-                                 meta={"tick": cols["tick"], "uses": cols["uses"]})
+                                 meta={k: cols[k] for k in ("tick", "uses") if k in cols})
             self._dirty[:self._high] = False
             if self._disk is not None:
                 self._disk.set_clean()
@@ -538,12 +538,12 @@ class EmbeddingTable:
         for key, arr in self._state.items():
             arr[slots] = snap.state[key][pos]
         self._dirty[slots] = False
-        self._last_used[slots] = self._clock()
-        for key, arr in (("tick", self._ticks), ("uses", self._uses)):
-            if key in snap.meta:
-                arr[slots] = snap.meta[key][pos]
-        if slots.shape[0]:
-            self._tick = max(self._tick, int(self._ticks[slots].max()))
+        if self._tracks_use:
+            self._last_used[slots] = self._clock()
+            for key, arr, absent in (("tick", self._ticks, self._tick), ("uses", self._uses, 0)):
+                arr[slots] = snap.meta[key][pos] if key in snap.meta else absent
+            if slots.shape[0]:
+                self._tick = max(self._tick, int(self._ticks[slots].max()))
 
     # ----------------------------------------------------------------- stats
 

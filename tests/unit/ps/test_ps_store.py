@@ -255,6 +255,29 @@ def test_stats_report_sizes_and_counters():
     assert (s["lookups"], s["pushes"], s["ids_pushed"]) == (1, 1, 50)
 
 
+def test_use_bookkeeping_is_kept_only_where_eviction_or_ttl_reads_it():
+    """A table without ``max_rows`` or ``ttl_s`` holds no last-use tick, time or use count
+    (24 bytes a slot); its snapshot restores into an LRU table, which then evicts by its
+    own use from there on."""
+    ids = np.arange(1, 201, dtype=np.uint64)
+    plain, tracked = make(dim=16), make(dim=16, max_rows=1000)
+    for table in (plain, tracked):
+        table.push(ids, np.ones((200, 16), dtype=np.float32))
+    assert plain.stats()["capacity"] == tracked.stats()["capacity"]
+    assert tracked.nbytes() - plain.nbytes() == 24 * plain.stats()["capacity"]
+    snap = plain.snapshot()
+    assert snap.meta == {} and set(tracked.snapshot().meta) == {"tick", "uses"}
+    assert plain.content_digest() == tracked.content_digest()  # same rows and state
+
+    lru = make(dim=16, max_rows=200)
+    lru.restore(snap)
+    assert lru.content_digest() == plain.content_digest()
+    lru.lookup(ids[100:])  # the restored rows 101..200 are now the recent ones
+    lru.lookup(np.arange(1001, 1051, dtype=np.uint64))
+    assert lru.stats()["evictions"] == 50
+    assert lru.ids().tolist() == [*range(51, 201), *range(1001, 1051)]
+
+
 def test_concurrent_calls_from_threads_are_serialised():
     from concurrent.futures import ThreadPoolExecutor
 
@@ -278,7 +301,7 @@ def test_concurrent_calls_from_threads_are_serialised():
 
 @pytest.mark.parametrize("span", [3, 10**12])  # counting (narrow range) and introselect (wide)
 def test_smallest_matches_a_full_sort_with_ties(span):
-    from services.ps.store import _smallest
+    from services.ps.hashtable import smallest_keys
 
     rng = np.random.default_rng(span)
     primary = rng.integers(0, span, 5000)
@@ -286,4 +309,4 @@ def test_smallest_matches_a_full_sort_with_ties(span):
     ids = rng.permutation(5000).astype(np.uint64)
     want = np.lexsort((ids, secondary, primary))
     for k in (1, 17, 2500, 4999):
-        assert sorted(_smallest(k, primary, secondary, ids).tolist()) == sorted(want[:k].tolist())
+        assert sorted(smallest_keys(k, primary, secondary, ids).tolist()) == sorted(want[:k].tolist())
