@@ -99,7 +99,7 @@ class EmbeddingTable:
         self._ticks = _committed((used,), np.int64)
         self._uses = _committed((used,), np.int64)
         self._last_used = _committed((used,), np.float64)
-        self._mark = _committed((cap,), np.int64, -1)  # scratch of push: slot -> position
+        self._mark = _committed((cap,), np.int32, -1)  # scratch of push: slot -> position
         self._free = np.empty(0, dtype=np.int64)  # stack of freed slots below _high
         self._high = 0  # slots >= _high were never used
         self._num_live = 0
