@@ -30,6 +30,7 @@ __all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "dedup_slots", "gather_
 
 _S11 = np.uint64(11)
 _EMPTY = -1
+_MAX_VALUE = 2**31 - 1  # values are int32
 PREFETCH_DISTANCE = 8  # rows ahead: random rows cost a DRAM round trip each otherwise
 _I32 = ir.IntType(32)
 _PREFETCH_NAME = ("llvm.prefetch.p0" if llvmlite.binding.llvm_version_info >= (15,)
@@ -224,7 +225,8 @@ def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class IdHashTable:
-    """A map uint64 id → int64 value ≥ 0 (a row slot, or a sighting count).
+    """A map uint64 id → value in [0, 2**31) (a row slot, or a sighting count), stored in 12
+    bytes a bucket (uint64 keys, int32 values); results come back as int64.
 
     Not thread-safe: the owner (one :class:`~services.ps.store.EmbeddingTable`) serialises
     access. All methods take and return whole arrays.
@@ -236,7 +238,7 @@ class IdHashTable:
         size = _pow2_at_least(2 * max(1, capacity))
         self._keys = np.empty(size, dtype=np.uint64)
         self._keys.fill(0)  # written now, so the first inserts do not page-fault
-        self._vals = np.full(size, _EMPTY, dtype=np.int64)
+        self._vals = np.full(size, _EMPTY, dtype=np.int32)
         self._size = 0
 
     def __len__(self) -> int:
@@ -261,7 +263,7 @@ class IdHashTable:
         keys, vals = self.items()
         self._keys = np.empty(size, dtype=np.uint64)
         self._keys.fill(0)
-        self._vals = np.full(size, _EMPTY, dtype=np.int64)
+        self._vals = np.full(size, _EMPTY, dtype=np.int32)
         _insert(self._keys, self._vals, keys, vals)
 
     def find(self, ids: np.ndarray) -> np.ndarray:
@@ -272,11 +274,12 @@ class IdHashTable:
         return out
 
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        """Set ``ids[j] → values[j]`` (values must be >= 0)."""
+        """Set ``ids[j] → values[j]`` (values in [0, 2**31))."""
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         values = np.ascontiguousarray(values, dtype=np.int64)
-        if values.shape != ids.shape or (values.size and values.min() < 0):
-            raise ValueError("insert needs one value >= 0 per id")
+        if values.shape != ids.shape or (values.size and (values.min() < 0
+                                                          or values.max() > _MAX_VALUE)):
+            raise ValueError("insert needs one value in [0, 2**31) per id")
         self.reserve(ids.shape[0])
         self._size += int(_insert(self._keys, self._vals, ids, values))
 
@@ -298,7 +301,7 @@ class IdHashTable:
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, values)`` of every entry, in bucket order."""
         used = self._vals != _EMPTY
-        return self._keys[used], self._vals[used]
+        return self._keys[used], self._vals[used].astype(np.int64)
 
     def clear(self) -> None:
         self._vals.fill(_EMPTY)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,15 +53,19 @@ def test_growth_keeps_every_key_and_huge_ids_work():
     assert table.find(np.array([5001], dtype=np.uint64)).tolist() == [-1]
 
 
-def test_insert_rejects_negative_values():
+@pytest.mark.parametrize("value", [-1, 2**31])
+def test_insert_rejects_values_outside_int32_and_changes_nothing(value):
     table = IdHashTable()
-    try:
-        table.insert(np.array([1], dtype=np.uint64), np.array([-1]))
-    except ValueError as exc:
-        assert "value >= 0" in str(exc)
-    else:
-        raise AssertionError("negative value accepted")
-    assert len(table) == 0
+    table.insert(np.array([7], dtype=np.uint64), np.array([2**31 - 1]))  # the largest value
+    with pytest.raises(ValueError, match=r"value in \[0, 2\*\*31\)"):
+        table.insert(np.array([1, 7], dtype=np.uint64), np.array([3, value]))
+    assert len(table) == 1
+    assert table.find(np.array([1, 7], dtype=np.uint64)).tolist() == [-1, 2**31 - 1]
+
+
+def test_values_are_stored_in_12_bytes_a_bucket():
+    table = IdHashTable(1000)
+    assert table.nbytes == 12 * table.buckets
 
 
 def test_clustered_deletes_keep_probe_chains_intact():
