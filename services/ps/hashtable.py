@@ -2,7 +2,7 @@
 
 Linear probing over a power-of-two array of keys and values (value ``-1`` marks an empty
 bucket), deletion by backward shift (no tombstones, so probe chains never rot), growth by
-doubling at load factor 1/2. Every operation takes a whole batch of ids; the loops run inside
+doubling past load factor 3/4. Every operation takes a whole batch of ids; the loops run inside
 numba with the GIL released. The same module holds the splitmix64 mixer that the
 counter-based initializer and admission draws are built on, and :func:`unique_inverse`,
 a hash-based ``np.unique(return_inverse=True)`` that keeps first-appearance order in O(n),
@@ -31,6 +31,7 @@ __all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "dedup_slots", "gather_
 _S11 = np.uint64(11)
 _EMPTY = -1
 _MAX_VALUE = 2**31 - 1  # values are int32
+_LOAD_NUM, _LOAD_DEN = 3, 4  # the index grows past a load factor of 3/4
 PREFETCH_DISTANCE = 8  # rows ahead: random rows cost a DRAM round trip each otherwise
 _I32 = ir.IntType(32)
 _PREFETCH_NAME = ("llvm.prefetch.p0" if llvmlite.binding.llvm_version_info >= (15,)
@@ -235,7 +236,7 @@ class IdHashTable:
     __slots__ = ("_keys", "_size", "_vals")
 
     def __init__(self, capacity: int = 1024) -> None:
-        size = _pow2_at_least(2 * max(1, capacity))
+        size = _pow2_at_least(_LOAD_DEN * max(1, capacity) // _LOAD_NUM + 1)
         self._keys = np.empty(size, dtype=np.uint64)
         self._keys.fill(0)  # written now, so the first inserts do not page-fault
         self._vals = np.full(size, _EMPTY, dtype=np.int32)
@@ -253,12 +254,12 @@ class IdHashTable:
         return int(self._keys.nbytes + self._vals.nbytes)
 
     def reserve(self, more: int) -> None:
-        """Grow (by doubling) so that ``more`` new keys keep the load factor <= 1/2."""
+        """Grow (by doubling) so that ``more`` new keys keep the load factor <= 3/4."""
         need = self._size + int(more)
-        if 2 * need <= self.buckets:
+        if _LOAD_DEN * need <= _LOAD_NUM * self.buckets:
             return
         size = self.buckets
-        while 2 * need > size:
+        while _LOAD_DEN * need > _LOAD_NUM * size:
             size *= 2
         keys, vals = self.items()
         self._keys = np.empty(size, dtype=np.uint64)

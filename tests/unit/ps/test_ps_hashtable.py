@@ -48,7 +48,7 @@ def test_growth_keeps_every_key_and_huge_ids_work():
                           np.array([2**64 - 1, 2**63, 2**32], dtype=np.uint64)])
     table = IdHashTable(4)
     table.insert(ids, np.arange(ids.size))
-    assert table.buckets >= 2 * ids.size
+    assert 4 * ids.size <= 3 * table.buckets  # load factor <= 3/4
     assert np.array_equal(table.find(ids), np.arange(ids.size))
     assert table.find(np.array([5001], dtype=np.uint64)).tolist() == [-1]
 
