@@ -3,7 +3,8 @@
 Each case builds one table of ``rows`` rows (ids a fixed bijection of ``0..rows-1``, created
 by lookups in chunks: the build time), then runs Zipf(1.1) traffic over those rows: a
 ``batch`` of ids is drawn (duplicates removed, as a worker sends them), looked up, and
-receives one Adagrad push (Zipf truncated to the table: draws past its rows are redrawn).
+receives one push (Adagrad by default, ``--optimizer``; Zipf truncated to the table: draws past
+its rows are redrawn).
 After ``warmup`` untimed steps, ``steps`` steps are timed; rows/s is their total over their
 total time (a tiered table's write-backs come in bursts: the median step would hide them).
 Reported per case: lookup + push rows/s, the RAM tier's hit ratio (rows a lookup found in
@@ -12,7 +13,7 @@ allocates in RAM, indexes included, over its rows), disk bytes per row (blocks o
 file) and the build time. The baseline is the all-in-RAM table of the same run.
 
 Run: ``persimmon bench scale [--ram-sizes 1000000,10000000] [--disk-sizes 10000000]
-[--ram-rows 1000000] [--json PATH] [--plot PNG]``.
+[--ram-rows 1000000] [--optimizer rowwise_adagrad] [--json PATH] [--plot PNG]``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from bench import save_plot, write_json
 from services.common.commands import int_at_least
 from services.ps.optimizers import state_layout
 from services.ps.store import EmbeddingTable
-from services.ps.tables import OptimizerConfig, StorageConfig, TableConfig
+from services.ps.tables import OptimizerConfig, OptimizerKind, StorageConfig, TableConfig
 
 __all__ = ["bench_scale", "register_bench"]
 
@@ -112,21 +113,23 @@ def run_case(rows: int, *, dim: int = 16, optimizer: str = "adagrad", disk: str 
 
 
 def bench_scale(*, ram_sizes: list[int], disk_sizes: list[int], ram_rows: int = 1_000_000,
-                dim: int = 16, batch: int = 65_536, steps: int = 20, warmup: int = 3,
-                path: str | None = None, seed: int = 0) -> dict[str, Any]:
+                dim: int = 16, optimizer: str = "adagrad", batch: int = 65_536,
+                steps: int = 20, warmup: int = 3, path: str | None = None,
+                seed: int = 0) -> dict[str, Any]:
     """Every case of the run and the ratios of the largest tiered case to the largest
     all-in-RAM one (``tiered_vs_ram``) and of RAM per row to the payload."""
     cases = []
     for n in ram_sizes:
-        cases.append(run_case(n, dim=dim, batch=batch, steps=steps, warmup=warmup, seed=seed))
+        cases.append(run_case(n, dim=dim, optimizer=optimizer, batch=batch, steps=steps,
+                              warmup=warmup, seed=seed))
         print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
     for n in disk_sizes:
         with tempfile.TemporaryDirectory(dir=path, prefix="persimmon-scale-") as tmp:
-            cases.append(run_case(n, dim=dim, disk=tmp, ram_rows=ram_rows, batch=batch,
-                                  steps=steps, warmup=warmup, seed=seed))
+            cases.append(run_case(n, dim=dim, optimizer=optimizer, disk=tmp, ram_rows=ram_rows,
+                                  batch=batch, steps=steps, warmup=warmup, seed=seed))
         print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
-    result: dict[str, Any] = {"dim": dim, "batch": batch, "zipf_a": ZIPF_A, "steps": steps,
-                              "cases": cases}
+    result: dict[str, Any] = {"dim": dim, "optimizer": optimizer, "batch": batch,
+                              "zipf_a": ZIPF_A, "steps": steps, "cases": cases}
     ram = [c for c in cases if c["tier"] == "ram"]
     tiered = [c for c in cases if c["tier"] == "disk"]
     if ram:
@@ -140,8 +143,9 @@ def bench_scale(*, ram_sizes: list[int], disk_sizes: list[int], ram_rows: int = 
 
 
 def _print(result: dict[str, Any]) -> None:
-    print(f"scale: one table, dim {result['dim']}, Adagrad, Zipf({result['zipf_a']}) batches of "
-          f"{result['batch']:,} ids (unique), {result['steps']} steps")
+    print(f"scale: one table, dim {result['dim']}, {result['optimizer']}, "
+          f"Zipf({result['zipf_a']}) batches of {result['batch']:,} ids (unique), "
+          f"{result['steps']} steps")
     print(f"{'rows':>13} {'tier':>5} {'in RAM':>11} {'build s':>8} {'rows/s':>12} {'hit':>6} "
           f"{'RAM B/row':>10} {'disk B/row':>11}")
     for c in result["cases"]:
@@ -197,7 +201,8 @@ def _sizes(text: str) -> list[int]:
 
 def _main(args: argparse.Namespace) -> int:
     result = bench_scale(ram_sizes=args.ram_sizes, disk_sizes=args.disk_sizes,
-                         ram_rows=args.ram_rows, dim=args.dim, batch=args.batch,
+                         ram_rows=args.ram_rows, dim=args.dim, optimizer=args.optimizer,
+                         batch=args.batch,
                          steps=args.steps, warmup=args.warmup, path=args.path, seed=args.seed)
     _print(result)
     print(f"cost against rows: {save_plot(plot, result, args.plot, 'scale')}")
@@ -218,6 +223,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="storage.ram_rows of the tiered tables")
     parser.add_argument("--path", help="directory for the disk tier (default: the temp dir)")
     parser.add_argument("--dim", type=int_at_least(1), default=16)
+    parser.add_argument("--optimizer", default="adagrad", choices=[k.value for k in OptimizerKind],
+                        help="the table's optimizer (its state is part of the payload)")
     parser.add_argument("--batch", type=int_at_least(1), default=65_536, help="ids drawn per step")
     parser.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per case")
     parser.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed steps first")

@@ -38,12 +38,15 @@ def test_bench_scale_smoke(tmp_path, capsys):
     register_bench(parser.add_subparsers())
     args = parser.parse_args(["scale", "--ram-sizes", "3000", "--disk-sizes", "3000",
                               "--ram-rows", "300", "--batch", "256", "--steps", "2",
+                              "--optimizer", "rowwise_adagrad",
                               "--path", str(tmp_path), "--json", str(tmp_path / "s.json"),
                               "--plot", str(tmp_path / "s.png")])
     assert args.func(args) == 0
     r = json.loads((tmp_path / "s.json").read_text())
     ram, disk = r["cases"]
     assert (ram["tier"], disk["tier"]) == ("ram", "disk") and ram["hit_ratio"] == 1.0
+    assert r["optimizer"] == "rowwise_adagrad"
+    assert ram["payload_bytes_per_row"] == 16 * 4 + 4  # dim 16 fp32 row + one accumulator
     assert 0 < disk["hit_ratio"] < 1 and disk["disk_rows"] >= 3000 - 300 - 256
     assert disk["disk_bytes_per_row"] > 0 == ram["disk_bytes_per_row"]
     assert disk["ram_bytes_per_row"] < ram["ram_bytes_per_row"]
@@ -53,3 +56,5 @@ def test_bench_scale_smoke(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("persimmon-scale")] == []
     with pytest.raises(SystemExit):
         parser.parse_args(["scale", "--ram-sizes", "0"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["scale", "--optimizer", "adamw"])
