@@ -355,7 +355,8 @@ def nonfinite_rows(x, out):  # pragma: no cover - numba
     return bad
 
 
-def smallest_keys(k: int, primary: np.ndarray, secondary: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def smallest_keys(k: int, primary: np.ndarray, secondary: np.ndarray,
+                  ids: np.ndarray) -> np.ndarray:
     """Positions of the k smallest entries by integer (primary, secondary, id), in O(n) + ties
     (eviction's victims: LRU by (tick, uses), LFU by (uses, tick))."""
     if k >= primary.shape[0]:

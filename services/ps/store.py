@@ -3,7 +3,7 @@
 Layout: an :class:`~services.ps.hashtable.IdHashTable` maps id → slot; slot ``s`` owns
 ``rows[s]`` (storage dtype), the optimizer state rows ``state[name][s]`` and per-slot
 bookkeeping (id, live and dirty flags; last-use tick and time and use count only where
-eviction, TTL or the disk tier reads them: 24 bytes a row less without). Freed slots go on
+eviction, TTL or the disk tier reads them: 24 bytes a slot less without). Freed slots go on
 a free list; the arena and the index grow by doubling. Every public method works on whole
 batches (numpy and numba, no Python loop per id) and holds the table's lock, so the gRPC
 server may call it from worker threads.
