@@ -6,7 +6,7 @@ doubling past load factor 3/4. Every operation takes a whole batch of ids; the l
 numba with the GIL released. The same module holds the splitmix64 mixer that the
 counter-based initializer and admission draws are built on, and :func:`unique_inverse`,
 a hash-based ``np.unique(return_inverse=True)`` that keeps first-appearance order in O(n),
-and the per-slot batch kernels of the row arena (gather, sum, touch, eviction's k
+and the per-slot batch kernels of the row arena (gather, dedup, sum, touch, eviction's k
 smallest). Where a loop does real work per random row, the next rows are prefetched
 (``llvm.prefetch``): on this kind of machine that halves the time of hash probes and
 optimizer updates.
@@ -24,9 +24,9 @@ from numba.extending import intrinsic
 from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
 
-__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "gather_rows", "mix64",
+__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "dedup_slots", "gather_rows", "mix64",
            "mix64_int", "nonfinite_rows", "prefetch", "prefetch_row", "smallest_keys",
-           "sum_rows_at", "to_unit", "touch_slots", "unique_inverse"]
+           "sum_rows_by_slot", "to_unit", "touch_slots", "unique_inverse"]
 
 _S11 = np.uint64(11)
 _EMPTY = -1
@@ -333,12 +333,34 @@ def gather_rows(rows, slots, out):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def sum_rows_at(where, grads, out):  # pragma: no cover - numba
-    """out[where[i]] += grads[i] in request order."""
-    for i in range(where.shape[0]):
-        p = where[i]
-        for c in range(grads.shape[1]):
-            out[p, c] += grads[i, c]
+def dedup_slots(slots, mark, uslots, first):  # pragma: no cover - numba
+    """Unique slots >= 0 of ``slots`` in first-appearance order; ``mark[s]`` becomes the
+    position of slot s. Returns (count, whether any slot repeats)."""
+    k = 0
+    dups = False
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s < 0:
+            continue
+        if mark[s] < 0:
+            mark[s] = k
+            uslots[k] = s
+            first[k] = i
+            k += 1
+        else:
+            dups = True
+    return k, dups
+
+
+@njit(cache=True, nogil=True)
+def sum_rows_by_slot(slots, mark, grads, out):  # pragma: no cover - numba
+    """out[mark[slots[i]]] += grads[i] in request order (slots < 0 skipped)."""
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s >= 0:
+            p = mark[s]
+            for c in range(grads.shape[1]):
+                out[p, c] += grads[i, c]
 
 
 @njit(cache=True, nogil=True)

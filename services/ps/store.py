@@ -34,10 +34,11 @@ import numpy as np
 from services.ps.disk import DiskTier, record_dtype
 from services.ps.hashtable import (
     IdHashTable,
+    dedup_slots,
     gather_rows,
     nonfinite_rows,
     smallest_keys,
-    sum_rows_at,
+    sum_rows_by_slot,
     touch_slots,
     unique_inverse,
 )
@@ -60,7 +61,6 @@ from services.ps.tables import (
 
 __all__ = ["EmbeddingTable", "PushResult", "TableSnapshot", "warm_up"]
 
-_NO_SLOT = np.uint64(2**64 - 1)  # slot -1 viewed as uint64
 _COUNTERS = ("lookups", "pushes", "ids_looked_up", "ids_pushed", "misses", "evictions",
              "expired", "deleted", "dropped_nonfinite", "not_admitted", "promoted", "demoted")
 
@@ -99,6 +99,7 @@ class EmbeddingTable:
         self._ticks = _committed((used,), np.int64)
         self._uses = _committed((used,), np.int64)
         self._last_used = _committed((used,), np.float64)
+        self._mark = _committed((cap,), np.int32, -1)  # scratch of push: slot -> position
         self._free = np.empty(0, dtype=np.int64)  # stack of freed slots below _high
         self._high = 0  # slots >= _high were never used
         self._num_live = 0
@@ -229,18 +230,19 @@ class EmbeddingTable:
         return int(bad.sum()), int((mslots[good] < 0).sum())
 
     def _sum_by_slot(self, slots: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(unique slots >= 0 in first-appearance order, their summed gradients); no copy when
-        nothing repeats. The dedup hashes the batch's slots (no per-slot scratch array)."""
-        uniq, where = unique_inverse(slots.view(np.uint64))  # slot -1 reads as 2**64 - 1
-        valid = uniq != _NO_SLOT
-        if uniq.shape[0] == slots.shape[0]:  # nothing repeats
-            if valid.all():
-                return slots, grads
-            keep = slots >= 0
-            return slots[keep], grads[keep]
-        summed = np.zeros((uniq.shape[0], self.dim), dtype=np.float32)
-        sum_rows_at(where, grads, summed)
-        return uniq[valid].view(np.int64), summed[valid]
+        """(unique slots >= 0, their summed gradients); no copy when nothing repeats."""
+        n = slots.shape[0]
+        uslots = np.empty(n, dtype=np.int64)
+        first = np.empty(n, dtype=np.int64)
+        k, dups = dedup_slots(slots, self._mark, uslots, first)
+        uslots = uslots[:k]
+        if not dups:
+            summed = grads if k == n else grads[first[:k]]
+        else:
+            summed = np.zeros((k, self.dim), dtype=np.float32)
+            sum_rows_by_slot(slots, self._mark, grads, summed)
+        self._mark[uslots] = -1
+        return uslots, summed
 
     def _apply(self, slots: np.ndarray, grads: np.ndarray) -> None:
         opt = self.config.optimizer
@@ -334,6 +336,7 @@ class EmbeddingTable:
         self._state = {k: grown(v) for k, v in self._state.items()}
         for name in ("_slot_ids", "_live", "_dirty", *self._use_columns()):
             setattr(self, name, grown(getattr(self, name)))
+        self._mark = grown(self._mark, -1)
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
         """New rows (initial values, fresh state) for unique absent ids; returns their slots."""
@@ -559,7 +562,7 @@ class EmbeddingTable:
     def nbytes(self) -> int:
         """Bytes held in RAM: arena, optimizer state, bookkeeping, both tiers' indexes."""
         arrays = [self._rows, self._slot_ids, self._live, self._dirty, self._ticks, self._uses,
-                  self._last_used, *self._state.values()]
+                  self._last_used, self._mark, *self._state.values()]
         disk = 0 if self._disk is None else self._disk.nbytes_ram
         return int(sum(a.nbytes for a in arrays) + self._index.nbytes + self._pending.nbytes
                    + disk)
