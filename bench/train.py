@@ -257,9 +257,10 @@ def machine(device: str | None = None) -> dict[str, str]:
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f if ":" in line)
-        cpu = info.get("model name\t", cpu).strip()
-        flags = set(info.get("flags\t\t", "").split())
+            info = {k.strip(): v.strip() for k, v in
+                    (line.split(":", 1) for line in f if ":" in line)}
+        cpu = info.get("model name", cpu)
+        flags = set(info.get("flags", "").split())
     except OSError:
         pass
     vector = next((isa for isa in ("amx_tile", "avx512f", "avx2") if isa in flags), "")

@@ -183,8 +183,10 @@ class ChainHost(Protocol):
     """What the hot chain uses of its embedding pipeline."""
 
     rows: RowsClient
-    chain_rows: RowsClient | None
     path: EmbeddingPath
+
+    @property
+    def chain_client(self) -> RowsClient: ...
 
     async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None, *,
                      rows: RowsClient | None = None) -> Rows: ...
@@ -198,8 +200,8 @@ class HotChain:
     batch looks up on its own after it. Window 1 is synchronous. With a ``barrier`` (a wait
     for every worker) each acknowledged push waits at it, and no lookup rides on a push: with
     window 1 every worker's push of batch t is applied before any worker's lookup of t + 1.
-    Its requests go through the pipeline's ``chain_rows`` where it has one (a lane of their
-    own), else through its ``rows``."""
+    Its requests go through the pipeline's ``chain_client`` (a lane of their own where there
+    is one)."""
 
     def __init__(self, pipeline: ChainHost, groups: list[int], window: int,
                  barrier: Callable[[], Awaitable[Any]] | None = None) -> None:
@@ -230,17 +232,13 @@ class HotChain:
             plan, future = self._waiting.popleft()
             self._out += 1
             task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups,
-                                                              rows=self._rows()))
+                                                              rows=self.pipeline.chain_client))
             task.add_done_callback(functools.partial(settle, future))
-
-    def _rows(self) -> RowsClient:
-        lane = self.pipeline.chain_rows
-        return self.pipeline.rows if lane is None else lane
 
     async def push(self, plan: BatchPlan, grads: Rows) -> None:
         """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
         batch its rows, looked up in the same message."""
-        path, rows = self.pipeline.path, self._rows()
+        path, rows = self.pipeline.path, self.pipeline.chain_client
         following = self._waiting.popleft() if self._waiting and not self.barrier else None
         try:
             if following is None:

@@ -326,10 +326,15 @@ class EmbeddingPipeline:
                     split.rows(i, out[i], rows)
         return out
 
+    @property
+    def chain_client(self) -> RowsClient:
+        """The rows client of the hot chain: its lane where it has one, else ``rows``."""
+        return self.rows if self.chain_rows is None else self.chain_rows
+
     def clients(self) -> list[RowsClient]:
         """The rows clients the steps use: ``rows``, and the hot chain's lane if any."""
-        lane = self.chain_rows
-        return [self.rows] if lane is None or lane is self.rows else [self.rows, lane]
+        lane = self.chain_client
+        return [self.rows] if lane is self.rows else [self.rows, lane]
 
     def wire_bytes(self) -> dict[str, int]:
         """Bytes on the wire per stream, over :meth:`clients`."""
