@@ -15,7 +15,9 @@ run shard 1 is killed with SIGKILL mid-run, the supervisor restarts it from the 
   checkpoint, before the kill, that differ after recovery: what the restart from the
   checkpoint loses (all of them), 0 with ``--wal`` (the shards keep a write-ahead log and the
   supervisor restarts a dead one from it instead of ``--restore job``).
-- ``recovery_s``: from the kill to the first training step done after the shard came back.
+- ``recovery_s``: from the kill to the first training step done after the shard came back
+  (or, when every step after the kill had its rows already, to the end of the fit, whose
+  pushes waited for the shard).
 - ``auc_delta``: held-out AUC of the baseline minus that of the interrupted run (goal
   <= 0.005): the cost of the post-checkpoint updates the killed shard lost.
 """
@@ -113,6 +115,8 @@ async def _job(args: argparse.Namespace, train: list[Any], test: list[Any],
             await trainer.ps.push("probe", LATE_IDS, grads)
             late = await trainer.ps.lookup("probe", LATE_IDS)
             summary = await trainer.fit(train[cut:], eval_batches=test)
+            if "kill" in marks and "resumed" not in marks:  # the steps after the kill had
+                marks["resumed"] = time.monotonic()  # their rows: fit's pushes waited instead
             seconds = time.perf_counter() - started
             probe_after = await trainer.ps.lookup("probe", PROBE_IDS)
             late_after = await trainer.ps.lookup("probe", LATE_IDS)
