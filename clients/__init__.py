@@ -23,7 +23,15 @@ if TYPE_CHECKING:
     from clients.loader_client import LoaderClient, SyncLoaderClient
     from clients.ps_client import PSClient, PushAck, SyncPSClient
     from clients.ps_process import PSClientProcess
-    from clients.rows import DirectRows, ProcessCPU, PushCounts, RowsClient, RowsSnapshots
+    from clients.rows import (
+        DirectRows,
+        ProcessCPU,
+        PushCounts,
+        RowsClient,
+        RowsReplica,
+        RowsSnapshots,
+        StatefulRows,
+    )
 
 __all__ = [
     "AdminClient",
@@ -35,7 +43,9 @@ __all__ = [
     "PushAck",
     "PushCounts",
     "RowsClient",
+    "RowsReplica",
     "RowsSnapshots",
+    "StatefulRows",
     "SyncLoaderClient",
     "SyncPSClient",
 ]
@@ -43,7 +53,8 @@ __all__ = [
 _HOME = {
     "AdminClient": "admin_client", "DirectRows": "rows", "LoaderClient": "loader_client", "PSClient": "ps_client",
     "PSClientProcess": "ps_process", "ProcessCPU": "rows", "PushAck": "ps_client",
-    "PushCounts": "rows", "RowsClient": "rows", "RowsSnapshots": "rows",
+    "PushCounts": "rows", "RowsClient": "rows", "RowsReplica": "rows", "RowsSnapshots": "rows",
+    "StatefulRows": "rows",
     "SyncLoaderClient": "loader_client",
     "SyncPSClient": "ps_client",
 }

@@ -262,6 +262,22 @@ class PSClient:
             for k in range(layout.num_shards) if bounds[k + 1] > bounds[k])))
         return await self._rows_of(replies, layout)
 
+    async def lookup_state_sharded(self, layout: ShardedIds
+                                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """:meth:`lookup_sharded` with exact rows (no rows codec) and each row's optimizer
+        state by name, as the shards hold them: what a worker's replica starts from."""
+        bounds = layout.bounds
+        replies = await self._within(asyncio.gather(*(
+            self._shards[k].lookup.request(self._lookup_body(k, layout, with_state=True),
+                                           msg.LookupReply)
+            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k])))
+        state: dict[str, list[np.ndarray]] = {}
+        for reply in replies:
+            for name, arr in (reply.state or {}).items():
+                state.setdefault(name, []).append(self._received("rows_down", arr))
+        return await self._rows_of(replies, layout), {k: np.concatenate(v)
+                                                      for k, v in state.items()}
+
     async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushAck:
         """Gradients ``(len(layout.ids), dim)`` of a layout's ids: one Push message per shard
         (error feedback per id as in :meth:`push_unique`)."""
@@ -301,12 +317,14 @@ class PSClient:
                 rows.append(reply)
         return _sum_acks(acks), await self._rows_of(rows, then)
 
-    def _lookup_body(self, k: int, layout: ShardedIds, read_only: bool = False
-                     ) -> msg.LookupRequest:
+    def _lookup_body(self, k: int, layout: ShardedIds, read_only: bool = False, *,
+                     with_state: bool = False) -> msg.LookupRequest:
         lo, hi = layout.bounds[k], layout.bounds[k + 1]
         return msg.LookupRequest(tables=list(layout.tables), counts=layout.counts[k].tolist(),
-                             ids=raw_array(layout.ids[lo:hi]), codec=self.rows_codec,
-                             tag=_tag(layout), read_only=True if read_only else None)
+                                 ids=raw_array(layout.ids[lo:hi]),
+                                 codec="none" if with_state else self.rows_codec,
+                                 tag=_tag(layout), read_only=True if read_only else None,
+                                 with_state=True if with_state else None)
 
     def _push_body(self, k: int, layout: ShardedIds, grads: np.ndarray) -> msg.PushRequest:
         lo, hi = int(layout.bounds[k]), int(layout.bounds[k + 1])

@@ -4,7 +4,7 @@ A trainer's process runs its dense compute in a thread; the PS traffic of every 
 msgpack, codecs) would otherwise run on the same interpreter and take the GIL from compute.
 :class:`PSClientProcess` starts a child process that holds a real :class:`PSClient` and serves
 the step's three calls (``lookup_sharded``, ``push_sharded``, ``push_then_lookup``),
-``report_loss`` (the adaquant grads codec's s) and ``tables`` over a socket pair: each request
+``lookup_state_sharded`` (a replica's seed rows), ``report_loss`` (the adaquant grads codec's s) and ``tables`` over a socket pair: each request
 is one length-prefixed pickle (protocol 5; arrays travel as raw buffers), answered in any order by request id, many in flight. Errors come back as the
 Persimmon error the child raised. The child's byte counters come back with every answer, so
 ``wire_bytes()`` and ``codec_stats`` read as a :class:`PSClient`'s: it is a
@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
 # PSClient's step calls, and its table configs
-_SERVED = ("lookup_sharded", "push_sharded", "push_then_lookup", "pooled_lookup", "pooled_push",
-           "tables", "report_loss")
+_SERVED = ("lookup_sharded", "lookup_state_sharded", "push_sharded", "push_then_lookup",
+           "pooled_lookup", "pooled_push", "tables", "report_loss")
 _START_TIMEOUT_S = 120.0  # a spawned interpreter imports numpy, numba and grpc first
 
 
@@ -223,6 +223,11 @@ class PSClientProcess:
     async def lookup_sharded(self, layout: ShardedIds) -> np.ndarray:
         """:meth:`PSClient.lookup_sharded`, in the child."""
         return await self._call("lookup_sharded", layout)
+
+    async def lookup_state_sharded(self, layout: ShardedIds
+                                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """:meth:`PSClient.lookup_state_sharded`, in the child."""
+        return await self._call("lookup_state_sharded", layout)  # type: ignore[no-any-return]
 
     async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushAck:
         """:meth:`PSClient.push_sharded`, in the child."""

@@ -25,7 +25,8 @@ import numpy as np
 from services.common.codecs import WireStats
 from services.common.sharding import ShardedIds
 
-__all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsClient", "RowsSnapshots"]
+__all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsClient", "RowsReplica",
+           "RowsSnapshots", "StatefulRows"]
 
 
 class PushCounts(Protocol):
@@ -131,6 +132,33 @@ class DirectRows(Protocol):
 
     def push_now(self, layout: ShardedIds, grads: np.ndarray) -> PushCounts:
         """:meth:`RowsClient.push_sharded`, applied before it returns, in the calling thread."""
+        ...
+
+
+@runtime_checkable
+class StatefulRows(Protocol):
+    """A rows client that also reads the rows' optimizer state, exactly: what a worker's
+    replica of its head rows starts from (:mod:`services.worker.replica`)."""
+
+    async def lookup_state_sharded(self, layout: ShardedIds
+                                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """:meth:`RowsClient.lookup_sharded` (rows created as it does, never compressed) and
+        each row's optimizer state by name, aligned with ``layout.ids``."""
+        ...
+
+
+@runtime_checkable
+class RowsReplica(DirectRows, Protocol):
+    """A copy, in this process, of remote rows that one worker alone writes (its head ids and
+    hot tables): served from any thread as :class:`DirectRows` once :meth:`seed` copied them
+    (``services.ps.replica.HeadReplica``, injected by the code that builds the worker)."""
+
+    async def seed(self, source: StatefulRows, layout: ShardedIds) -> int:
+        """Copy the rows of ``layout``'s ids not held yet from ``source``; how many."""
+        ...
+
+    def clear(self) -> None:
+        """Forget every row."""
         ...
 
 

@@ -13,7 +13,8 @@ Protocol 2 (``A`` = array ``{dtype, shape, codec, meta, data}``; ``?`` = optiona
 
     persimmon.PS (streams: every frame also carries ``rid``; a failed request is answered
     {rid, error: {error, code, message}} and the stream goes on)
-      Lookup          {tables, counts, ids: A uint64, codec}      → {rows: A (len(ids), dim)}
+      Lookup          {tables, counts, ids: A uint64, codec,      → {rows: A (len(ids), dim),
+                       read_only?, with_state?}                      state?: {name: A}}
       Push            {client, seq, tables, counts, ids: A uint64, → {applied, dropped_nonfinite,
                        grads: [A (len(ids), dim)] | [A per table]}    not_admitted}
       PushThenLookup  {push: Push request, lookup: Lookup request} → {push: Push reply,
@@ -311,6 +312,7 @@ class LookupRequest(Message):
     codec: str = "none"
     tag: list[int] | None = field(default=None, metadata={"max_items": 3})
     read_only: bool | None = None  # left off the wire unless asked
+    with_state: bool | None = None  # the rows' optimizer state too (a worker's replica)
 
     def __post_init__(self) -> None:
         _check_parts(self.tables, self.counts, self.ids, "LookupRequest")
@@ -319,9 +321,11 @@ class LookupRequest(Message):
 
 @dataclass(kw_only=True, slots=True)
 class LookupReply(Message):
-    """Rows ``(len(ids), dim)`` in request order."""
+    """Rows ``(len(ids), dim)`` in request order; with ``with_state``, each optimizer state
+    array by name (``(len(ids), ...)``, request order, exact)."""
 
     rows: WireArray
+    state: dict[str, WireArray] | None = None
 
 
 @dataclass(kw_only=True, slots=True)

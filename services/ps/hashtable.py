@@ -14,6 +14,8 @@ optimizer updates.
 
 from __future__ import annotations
 
+from typing import Any
+
 import llvmlite.binding
 import numpy as np
 from llvmlite import ir
@@ -24,8 +26,8 @@ from numba.extending import intrinsic
 from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
 
-__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "dedup_slots", "gather_rows", "mix64",
-           "mix64_int", "nonfinite_rows", "prefetch", "prefetch_row", "smallest_keys",
+__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "committed", "dedup_slots", "gather_rows",
+           "mix64", "mix64_int", "nonfinite_rows", "prefetch", "prefetch_row", "smallest_keys",
            "sum_rows_by_slot", "to_unit", "touch_slots", "unique_inverse"]
 
 _S11 = np.uint64(11)
@@ -310,6 +312,14 @@ class IdHashTable:
 
 
 # ---- batch kernels of the row arena (slots are int64, -1 = no row) ----------------------------
+
+
+def committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
+    """An array whose memory is written now (``np.zeros`` would defer the page faults to the
+    first batches that touch it): an arena preallocated for real."""
+    a = np.empty(shape, dtype=dtype)
+    a.fill(fill)
+    return a
 
 
 @njit(cache=True, nogil=True)

@@ -2,7 +2,7 @@
 
 :class:`InProcessShards` holds ``num_shards`` :class:`Shard` objects built from table configs
 and serves a worker's step calls (``lookup_sharded``, ``push_sharded``, ``push_then_lookup``,
-``tables``) on them directly: a layout's share for shard ``k`` (the ids
+``lookup_state_sharded``, ``tables``) on them directly: a layout's share for shard ``k`` (the ids
 :func:`services.common.sharding.shard_of` gives ``k``, as on the gRPC path) goes to shard
 ``k``'s multi-table calls, which validate before they apply, as the gRPC servicer does (with
 the layouts' step tags, :mod:`services.ps.staleness`). It is a ``clients.rows.RowsClient`` by
@@ -205,6 +205,20 @@ class InProcessShards:
                 self.shards[k].lookup_many(layout.tables, layout.counts[k].tolist(), ids)
                 for k, ids in self._shares(layout)))
         return _rows(parts, dim)
+
+    async def lookup_state_sharded(self, layout: ShardedIds
+                                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """:meth:`lookup_sharded` with each row's optimizer state by name (a replica's seed)."""
+        dim = self._check_layout(layout)
+        states: list[dict[str, np.ndarray]] = []
+        parts = []
+        with step_tags(lookup=layout.tag):
+            for k, ids in self._shares(layout):
+                states.append({})
+                parts.append(await self.shards[k].lookup_many(
+                    layout.tables, layout.counts[k].tolist(), ids, state=states[-1]))
+        return _rows(parts, dim), ({k: np.concatenate([s[k] for s in states])
+                                    for k in states[0]} if states else {})
 
     async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushResult:
         """Apply ``grads`` (``(len(layout.ids), dim)``) on every shard (after the gate)."""

@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from services.common.codecs import Codec, decode_array, encode_array, get_codec
+from services.common.codecs import Codec, decode_array, encode_array, get_codec, raw_array
 from services.common.config import config_to_dict
-from services.common.errors import PersimmonError, error_to_wire
+from services.common.errors import InvalidArgument, PersimmonError, error_to_wire
 from services.common.messages import (
     LookupReply,
     LookupRequest,
@@ -123,11 +123,13 @@ class PSServicer:
 
     async def _lookup(self, req: LookupRequest, codecs: dict[str, Codec]) -> LookupReply:
         codec = _codec(req.codec, codecs)
+        state: dict[str, np.ndarray] | None = {} if req.with_state else None
         with step_tags(lookup=_tag(req.tag)):
             rows = await self.shard.lookup_many(req.tables, req.counts,
                                                 decode_array(req.ids, "ids"),
-                                                read_only=bool(req.read_only))
-        return LookupReply(rows=encode_array(rows, codec))
+                                                read_only=bool(req.read_only), state=state)
+        return LookupReply(rows=encode_array(rows, codec), state=None if state is None else
+                           {k: raw_array(v) for k, v in state.items()})
 
     async def _push(self, req: PushRequest, codecs: dict[str, Codec]) -> PushReply:
         with step_tags(push=_tag(req.tag)):
@@ -137,6 +139,9 @@ class PSServicer:
     async def _push_then_lookup(self, req: PushThenLookupRequest, codecs: dict[str, Codec]
                                 ) -> PushThenLookupReply:
         ask = req.lookup
+        if ask.with_state:
+            raise InvalidArgument("the lookup of a PushThenLookup reads rows only: look the "
+                                  "optimizer state up with Lookup")
         codec = _codec(ask.codec, codecs)
         with step_tags(push=_tag(req.push.tag), lookup=_tag(ask.tag)):
             result, rows = await self.shard.push_then_lookup(

@@ -54,6 +54,8 @@ from services.ps.checkpoint import (
 )
 from services.ps.config import PSConfig
 from services.ps.dedup import PushOrigin, PushWindow, fingerprint
+from services.ps.optimizers import state_layout
+from services.ps.pooled import check_lengths, segment_sum
 from services.ps.staleness import GlobalStaleness
 from services.ps.store import EmbeddingTable, PushResult, warm_up
 from services.ps.tables import OptimizerConfig, TableConfig
@@ -298,15 +300,24 @@ class Shard:
                  zip(tables, bounds[:-1], bounds[1:], strict=True)], dims[tables[0]])
 
     def lookup_many_sync(self, tables: Sequence[str], counts: Sequence[int],
-                         ids: np.ndarray, *, read_only: bool = False) -> np.ndarray:
+                         ids: np.ndarray, *, read_only: bool = False,
+                         state: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """Rows ``(len(ids), dim)`` of several tables' ids, in request order. ``read_only``:
-        change nothing (no row created or marked used; see :meth:`EmbeddingTable.peek`)."""
-        return self._lookup_slices(*self._table_slices(tables, counts, ids), ids.size,
-                                   read_only=read_only)
+        change nothing (no row created or marked used; see :meth:`EmbeddingTable.peek`).
+        ``state`` is filled with the rows' optimizer state by name, read with them (tables of
+        one state layout only): what a worker's replica of the rows starts from."""
+        parts, dim = self._table_slices(tables, counts, ids)
+        if state is not None and len({repr(state_layout(self.table(t).config.optimizer, dim))
+                                      for t in tables}) > 1:
+            raise InvalidArgument(f"the tables {list(tables)} keep optimizer states of "
+                                  "different layouts: look their state up apart")
+        return self._lookup_slices(parts, dim, ids.size, read_only=read_only, state=state)
 
-    def _lookup_slices(self, parts: list[tuple[str, np.ndarray]], dim: int,
-                       num_ids: int, *, read_only: bool = False) -> np.ndarray:
+    def _lookup_slices(self, parts: list[tuple[str, np.ndarray]], dim: int, num_ids: int, *,
+                       read_only: bool = False, state: dict[str, np.ndarray] | None = None
+                       ) -> np.ndarray:
         out = np.empty((num_ids, dim), dtype=np.float32)
+        states: list[dict[str, np.ndarray]] = []
         start = 0
         for name, part in parts:
             with self._locked(name) as table:
@@ -315,7 +326,11 @@ class Shard:
                 else:
                     out[start:start + part.size] = table.lookup(part)
                     self.staleness.looked_up(name)
+                if state is not None:
+                    states.append(table.state_of(part))
             start += part.size
+        if state is not None and states:
+            state.update({k: np.concatenate([s[k] for s in states]) for k in states[0]})
         return out
 
     def push_many_sync(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
@@ -360,9 +375,10 @@ class Shard:
                                  push, lookup, push=True)
 
     async def lookup_many(self, tables: Sequence[str], counts: Sequence[int],
-                          ids: np.ndarray, *, read_only: bool = False) -> np.ndarray:
+                          ids: np.ndarray, *, read_only: bool = False,
+                          state: dict[str, np.ndarray] | None = None) -> np.ndarray:
         return await self._serve(tables, np.size(ids), functools.partial(
-            self.lookup_many_sync, read_only=read_only), tables, counts, ids)
+            self.lookup_many_sync, read_only=read_only, state=state), tables, counts, ids)
 
     async def push_many(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
                         grads: np.ndarray | Sequence[np.ndarray], *,
@@ -373,26 +389,11 @@ class Shard:
 
     # DES-style partial pooling: the shard pools the rows it owns, per sample.
 
-    def check_lengths(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Per-sample id counts: a 1-d array of non-negative integers adding up to ``ids.size``."""
-        if not isinstance(lengths, np.ndarray) or lengths.ndim != 1 \
-                or lengths.dtype.kind not in "iu":
-            raise InvalidArgument("lengths must be a 1-d integer array (ids per sample)")
-        if lengths.size > self.config.max_ids_per_request:
-            raise InvalidArgument(f"{lengths.size} samples exceed the limit of "
-                                  f"{self.config.max_ids_per_request} per request")
-        if lengths.size and int(lengths.min()) < 0:
-            raise InvalidArgument("lengths must be >= 0")
-        total = int(lengths.sum(dtype=np.int64))
-        if total != ids.size:
-            raise InvalidArgument(f"lengths add up to {total} but there are {ids.size} ids")
-        return lengths.astype(np.int64, copy=False)
-
     def pooled_lookup_sync(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Per-sample sums of the rows of ``ids`` (sample ``b`` owns the next ``lengths[b]``
         ids): ``(len(lengths), dim)`` float32, zeros for a sample with none here."""
         self.table(name).validate_lookup(self.check_ids(ids))
-        lengths = self.check_lengths(ids, lengths)
+        lengths = check_lengths(ids, lengths, self.config.max_ids_per_request)
         with self._locked(name) as table:
             rows = table.lookup(ids)
         return segment_sum(rows, lengths)
@@ -404,7 +405,8 @@ class Shard:
         backward, done here (at most once per ``origin``)."""
         def check() -> Checked:
             table = self.table(name)
-            counts = self.check_lengths(self.check_ids(ids), lengths)
+            counts = check_lengths(self.check_ids(ids), lengths,
+                                   self.config.max_ids_per_request)
             if not isinstance(grads, np.ndarray) or grads.ndim != 2 \
                     or grads.shape[0] != counts.size:
                 raise InvalidArgument(f"pooled grads must be (samples, dim) = ({counts.size}, "
@@ -586,12 +588,3 @@ class Shard:
         if self.wal is not None:
             self.wal.close()
 
-
-def segment_sum(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Sums of consecutive runs of ``rows``, run ``b`` of ``lengths[b]`` rows (0 rows: zeros)."""
-    out = np.zeros((lengths.size, rows.shape[1]), dtype=np.float32)
-    nonempty = lengths > 0
-    if rows.shape[0]:
-        starts = np.cumsum(lengths) - lengths
-        out[nonempty] = np.add.reduceat(rows, starts[nonempty], axis=0)
-    return out

@@ -1,23 +1,22 @@
 """The in-memory embedding table of one PS shard: hash index + row arena + optimizer state.
 
-Layout: an :class:`~services.ps.hashtable.IdHashTable` maps id → slot; slot ``s`` owns
-``rows[s]`` (storage dtype), the optimizer state rows ``state[name][s]`` and per-slot
-bookkeeping (id, live and dirty flags; last-use tick and time and use count only where
-eviction, TTL or the disk tier reads them: 24 bytes a slot less without). Freed slots go on
-a free list; the arena and the index grow by doubling. Every public method works on whole
-batches (numpy and numba, no Python loop per id) and holds the table's lock, so the gRPC
-server may call it from worker threads.
+Layout: an :class:`~services.ps.hashtable.IdHashTable` maps id → slot; slot ``s`` owns ``rows[s]``
+(storage dtype), the optimizer state rows ``state[name][s]`` and per-slot bookkeeping (id, live and
+dirty flags; last-use tick and time and use count only where eviction, TTL or the disk tier reads
+them: 24 bytes a slot less without). Freed slots go on a free list; the arena and the index grow by
+doubling. Every public method works on whole batches (numpy and numba, no Python loop per id) and
+holds the table's lock, so the gRPC server may call it from worker threads.
 
 Row life cycle: a row is created on first sight (lookup or push) once admitted, with the
 deterministic :func:`~services.ps.tables.initial_rows`; it is dropped by eviction (when
 ``max_rows`` is reached, LRU or LFU, never an id of the batch being served), by TTL
-(:meth:`EmbeddingTable.expire`) or by :meth:`EmbeddingTable.delete`, leaving a tombstone for
-the next snapshot. An id without a row always reads as its initial row.
+(:meth:`EmbeddingTable.expire`) or by :meth:`EmbeddingTable.delete`, leaving a tombstone for the
+next snapshot. An id without a row always reads as its initial row.
 
-Disk tier (``storage.tier: disk``): past ``storage.ram_rows``, the least recently used rows
-move with their state and bookkeeping to a :class:`~services.ps.disk.DiskTier` (after each
-batch, down to 7/8 of ``ram_rows``) and move back when touched, so every update runs on the
-RAM arena, bit-identically. Eviction, TTL, deletes, snapshots and restores see both tiers.
+Disk tier (``storage.tier: disk``): past ``storage.ram_rows``, the least recently used rows move
+with their state and bookkeeping to a :class:`~services.ps.disk.DiskTier` (after each batch, down
+to 7/8 of ``ram_rows``) and move back when touched, so every update runs on the RAM arena,
+bit-identically. Eviction, TTL, deletes, snapshots and restores see both tiers.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import numpy as np
 from services.ps.disk import DiskTier, record_dtype
 from services.ps.hashtable import (
     IdHashTable,
+    committed,
     dedup_slots,
     gather_rows,
     nonfinite_rows,
@@ -65,14 +65,6 @@ _COUNTERS = ("lookups", "pushes", "ids_looked_up", "ids_pushed", "misses", "evic
              "expired", "deleted", "dropped_nonfinite", "not_admitted", "promoted", "demoted")
 
 
-def _committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
-    """An array whose memory is written now (``np.zeros`` would defer the page faults to the
-    first batches that touch it): the arena is preallocated for real."""
-    a = np.empty(shape, dtype=dtype)
-    a.fill(fill)
-    return a
-
-
 class EmbeddingTable:
     """One embedding table held in memory, with its optimizer, admission and eviction."""
 
@@ -86,20 +78,20 @@ class EmbeddingTable:
         cap = int(config.initial_capacity)
         self._index = IdHashTable(cap)
         self._pending = IdHashTable(64)  # sightings of ids not admitted yet
-        self._rows = _committed((cap, self.dim), self._dtype)
-        self._state = {name: _committed((cap, *shape), dt)
+        self._rows = committed((cap, self.dim), self._dtype)
+        self._state = {name: committed((cap, *shape), dt)
                        for name, (shape, dt) in state_layout(config.optimizer, self.dim).items()}
-        self._slot_ids = _committed((cap,), np.uint64)
-        self._live = _committed((cap,), bool)
-        self._dirty = _committed((cap,), bool)
+        self._slot_ids = committed((cap,), np.uint64)
+        self._live = committed((cap,), bool)
+        self._dirty = committed((cap,), bool)
         # last-use tick and time, use count: read by eviction, TTL and the disk tier only
         self._tracks_use = (config.max_rows is not None or config.ttl_s is not None
                             or config.storage.tier is StorageTier.DISK)
         used = cap if self._tracks_use else 0
-        self._ticks = _committed((used,), np.int64)
-        self._uses = _committed((used,), np.int64)
-        self._last_used = _committed((used,), np.float64)
-        self._mark = _committed((cap,), np.int32, -1)  # scratch of push: slot -> position
+        self._ticks = committed((used,), np.int64)
+        self._uses = committed((used,), np.int64)
+        self._last_used = committed((used,), np.float64)
+        self._mark = committed((cap,), np.int32, -1)  # scratch of push: slot -> position
         self._free = np.empty(0, dtype=np.int64)  # stack of freed slots below _high
         self._high = 0  # slots >= _high were never used
         self._num_live = 0
@@ -139,12 +131,33 @@ class EmbeddingTable:
         with self._lock:
             slots = self._index.find(ids)
             rows, present = self._gather(ids, slots), slots >= 0
-            if self._disk is not None and not present.all():  # a row is in one tier only
-                cold = np.flatnonzero(~present)
-                rec, found = self._disk.read(ids[cold])
-                rows[cold[found]] = rec["row"][found].astype(np.float32)
-                present[cold[found]] = True
+            self._read_cold(ids, present, {"row": rows})
             return rows, present
+
+    def state_of(self, ids: Any) -> dict[str, np.ndarray]:
+        """The optimizer state of ``ids`` by name (request order; a new row's where absent),
+        exactly as stored: what a worker's replica of the rows starts from. Changes nothing."""
+        ids = self.validate_lookup(ids)
+        out = {k: np.empty((ids.shape[0], *shape), dt) for k, (shape, dt)
+               in state_layout(self.config.optimizer, self.dim).items()}
+        with self._lock:
+            slots = self._index.find(ids)
+            present = slots >= 0
+            for k, arr in out.items():
+                arr[present] = self._state[k][slots[present]]
+            self._read_cold(ids, present, {f"state:{k}": arr for k, arr in out.items()})
+        absent = np.flatnonzero(~present)
+        init_state(self.config.optimizer, out, absent, initial_rows(self.config, ids[absent]))
+        return out
+
+    def _read_cold(self, ids: np.ndarray, present: np.ndarray, out: dict[str, Any]) -> None:
+        """Fill ``out`` (disk field -> array) from the disk tier where not ``present``."""
+        if self._disk is not None and not present.all():
+            cold = np.flatnonzero(~present)
+            rec, found = self._disk.read(ids[cold])
+            for name, arr in out.items():
+                arr[cold[found]] = rec[name][found]
+            present[cold[found]] = True
 
     def ids(self) -> np.ndarray:
         """Every id that has a row, sorted."""
@@ -328,7 +341,7 @@ class EmbeddingTable:
             cap *= 2
 
         def grown(a: np.ndarray, fill: int = 0) -> np.ndarray:
-            b = _committed((cap, *a.shape[1:]), a.dtype, fill)
+            b = committed((cap, *a.shape[1:]), a.dtype, fill)
             b[:a.shape[0]] = a
             return b
 
@@ -551,12 +564,10 @@ class EmbeddingTable:
         """sha256 of every live id with its stored row and optimizer state (order-free)."""
         with self._lock:
             cols = self._all_rows(dirty_only=False)
-            h = hashlib.sha256()
-            h.update(cols["id"].tobytes())
+            h = hashlib.sha256(cols["id"].tobytes())
             h.update(np.ascontiguousarray(cols["row"]).tobytes())
             for key in sorted(self._state):
-                h.update(key.encode())
-                h.update(np.ascontiguousarray(cols[f"state:{key}"]).tobytes())
+                h.update(key.encode() + np.ascontiguousarray(cols[f"state:{key}"]).tobytes())
             return h.hexdigest()
 
     def nbytes(self) -> int:
@@ -570,16 +581,12 @@ class EmbeddingTable:
     def stats(self) -> dict[str, Any]:
         """Counters and sizes of this table (a JSON-ready dict)."""
         with self._lock:
-            return {
-                "name": self.config.name,
-                "rows": self._num_live,
-                "capacity": int(self._rows.shape[0]),
-                "bytes": self.nbytes(),
-                "disk_rows": 0 if self._disk is None else len(self._disk),
-                "disk_bytes": 0 if self._disk is None else self._disk.nbytes_disk,
-                "pending_admission": len(self._pending),
-                **self._counters,
-            }
+            disk = self._disk
+            return {"name": self.config.name, "rows": self._num_live,
+                    "capacity": int(self._rows.shape[0]), "bytes": self.nbytes(),
+                    "disk_rows": 0 if disk is None else len(disk),
+                    "disk_bytes": 0 if disk is None else disk.nbytes_disk,
+                    "pending_admission": len(self._pending), **self._counters}
 
 
 def warm_up(config: TableConfig) -> None:

@@ -120,10 +120,12 @@ class SplitBatch:
 class HeadIds:
     """Which ids of the windowed groups are head ids (see the module doc): the ids seen at
     least ``rate`` times per batch on average over the last ``memory`` batches (at most),
-    decided after batches 1, 2, 4, ... up to ``memory`` and then every ``every`` batches."""
+    decided after batches 1, 2, 4, ... up to ``memory`` and then every ``every`` batches.
+    ``sticky``: a head id stays one for the rest of the run (a replica of the head rows then
+    never holds a row that the PS has since updated)."""
 
     def __init__(self, groups: Sequence[int], rate: float, memory: int = 16,
-                 every: int = 64) -> None:
+                 every: int = 64, *, sticky: bool = False) -> None:
         if not rate > 0:
             raise ConfigError(f"head rate must be > 0, got {rate!r}")
         if memory < 1 or every < 1:
@@ -134,6 +136,7 @@ class HeadIds:
         self._seen: dict[int, collections.deque[tuple[np.ndarray, np.ndarray]]] = {
             i: collections.deque(maxlen=memory) for i in self.groups}
         self._head: dict[int, np.ndarray] = {}  # per group: a hash set of its head keys
+        self._sticky: dict[int, np.ndarray] | None = {} if sticky else None  # every head key
         self._count_now = 0
         self._batches = 0
 
@@ -168,6 +171,9 @@ class HeadIds:
         n = self._batches
         if n & (n - 1) == 0 and n <= self.memory or n % self.every == 0:
             heads = {i: self._decide(seen) for i, seen in self._seen.items()}
+            if self._sticky is not None:
+                heads = {i: np.union1d(h, self._sticky.get(i, h[:0])) for i, h in heads.items()}
+                self._sticky = heads
             self._count_now = sum(h.size for h in heads.values())
             self._head = {i: _hash_set(h) for i, h in heads.items() if h.size}
 

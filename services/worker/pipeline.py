@@ -65,11 +65,11 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
-from clients.rows import DirectRows, RowsClient
+from clients.rows import DirectRows, RowsClient, RowsReplica, StatefulRows
 from services.common.batch import Batch
 from services.common.codecs import WireStats
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
@@ -207,6 +207,10 @@ class EmbeddingPipeline:
         self._chain: HotChain | None = None
         self._direct_hot: list[int] = []  # hot groups the compute thread reads and updates
         self._direct_rows: DirectRows | None = None  # the rows client they are read from
+        # where the rows are remote and this is the only worker: a copy of the hot groups' and
+        # head ids' rows here (injected by the code that builds the worker), see plan()
+        self.replica: RowsReplica | None = None
+        self._replicated = False  # decided at the first plan
         self._head_rate = head_rate if window != 1 else None
         self.heads: HeadIds | None = None  # the windowed groups' head ids, once decided
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
@@ -279,12 +283,17 @@ class EmbeddingPipeline:
                 self._groups = self._table_groups(self.hot_tables)
                 hot = [i for i, g in enumerate(self._groups) if g[0] in self.hot_tables]
             self._windowed = [i for i in range(len(self._groups)) if i not in hot]
-            direct = self.rows if (isinstance(self.rows, DirectRows) and self.rows.direct
-                                   and isinstance(self.path, RowsPath)) else None
+            direct: DirectRows | None = self.rows if (
+                isinstance(self.rows, DirectRows) and self.rows.direct
+                and isinstance(self.path, RowsPath)) else None
+            if direct is None and self._hot_window == 1 and self.workers == 1 \
+                    and self.replica is not None and isinstance(self.path, RowsPath) \
+                    and isinstance(self.rows, StatefulRows):
+                direct, self._replicated = self.replica, True
             if hot and self._hot_window == 1 and direct is not None:
                 self._direct_hot, self._direct_rows, hot = hot, direct, []
             if self._head_rate and self._windowed and isinstance(self.path, RowsPath):
-                self.heads = HeadIds(self._windowed, self._head_rate)
+                self.heads = HeadIds(self._windowed, self._head_rate, sticky=self._replicated)
                 if direct is not None:
                     self._direct_rows = direct
                 else:  # the head ids ride the hot chain
@@ -389,6 +398,8 @@ class EmbeddingPipeline:
         self._acknowledge = acknowledge
         if self._chain is not None:
             self._chain.reset()
+        if self._replicated and self.replica is not None:
+            self.replica.clear()  # the PS's rows may have changed between runs
 
     async def feed(self, batches: Batches, put: Callable[[Prepared | None], Awaitable[Any]],
                    fail: Callable[[BaseException], Any], *, steps: int | None = None,
@@ -415,16 +426,17 @@ class EmbeddingPipeline:
                     first = None
                 split = self.heads.split(plan) if self.heads is not None else None
                 wire = split.remote if split is not None else plan  # what the window sends
+                seeds = self._seeds(plan, split) if self._replicated else []
                 hot = (self._chain.request(split.head if split is not None else plan)
                        if self._chain is not None else None)
                 if slots is not None and slots.locked():  # ride on the push that frees one
                     rider = _Rider(wire, asyncio.get_running_loop().create_future())
                     self._riders.append(rider)
-                    looked_up = asyncio.create_task(self._ride(rider))
+                    looked_up = asyncio.create_task(self._ride(rider, seeds))
                 else:
                     if slots is not None:
                         await slots.acquire()
-                    looked_up = asyncio.create_task(self._look_up(wire, self._unacked))
+                    looked_up = asyncio.create_task(self._look_up(wire, self._unacked, seeds))
                     self._unacked += 1
                 await ahead.put(_Ahead(batch, plan, looked_up, hot, split))
                 taken += 1
@@ -450,16 +462,32 @@ class EmbeddingPipeline:
         plan.groups[:] = [replace(g, layout=replace(g.layout, tag=tag)) for g in plan.groups]
         return plan
 
-    async def _look_up(self, plan: BatchPlan, staleness: int) -> tuple[Rows, int]:
-        return await self.lookup(plan, self._windowed), staleness
+    async def _look_up(self, plan: BatchPlan, staleness: int, seeds: list[ShardedIds]
+                       ) -> tuple[Rows, int]:
+        """The windowed groups' rows (the replica copies ``seeds`` meanwhile)."""
+        done = await asyncio.gather(self.lookup(plan, self._windowed), *self._seed(seeds))
+        return cast(Rows, done[0]), staleness
 
-    async def _ride(self, rider: _Rider) -> tuple[Rows, int]:
+    async def _ride(self, rider: _Rider, seeds: list[ShardedIds]) -> tuple[Rows, int]:
         """A rider's rows: from the push it rode on, or its own lookup when it was handed the
-        slot only (it came after that push had left)."""
+        slot only (it came after that push had left); the replica copies ``seeds`` once the
+        rider has its slot."""
         rows, staleness = await rider.future
-        if rows is None:
-            rows = await self.lookup(rider.plan, self._windowed)
-        return rows, staleness
+        looking = [self.lookup(rider.plan, self._windowed)] if rows is None else []
+        done = await asyncio.gather(*looking, *self._seed(seeds))
+        return cast(Rows, done[0]) if rows is None else rows, staleness
+
+    def _seeds(self, plan: BatchPlan, split: SplitBatch | None) -> list[ShardedIds]:
+        """The layouts whose rows the replica must hold before the batch's step: its hot
+        groups' and its head ids'."""
+        heads = [] if split is None else [split.head.groups[i].layout
+                                          for i, (at, _) in split.groups.items() if at.size]
+        return [plan.groups[i].layout for i in self._direct_hot] + heads
+
+    def _seed(self, seeds: list[ShardedIds]) -> list[Awaitable[int]]:
+        assert self.replica is not None or not seeds
+        rows = cast(StatefulRows, self.rows)
+        return [self.replica.seed(rows, layout) for layout in seeds if self.replica]
 
     async def _hand_over(self, ahead: asyncio.Queue[_Ahead | None],
                          put: Callable[[Prepared | None], Awaitable[Any]],
@@ -516,15 +544,18 @@ class EmbeddingPipeline:
                                           else self._chain.push(item.split.head,
                                                                 item.split.head_grads(grads)))
                     if self._chain is not None else None)
-        plan, sent = ((item.plan, grads) if item.split is None else
+        plan, sent = ((item.plan, grads) if item.split is None or self._replicated else
                       (item.split.remote, item.split.remote_grads(grads)))  # heads: applied
+        also = [self.path.push(self.rows, plan, i, sent[i]) for i in self._direct_hot
+                if self._replicated]  # the replica's updates go on to the PS
         try:
             started = time.perf_counter()
             if rider is None:
                 await asyncio.gather(*(self.path.push(self.rows, plan, i, sent[i])
-                                       for i in self._windowed))
+                                       for i in self._windowed), *also)
             else:
-                state.rows = await self._push_then_lookup(plan, sent, rider.plan)
+                state.rows, *_ = await asyncio.gather(
+                    self._push_then_lookup(plan, sent, rider.plan), *also)
                 if self._timers is not None:
                     self._timers.lookup_seconds.observe(time.perf_counter() - started)
             if hot_push is not None:

@@ -13,7 +13,8 @@ import pytest
 EXPORTED = {
     "clients": {
         "AdminClient", "DirectRows", "LoaderClient", "PSClient", "PSClientProcess", "ProcessCPU", "PushAck",
-        "PushCounts", "RowsClient", "RowsSnapshots", "SyncLoaderClient", "SyncPSClient",
+        "PushCounts", "RowsClient", "RowsReplica", "RowsSnapshots", "StatefulRows", "SyncLoaderClient",
+        "SyncPSClient",
     },
     "services.worker": {
         "BatchPlan", "EmbeddingPipeline", "FitSummary", "LossCurve", "ModelConfig", "Prepared",
@@ -51,7 +52,9 @@ def test_every_rows_client_implementation_is_one() -> None:
         PSClient,
         PSClientProcess,
         RowsClient,
+        RowsReplica,
         RowsSnapshots,
+        StatefulRows,
     )
     from services.ps.inprocess import InProcessShards
 
@@ -65,3 +68,8 @@ def test_every_rows_client_implementation_is_one() -> None:
     assert not any(isinstance(client, DirectRows) for client in remote)
     assert isinstance(in_process, RowsSnapshots)  # keep_best's snapshots of the rows
     assert not any(isinstance(client, RowsSnapshots) for client in remote)
+    for client in (*remote, in_process):  # a replica of the head rows can start from each
+        assert isinstance(client, StatefulRows), type(client)
+    assert not isinstance(object(), StatefulRows)
+    from services.ps.replica import HeadReplica
+    assert isinstance(HeadReplica(), RowsReplica) and not isinstance(in_process, RowsReplica)

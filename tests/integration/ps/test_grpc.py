@@ -396,3 +396,34 @@ async def test_push_with_a_bad_lookup_part_applies_nothing(cluster):
                                                           (_MINE.size, 8), np.float32))]},
                     "lookup": lookup}), PushThenLookupReply)
         assert digest(cluster) == state  # the push was not applied either
+
+
+async def test_state_lookup_reads_each_rows_exact_optimizer_state(cluster):
+    """A replica's seed: the rows exactly (even with a lossy rows codec) and each row's
+    Adagrad accumulator as its shard holds it, in layout order; ids never pushed read the
+    initial accumulator. A PushThenLookup cannot ask for it (it would be dropped)."""
+    ids = np.arange(60, dtype=np.uint64)
+    pushed = ids[::3]
+    async with PSClient(addresses(cluster), rows_codec="fp16") as ps:
+        await ps.push("user", pushed, np.full((pushed.size, 8), 0.5, np.float32))
+        layout, where = ShardedIds.of_tables({"user": ids}, 2)
+        rows, state = await ps.lookup_state_sharded(layout)
+        with pytest.raises(InvalidArgument, match="optimizer state up with Lookup"):
+            await ps._shards[0].push_then_lookup.request(Raw({
+                "push": _push_body("two_dims") | {"tables": ["user"], "counts": [0],
+                                                  "ids": raw_array(np.empty(0, np.uint64)),
+                                                  "grads": [raw_array(np.ones((0, 8),
+                                                                              np.float32))]},
+                "lookup": {"tables": ["user"], "counts": [_MINE.size], "ids": raw_array(_MINE),
+                           "with_state": True}}), PushThenLookupReply)
+    assert set(state) == {"accum"} and state["accum"].shape == (60, 8)
+    for k, shard in enumerate(cluster):
+        table = shard.shard.table("user")
+        mine = layout.ids[layout.bounds[k]:layout.bounds[k + 1]]
+        lo, hi = layout.bounds[k], layout.bounds[k + 1]
+        np.testing.assert_array_equal(rows[lo:hi], table.peek(mine)[0])  # exact, not fp16
+        np.testing.assert_array_equal(state["accum"][lo:hi], table.state_of(mine)["accum"])
+    accum = state["accum"][where["user"]]
+    was_pushed = np.isin(ids, pushed)
+    np.testing.assert_allclose(accum[was_pushed], 0.25, rtol=1e-6)  # 0 + 0.5**2
+    assert (accum[~was_pushed] == 0).all()  # the table's initial accumulator

@@ -66,6 +66,17 @@ def test_tiered_table_matches_ram_only_bit_for_bit(tmp_path, kind):
     probe = np.arange(0, 420, dtype=np.uint64)
     for got, want in zip(tiered.peek(probe), ram.peek(probe), strict=True):
         assert np.array_equal(got, want)
+    held, state = ram.state_of(probe), tiered.state_of(probe)  # a replica's seed, both tiers
+    absent = ~ram.peek(probe)[1]
+    assert absent.sum() >= 10
+    fresh = EmbeddingTable(ram.config)  # absent ids read a new row's state
+    fresh.lookup(probe[absent])
+    snap, new = ram.snapshot(), fresh.snapshot()
+    for key in held:
+        assert held[key].tobytes() == state[key].tobytes(), key
+        assert held[key][~absent].tobytes() == snap.state[key][np.searchsorted(
+            snap.ids, probe[~absent])].tobytes(), key
+        assert held[key][absent].tobytes() == new.state[key].tobytes(), key
     assert np.array_equal(tiered.ids(), ram.ids())
     assert_same(ram, tiered)
 

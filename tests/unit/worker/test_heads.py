@@ -113,3 +113,21 @@ def test_thousands_of_head_ids_are_found_among_fresh_ones() -> None:
     assert heads.head_count() == 5000
     assert np.array_equal(np.sort(head_ids), np.sort(frequent))
     assert np.array_equal(np.sort(split.remote.groups[0].layout.ids), np.sort(fresh))
+
+
+def test_sticky_head_ids_stay_head_for_the_rest_of_the_run() -> None:
+    """Id 7 is frequent in the first batches only, id 9 after them. Without ``sticky`` 7 stops
+    being head once the memory forgets it; with it (a replica of the head rows) 7 stays head
+    (else the replica would hold a row that the PS has updated since), and 9 joins."""
+    def batch(b: int) -> BatchPlan:
+        ids = [7, 7, 7] if b < 6 else [9, 9, 9, *([7] if b == 20 else [])]
+        ids += [1000 + 10 * b + k for k in range(4 - (b == 20))]
+        return plan_batch({"a": (np.array(ids, np.uint64), np.ones(len(ids), np.int32))},
+                          num_shards=SHARDS, groups=[["a"]])
+
+    for sticky, late in ((False, {("a", 9)}), (True, {("a", 7), ("a", 9)})):
+        heads = HeadIds([0], 1.0, memory=4, every=4, sticky=sticky)
+        got = [heads_of(heads, batch(b)) for b in range(21)]
+        assert got[0] == {("a", 7)} and got[20] >= {("a", 9)}, sticky
+        assert (("a", 7) in got[20]) is sticky
+        assert heads.head_count() == len(late)

@@ -1,0 +1,123 @@
+"""The worker's replica of its head rows and hot tables (:mod:`services.ps.replica`) where the
+rows are remote: it trains exactly as the synchronous hot chain it replaces, with no round trip
+a step, and the PS's copy follows it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.common.sharding import ShardedIds
+from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.ps.config import PSConfig
+from services.ps.inprocess import InProcessShards
+from services.ps.replica import HeadReplica
+from services.ps.shard import Shard
+from services.ps.tables import OptimizerConfig, TableConfig
+from services.worker.config import ps_table_configs
+from services.worker.models import ModelConfig
+from services.worker.trainer import Trainer
+
+DATA = SyntheticConfig(seed=3)
+
+
+class Remote:
+    """In-process shards seen as remote rows (no ``lookup_now``/``push_now``: the pipeline
+    cannot read them from its compute thread); counts the rows copied by state lookups."""
+
+    def __init__(self, shards: InProcessShards) -> None:
+        self.inner = shards
+        self.state_lookups = 0
+        self.copied = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("direct", "lookup_now", "push_now"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    async def lookup_state_sharded(self, layout: ShardedIds) -> Any:
+        self.state_lookups += 1
+        self.copied += layout.ids.size
+        return await self.inner.lookup_state_sharded(layout)
+
+
+def shards() -> InProcessShards:
+    return InProcessShards(ps_table_configs({f: 8 for f in DATA.sparse_names}), num_shards=2)
+
+
+async def fit(rows: Remote, replica: HeadReplica | None, steps: int, **settings: Any
+              ) -> tuple[Any, Trainer]:
+    batches = list(SyntheticDataset(DATA).batches(128, 128 * steps))
+    async with Trainer(model=ModelConfig(name="dlrm"), rows_client=rows, lr=3e-3, seed=7,
+                       mode="hybrid", staleness=8, **settings) as t:
+        t.pipeline.replica = replica
+        return await t.fit(batches), t
+
+
+def rows_of(local: InProcessShards, layout: ShardedIds) -> np.ndarray:
+    return local.lookup_now(layout)
+
+
+async def test_the_replica_trains_exactly_as_the_synchronous_chain_with_no_round_trip() -> None:
+    """Every table hot (no window): the chain reads each step's rows back from the PS after
+    the last step's push; the replica holds them here. Same losses bit for bit, same PS rows
+    at the end (the replica's updates went on to the PS), the replica's rows equal to the PS's,
+    and each row copied once (not once a step)."""
+    chained, replicated = Remote(shards()), Remote(shards())
+    replica = HeadReplica()
+    a, _ = await fit(chained, None, 12, hot_ratio=1.0, head_rate=0.0)
+    b, t = await fit(replicated, replica, 12, hot_ratio=1.0, head_rate=0.0)
+    assert t.pipeline._replicated and t.pipeline._chain is None
+    assert a.recent_losses == b.recent_losses and a.steps == b.steps == 12
+    digests = [[tab.content_digest() for s in r.inner.shards for tab in s.tables.values()]
+               for r in (chained, replicated)]
+    assert digests[0] == digests[1]
+    held = replica.num_rows
+    assert held > 0 and replicated.copied == held  # each row copied once
+    assert chained.state_lookups == 0
+    ids = {name: tab.ids() for name, tab in replicated.inner.shards[0].tables.items()}
+    ids = {name: np.unique(np.concatenate([s.tables[name].ids() for s in
+                                           replicated.inner.shards])) for name in ids}
+    layout, _ = ShardedIds.of_tables(ids, 2)
+    np.testing.assert_array_equal(replica.lookup_now(layout), replicated.inner.lookup_now(layout))
+
+
+async def test_head_ids_use_the_replica_and_the_ps_follows_it() -> None:
+    """Zipf tables with head ids under a window: the head rows are copied once each, read
+    and updated here, and their gradients reach the PS (its copy of a head row is the
+    replica's, but for the updates in flight when the row was copied)."""
+    rows, replica = Remote(shards()), HeadReplica()
+    summary, t = await fit(rows, replica, 24)
+    assert t.pipeline._replicated and t.pipeline.head_count() > 0
+    assert rows.copied == replica.num_rows > 0
+    local = replica._tables()
+    same = total = 0
+    for k, shard in enumerate(local.shards):
+        for name, tab in shard.tables.items():
+            ids = tab.ids()
+            mine, theirs = tab.peek(ids)[0], rows.inner.shards[k].tables[name].peek(ids)[0]
+            assert not np.array_equal(mine, tab.initial_rows(ids)) or not ids.size
+            same += int((mine == theirs).all(axis=1).sum())
+            total += ids.size
+    assert same >= 0.8 * total, (same, total)  # 69 of 73 when written
+    assert np.isfinite(summary.loss)
+
+
+async def test_not_used_where_the_rows_live_in_this_process() -> None:
+    """Embedded shards are read and updated in place: no replica needed, none used."""
+    direct = shards()
+    _, t = await fit(direct, HeadReplica(), 4)  # type: ignore[arg-type]
+    assert not t.pipeline._replicated
+
+
+def test_a_state_lookup_of_tables_with_different_state_layouts_is_refused() -> None:
+    shard = Shard(PSConfig(tables=[
+        TableConfig(name="a", dim=4, optimizer=OptimizerConfig(kind="adagrad")),
+        TableConfig(name="b", dim=4, optimizer=OptimizerConfig(kind="sgd"))]))
+    state: dict[str, np.ndarray] = {}
+    with pytest.raises(InvalidArgument, match="different layouts"):
+        shard.lookup_many_sync(["a", "b"], [2, 2], np.arange(4, dtype=np.uint64), state=state)
+    assert shard.table("a").num_rows == shard.table("b").num_rows == 0 and not state
