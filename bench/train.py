@@ -11,22 +11,23 @@ Every way of :data:`RUNS`, in one run:
 - Persimmon, one worker (this process). ``default`` is what ``persimmon train`` does on one
   machine: one PS shard embedded in the worker's process, hybrid with head ids synchronous
   (read and updated by the compute thread); ``sync_embedded`` and ``hybrid_embedded`` (S=8
-  on every row) the same placement in the other modes. ``hybrid``, ``hybrid_hot`` and
-  ``sync`` are the remote path: 2 shard processes (nice 10, as background work beside a
-  trainer should run) over gRPC, the worker's PS traffic in its child process
-  (``ps_process``).
+  on every row) the same placement in the other modes. ``hybrid``, ``hybrid_hot``,
+  ``hybrid_replica`` and ``sync`` are the remote path: 2 shard processes (nice 10, as
+  background work beside a trainer should run) over gRPC, the worker's PS traffic in its
+  child process (``ps_process``).
 
 Keys: ``vs_torchrec`` / ``vs_torch`` = Persimmon's fastest run / the peer's;
 ``default_vs_torchrec`` and ``sync_vs_torchrec`` the default and sync (embedded) runs against
 TorchRec; ``embedded_vs_processes`` = sync embedded / sync over gRPC; ``vs_local`` = hybrid
-/ local and ``hybrid_vs_sync``, ``hot_vs_sync`` on the remote path (S=8 on every row, and
-head ids synchronous, against sync). ``--profile criteo`` trains on the Criteo-shaped
+/ local and ``hybrid_vs_sync``, ``hot_vs_sync``, ``replica_vs_sync`` on the remote path (S=8
+on every row; head ids synchronous through the PS; head ids synchronous in a replica on the
+worker, ``persimmon train``'s default there: against sync). ``--profile criteo`` trains on the Criteo-shaped
 planted profile, ``toy`` on the small one.
 
 ``--rtt-ms 0,0.5,2`` repeats the remote path's hybrid, hybrid-with-head-ids and sync runs
 with the shards behind a latency-injecting proxy (:mod:`bench.netem`; no kernel netem here):
-``rtt`` rows of ``{rtt_ms, measured_rtt_ms, hybrid_vs_sync, hot_vs_sync, auc_hybrid, auc_hot,
-auc_sync}``. The proxy's process shares the cores, which a real network would not.
+``rtt`` rows of ``{rtt_ms, measured_rtt_ms, hybrid_vs_sync, hot_vs_sync, replica_vs_sync,
+auc_hybrid, auc_hot, auc_replica, auc_sync}``. The proxy's process shares the cores, which a real network would not.
 ``--only-rtt`` runs those alone (as on a lent GPU machine without the peers), ``--device``
 puts Persimmon's dense compute on the CPU or a GPU, ``--hot-staleness`` sets the head ids'
 bound; ``machine`` in the JSON names the CPU (and its widest vector ISA) and the device.
@@ -83,13 +84,19 @@ RUNS = {  # key: what the table calls it
     "hybrid_embedded": "Persimmon, shard embedded, hybrid S=8 on every row",
     "hybrid": "Persimmon, 2 shard processes over gRPC, hybrid S=8 on every row",
     "hybrid_hot": "the same, hybrid with head ids synchronous (push-then-lookup chain)",
+    "hybrid_replica": "the same, head ids synchronous in a replica on the worker (default)",
     "sync": "Persimmon, 2 shard processes over gRPC, sync",
 }
-_PERSIMMON_RUNS = {  # key: placement, mode, hot tables and head ids as by default (else none)
-    "default": ("embedded", "hybrid", True), "sync_embedded": ("embedded", "sync", False),
-    "hybrid_embedded": ("embedded", "hybrid", False), "hybrid": ("processes", "hybrid", False),
-    "hybrid_hot": ("processes", "hybrid", True), "sync": ("processes", "sync", False)}
-_RTT_RUNS = ("hybrid", "hybrid_hot", "sync")
+_PERSIMMON_RUNS = {  # key: placement, mode, hot tables and head ids as by default (else none),
+    # a replica of the head rows on the worker
+    "default": ("embedded", "hybrid", True, False),
+    "sync_embedded": ("embedded", "sync", False, False),
+    "hybrid_embedded": ("embedded", "hybrid", False, False),
+    "hybrid": ("processes", "hybrid", False, False),
+    "hybrid_hot": ("processes", "hybrid", True, False),
+    "hybrid_replica": ("processes", "hybrid", True, True),
+    "sync": ("processes", "sync", False, False)}
+_RTT_RUNS = ("hybrid", "hybrid_hot", "hybrid_replica", "sync")
 
 
 def _warm_up_torch() -> None:
@@ -105,13 +112,16 @@ def _warm_up_torch() -> None:
 
 
 def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str], dim: int,
-               seed: int, placement: str, mode: str, hot: bool,
+               seed: int, placement: str, mode: str, hot: bool, replica: bool = False,
                rtt_ms: float | None = None, device: str | None = None,
                hot_staleness: int = 1) -> dict[str, Any]:
-    """One Persimmon run; ``rtt_ms``: the shard processes behind a :class:`LatencyProxy`;
+    """One Persimmon run; ``replica``: the worker keeps a replica of its head rows
+    (``persimmon train``'s default for remote shards); ``rtt_ms``: the shard processes behind a
+    :class:`LatencyProxy`;
     ``device``: the worker's torch device (None: CUDA where there is one); ``hot_staleness``:
     the bound of the head ids (1: synchronous, the default)."""
     from services.local.processes import LocalPS
+    from services.local.train import with_head_replica
     from services.ps.inprocess import InProcessShards
     from services.worker.config import TrainerConfig, ps_table_configs
     from services.worker.local import run_local_training
@@ -124,7 +134,7 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
     if not hot:
         config = replace(config, hot_ratio=0.0, head_rate=0.0)
     train_on = dict(train_batches=train, eval_batches=test, model=ModelConfig(name="dlrm"),
-                    config=config)
+                    config=config, attach=with_head_replica(None) if replica else None)
     if placement == "embedded":
         shards = InProcessShards(tables).warm_up()  # one shard, as `persimmon train` embeds
         summary = run_local_training(rows_client=shards, **train_on)
@@ -283,9 +293,12 @@ def rtt_row(rtt_ms: float, every: dict[str, list[dict[str, Any]]]) -> dict[str, 
                 h / s for h, s in zip(speed["hybrid"], speed["sync"], strict=True)),
             "hot_vs_sync": statistics.median(
                 h / s for h, s in zip(speed["hybrid_hot"], speed["sync"], strict=True)),
+            "replica_vs_sync": statistics.median(
+                h / s for h, s in zip(speed["hybrid_replica"], speed["sync"], strict=True)),
             **{f"samples_per_s_{key}": statistics.median(speed[key]) for key in _RTT_RUNS},
             "auc_hybrid": statistics.median(r["auc"] for r in every["hybrid"]),
             "auc_hot": statistics.median(r["auc"] for r in every["hybrid_hot"]),
+            "auc_replica": statistics.median(r["auc"] for r in every["hybrid_replica"]),
             "auc_sync": statistics.median(r["auc"] for r in every["sync"])}
 
 
@@ -297,7 +310,7 @@ def paired_ratios(every: dict[str, list[dict[str, Any]]], batch_size: int, cores
     out: dict[str, list[float]] = {
         "vs_local": [], "vs_torch": [], "vs_torchrec": [], "default_vs_torchrec": [],
         "sync_vs_torchrec": [], "embedded_vs_processes": [], "hybrid_vs_sync": [],
-        "hot_vs_sync": [], "hybrid_vs_sync_ceiling": []}
+        "hot_vs_sync": [], "replica_vs_sync": [], "hybrid_vs_sync_ceiling": []}
     for i, hybrid in enumerate(speed["hybrid"]):
         sync = speed["sync"][i]
         out["vs_local"].append(hybrid / speed["local"][i])
@@ -310,6 +323,7 @@ def paired_ratios(every: dict[str, list[dict[str, Any]]], batch_size: int, cores
             out["sync_vs_torchrec"].append(speed["sync_embedded"][i] / speed["torchrec"][i])
         out["embedded_vs_processes"].append(speed["sync_embedded"][i] / sync)
         out["hot_vs_sync"].append(speed["hybrid_hot"][i] / sync)
+        out["replica_vs_sync"].append(speed["hybrid_replica"][i] / sync)
         out["hybrid_vs_sync"].append(hybrid / sync)
         ceiling = hybrid_ceiling(every["hybrid"][i], 1e3 * batch_size / sync, cores)
         if ceiling is not None:
@@ -344,7 +358,8 @@ def _print_table(result: dict[str, Any]) -> None:
                       + extra)
     figures = "   ".join(f"{key} {result[key]:.2f}" for key in (
         "vs_torchrec", "default_vs_torchrec", "sync_vs_torchrec", "vs_torch", "vs_local",
-        "embedded_vs_processes", "hybrid_vs_sync", "hot_vs_sync", "hybrid_vs_sync_ceiling")
+        "embedded_vs_processes", "hybrid_vs_sync", "hot_vs_sync", "replica_vs_sync",
+        "hybrid_vs_sync_ceiling")
         if result.get(key) is not None)
     console.print(f"machine: {result['machine']['cpu']}, {result['cores']} cores; Persimmon "
                   f"on {result['machine']['device']}")
@@ -354,8 +369,9 @@ def _print_table(result: dict[str, Any]) -> None:
     for row in result["rtt"]:
         console.print(f"RTT {row['rtt_ms']} ms (measured {row['measured_rtt_ms']:.2f}): "
                       f"hybrid_vs_sync {row['hybrid_vs_sync']:.2f}, hot_vs_sync "
-                      f"{row['hot_vs_sync']:.2f}; AUC hybrid {row['auc_hybrid']:.4f}, hot "
-                      f"{row['auc_hot']:.4f}, sync {row['auc_sync']:.4f}")
+                      f"{row['hot_vs_sync']:.2f}, replica_vs_sync {row['replica_vs_sync']:.2f}; "
+                      f"AUC hybrid {row['auc_hybrid']:.4f}, hot {row['auc_hot']:.4f}, replica "
+                      f"{row['auc_replica']:.4f}, sync {row['auc_sync']:.4f}")
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ Wire form (a value inside a msgpack message, arrays as raw :class:`WireArray` ma
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -29,7 +30,7 @@ import numpy as np
 from services.common.codecs.registry import decode_array, raw_array
 from services.common.errors import MalformedMessage
 
-__all__ = ["Batch", "Jagged"]
+__all__ = ["Batch", "Batches", "Jagged", "iterate"]
 
 
 class Jagged(NamedTuple):
@@ -136,3 +137,16 @@ def _check(arr: Any, dtype: type, ndim: int, what: str) -> None:
     if arr.dtype != dtype or arr.ndim != ndim:
         raise MalformedMessage(f"{what} must be {np.dtype(dtype).name} with {ndim} dimension(s), "
                                f"got {arr.dtype} with shape {arr.shape}")
+
+
+Batches = AsyncIterable[Batch] | Iterable[Batch]
+
+
+async def iterate(batches: Batches) -> AsyncIterator[Batch]:
+    """The batches of an iterable or an async iterable."""
+    if isinstance(batches, AsyncIterable):
+        async for b in batches:
+            yield b
+    else:
+        for b in batches:
+            yield b

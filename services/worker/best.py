@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from clients.rows import RowsClient, RowsSnapshots
-from services.common.batch import Batch
+from services.common.batch import Batch, Batches
 from services.common.errors import ConfigError
 from services.worker.compute import distributed
 from services.worker.config import TrainerConfig
-from services.worker.pipeline import Batches, EmbeddingPipeline
+from services.worker.pipeline import EmbeddingPipeline
 
 if TYPE_CHECKING:
     from services.worker.summary import FitSummary

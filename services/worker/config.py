@@ -66,6 +66,10 @@ class TrainerConfig:
         "help": "hybrid: ids seen at least this often per batch are head ids, bound by "
                 "hot_staleness (the compute thread reads and updates them where the shards "
                 "are in this process; 0: none)"})
+    head_replica: bool = field(default=True, metadata={
+        "help": "hybrid, one worker, remote shards, hot_staleness 1: keep the head ids' and hot "
+                "tables' rows in a replica on the worker (read and updated there, their "
+                "gradients sent on to the PS) instead of a round trip a step"})
     dense_optimizer: str = field(default="adam", metadata={
         "help": "adam, adagrad, sgd, lamb, onebit_adam or onebit_lamb (these two all-reduce "
                 "themselves)"})

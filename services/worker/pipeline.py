@@ -34,10 +34,12 @@ lookup, the earlier pushes of every worker it did not see (``services.ps.stalene
 are rows nearly every batch touches, which stale updates hurt most. They have a window of
 their own, ``hot_window`` (1: synchronous): batch t gets them only once the push of batch
 t - hot_window to them is acknowledged, in the same message (:class:`HotChain`). Where the
-rows live in this process (a :class:`clients.rows.DirectRows`, e.g. embedded shards), the
-compute thread itself reads them just before its step (:meth:`EmbeddingPipeline.read_hot`)
-and applies their gradients just after (:meth:`EmbeddingPipeline.apply_hot`): synchronous,
-with no round trip to wait for (hot tables so only with ``hot_window`` 1).
+rows live in this process (a :class:`clients.rows.DirectRows`, e.g. embedded shards), or where
+this is the only worker and a :class:`clients.rows.RowsReplica` holds a copy of them (``replica``:
+their gradients then also go on to the PS with the batch's), the compute thread itself reads
+them just before its step (:meth:`EmbeddingPipeline.read_hot`) and applies their gradients just
+after (:meth:`EmbeddingPipeline.apply_hot`): synchronous, with no round trip to wait for (hot
+tables so only with ``hot_window`` 1).
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
@@ -56,11 +58,8 @@ import collections
 import functools
 import time
 from collections.abc import (
-    AsyncIterable,
-    AsyncIterator,
     Awaitable,
     Callable,
-    Iterable,
     Mapping,
     Sequence,
 )
@@ -70,7 +69,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from clients.rows import DirectRows, RowsClient, RowsReplica, StatefulRows
-from services.common.batch import Batch
+from services.common.batch import Batch, Batches, iterate
 from services.common.codecs import WireStats
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
 from services.common.sharding import ShardedIds
@@ -78,9 +77,8 @@ from services.worker.exchange import EmbeddingPath, RowsPath
 from services.worker.heads import HeadIds, HotChain, SplitBatch
 from services.worker.pooling import BatchPlan, plan_batch
 
-__all__ = ["Batches", "EmbeddingPipeline", "Prepared", "StepTimers", "iterate"]
+__all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]
 
-Batches = AsyncIterable[Batch] | Iterable[Batch]
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
 _NOT_READ = np.empty((0, 0), dtype=np.float32)  # a direct hot group's rows before read_hot
 
@@ -137,16 +135,6 @@ class _Push:
 
     rider: _Rider | None = None
     rows: Rows | None = field(default=None)
-
-
-async def iterate(batches: Batches) -> AsyncIterator[Batch]:
-    """The batches of an iterable or an async iterable."""
-    if isinstance(batches, AsyncIterable):
-        async for b in batches:
-            yield b
-    else:
-        for b in batches:
-            yield b
 
 
 class EmbeddingPipeline:

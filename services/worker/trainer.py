@@ -53,7 +53,7 @@ from clients.ps_client import PSClient
 from clients.ps_process import PSClientProcess
 from clients.rows import ProcessCPU, RowsClient
 from services.common.admin import AdminServer
-from services.common.batch import Batch
+from services.common.batch import Batch, Batches, iterate
 from services.common.codecs import WireStatsCollector
 from services.common.codecs.qsgd import adapts_to_loss
 from services.common.config import config_to_dict
@@ -75,7 +75,7 @@ from services.worker.config import TrainerConfig
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
 from services.worker.exchange import embedding_path
 from services.worker.models import ModelConfig, pick_device
-from services.worker.pipeline import Batches, EmbeddingPipeline, Prepared, iterate
+from services.worker.pipeline import EmbeddingPipeline, Prepared
 from services.worker.pooling import BatchPlan
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve, StalenessStats
 from services.worker.sync import SyncStrategy

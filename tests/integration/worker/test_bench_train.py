@@ -29,12 +29,13 @@ def test_bench_train_reports_every_ratio_from_its_own_runs() -> None:
     assert math.isclose(result["vs_local"], speed["hybrid"] / speed["local"])
     assert math.isclose(result["hybrid_vs_sync"], speed["hybrid"] / speed["sync"])
     assert math.isclose(result["embedded_vs_processes"], speed["sync_embedded"] / speed["sync"])
-    for key in ("default", "sync_embedded", "hybrid_embedded", "hybrid", "hybrid_hot", "sync"):
+    for key in ("default", "sync_embedded", "hybrid_embedded", "hybrid", "hybrid_hot",
+                "hybrid_replica", "sync"):
         assert 0 < runs[key]["step_cpu_ms"] <= 1.2 * runs[key]["step_wall_ms"]
         assert runs[key]["batch_wait_ms"] >= 0
         cpu = runs[key]["cpu_ms_per_step"]
         assert cpu["worker"] >= runs[key]["step_cpu_ms"] * 0.9
-    for key in ("hybrid", "hybrid_hot", "sync"):  # the shard processes did work and held memory
+    for key in ("hybrid", "hybrid_hot", "hybrid_replica", "sync"):  # the shards did work, held memory
         assert runs[key]["cpu_ms_per_step"]["ps"] > 0 and runs[key]["ps_peak_rss_mb"] > 10
     for key in ("default", "sync_embedded", "hybrid_embedded"):  # the shards in this process
         assert runs[key]["cpu_ms_per_step"]["ps"] == 0.0
@@ -48,15 +49,16 @@ def test_bench_train_reports_every_ratio_from_its_own_runs() -> None:
     assert {k: len(v) for k, v in result["ratios_per_repeat"].items()} == {
         "vs_local": 1, "vs_torch": 1, "vs_torchrec": with_torchrec,
         "default_vs_torchrec": with_torchrec, "sync_vs_torchrec": with_torchrec,
-        "embedded_vs_processes": 1, "hybrid_vs_sync": 1, "hot_vs_sync": 1,
+        "embedded_vs_processes": 1, "hybrid_vs_sync": 1, "hot_vs_sync": 1, "replica_vs_sync": 1,
         "hybrid_vs_sync_ceiling": 1}
     fastest = max(speed[k] for k in ("default", "sync_embedded", "hybrid_embedded", "hybrid",
-                                     "hybrid_hot", "sync"))
+                                     "hybrid_hot", "hybrid_replica", "sync"))
     assert math.isclose(result["vs_torch"], fastest / speed["torch"])
     assert math.isclose(result["hot_vs_sync"], speed["hybrid_hot"] / speed["sync"])
+    assert math.isclose(result["replica_vs_sync"], speed["hybrid_replica"] / speed["sync"])
     for key in ("sync", "sync_embedded"):
         assert runs[key]["staleness_max"] == 0
-    for key in ("default", "hybrid_hot", "hybrid", "hybrid_embedded"):  # the rest of the rows
+    for key in ("default", "hybrid_hot", "hybrid_replica", "hybrid", "hybrid_embedded"):  # rest
         assert runs[key]["staleness_max"] <= 8
     assert result["rtt"] == []  # no --rtt-ms
 
@@ -78,10 +80,12 @@ def testrtt_rows_pair_the_runs_behind_the_proxy() -> None:
 
     row = rtt_row(2.0, {"hybrid": runs((150, 0.80), (60, 0.82)),
                          "hybrid_hot": runs((110, 0.83), (50, 0.84)),
+                         "hybrid_replica": runs((140, 0.84), (52, 0.85)),
                          "sync": runs((100, 0.85), (40, 0.85))})
     assert row["rtt_ms"] == 2.0 and row["measured_rtt_ms"] == 2.2
     assert row["hybrid_vs_sync"] == statistics.median([1.5, 1.5])  # paired within a repeat
     assert row["hot_vs_sync"] == statistics.median([1.1, 1.25])
+    assert row["replica_vs_sync"] == statistics.median([1.4, 1.3]) and row["auc_replica"] == 0.845
     assert row["auc_hybrid"] == 0.81 and row["auc_hot"] == 0.835 and row["auc_sync"] == 0.85
 
 
@@ -108,13 +112,13 @@ def test_ratios_pair_the_runs_of_each_repeat() -> None:
 
     every = {"local": runs(100, 50), "hybrid": runs(150, 75), "sync": runs(100, 50),
              "sync_embedded": runs(120, 40), "hybrid_embedded": runs(1, 1), "default": runs(1, 1),
-             "hybrid_hot": runs(110, 60), "torch": runs(300, 50)}
+             "hybrid_hot": runs(110, 60), "hybrid_replica": runs(140, 65), "torch": runs(300, 50)}
     ratios = paired_ratios(every, batch_size=1000, cores=2)
     assert ratios["vs_local"] == [1.5, 1.5] and ratios["hybrid_vs_sync"] == [1.5, 1.5]
     assert ratios["embedded_vs_processes"] == [1.2, 0.8]
     assert ratios["vs_torch"] == [0.5, 1.5] and ratios["vs_torchrec"] == []  # not run
     assert ratios["default_vs_torchrec"] == [] and ratios["sync_vs_torchrec"] == []
-    assert ratios["hot_vs_sync"] == [1.1, 1.2]
+    assert ratios["hot_vs_sync"] == [1.1, 1.2] and ratios["replica_vs_sync"] == [1.4, 1.3]
     assert ratios["hybrid_vs_sync_ceiling"] == [10_000 / 2, 20_000 / 2]  # sync ms / CPU floor
 
 
