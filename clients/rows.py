@@ -153,6 +153,10 @@ class RowsReplica(DirectRows, Protocol):
     hot tables): served from any thread as :class:`DirectRows` once :meth:`seed` copied them
     (``services.ps.replica.HeadReplica``, injected by the code that builds the worker)."""
 
+    def holds(self, layout: ShardedIds) -> bool:
+        """Whether the row of every id of ``layout`` is held."""
+        ...
+
     async def seed(self, source: StatefulRows, layout: ShardedIds) -> int:
         """Copy the rows of ``layout``'s ids not held yet from ``source``; how many."""
         ...

@@ -30,14 +30,14 @@ from typing import Any, Protocol
 import numpy as np
 from numba import njit
 
-from clients.rows import RowsClient
+from clients.rows import RowsClient, RowsReplica, StatefulRows
 from services.common.errors import ConfigError, Unavailable
 from services.common.lifecycle import settle
 from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath
 from services.worker.pooling import BatchPlan
 
-__all__ = ["HeadIds", "HotChain", "SplitBatch"]
+__all__ = ["Acknowledged", "HeadIds", "HotChain", "ReplicaSeeds", "SplitBatch"]
 
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
 
@@ -265,3 +265,66 @@ class HotChain:
         if following is None:
             self._out -= 1
             self._advance()
+
+
+class Acknowledged:
+    """Which steps' pushes are acknowledged, in step order: :meth:`wait` returns once every
+    step below a given one is. A replica of the head rows copies a new head id's row only
+    then, so that the copy holds every update the id had while it was not yet head."""
+
+    def __init__(self, first: int = 0) -> None:
+        self.below = first  # every step below this one is acknowledged
+        self._done: set[int] = set()
+        self._moved = asyncio.Event()
+
+    def add(self, step: int) -> None:
+        """Step ``step``'s push is acknowledged."""
+        self._done.add(step)
+        while self.below in self._done:
+            self._done.discard(self.below)
+            self.below += 1
+        self._moved.set()
+
+    async def wait(self, step: int) -> None:
+        """Return once every step below ``step`` is acknowledged."""
+        while self.below < step:
+            self._moved.clear()
+            await self._moved.wait()
+
+
+class ReplicaSeeds:
+    """What a :class:`clients.rows.RowsReplica` of the hot groups and head ids must hold
+    before each batch's step, copied from ``source`` once every earlier step's push is
+    acknowledged (an id's updates from before it was head are then in its copy)."""
+
+    def __init__(self, replica: RowsReplica, source: StatefulRows, first_step: int) -> None:
+        self.replica, self.source = replica, source
+        self._acked = Acknowledged(first_step)
+
+    def begin(self, first_step: int) -> None:
+        """A new run, whose first step is ``first_step``: the replica copies every row again
+        (the PS's may have changed between runs)."""
+        self.replica.clear()
+        self._acked = Acknowledged(first_step)
+
+    def acknowledged(self, plan: BatchPlan) -> None:
+        """``plan``'s push is acknowledged."""
+        if (tag := plan.groups[0].layout.tag) is not None:
+            self._acked.add(tag[1])
+
+    @staticmethod
+    def layouts(plan: BatchPlan, split: SplitBatch | None, hot: Sequence[int]
+                ) -> list[ShardedIds]:
+        """The layouts whose rows the replica must hold before ``plan``'s step: its hot
+        groups' (``hot``) and its head ids'."""
+        heads = [] if split is None else [split.head.groups[i].layout
+                                          for i, (at, _) in split.groups.items() if at.size]
+        return [plan.groups[i].layout for i in hot] + heads
+
+    async def copy(self, layouts: Sequence[ShardedIds]) -> None:
+        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks."""
+        if layouts and not all(self.replica.holds(layout) for layout in layouts):
+            tag = layouts[0].tag
+            await self._acked.wait(tag[1] if tag is not None else 0)
+            await asyncio.gather(*(self.replica.seed(self.source, layout)
+                                   for layout in layouts))

@@ -74,7 +74,7 @@ from services.common.codecs import WireStats
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
 from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath, RowsPath
-from services.worker.heads import HeadIds, HotChain, SplitBatch
+from services.worker.heads import HeadIds, HotChain, ReplicaSeeds, SplitBatch
 from services.worker.pooling import BatchPlan, plan_batch
 
 __all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]
@@ -198,7 +198,7 @@ class EmbeddingPipeline:
         # where the rows are remote and this is the only worker: a copy of the hot groups' and
         # head ids' rows here (injected by the code that builds the worker), see plan()
         self.replica: RowsReplica | None = None
-        self._replicated = False  # decided at the first plan
+        self._seeding: ReplicaSeeds | None = None  # where the replica is used (the first plan)
         self._head_rate = head_rate if window != 1 else None
         self.heads: HeadIds | None = None  # the windowed groups' head ids, once decided
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
@@ -277,11 +277,14 @@ class EmbeddingPipeline:
             if direct is None and self._hot_window == 1 and self.workers == 1 \
                     and self.replica is not None and isinstance(self.path, RowsPath) \
                     and isinstance(self.rows, StatefulRows):
-                direct, self._replicated = self.replica, True
+                direct = self.replica
+                self._seeding = ReplicaSeeds(self.replica, cast(StatefulRows, self.rows),
+                                             self._steps)
             if hot and self._hot_window == 1 and direct is not None:
                 self._direct_hot, self._direct_rows, hot = hot, direct, []
             if self._head_rate and self._windowed and isinstance(self.path, RowsPath):
-                self.heads = HeadIds(self._windowed, self._head_rate, sticky=self._replicated)
+                self.heads = HeadIds(self._windowed, self._head_rate,
+                                     sticky=self._seeding is not None)
                 if direct is not None:
                     self._direct_rows = direct
                 else:  # the head ids ride the hot chain
@@ -386,8 +389,8 @@ class EmbeddingPipeline:
         self._acknowledge = acknowledge
         if self._chain is not None:
             self._chain.reset()
-        if self._replicated and self.replica is not None:
-            self.replica.clear()  # the PS's rows may have changed between runs
+        if self._seeding is not None:
+            self._seeding.begin(self._steps)
 
     async def feed(self, batches: Batches, put: Callable[[Prepared | None], Awaitable[Any]],
                    fail: Callable[[BaseException], Any], *, steps: int | None = None,
@@ -414,7 +417,8 @@ class EmbeddingPipeline:
                     first = None
                 split = self.heads.split(plan) if self.heads is not None else None
                 wire = split.remote if split is not None else plan  # what the window sends
-                seeds = self._seeds(plan, split) if self._replicated else []
+                seeds = ([] if self._seeding is None else
+                         self._seeding.layouts(plan, split, self._direct_hot))
                 hot = (self._chain.request(split.head if split is not None else plan)
                        if self._chain is not None else None)
                 if slots is not None and slots.locked():  # ride on the push that frees one
@@ -453,7 +457,7 @@ class EmbeddingPipeline:
     async def _look_up(self, plan: BatchPlan, staleness: int, seeds: list[ShardedIds]
                        ) -> tuple[Rows, int]:
         """The windowed groups' rows (the replica copies ``seeds`` meanwhile)."""
-        done = await asyncio.gather(self.lookup(plan, self._windowed), *self._seed(seeds))
+        done = await asyncio.gather(self.lookup(plan, self._windowed), self._seed(seeds))
         return cast(Rows, done[0]), staleness
 
     async def _ride(self, rider: _Rider, seeds: list[ShardedIds]) -> tuple[Rows, int]:
@@ -462,20 +466,12 @@ class EmbeddingPipeline:
         rider has its slot."""
         rows, staleness = await rider.future
         looking = [self.lookup(rider.plan, self._windowed)] if rows is None else []
-        done = await asyncio.gather(*looking, *self._seed(seeds))
+        done = await asyncio.gather(*looking, self._seed(seeds))
         return cast(Rows, done[0]) if rows is None else rows, staleness
 
-    def _seeds(self, plan: BatchPlan, split: SplitBatch | None) -> list[ShardedIds]:
-        """The layouts whose rows the replica must hold before the batch's step: its hot
-        groups' and its head ids'."""
-        heads = [] if split is None else [split.head.groups[i].layout
-                                          for i, (at, _) in split.groups.items() if at.size]
-        return [plan.groups[i].layout for i in self._direct_hot] + heads
-
-    def _seed(self, seeds: list[ShardedIds]) -> list[Awaitable[int]]:
-        assert self.replica is not None or not seeds
-        rows = cast(StatefulRows, self.rows)
-        return [self.replica.seed(rows, layout) for layout in seeds if self.replica]
+    async def _seed(self, seeds: list[ShardedIds]) -> None:
+        if self._seeding is not None:
+            await self._seeding.copy(seeds)
 
     async def _hand_over(self, ahead: asyncio.Queue[_Ahead | None],
                          put: Callable[[Prepared | None], Awaitable[Any]],
@@ -532,10 +528,11 @@ class EmbeddingPipeline:
                                           else self._chain.push(item.split.head,
                                                                 item.split.head_grads(grads)))
                     if self._chain is not None else None)
-        plan, sent = ((item.plan, grads) if item.split is None or self._replicated else
+        replicated = self._seeding is not None  # the replica's updates go on to the PS
+        plan, sent = ((item.plan, grads) if item.split is None or replicated else
                       (item.split.remote, item.split.remote_grads(grads)))  # heads: applied
         also = [self.path.push(self.rows, plan, i, sent[i]) for i in self._direct_hot
-                if self._replicated]  # the replica's updates go on to the PS
+                if replicated]
         try:
             started = time.perf_counter()
             if rider is None:
@@ -550,6 +547,8 @@ class EmbeddingPipeline:
                 await hot_push
             if self._timers is not None:
                 self._timers.push_seconds.observe(time.perf_counter() - started)
+            if self._seeding is not None:
+                self._seeding.acknowledged(item.plan)
             if self._acknowledge is not None:
                 await self._acknowledge(item.batch)
             if self._barrier is not None:
