@@ -133,16 +133,22 @@ class HeadIds:
         self.groups = list(groups)
         self.rate = rate
         self.memory, self.every = memory, every
-        self._seen: dict[int, collections.deque[tuple[np.ndarray, np.ndarray]]] = {
+        self._seen: dict[int, collections.deque[tuple[np.ndarray, np.ndarray, ShardedIds]]] = {
             i: collections.deque(maxlen=memory) for i in self.groups}
         self._head: dict[int, np.ndarray] = {}  # per group: a hash set of its head keys
         self._sticky: dict[int, np.ndarray] | None = {} if sticky else None  # every head key
+        self._fresh: dict[int, ShardedIds] = {}  # sticky: head ids new since take_fresh()
         self._count_now = 0
         self._batches = 0
 
     def head_count(self) -> int:
         """Head ids now, over every group."""
         return self._count_now
+
+    def take_fresh(self) -> dict[int, ShardedIds]:
+        """``sticky``: per group, the layout of the head ids decided since the last call."""
+        fresh, self._fresh = self._fresh, {}
+        return fresh
 
     def split(self, plan: BatchPlan) -> SplitBatch:
         """Count ``plan``'s ids, then split its windowed groups by the head ids decided so
@@ -166,23 +172,36 @@ class HeadIds:
         when it is time."""
         for i, k in keys.items():
             occurs = np.bincount(plan.groups[i].inverse, minlength=k.size)
-            self._seen[i].append((k, occurs))
+            self._seen[i].append((k, occurs, plan.groups[i].layout))
         self._batches += 1
         n = self._batches
         if n & (n - 1) == 0 and n <= self.memory or n % self.every == 0:
-            heads = {i: self._decide(seen) for i, seen in self._seen.items()}
-            if self._sticky is not None:
-                heads = {i: np.union1d(h, self._sticky.get(i, h[:0])) for i, h in heads.items()}
-                self._sticky = heads
+            heads: dict[int, np.ndarray] = {}
+            for i, seen in self._seen.items():
+                found, ids, tables = self._decide(seen)
+                if self._sticky is not None:
+                    old = self._sticky.get(i, found[:0])
+                    if (new := ~np.isin(found, old)).any():
+                        last = seen[-1][2]
+                        self._fresh[i] = ShardedIds.of_tables(
+                            {name: ids[new & (tables == j)] for j, name in enumerate(last.tables)},
+                            last.num_shards)[0]
+                    found = self._sticky[i] = np.union1d(found, old)
+                heads[i] = found
             self._count_now = sum(h.size for h in heads.values())
             self._head = {i: _hash_set(h) for i, h in heads.items() if h.size}
 
-    def _decide(self, seen: collections.deque[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        keys = np.concatenate([k for k, _ in seen])
-        occurs = np.concatenate([c for _, c in seen])
-        unique, where = np.unique(keys, return_inverse=True)
+    def _decide(self, seen: collections.deque[tuple[np.ndarray, np.ndarray, ShardedIds]]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The head keys of ``seen``, with the id and the table (index) of each."""
+        keys = np.concatenate([k for k, _, _ in seen])
+        occurs = np.concatenate([c for _, c, _ in seen])
+        unique, first, where = np.unique(keys, return_index=True, return_inverse=True)
         total = np.bincount(where, weights=occurs, minlength=unique.size)
-        return unique[total >= max(2.0, self.rate * len(seen))]
+        head = total >= max(2.0, self.rate * len(seen))
+        at = first[head]
+        return (unique[head], np.concatenate([layout.ids for _, _, layout in seen])[at],
+                np.concatenate([layout.table_index() for _, _, layout in seen])[at])
 
 
 class ChainHost(Protocol):
@@ -300,6 +319,7 @@ class ReplicaSeeds:
     def __init__(self, replica: RowsReplica, source: StatefulRows, first_step: int) -> None:
         self.replica, self.source = replica, source
         self._acked = Acknowledged(first_step)
+        self._copying: set[asyncio.Future[None]] = set()  # copies under way
 
     def begin(self, first_step: int) -> None:
         """A new run, whose first step is ``first_step``: the replica copies every row again
@@ -313,18 +333,38 @@ class ReplicaSeeds:
             self._acked.add(tag[1])
 
     @staticmethod
-    def layouts(plan: BatchPlan, split: SplitBatch | None, hot: Sequence[int]
-                ) -> list[ShardedIds]:
-        """The layouts whose rows the replica must hold before ``plan``'s step: its hot
+    def layouts(plan: BatchPlan, split: SplitBatch | None, hot: Sequence[int],
+                heads: HeadIds | None) -> list[ShardedIds]:
+        """The layouts whose rows the replica must hold before ``plan``'s step: every head id
+        decided since the last batch (all at once: one wait for the earlier pushes), its hot
         groups' (``hot``) and its head ids'."""
-        heads = [] if split is None else [split.head.groups[i].layout
-                                          for i, (at, _) in split.groups.items() if at.size]
-        return [plan.groups[i].layout for i in hot] + heads
+        tag = plan.groups[0].layout.tag
+        fresh = [] if heads is None else [replace(layout, tag=tag) for layout in
+                                          heads.take_fresh().values()]
+        mine = [] if split is None else [split.head.groups[i].layout
+                                         for i, (at, _) in split.groups.items() if at.size]
+        return fresh + [plan.groups[i].layout for i in hot] + mine
 
     async def copy(self, layouts: Sequence[ShardedIds]) -> None:
-        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks."""
-        if layouts and not all(self.replica.holds(layout) for layout in layouts):
+        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks: those a copy
+        under way brings need no wait of their own (the later batches after a decision)."""
+        if not layouts or self._holds(layouts):
+            return
+        earlier = list(self._copying)
+        done = asyncio.get_running_loop().create_future()
+        self._copying.add(done)
+        try:
+            if earlier:
+                await asyncio.gather(*earlier, return_exceptions=True)
+                if self._holds(layouts):
+                    return
             tag = layouts[0].tag
             await self._acked.wait(tag[1] if tag is not None else 0)
             await asyncio.gather(*(self.replica.seed(self.source, layout)
                                    for layout in layouts))
+        finally:
+            self._copying.discard(done)
+            done.set_result(None)
+
+    def _holds(self, layouts: Sequence[ShardedIds]) -> bool:
+        return all(self.replica.holds(layout) for layout in layouts)

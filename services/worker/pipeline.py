@@ -418,7 +418,7 @@ class EmbeddingPipeline:
                 split = self.heads.split(plan) if self.heads is not None else None
                 wire = split.remote if split is not None else plan  # what the window sends
                 seeds = ([] if self._seeding is None else
-                         self._seeding.layouts(plan, split, self._direct_hot))
+                         self._seeding.layouts(plan, split, self._direct_hot, self.heads))
                 hot = (self._chain.request(split.head if split is not None else plan)
                        if self._chain is not None else None)
                 if slots is not None and slots.locked():  # ride on the push that frees one

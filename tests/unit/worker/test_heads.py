@@ -127,7 +127,12 @@ def test_sticky_head_ids_stay_head_for_the_rest_of_the_run() -> None:
 
     for sticky, late in ((False, {("a", 9)}), (True, {("a", 7), ("a", 9)})):
         heads = HeadIds([0], 1.0, memory=4, every=4, sticky=sticky)
-        got = [heads_of(heads, batch(b)) for b in range(21)]
+        got, fresh = [], []  # sticky: each head id is new once, when first decided
+        for b in range(21):
+            got.append(heads_of(heads, batch(b)))
+            fresh += [(t, int(i)) for layout in heads.take_fresh().values()
+                      for t in layout.tables for i in layout.table_ids(t)]
+        assert fresh == ([("a", 7), ("a", 9)] if sticky else [])
         assert got[0] == {("a", 7)} and got[20] >= {("a", 9)}, sticky
         assert (("a", 7) in got[20]) is sticky
         assert heads.head_count() == len(late)
