@@ -153,6 +153,11 @@ class RowsReplica(DirectRows, Protocol):
     hot tables): served from any thread as :class:`DirectRows` once :meth:`seed` copied them
     (``services.ps.replica.HeadReplica``, injected by the code that builds the worker)."""
 
+    @property
+    def num_rows(self) -> int:
+        """Rows held."""
+        ...
+
     def holds(self, layout: ShardedIds) -> bool:
         """Whether the row of every id of ``layout`` is held."""
         ...

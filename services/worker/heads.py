@@ -25,7 +25,7 @@ import collections
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 from numba import njit
@@ -320,12 +320,34 @@ class ReplicaSeeds:
         self.replica, self.source = replica, source
         self._acked = Acknowledged(first_step)
         self._copying: set[asyncio.Future[None]] = set()  # copies under way
+        self._sent: asyncio.Future[None] | None = None  # the latest step's updates sent on
 
     def begin(self, first_step: int) -> None:
         """A new run, whose first step is ``first_step``: the replica copies every row again
         (the PS's may have changed between runs)."""
         self.replica.clear()
         self._acked = Acknowledged(first_step)
+        self._sent = None
+
+    def send(self, path: EmbeddingPath, rows: RowsClient, plan: BatchPlan,
+             split: SplitBatch | None, grads: Rows, hot: Sequence[int]) -> asyncio.Future[None]:
+        """Push ``plan``'s updates of the replicated rows (its hot groups' ``hot`` and its head
+        ids') on to the PS once the previous step's are acknowledged: the PS applies them in
+        step order, as the replica did (a shard may apply concurrent pushes in any order).
+        Call it in step order."""
+        before = self._sent
+        heads = [] if split is None else [i for i, (at, _) in split.groups.items() if at.size]
+        head_grads = split.head_grads(grads) if split is not None else grads
+
+        async def after() -> None:
+            if before is not None:
+                await asyncio.gather(before, return_exceptions=True)
+            await asyncio.gather(
+                *(path.push(rows, plan, i, grads[i]) for i in hot),
+                *(path.push(rows, cast(SplitBatch, split).head, i, head_grads[i])
+                  for i in heads))
+        self._sent = asyncio.ensure_future(after())
+        return self._sent
 
     def acknowledged(self, plan: BatchPlan) -> None:
         """``plan``'s push is acknowledged."""

@@ -1,45 +1,44 @@
 """The embedding pipeline of one worker: planning, staleness slots, riders, lookahead, pushes.
 
 It is the part of a training step that talks to the embedding rows, apart from the model (as
-torchrec's ``TrainPipelineSparseDist`` is): it plans each batch (dedup ids per table, laid
-out by shard), looks its rows up ahead of compute and pushes its row gradients back, through
-a :class:`clients.rows.RowsClient` only (gRPC, a child process, or the PS's shards in this
-process). What a lookup and a push carry is its embedding path's
-(:mod:`services.worker.exchange`: unique rows, or DES's per-sample partial sums); the slots,
-riders and hot tables below are the same for both.
+torchrec's ``TrainPipelineSparseDist`` is): it plans each batch (dedup ids per table, laid out by
+shard), looks its rows up ahead of compute and pushes its row gradients back, through a
+:class:`clients.rows.RowsClient` only (gRPC, a child process, or the PS's shards in this process).
+What a lookup and a push carry is its embedding path's (:mod:`services.worker.exchange`: unique
+rows, or DES's per-sample partial sums); the slots, riders and hot tables below are the same for
+both.
 
-The bound on staleness is a semaphore of ``window`` slots: a batch takes one before its
-lookup, and its push task's completion frees it (a done-callback, as arq's worker releases
-its semaphore). The staleness of a batch is the number of earlier batches whose push is not
-yet acknowledged when its lookup starts, so it is at most ``window - 1``; ``window=None``
-(async mode) has no bound, only ``prefetch`` lookups ahead of compute.
+The bound on staleness is a semaphore of ``window`` slots: a batch takes one before its lookup, and
+its push task's completion frees it (a done-callback, as arq's worker releases its semaphore). The
+staleness of a batch is the number of earlier batches whose push is not yet acknowledged when its
+lookup starts, so it is at most ``window - 1``; ``window=None`` (async mode) has no bound, only
+``prefetch`` lookups ahead of compute.
 
-Once the slots are taken, the next batches wait as *riders*: the push that frees a slot
-carries the rider's lookup in the same message per shard (the rows include that push) and
-hands the slot straight to it. A rider that came after that push had left gets the slot only
-and looks up on its own, but never before an earlier batch still carried by a push: lookups
-start in batch order, else a batch could miss the pushes of earlier batches not yet looked
-up, beyond the bound.
+Once the slots are taken, the next batches wait as *riders*: the push that frees a slot carries the
+rider's lookup in the same message per shard (the rows include that push) and hands the slot
+straight to it. A rider that came after that push had left gets the slot only and looks up on its
+own, but never before an earlier batch still carried by a push: lookups start in batch order, else
+a batch could miss the pushes of earlier batches not yet looked up, beyond the bound.
 
 With a ``barrier`` (a wait for every worker, e.g. across the gloo ranks), every push, once
-acknowledged, waits at the barrier before it frees its slot, and no batch rides on a push: with
-one slot that is the *globally synchronous* mode, where every worker's push of step t is
-applied at every shard before any worker's lookup of step t + 1 starts.
+acknowledged, waits at the barrier before it frees its slot, and no batch rides on a push: with one
+slot that is the *globally synchronous* mode, where every worker's push of step t is applied at
+every shard before any worker's lookup of step t + 1 starts.
 
 Every batch a run trains has its layouts tagged (worker rank, step, workers): the PS counts, per
 lookup, the earlier pushes of every worker it did not see (``services.ps.staleness``).
 
-*Hot tables* (whose first batch holds at most ``hot_ratio`` distinct ids per sample) and the
-*head ids* of the others (their most frequent ids, ``head_rate``, :mod:`services.worker.heads`)
-are rows nearly every batch touches, which stale updates hurt most. They have a window of
-their own, ``hot_window`` (1: synchronous): batch t gets them only once the push of batch
-t - hot_window to them is acknowledged, in the same message (:class:`HotChain`). Where the
-rows live in this process (a :class:`clients.rows.DirectRows`, e.g. embedded shards), or where
-this is the only worker and a :class:`clients.rows.RowsReplica` holds a copy of them (``replica``:
-their gradients then also go on to the PS with the batch's), the compute thread itself reads
-them just before its step (:meth:`EmbeddingPipeline.read_hot`) and applies their gradients just
-after (:meth:`EmbeddingPipeline.apply_hot`): synchronous, with no round trip to wait for (hot
-tables so only with ``hot_window`` 1).
+*Hot tables* (whose first batch holds at most ``hot_ratio`` distinct ids per sample) and the *head
+ids* of the others (their most frequent ids, ``head_rate``, :mod:`services.worker.heads`) are rows
+nearly every batch touches, which stale updates hurt most. They have a window of their own,
+``hot_window`` (1: synchronous): batch t gets them only once the push of batch t - hot_window to
+them is acknowledged, in the same message (:class:`HotChain`). Where the rows live in this process
+(a :class:`clients.rows.DirectRows`, e.g. embedded shards), or where this is the only worker and a
+:class:`clients.rows.RowsReplica` holds a copy of them (``replica``: their gradients then also go
+on to the PS with the batch's), the compute thread itself reads them just before its step
+(:meth:`EmbeddingPipeline.read_hot`) and applies their gradients just after
+(:meth:`EmbeddingPipeline.apply_hot`): synchronous, with no round trip to wait for (hot tables so
+only with ``hot_window`` 1).
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
@@ -195,9 +194,7 @@ class EmbeddingPipeline:
         self._chain: HotChain | None = None
         self._direct_hot: list[int] = []  # hot groups the compute thread reads and updates
         self._direct_rows: DirectRows | None = None  # the rows client they are read from
-        # where the rows are remote and this is the only worker: a copy of the hot groups' and
-        # head ids' rows here (injected by the code that builds the worker), see plan()
-        self.replica: RowsReplica | None = None
+        self.replica: RowsReplica | None = None  # injected by the worker's builder: see plan()
         self._seeding: ReplicaSeeds | None = None  # where the replica is used (the first plan)
         self._head_rate = head_rate if window != 1 else None
         self.heads: HeadIds | None = None  # the windowed groups' head ids, once decided
@@ -345,6 +342,9 @@ class EmbeddingPipeline:
         """Raw and wire bytes per stream and codec, over :meth:`clients`."""
         return WireStats.merged(*(client.codec_stats for client in self.clients()))
 
+    def _copy(self, seeds: list[ShardedIds]) -> Awaitable[Any]:
+        return self._seeding.copy(seeds) if self._seeding else asyncio.sleep(0)
+
     def head_count(self) -> int:
         """Head ids now (0 without head ids)."""
         return self.heads.head_count() if self.heads is not None else 0
@@ -457,7 +457,7 @@ class EmbeddingPipeline:
     async def _look_up(self, plan: BatchPlan, staleness: int, seeds: list[ShardedIds]
                        ) -> tuple[Rows, int]:
         """The windowed groups' rows (the replica copies ``seeds`` meanwhile)."""
-        done = await asyncio.gather(self.lookup(plan, self._windowed), self._seed(seeds))
+        done = await asyncio.gather(self.lookup(plan, self._windowed), self._copy(seeds))
         return cast(Rows, done[0]), staleness
 
     async def _ride(self, rider: _Rider, seeds: list[ShardedIds]) -> tuple[Rows, int]:
@@ -466,12 +466,8 @@ class EmbeddingPipeline:
         rider has its slot."""
         rows, staleness = await rider.future
         looking = [self.lookup(rider.plan, self._windowed)] if rows is None else []
-        done = await asyncio.gather(*looking, self._seed(seeds))
+        done = await asyncio.gather(*looking, self._copy(seeds))
         return cast(Rows, done[0]) if rows is None else rows, staleness
-
-    async def _seed(self, seeds: list[ShardedIds]) -> None:
-        if self._seeding is not None:
-            await self._seeding.copy(seeds)
 
     async def _hand_over(self, ahead: asyncio.Queue[_Ahead | None],
                          put: Callable[[Prepared | None], Awaitable[Any]],
@@ -524,23 +520,16 @@ class EmbeddingPipeline:
         rider = state.rider = self._riders.popleft() if riding else None
         if rider is not None:
             self._carried += 1
-        hot_push = (asyncio.ensure_future(self._chain.push(item.plan, grads) if item.split is None
-                                          else self._chain.push(item.split.head,
-                                                                item.split.head_grads(grads)))
-                    if self._chain is not None else None)
-        replicated = self._seeding is not None  # the replica's updates go on to the PS
-        plan, sent = ((item.plan, grads) if item.split is None or replicated else
+        hot_push = self._hot_push(item, grads)
+        plan, sent = ((item.plan, grads) if item.split is None else
                       (item.split.remote, item.split.remote_grads(grads)))  # heads: applied
-        also = [self.path.push(self.rows, plan, i, sent[i]) for i in self._direct_hot
-                if replicated]
         try:
             started = time.perf_counter()
             if rider is None:
                 await asyncio.gather(*(self.path.push(self.rows, plan, i, sent[i])
-                                       for i in self._windowed), *also)
+                                       for i in self._windowed))
             else:
-                state.rows, *_ = await asyncio.gather(
-                    self._push_then_lookup(plan, sent, rider.plan), *also)
+                state.rows = await self._push_then_lookup(plan, sent, rider.plan)
                 if self._timers is not None:
                     self._timers.lookup_seconds.observe(time.perf_counter() - started)
             if hot_push is not None:
@@ -560,6 +549,17 @@ class EmbeddingPipeline:
             if hot_push is not None and not hot_push.done():
                 hot_push.cancel()
             raise
+
+    def _hot_push(self, item: Prepared, grads: Rows) -> asyncio.Future[None] | None:
+        """The push of ``item``'s hot rows: the chain's, or the replica's updates sent on."""
+        if self._seeding is not None:
+            return self._seeding.send(self.path, self.rows, item.plan, item.split, grads,
+                                      self._direct_hot)
+        if self._chain is None:
+            return None
+        split = item.split
+        return asyncio.ensure_future(self._chain.push(item.plan, grads) if split is None else
+                                     self._chain.push(split.head, split.head_grads(grads)))
 
     def _release(self, state: _Push, task: asyncio.Task[None]) -> None:
         """The push task's done-callback: its slot passes to the rider it carried (with the

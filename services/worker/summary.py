@@ -92,7 +92,8 @@ class FitSummary:
     ``eval_samples`` is set), else the progressive (pre-update) training figures
     (``train_auc``/``train_logloss``). ``loss`` is the mean of the latest 50 training losses,
     ``staleness_max``/``staleness_mean`` are those of the windowed rows; ``hot_tables`` and
-    ``head_ids`` (how many, at the end) are looked up under ``hot_staleness``. ``recent_losses`` this fit's latest ones (at most ``RECENT_LOSSES``), ``loss_curve`` the
+    ``head_ids`` (how many, at the end) are looked up under ``hot_staleness``;
+    ``replicated_rows`` are the rows of those the worker's replica held at the end (0: none). ``recent_losses`` this fit's latest ones (at most ``RECENT_LOSSES``), ``loss_curve`` the
     whole fit as ``(first step, mean loss)`` spans; ``history`` holds every held-out
     evaluation. With validation data, ``validation`` holds its evaluations, ``best_step`` and
     ``best_validation_auc`` the best of them, and ``restored_best`` whether the final state
@@ -111,6 +112,7 @@ class FitSummary:
     staleness_mean: float = 0.0
     hot_tables: list[str] = field(default_factory=list)
     head_ids: int = 0
+    replicated_rows: int = 0
     step_wall_ms: float = 0.0
     step_cpu_ms: float = 0.0
     batch_wait_ms: float = 0.0

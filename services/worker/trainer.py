@@ -12,15 +12,15 @@ The embedding side (staleness slots, riders, lookahead, pushes) is the
 :class:`clients.rows.RowsClient`: a :class:`PSClient` to ``ps_addresses`` (or the shards of a
 registry), with ``ps_process`` a :class:`PSClientProcess` (bulk PS traffic in a child process,
 the hot chain on the PSClient), or any ``rows_client`` (e.g. the PS's shards in this process).
-Compute runs in a :class:`~services.worker.compute.ComputeThread` so the event loop keeps
-serving lookups and pushes meanwhile. The Trainer keeps the dense replica: the model, its
-optimizer, the dense sync, ``fit`` and ``evaluate``.
+Compute runs in a :class:`~services.worker.compute.ComputeThread` so the event loop keeps serving
+lookups and pushes meanwhile. The Trainer keeps the dense replica: the model, its optimizer, the
+dense sync, ``fit`` and ``evaluate``.
 
-The bound on staleness is a semaphore of ``TrainerConfig.window`` slots: taken before a
-batch's lookup, freed when its push is acknowledged (``sync``: 1 slot, so a lookup waits for
-every earlier push of its worker, ``global_sync`` of every worker; ``hybrid``: ``max(S, 1)``; ``async``: none). The staleness of a batch
-is the number of earlier batches whose push is not yet acknowledged when its lookup starts;
-``fit`` reports the maximum.
+The bound on staleness is a semaphore of ``TrainerConfig.window`` slots: taken before a batch's
+lookup, freed when its push is acknowledged (``sync``: 1 slot, so a lookup waits for every earlier
+push of its worker, ``global_sync`` of every worker; ``hybrid``: ``max(S, 1)``; ``async``: none).
+The staleness of a batch is the number of earlier batches whose push is not yet acknowledged when
+its lookup starts; ``fit`` reports the maximum.
 
 Dense replicas synchronise through a :mod:`services.worker.sync` strategy (DDP all-reduce by
 default) when a torch.distributed group of more than one rank is initialised.
@@ -527,10 +527,10 @@ class Trainer:
             staleness_max=staleness.max, staleness_mean=staleness.mean,
             hot_tables=list(self.pipeline.hot_tables), head_ids=self.pipeline.head_count(),
             step_wall_ms=timing["step_wall_ms"], step_cpu_ms=timing["step_cpu_ms"],
-            batch_wait_ms=timing["batch_wait_ms"],
+            batch_wait_ms=timing["batch_wait_ms"], loss_curve=curve.points(),
             worker_cpu_ms_per_step=1e3 * cpu_seconds / steps_done if steps_done else 0.0,
             recent_losses=recent[len(recent) - min(steps_done, len(recent)):],
-            loss_curve=curve.points())
+            replicated_rows=getattr(self.pipeline.replica, "num_rows", 0))
         train = gather_accumulator(train_acc).result()
         summary.train_auc, summary.train_logloss = train.auc, train.logloss
         # the spread of the replicas as trained, then one model: their average
