@@ -86,3 +86,21 @@ def test_train_on_a_truncated_gzip_without_a_valid_record_fails(tmp_path: Path) 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 0 and summary["auc"] is None
     assert summary["error"].startswith("training consumed no valid record")
+
+
+def test_train_on_remote_shards_keeps_a_replica_of_the_head_rows(tmp_path: Path) -> None:
+    """One worker, its shards as processes over gRPC: the head ids' rows live in a replica on
+    the worker (``head_replica``, the default), copied once each, and the run trains."""
+    synth = _persimmon("synth", "--rows", "16384", "--test-rows", "8192", "--out", "data",
+                       cwd=tmp_path)
+    assert synth.returncode == 0, synth.stderr[-2000:]
+    meta = json.loads(synth.stdout)
+    proc = _persimmon("train", "--train-data", meta["source"], "--eval-data",
+                      meta["test_source"], "--batch-size", "256", "--ps", "processes",
+                      "--lr", "0.003", "--summary-json", "summary.json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ps"] == "processes" and summary["mode"] == "hybrid"
+    assert summary["head_ids"] > 0 and summary["replicated_rows"] >= summary["head_ids"]
+    assert summary["wire_bytes"]["lookup_in"] > 0  # the rest of the rows crossed the wire
+    assert meta["oracle"]["auc"] - 0.05 < summary["auc"] < meta["oracle"]["auc"] + 0.01
