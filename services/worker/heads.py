@@ -356,37 +356,39 @@ class ReplicaSeeds:
 
     @staticmethod
     def layouts(plan: BatchPlan, split: SplitBatch | None, hot: Sequence[int],
-                heads: HeadIds | None) -> list[ShardedIds]:
-        """The layouts whose rows the replica must hold before ``plan``'s step: every head id
-        decided since the last batch (all at once: one wait for the earlier pushes), its hot
-        groups' (``hot``) and its head ids'."""
+                heads: HeadIds | None) -> list[tuple[ShardedIds, bool]]:
+        """The layouts whose rows the replica must hold before ``plan``'s step, each with
+        whether its copy waits for the earlier steps' pushes: every head id decided since the
+        last batch (all at once: one wait), its head ids (they were windowed rows before),
+        and its hot groups' (``hot``: never windowed, no wait)."""
         tag = plan.groups[0].layout.tag
         fresh = [] if heads is None else [replace(layout, tag=tag) for layout in
                                           heads.take_fresh().values()]
         mine = [] if split is None else [split.head.groups[i].layout
                                          for i, (at, _) in split.groups.items() if at.size]
-        return fresh + [plan.groups[i].layout for i in hot] + mine
+        return [(layout, True) for layout in fresh + mine] + [
+            (plan.groups[i].layout, False) for i in hot]
 
-    async def copy(self, layouts: Sequence[ShardedIds]) -> None:
-        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks: those a copy
-        under way brings need no wait of their own (the later batches after a decision)."""
-        if not layouts or self._holds(layouts):
+    async def copy(self, layouts: Sequence[tuple[ShardedIds, bool]]) -> None:
+        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks; a head id's
+        once every earlier step's push is acknowledged, unless a copy under way brings it
+        (the batches after a decision wait for its copy only)."""
+        missing = [(layout, wait) for layout, wait in layouts if not self.replica.holds(layout)]
+        if not missing:
             return
         earlier = list(self._copying)
         done = asyncio.get_running_loop().create_future()
         self._copying.add(done)
         try:
-            if earlier:
+            if earlier and any(wait for _, wait in missing):
                 await asyncio.gather(*earlier, return_exceptions=True)
-                if self._holds(layouts):
-                    return
-            tag = layouts[0].tag
-            await self._acked.wait(tag[1] if tag is not None else 0)
+                missing = [(layout, wait) for layout, wait in missing
+                           if not self.replica.holds(layout)]
+            if any(wait for _, wait in missing):
+                tag = missing[0][0].tag
+                await self._acked.wait(tag[1] if tag is not None else 0)
             await asyncio.gather(*(self.replica.seed(self.source, layout)
-                                   for layout in layouts))
+                                   for layout, _ in missing))
         finally:
             self._copying.discard(done)
             done.set_result(None)
-
-    def _holds(self, layouts: Sequence[ShardedIds]) -> bool:
-        return all(self.replica.holds(layout) for layout in layouts)

@@ -342,7 +342,7 @@ class EmbeddingPipeline:
         """Raw and wire bytes per stream and codec, over :meth:`clients`."""
         return WireStats.merged(*(client.codec_stats for client in self.clients()))
 
-    def _copy(self, seeds: list[ShardedIds]) -> Awaitable[Any]:
+    def _copy(self, seeds: list[tuple[ShardedIds, bool]]) -> Awaitable[Any]:
         return self._seeding.copy(seeds) if self._seeding else asyncio.sleep(0)
 
     def head_count(self) -> int:
@@ -454,13 +454,14 @@ class EmbeddingPipeline:
         plan.groups[:] = [replace(g, layout=replace(g.layout, tag=tag)) for g in plan.groups]
         return plan
 
-    async def _look_up(self, plan: BatchPlan, staleness: int, seeds: list[ShardedIds]
+    async def _look_up(self, plan: BatchPlan, staleness: int, seeds: list[tuple[ShardedIds, bool]]
                        ) -> tuple[Rows, int]:
         """The windowed groups' rows (the replica copies ``seeds`` meanwhile)."""
         done = await asyncio.gather(self.lookup(plan, self._windowed), self._copy(seeds))
         return cast(Rows, done[0]), staleness
 
-    async def _ride(self, rider: _Rider, seeds: list[ShardedIds]) -> tuple[Rows, int]:
+    async def _ride(self, rider: _Rider, seeds: list[tuple[ShardedIds, bool]]
+                    ) -> tuple[Rows, int]:
         """A rider's rows: from the push it rode on, or its own lookup when it was handed the
         slot only (it came after that push had left); the replica copies ``seeds`` once the
         rider has its slot."""
