@@ -43,16 +43,22 @@ def test_demo_at_tiny_size_reaches_the_oracle_bound(tmp_path: Path) -> None:
     assert "demo summary" in proc.stdout and "oracle AUC" in proc.stdout
 
 
-def test_train_on_criteo_files_written_by_synth(tmp_path: Path) -> None:
+def _synth_then_train(tmp_path: Path, *train_argv: str) -> tuple[dict, dict]:
+    """``persimmon synth`` (16,384 rows, a test split of 8,192), then ``persimmon train`` on its
+    files with ``train_argv``: the synth metadata and the training summary."""
     synth = _persimmon("synth", "--rows", "16384", "--test-rows", "8192", "--out", "data",
                        cwd=tmp_path)
     assert synth.returncode == 0, synth.stderr[-2000:]
     meta = json.loads(synth.stdout)
     proc = _persimmon("train", "--train-data", meta["source"], "--eval-data",
-                      meta["test_source"], "--batch-size", "256", "--mode", "sync",
-                      "--lr", "0.003", "--summary-json", "summary.json", cwd=tmp_path)
+                      meta["test_source"], "--batch-size", "256", "--lr", "0.003",
+                      "--summary-json", "summary.json", *train_argv, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    return meta, json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_train_on_criteo_files_written_by_synth(tmp_path: Path) -> None:
+    meta, summary = _synth_then_train(tmp_path, "--mode", "sync")
     for key in ("auc", "logloss", "samples_per_s", "steps", "mode", "wire_bytes"):
         assert key in summary, key
     assert "oracle_auc" not in summary  # files: the launcher cannot know the teacher
@@ -91,15 +97,7 @@ def test_train_on_a_truncated_gzip_without_a_valid_record_fails(tmp_path: Path) 
 def test_train_on_remote_shards_keeps_a_replica_of_the_head_rows(tmp_path: Path) -> None:
     """One worker, its shards as processes over gRPC: the head ids' rows live in a replica on
     the worker (``head_replica``, the default), copied once each, and the run trains."""
-    synth = _persimmon("synth", "--rows", "16384", "--test-rows", "8192", "--out", "data",
-                       cwd=tmp_path)
-    assert synth.returncode == 0, synth.stderr[-2000:]
-    meta = json.loads(synth.stdout)
-    proc = _persimmon("train", "--train-data", meta["source"], "--eval-data",
-                      meta["test_source"], "--batch-size", "256", "--ps", "processes",
-                      "--lr", "0.003", "--summary-json", "summary.json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    meta, summary = _synth_then_train(tmp_path, "--ps", "processes")
     assert summary["ps"] == "processes" and summary["mode"] == "hybrid"
     assert summary["head_ids"] > 0 and summary["replicated_rows"] >= summary["head_ids"]
     assert summary["wire_bytes"]["lookup_in"] > 0  # the rest of the rows crossed the wire
