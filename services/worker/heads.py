@@ -313,11 +313,12 @@ class Acknowledged:
 
 class ReplicaSeeds:
     """What a :class:`clients.rows.RowsReplica` of the hot groups and head ids must hold
-    before each batch's step, copied from ``source`` once every earlier step's push is
-    acknowledged (an id's updates from before it was head are then in its copy)."""
+    before each batch's step, copied from the PS once every earlier step's push is
+    acknowledged (an id's updates from before it was head are then in its copy), and its
+    updates sent on to the PS in step order."""
 
-    def __init__(self, replica: RowsReplica, source: StatefulRows, first_step: int) -> None:
-        self.replica, self.source = replica, source
+    def __init__(self, replica: RowsReplica, first_step: int) -> None:
+        self.replica = replica
         self._acked = Acknowledged(first_step)
         self._copying: set[asyncio.Future[None]] = set()  # copies under way
         self._sent: asyncio.Future[None] | None = None  # the latest step's updates sent on
@@ -369,10 +370,11 @@ class ReplicaSeeds:
         return [(layout, True) for layout in fresh + mine] + [
             (plan.groups[i].layout, False) for i in hot]
 
-    async def copy(self, layouts: Sequence[tuple[ShardedIds, bool]]) -> None:
-        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks; a head id's
-        once every earlier step's push is acknowledged, unless a copy under way brings it
-        (the batches after a decision wait for its copy only)."""
+    async def copy(self, source: StatefulRows, layouts: Sequence[tuple[ShardedIds, bool]]
+                   ) -> None:
+        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks from ``source``;
+        a head id's once every earlier step's push is acknowledged, unless a copy under way
+        brings it (the batches after a decision wait for its copy only)."""
         missing = [(layout, wait) for layout, wait in layouts if not self.replica.holds(layout)]
         if not missing:
             return
@@ -387,8 +389,7 @@ class ReplicaSeeds:
             if any(wait for _, wait in missing):
                 tag = missing[0][0].tag
                 await self._acked.wait(tag[1] if tag is not None else 0)
-            await asyncio.gather(*(self.replica.seed(self.source, layout)
-                                   for layout, _ in missing))
+            await asyncio.gather(*(self.replica.seed(source, layout) for layout, _ in missing))
         finally:
             self._copying.discard(done)
             done.set_result(None)

@@ -34,11 +34,11 @@ nearly every batch touches, which stale updates hurt most. They have a window of
 ``hot_window`` (1: synchronous): batch t gets them only once the push of batch t - hot_window to
 them is acknowledged, in the same message (:class:`HotChain`). Where the rows live in this process
 (a :class:`clients.rows.DirectRows`, e.g. embedded shards), or where this is the only worker and a
-:class:`clients.rows.RowsReplica` holds a copy of them (``replica``: their gradients then also go
-on to the PS with the batch's), the compute thread itself reads them just before its step
-(:meth:`EmbeddingPipeline.read_hot`) and applies their gradients just after
-(:meth:`EmbeddingPipeline.apply_hot`): synchronous, with no round trip to wait for (hot tables so
-only with ``hot_window`` 1).
+:class:`clients.rows.RowsReplica` holds a copy of them (``replica``: their gradients then go on to
+the PS in step order, :class:`~services.worker.heads.ReplicaSeeds`), the compute thread itself
+reads them just before its step (:meth:`EmbeddingPipeline.read_hot`) and applies their gradients
+just after (:meth:`EmbeddingPipeline.apply_hot`): synchronous, with no round trip to wait for (hot
+tables so only with ``hot_window`` 1).
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
@@ -275,8 +275,7 @@ class EmbeddingPipeline:
                     and self.replica is not None and isinstance(self.path, RowsPath) \
                     and isinstance(self.rows, StatefulRows):
                 direct = self.replica
-                self._seeding = ReplicaSeeds(self.replica, cast(StatefulRows, self.rows),
-                                             self._steps)
+                self._seeding = ReplicaSeeds(self.replica, self._steps)
             if hot and self._hot_window == 1 and direct is not None:
                 self._direct_hot, self._direct_rows, hot = hot, direct, []
             if self._head_rate and self._windowed and isinstance(self.path, RowsPath):
@@ -343,7 +342,8 @@ class EmbeddingPipeline:
         return WireStats.merged(*(client.codec_stats for client in self.clients()))
 
     def _copy(self, seeds: list[tuple[ShardedIds, bool]]) -> Awaitable[Any]:
-        return self._seeding.copy(seeds) if self._seeding else asyncio.sleep(0)
+        return (self._seeding.copy(cast(StatefulRows, self.rows), seeds) if self._seeding
+                else asyncio.sleep(0))
 
     def head_count(self) -> int:
         """Head ids now (0 without head ids)."""
