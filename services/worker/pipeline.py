@@ -537,8 +537,6 @@ class EmbeddingPipeline:
                 await hot_push
             if self._timers is not None:
                 self._timers.push_seconds.observe(time.perf_counter() - started)
-            if self._seeding is not None:
-                self._seeding.acknowledged(item.plan)
             if self._acknowledge is not None:
                 await self._acknowledge(item.batch)
             if self._barrier is not None:
@@ -550,6 +548,9 @@ class EmbeddingPipeline:
             if hot_push is not None and not hot_push.done():
                 hot_push.cancel()
             raise
+        finally:  # failed too: no copy of the replica may wait for it (the run fails anyway)
+            if self._seeding is not None:
+                self._seeding.acknowledged(item.plan)
 
     def _hot_push(self, item: Prepared, grads: Rows) -> asyncio.Future[None] | None:
         """The push of ``item``'s hot rows: the chain's, or the replica's updates sent on."""

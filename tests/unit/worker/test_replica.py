@@ -4,12 +4,13 @@ a step, and the PS's copy follows it."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
 import pytest
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.sharding import ShardedIds
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
 from services.ps.config import PSConfig
@@ -119,3 +120,30 @@ def test_a_state_lookup_of_tables_with_different_state_layouts_is_refused() -> N
     with pytest.raises(InvalidArgument, match="different layouts"):
         shard.lookup_many_sync(["a", "b"], [2, 2], np.arange(4, dtype=np.uint64), state=state)
     assert shard.table("a").num_rows == shard.table("b").num_rows == 0 and not state
+
+
+class FailingRemote(Remote):
+    """Remote rows whose pushes of one step fail."""
+
+    def __init__(self, shards: InProcessShards, step: int) -> None:
+        super().__init__(shards)
+        self.step = step
+
+    async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> Any:
+        if layout.tag is not None and layout.tag[1] == self.step:
+            raise Unavailable(f"the push of step {self.step} failed")
+        return await self.inner.push_sharded(layout, grads)
+
+
+async def test_a_failed_push_fails_the_run_and_no_copy_waits_for_it() -> None:
+    """Step 6's push fails: the run ends with its error, and the step counts as acknowledged
+    for the replica's copies (a copy waiting for it would wait for ever, and with it the
+    step whose rows it brings, while the compute thread waits for that step)."""
+    batches = list(SyntheticDataset(DATA).batches(128, 128 * 24))
+    async with Trainer(model=ModelConfig(name="dlrm"), rows_client=FailingRemote(shards(), 6),
+                       lr=3e-3, seed=7, mode="hybrid", staleness=8) as t:
+        t.pipeline.replica = HeadReplica()
+        with pytest.raises(Unavailable, match="step 6"):
+            await asyncio.wait_for(t.fit(batches), 60)
+        assert t.pipeline._seeding is not None
+        assert t.pipeline._seeding._acked.below > 6
