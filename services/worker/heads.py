@@ -40,6 +40,7 @@ from services.worker.pooling import BatchPlan
 __all__ = ["Acknowledged", "HeadIds", "HotChain", "ReplicaSeeds", "SplitBatch"]
 
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
+Seen = collections.deque[tuple[np.ndarray, np.ndarray, ShardedIds]]  # keys, occurrences, layout
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # spreads a table's index over the bits of its ids' keys
 
@@ -133,8 +134,7 @@ class HeadIds:
         self.groups = list(groups)
         self.rate = rate
         self.memory, self.every = memory, every
-        self._seen: dict[int, collections.deque[tuple[np.ndarray, np.ndarray, ShardedIds]]] = {
-            i: collections.deque(maxlen=memory) for i in self.groups}
+        self._seen: dict[int, Seen] = {i: collections.deque(maxlen=memory) for i in self.groups}
         self._head: dict[int, np.ndarray] = {}  # per group: a hash set of its head keys
         self._sticky: dict[int, np.ndarray] | None = {} if sticky else None  # every head key
         self._fresh: dict[int, ShardedIds] = {}  # sticky: head ids new since take_fresh()
@@ -178,30 +178,33 @@ class HeadIds:
         if n & (n - 1) == 0 and n <= self.memory or n % self.every == 0:
             heads: dict[int, np.ndarray] = {}
             for i, seen in self._seen.items():
-                found, ids, tables = self._decide(seen)
+                found, at = self._decide(seen)
                 if self._sticky is not None:
                     old = self._sticky.get(i, found[:0])
                     if (new := ~np.isin(found, old)).any():
-                        last = seen[-1][2]
-                        self._fresh[i] = ShardedIds.of_tables(
-                            {name: ids[new & (tables == j)] for j, name in enumerate(last.tables)},
-                            last.num_shards)[0]
+                        self._fresh[i] = self._layout_of(seen, at[new])
                     found = self._sticky[i] = np.union1d(found, old)
                 heads[i] = found
             self._count_now = sum(h.size for h in heads.values())
             self._head = {i: _hash_set(h) for i, h in heads.items() if h.size}
 
-    def _decide(self, seen: collections.deque[tuple[np.ndarray, np.ndarray, ShardedIds]]
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The head keys of ``seen``, with the id and the table (index) of each."""
+    def _decide(self, seen: Seen) -> tuple[np.ndarray, np.ndarray]:
+        """The head keys of ``seen`` and where each first occurs in its concatenated keys."""
         keys = np.concatenate([k for k, _, _ in seen])
         occurs = np.concatenate([c for _, c, _ in seen])
         unique, first, where = np.unique(keys, return_index=True, return_inverse=True)
         total = np.bincount(where, weights=occurs, minlength=unique.size)
         head = total >= max(2.0, self.rate * len(seen))
-        at = first[head]
-        return (unique[head], np.concatenate([layout.ids for _, _, layout in seen])[at],
-                np.concatenate([layout.table_index() for _, _, layout in seen])[at])
+        return unique[head], first[head]
+
+    @staticmethod
+    def _layout_of(seen: Seen, at: np.ndarray) -> ShardedIds:
+        """The layout of the ids at positions ``at`` of ``seen``'s concatenated keys."""
+        ids = np.concatenate([layout.ids for _, _, layout in seen])[at]
+        tables = np.concatenate([layout.table_index() for _, _, layout in seen])[at]
+        last = seen[-1][2]
+        return ShardedIds.of_tables({name: ids[tables == j] for j, name in enumerate(last.tables)},
+                                    last.num_shards)[0]
 
 
 class ChainHost(Protocol):
