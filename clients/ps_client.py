@@ -255,28 +255,28 @@ class PSClient:
                              ) -> np.ndarray:
         """Rows ``(len(layout.ids), dim)`` of a layout whose tables share one dim, aligned with
         ``layout.ids``: one Lookup message per shard with ids."""
-        bounds = layout.bounds
-        replies = await self._within(asyncio.gather(*(
-            self._shards[k].lookup.request(self._lookup_body(k, layout, read_only),
-                                           msg.LookupReply)
-            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k])))
-        return await self._rows_of(replies, layout)
+        return await self._rows_of(await self._lookups(layout, read_only=read_only), layout)
 
     async def lookup_state_sharded(self, layout: ShardedIds
                                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """:meth:`lookup_sharded` with exact rows (no rows codec) and each row's optimizer
         state by name, as the shards hold them: what a worker's replica starts from."""
-        bounds = layout.bounds
-        replies = await self._within(asyncio.gather(*(
-            self._shards[k].lookup.request(self._lookup_body(k, layout, with_state=True),
-                                           msg.LookupReply)
-            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k])))
+        replies = await self._lookups(layout, with_state=True)
         state: dict[str, list[np.ndarray]] = {}
         for reply in replies:
             for name, arr in (reply.state or {}).items():
                 state.setdefault(name, []).append(self._received("rows_down", arr))
         return await self._rows_of(replies, layout), {k: np.concatenate(v)
                                                       for k, v in state.items()}
+
+    async def _lookups(self, layout: ShardedIds, *, read_only: bool = False,
+                       with_state: bool = False) -> list[msg.LookupReply]:
+        """One Lookup message per shard with ids of ``layout``: the replies in shard order."""
+        bounds = layout.bounds
+        return list(await self._within(asyncio.gather(*(
+            self._shards[k].lookup.request(
+                self._lookup_body(k, layout, read_only, with_state=with_state), msg.LookupReply)
+            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
 
     async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushAck:
         """Gradients ``(len(layout.ids), dim)`` of a layout's ids: one Push message per shard

@@ -168,7 +168,7 @@ class InProcessShards:
         only :meth:`push_sharded`'s pushes)."""
         dim = self._check_layout(layout)
         _check_grads(layout, grads, dim)
-        return _sum([self.shards[k].push_many_sync(
+        return PushResult.total([self.shards[k].push_many_sync(
             layout.tables, layout.counts[k].tolist(), ids,
             grads[layout.bounds[k]:layout.bounds[k + 1]]) for k, ids in self._shares(layout)])
 
@@ -199,26 +199,30 @@ class InProcessShards:
 
     async def lookup_sharded(self, layout: ShardedIds) -> np.ndarray:
         """Rows ``(len(layout.ids), dim)`` aligned with ``layout.ids``."""
-        dim = self._check_layout(layout)
-        with step_tags(lookup=layout.tag):
-            parts = await asyncio.gather(*(
-                self.shards[k].lookup_many(layout.tables, layout.counts[k].tolist(), ids)
-                for k, ids in self._shares(layout)))
-        return _rows(parts, dim)
+        return await self._lookups(layout, None)
 
     async def lookup_state_sharded(self, layout: ShardedIds
                                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """:meth:`lookup_sharded` with each row's optimizer state by name (a replica's seed)."""
-        dim = self._check_layout(layout)
         states: list[dict[str, np.ndarray]] = []
-        parts = []
+        rows = await self._lookups(layout, states)
+        return rows, ({k: np.concatenate([s[k] for s in states]) for k in states[0]}
+                      if states else {})
+
+    async def _lookups(self, layout: ShardedIds, states: list[dict[str, np.ndarray]] | None
+                       ) -> np.ndarray:
+        """Each shard's share of ``layout`` looked up on it; with ``states``, each share's
+        optimizer state is appended there, in shard order."""
+        dim = self._check_layout(layout)
+        shares = self._shares(layout)
+        if states is not None:
+            states.extend({} for _ in shares)
         with step_tags(lookup=layout.tag):
-            for k, ids in self._shares(layout):
-                states.append({})
-                parts.append(await self.shards[k].lookup_many(
-                    layout.tables, layout.counts[k].tolist(), ids, state=states[-1]))
-        return _rows(parts, dim), ({k: np.concatenate([s[k] for s in states])
-                                    for k in states[0]} if states else {})
+            parts = await asyncio.gather(*(
+                self.shards[k].lookup_many(layout.tables, layout.counts[k].tolist(), ids,
+                                           state=None if states is None else states[n])
+                for n, (k, ids) in enumerate(shares)))
+        return _rows(parts, dim)
 
     async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushResult:
         """Apply ``grads`` (``(len(layout.ids), dim)``) on every shard (after the gate)."""
@@ -227,7 +231,7 @@ class InProcessShards:
         if self.gate is not None:
             await self.gate.wait()
         with step_tags(push=layout.tag):
-            return _sum(await asyncio.gather(*(
+            return PushResult.total(await asyncio.gather(*(
                 self.shards[k].push_many(layout.tables, layout.counts[k].tolist(), ids,
                                          grads[layout.bounds[k]:layout.bounds[k + 1]])
                 for k, ids in self._shares(layout))))
@@ -251,7 +255,7 @@ class InProcessShards:
             jobs.append(self._push_then_lookup_one(self.shards[k], push, lookup))
         with step_tags(push=layout.tag, lookup=then.tag):
             done = await asyncio.gather(*jobs)
-        return (_sum([r for r, _ in done if r is not None]),
+        return (PushResult.total([r for r, _ in done if r is not None]),
                 _rows([rows for _, rows in done if rows is not None], then_dim))
 
     @staticmethod
@@ -297,9 +301,3 @@ def _rows(parts: Sequence[np.ndarray], dim: int) -> np.ndarray:
     if not parts:
         return np.empty((0, dim), dtype=np.float32)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-def _sum(results: Sequence[PushResult]) -> PushResult:
-    return PushResult(applied=sum(r.applied for r in results),
-                      dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
-                      not_admitted=sum(r.not_admitted for r in results))

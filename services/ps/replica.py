@@ -48,9 +48,6 @@ __all__ = ["HeadReplica"]
 class _Source(Protocol):
     """The remote rows a replica copies from (a ``clients.rows.StatefulRows``)."""
 
-    @property
-    def num_shards(self) -> int: ...
-
     async def tables(self) -> list[dict[str, Any]]: ...
 
     async def lookup_state_sharded(self, layout: ShardedIds
@@ -92,10 +89,8 @@ class HeadReplica:
         tables = self._held_tables()
         if grads.shape != (layout.ids.size, tables[layout.tables[0]].dim):
             raise InvalidArgument(f"grads must be ({layout.ids.size}, dim), got {grads.shape}")
-        done = [tables[name].push(layout.ids[at], grads[at]) for name, at in _by_table(layout)]
-        return PushResult(applied=sum(r.applied for r in done),
-                          dropped_nonfinite=sum(r.dropped_nonfinite for r in done),
-                          not_admitted=sum(r.not_admitted for r in done))
+        return PushResult.total(tables[name].push(layout.ids[at], grads[at])
+                                for name, at in _by_table(layout))
 
     def holds(self, layout: ShardedIds) -> bool:
         """Whether the replica holds the row of every id of ``layout``."""

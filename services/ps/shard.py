@@ -241,9 +241,7 @@ class Shard:
     def _apply(self, parts: Sequence[PushPart]) -> PushResult:
         results = [self.table(name).push(ids, grads) for name, ids, grads in parts]
         self.staleness.pushed([name for name, _, _ in parts])
-        return PushResult(applied=sum(r.applied for r in results),
-                          dropped_nonfinite=sum(r.dropped_nonfinite for r in results),
-                          not_admitted=sum(r.not_admitted for r in results))
+        return PushResult.total(results)
 
     def _log(self, record: dict[str, Any] | Callable[..., dict[str, Any]], *args: Any) -> None:
         if self.wal is not None:  # a push's record is built only when there is a log

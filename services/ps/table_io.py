@@ -3,6 +3,7 @@ of a push, and snapshots (with the check that one fits a table)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,14 @@ class PushResult:
     applied: int = 0
     dropped_nonfinite: int = 0
     not_admitted: int = 0
+
+    @classmethod
+    def total(cls, results: Iterable[PushResult]) -> PushResult:
+        """The counts of several pushes (or parts of one) added up."""
+        done = list(results)
+        return cls(applied=sum(r.applied for r in done),
+                   dropped_nonfinite=sum(r.dropped_nonfinite for r in done),
+                   not_admitted=sum(r.not_admitted for r in done))
 
 
 @dataclass(slots=True)

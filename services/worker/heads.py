@@ -375,24 +375,24 @@ class ReplicaSeeds:
 
     async def copy(self, source: StatefulRows, layouts: Sequence[tuple[ShardedIds, bool]]
                    ) -> None:
-        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks from ``source``;
-        a head id's once every earlier step's push is acknowledged, unless a copy under way
-        brings it (the batches after a decision wait for its copy only)."""
-        missing = [(layout, wait) for layout, wait in layouts if not self.replica.holds(layout)]
-        if not missing:
+        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks from ``source``,
+        after the copies under way (one copy of a row, not one per batch that needs it; the
+        batches after a decision wait for its copy only), a head id's once every earlier
+        step's push is acknowledged."""
+        if all(self.replica.holds(layout) for layout, _ in layouts):
             return
         earlier = list(self._copying)
         done = asyncio.get_running_loop().create_future()
         self._copying.add(done)
         try:
-            if earlier and any(wait for _, wait in missing):
-                await asyncio.gather(*earlier, return_exceptions=True)
-                missing = [(layout, wait) for layout, wait in missing
-                           if not self.replica.holds(layout)]
+            await asyncio.gather(*earlier, return_exceptions=True)
+            missing = [(layout, wait) for layout, wait in layouts
+                       if not self.replica.holds(layout)]
             if any(wait for _, wait in missing):
                 tag = missing[0][0].tag
                 await self._acked.wait(tag[1] if tag is not None else 0)
-            await asyncio.gather(*(self.replica.seed(source, layout) for layout, _ in missing))
+            for layout, _ in missing:  # in turn: a layout may hold ids of the one before
+                await self.replica.seed(source, layout)
         finally:
             self._copying.discard(done)
             done.set_result(None)
