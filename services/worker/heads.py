@@ -324,34 +324,26 @@ class ReplicaSeeds:
         self.replica = replica
         self._acked = Acknowledged(first_step)
         self._copying: set[asyncio.Future[None]] = set()  # copies under way
-        self._sent: asyncio.Future[None] | None = None  # the latest step's updates sent on
 
     def begin(self, first_step: int) -> None:
         """A new run, whose first step is ``first_step``: the replica copies every row again
         (the PS's may have changed between runs)."""
         self.replica.clear()
         self._acked = Acknowledged(first_step)
-        self._sent = None
 
     def send(self, path: EmbeddingPath, rows: RowsClient, plan: BatchPlan,
-             split: SplitBatch | None, grads: Rows, hot: Sequence[int]) -> asyncio.Future[None]:
+             split: SplitBatch | None, grads: Rows, hot: Sequence[int]) -> asyncio.Future[Any]:
         """Push ``plan``'s updates of the replicated rows (its hot groups' ``hot`` and its head
-        ids') on to the PS once the previous step's are acknowledged: the PS applies them in
-        step order, as the replica did (a shard may apply concurrent pushes in any order).
-        Call it in step order."""
-        before = self._sent
+        ids') on to the PS. Call it in step order: the pushes leave in that order, each shard
+        receives them on its one push stream and serves a stream's messages in order, so it
+        applies them in step order, as the replica did, without waiting for the previous
+        step's acknowledgement (Adagrad's result depends on the order). A push retried after
+        a broken connection can land after later ones."""
         heads = [] if split is None else [i for i, (at, _) in split.groups.items() if at.size]
         head_grads = split.head_grads(grads) if split is not None else grads
-
-        async def after() -> None:
-            if before is not None:
-                await asyncio.gather(before, return_exceptions=True)
-            await asyncio.gather(
-                *(path.push(rows, plan, i, grads[i]) for i in hot),
-                *(path.push(rows, cast(SplitBatch, split).head, i, head_grads[i])
-                  for i in heads))
-        self._sent = asyncio.ensure_future(after())
-        return self._sent
+        return asyncio.ensure_future(asyncio.gather(
+            *(path.push(rows, plan, i, grads[i]) for i in hot),
+            *(path.push(rows, cast(SplitBatch, split).head, i, head_grads[i]) for i in heads)))
 
     def acknowledged(self, plan: BatchPlan) -> None:
         """``plan``'s push is acknowledged."""

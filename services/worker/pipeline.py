@@ -552,7 +552,7 @@ class EmbeddingPipeline:
             if self._seeding is not None:
                 self._seeding.acknowledged(item.plan)
 
-    def _hot_push(self, item: Prepared, grads: Rows) -> asyncio.Future[None] | None:
+    def _hot_push(self, item: Prepared, grads: Rows) -> asyncio.Future[Any] | None:
         """The push of ``item``'s hot rows: the chain's, or the replica's updates sent on."""
         if self._seeding is not None:
             return self._seeding.send(self.path, self.rows, item.plan, item.split, grads,

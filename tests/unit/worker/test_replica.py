@@ -86,23 +86,31 @@ async def test_head_ids_use_the_replica_and_the_ps_follows_it() -> None:
     """Zipf tables with head ids under a window: the head rows are copied once each, read
     and updated here, and their gradients reach the PS: its copy of every head row is the
     replica's, bit for bit. (A row copied before the pushes of the earlier batches that
-    updated it as a windowed row are acknowledged misses them; the replica's updates sent on
-    without waiting for the previous step's can be applied out of order by a shard.)"""
+    updated it as a windowed row are acknowledged misses them. The same over real gRPC, where
+    the order of the updates is at stake: tests/integration/worker/test_replica_grpc.py.)"""
     rows, replica = Remote(shards()), HeadReplica()
     summary, t = await fit(rows, replica, 24)
     assert t.pipeline._seeding is not None and t.pipeline.head_count() > 0
     assert rows.copied == replica.num_rows == summary.replicated_rows > 0
+    assert_ps_follows(replica, rows.inner.shards)
+    assert np.isfinite(summary.loss)
+
+
+def assert_ps_follows(replica: HeadReplica, shards: list[Shard]) -> None:
+    """Every row the replica holds (updated here: not its initial row) is the same, bit for
+    bit, on the shard that owns it."""
     same = total = 0
     for name, tab in (replica._tables or {}).items():
         ids = tab.ids()
         mine = tab.peek(ids)[0]
-        (rows0, on0), (rows1, _) = (s.tables[name].peek(ids) for s in rows.inner.shards)
-        theirs = np.where(on0[:, None], rows0, rows1)  # each id's row on the shard owning it
+        held = [s.tables[name].peek(ids) for s in shards]
+        theirs = held[0][0].copy()
+        for rows, present in held[1:]:
+            theirs[present] = rows[present]  # each id's row on the shard owning it
         assert ids.size == 0 or not np.array_equal(mine, tab.initial_rows(ids))
         same += int((mine == theirs).all(axis=1).sum())
         total += ids.size
     assert same == total > 0, (same, total)
-    assert np.isfinite(summary.loss)
 
 
 async def test_not_used_where_the_rows_live_in_this_process() -> None:
