@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
 
-__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "committed", "dedup_slots", "gather_rows",
+__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "PairHashTable", "committed", "dedup_slots", "gather_rows",
            "mix64", "mix64_int", "nonfinite_rows", "prefetch", "prefetch_row", "smallest_keys",
            "sum_rows_by_slot", "to_unit", "touch_slots", "unique_inverse"]
 
@@ -309,6 +309,76 @@ class IdHashTable:
     def clear(self) -> None:
         self._vals.fill(_EMPTY)
         self._size = 0
+
+
+@njit(cache=True, nogil=True)
+def _find_pairs(owners, keys, vals, tables, ids, out):  # pragma: no cover - numba
+    mask = keys.shape[0] - 1
+    for j in range(ids.shape[0]):
+        t, k = tables[j], ids[j]
+        i = np.int64(mix64(k ^ (np.uint64(t) * GOLDEN)) & np.uint64(mask))
+        out[j] = _EMPTY
+        while vals[i] != _EMPTY:
+            if keys[i] == k and owners[i] == t:
+                out[j] = vals[i]
+                break
+            i = (i + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def _insert_pairs(owners, keys, vals, tables, ids, values):  # pragma: no cover - numba
+    """Insert absent pairs (a present one is overwritten); returns how many were new."""
+    mask = keys.shape[0] - 1
+    added = 0
+    for j in range(ids.shape[0]):
+        t, k = tables[j], ids[j]
+        i = np.int64(mix64(k ^ (np.uint64(t) * GOLDEN)) & np.uint64(mask))
+        while vals[i] != _EMPTY and not (keys[i] == k and owners[i] == t):
+            i = (i + 1) & mask
+        if vals[i] == _EMPTY:
+            added += 1
+        owners[i], keys[i], vals[i] = t, k, values[j]
+    return added
+
+
+class PairHashTable:
+    """A map (table number, uint64 id) → value >= 0: one probe for the ids of many tables
+    (where an :class:`IdHashTable` per table would take a call per table). No removal."""
+
+    __slots__ = ("_keys", "_owners", "_size", "_vals")
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._allocate(_pow2_at_least(_LOAD_DEN * max(1, capacity) // _LOAD_NUM + 1))
+
+    def _allocate(self, size: int) -> None:
+        self._owners = np.zeros(size, dtype=np.int64)
+        self._keys = np.zeros(size, dtype=np.uint64)
+        self._vals = np.full(size, _EMPTY, dtype=np.int64)
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def find(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The value of each ``(tables[j], ids[j])``, or -1 where absent."""
+        out = np.empty(ids.shape[0], dtype=np.int64)
+        _find_pairs(self._owners, self._keys, self._vals,
+                    np.ascontiguousarray(tables, dtype=np.int64),
+                    np.ascontiguousarray(ids, dtype=np.uint64), out)
+        return out
+
+    def insert(self, tables: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
+        """Set ``(tables[j], ids[j]) → values[j]``, growing by doubling past a load of 3/4."""
+        need = self._size + ids.shape[0]
+        if _LOAD_DEN * need > _LOAD_NUM * self._keys.shape[0]:
+            used = self._vals != _EMPTY
+            old = self._owners[used], self._keys[used], self._vals[used]
+            self._allocate(_pow2_at_least(_LOAD_DEN * need // _LOAD_NUM + 1))
+            self._size = int(_insert_pairs(self._owners, self._keys, self._vals, *old))
+        self._size += int(_insert_pairs(
+            self._owners, self._keys, self._vals, np.ascontiguousarray(tables, dtype=np.int64),
+            np.ascontiguousarray(ids, dtype=np.uint64),
+            np.ascontiguousarray(values, dtype=np.int64)))
 
 
 # ---- batch kernels of the row arena (slots are int64, -1 = no row) ----------------------------

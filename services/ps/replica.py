@@ -3,18 +3,20 @@
 With one worker, the rows of the head ids and of the hot tables have one writer: that worker.
 Where they are remote the synchronous hot chain (``services.worker.heads.HotChain``) still waits
 for one round trip a step (push the step's gradients, read the rows back). A
-:class:`HeadReplica` keeps those rows in the worker's process instead, in tables of the PS's own
-kind (one :class:`~services.ps.store.EmbeddingTable` per table, whatever the PS's shards: every
-update is the PS's arithmetic, bit for bit): the compute thread reads them just before its step
-and applies their gradients just after (``lookup_now``/``push_now``, as with embedded shards),
-and the batch's push sends the same gradients on to the PS, whose copy so follows the
+:class:`HeadReplica` keeps those rows in the worker's process instead: one arena of rows and
+optimizer state for all the tables that share an optimizer config (whatever the PS's shards),
+found by one probe of a (table, id) index, updated with the PS's own optimizer kernels
+(``services.ps.optimizers.apply_update``, bit for bit the PS's arithmetic). The compute thread
+reads them just before its step and applies their gradients just after
+(``lookup_now``/``push_now``, as with embedded shards: one call a step for all tables, not one a
+table), and the batch's push sends the same gradients on to the PS, whose copy so follows the
 replica's.
 
 A row is copied from the PS, rows and optimizer state exactly (``lookup_state_sharded``), the first
 time a batch needs it (:meth:`HeadReplica.seed`, at that batch's lookup), once every earlier
 batch's push is acknowledged (the worker's embedding pipeline waits for that): the copy holds every
-update of the id, and so does the PS's copy after it. The replica's tables are the PS's configs
-held in RAM without eviction, TTL or admission (the PS still applies those to its copy); optimizer
+update of the id, and so does the PS's copy after it. The replica holds its rows in RAM without eviction,
+TTL or admission (the PS still applies those to its copy); optimizer
 settings changed on the PS during a run (admin API) do not reach the replica, nor does a lossy
 grads codec's loss.
 
@@ -29,8 +31,8 @@ Usage (one worker, its rows across a network)::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,9 +40,10 @@ import numpy as np
 from services.common.config import from_dict
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.sharding import ShardedIds
-from services.ps.store import EmbeddingTable, PushResult, warm_up
-from services.ps.table_io import TableSnapshot
-from services.ps.tables import StorageConfig, TableConfig
+from services.ps.hashtable import PairHashTable, gather_rows, nonfinite_rows
+from services.ps.optimizers import apply_update, state_layout
+from services.ps.table_io import PushResult
+from services.ps.tables import OptimizerConfig, TableConfig
 
 __all__ = ["HeadReplica"]
 
@@ -54,13 +57,85 @@ class _Source(Protocol):
                                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]: ...
 
 
+@dataclass
+class _Arena:
+    """The rows and optimizer state of the tables that share one optimizer config, dim and
+    storage dtype, one slot a row."""
+
+    optimizer: OptimizerConfig
+    dim: int
+    dtype: np.dtype
+    size: int = 0
+    rows: np.ndarray = field(init=False)
+    state: dict[str, np.ndarray] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = np.empty((0, self.dim), dtype=self.dtype)
+        self.state = {k: np.empty((0, *shape), dt) for k, (shape, dt)
+                      in state_layout(self.optimizer, self.dim).items()}
+
+    def add(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> np.ndarray:
+        """Store new rows (float32, as the PS sent them) and their state; their slots."""
+        n = rows.shape[0]
+        if self.size + n > self.rows.shape[0]:
+            grow = max(1024, 2 * (self.size + n))
+            self.rows = _grown(self.rows, grow)
+            self.state = {k: _grown(v, grow) for k, v in self.state.items()}
+        slots = np.arange(self.size, self.size + n)
+        self.rows[slots] = rows.astype(self.dtype)
+        for k, v in self.state.items():
+            v[slots] = state[k]
+        self.size += n
+        return slots
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        if self.dtype != np.float32:
+            return self.rows[slots].astype(np.float32)
+        out = np.empty((slots.shape[0], self.dim), dtype=np.float32)
+        gather_rows(self.rows, slots, out)
+        return out
+
+    def apply(self, slots: np.ndarray, grads: np.ndarray) -> PushResult:
+        """As a PS table applies a push of distinct held ids: non-finite rows dropped."""
+        bad = np.empty(slots.shape[0], dtype=bool)
+        if dropped := int(nonfinite_rows(grads, bad)):
+            slots, grads = slots[~bad], grads[~bad]
+        if self.dtype == np.float32:
+            apply_update(self.optimizer, self.rows, slots, self.state, slots, grads)
+        else:
+            wide = self.rows[slots].astype(np.float32)
+            apply_update(self.optimizer, wide, np.arange(slots.shape[0]), self.state, slots,
+                         grads)
+            self.rows[slots] = wide.astype(self.dtype)
+        return PushResult(applied=int(slots.shape[0]), dropped_nonfinite=dropped)
+
+
+def _warm_up(arenas: Sequence[_Arena]) -> None:
+    """Run every kernel the replica's arenas use once, on scratch arenas of their kinds, so
+    that numba loads (or compiles) them now, not during the first training steps."""
+    index = PairHashTable()
+    index.insert(np.zeros(4, dtype=np.int64), np.arange(4, dtype=np.uint64), np.arange(4))
+    slots = index.find(np.zeros(4, dtype=np.int64), np.arange(4, dtype=np.uint64))
+    for arena in arenas:
+        scratch = _Arena(arena.optimizer, arena.dim, arena.dtype)
+        scratch.add(np.zeros((4, arena.dim), dtype=np.float32),
+                    {k: np.zeros((4, *v.shape[1:]), v.dtype) for k, v in scratch.state.items()})
+        scratch.read(slots)
+        scratch.apply(slots, np.zeros((4, arena.dim), dtype=np.float32))
+
+
+def _grown(array: np.ndarray, rows: int) -> np.ndarray:
+    out = np.empty((rows, *array.shape[1:]), dtype=array.dtype)
+    out[:array.shape[0]] = array
+    return out
+
+
 class HeadReplica:
     """The worker's copy of the rows it alone writes (see the module doc); a
-    ``clients.rows.DirectRows`` once :meth:`seed` built its tables."""
+    ``clients.rows.RowsReplica``."""
 
     def __init__(self) -> None:
-        self._tables: dict[str, EmbeddingTable] | None = None
-        self._building = asyncio.Lock()
+        self.clear()
 
     @property
     def direct(self) -> bool:
@@ -69,90 +144,118 @@ class HeadReplica:
     @property
     def num_rows(self) -> int:
         """Rows held, over every table."""
-        return sum(t.num_rows for t in (self._tables or {}).values())
+        return len(self._index)
 
     def clear(self) -> None:
         """Forget every row (a new run copies them again: the PS's may have changed)."""
-        self._tables = None
+        self._configs: dict[str, TableConfig] | None = None
+        self._number: dict[str, int] = {}  # table -> its number in the index
+        self._arena_of = np.empty(0, dtype=np.int64)  # table number -> its arena
+        self._arenas: list[_Arena] = []
+        self._index = PairHashTable()  # (table number, id) -> slot in its table's arena
+        self._held_ids: list[np.ndarray] = []  # per table number: the ids held, in order
+        self._numbers: dict[tuple[str, ...], np.ndarray] = {}  # per layout's tables
         self._building = asyncio.Lock()
 
     def lookup_now(self, layout: ShardedIds) -> np.ndarray:
         """The held rows of ``layout`` (every id seeded first), in the calling thread."""
-        tables = self._held_tables()
-        out = np.empty((layout.ids.size, tables[layout.tables[0]].dim), dtype=np.float32)
-        for name, at in _by_table(layout):
-            out[at] = tables[name].lookup(layout.ids[at])
+        out: np.ndarray | None = None
+        for arena, at, slots in self._held_parts(layout):
+            if at is None:
+                return arena.read(slots)
+            if out is None:
+                out = np.empty((layout.ids.size, arena.dim), dtype=np.float32)
+            out[at] = arena.read(slots)
+        assert out is not None
         return out
 
     def push_now(self, layout: ShardedIds, grads: np.ndarray) -> PushResult:
         """Apply ``grads`` to the held rows of ``layout`` now, with the PS's optimizer."""
-        tables = self._held_tables()
-        if grads.shape != (layout.ids.size, tables[layout.tables[0]].dim):
+        parts = self._held_parts(layout)
+        if grads.shape != (layout.ids.size, parts[0][0].dim):
             raise InvalidArgument(f"grads must be ({layout.ids.size}, dim), got {grads.shape}")
-        return PushResult.total(tables[name].push(layout.ids[at], grads[at])
-                                for name, at in _by_table(layout))
+        grads = np.ascontiguousarray(grads, dtype=np.float32)
+        return PushResult.total(arena.apply(slots, grads if at is None else grads[at])
+                                for arena, at, slots in parts)
 
     def holds(self, layout: ShardedIds) -> bool:
         """Whether the replica holds the row of every id of ``layout``."""
-        return self._tables is not None and bool(_held(self._tables, layout).all())
+        return self._configs is not None and bool((self._slots(layout) >= 0).all())
+
+    def held(self) -> dict[str, np.ndarray]:
+        """The ids of the rows held, per table."""
+        return {name: self._held_ids[number] for name, number in self._number.items()}
 
     async def seed(self, source: _Source, layout: ShardedIds) -> int:
         """Copy the rows of ``layout``'s ids not held yet from ``source`` (rows and optimizer
         state, exactly); returns how many it copied."""
-        tables = await self._build(source)
-        missing = layout.subset(~_held(tables, layout))
+        await self._build(source)
+        missing = layout.subset(self._slots(layout) < 0)
         if not missing.ids.size:
             return 0
         rows, state = await source.lookup_state_sharded(
             replace(missing, tag=None))  # a copy, not a step's lookup (the PS's staleness count)
-        fresh = ~_held(tables, missing)  # a seed overlapping this one may have copied some
-        empty = np.empty(0, dtype=np.uint64)
-        for name, at in _by_table(missing):
-            at = at[fresh[at]]
-            table = tables[name]
-            table.restore(TableSnapshot(config=table.config, ids=missing.ids[at], rows=rows[at],
-                                        state={key: v[at] for key, v in state.items()},
-                                        tombstones=empty))
+        numbers = self._table_numbers(missing)
+        fresh = self._index.find(numbers, missing.ids) < 0  # an overlapping seed copied some
+        for k, arena in enumerate(self._arenas):
+            at = np.flatnonzero(fresh & (self._arena_of[numbers] == k))
+            if at.size:
+                slots = arena.add(rows[at], {key: v[at] for key, v in state.items()})
+                self._index.insert(numbers[at], missing.ids[at], slots)
+                for number in np.unique(numbers[at]):
+                    mine = at[numbers[at] == number]
+                    self._held_ids[number] = np.concatenate([self._held_ids[number],
+                                                             missing.ids[mine]])
         return int(fresh.sum())
 
-    async def _build(self, source: _Source) -> dict[str, EmbeddingTable]:
-        """The replica's tables, built from ``source``'s configs at the first seed."""
+    async def _build(self, source: _Source) -> None:
+        """The replica's tables and arenas, from ``source``'s configs at the first seed."""
         async with self._building:
-            if self._tables is None:
-                configs = [_replica_config(from_dict(TableConfig, dict(t), where="table"))
-                           for t in await source.tables()]
-                for config in configs:
-                    await asyncio.to_thread(warm_up, config)  # numba's kernels, off the loop
-                self._tables = {c.name: EmbeddingTable(c) for c in configs}
-            return self._tables
+            if self._configs is not None:
+                return
+            configs = [from_dict(TableConfig, dict(t), where="table")
+                       for t in await source.tables()]
+            kinds: dict[str, int] = {}  # an arena per optimizer config, dim and dtype
+            arena_of = []
+            for config in configs:
+                kind = repr((config.optimizer, config.dim, config.storage_dtype))
+                if kind not in kinds:
+                    kinds[kind] = len(self._arenas)
+                    self._arenas.append(_Arena(config.optimizer, config.dim,
+                                               config.storage_dtype))
+                arena_of.append(kinds[kind])
+            await asyncio.to_thread(_warm_up, self._arenas)  # numba's kernels, off the loop
+            self._number = {c.name: j for j, c in enumerate(configs)}
+            self._arena_of = np.array(arena_of, dtype=np.int64)
+            self._held_ids = [np.empty(0, dtype=np.uint64) for _ in configs]
+            self._configs = {c.name: c for c in configs}
 
-    def _held_tables(self) -> dict[str, EmbeddingTable]:
-        if self._tables is None:
+    def _table_numbers(self, layout: ShardedIds) -> np.ndarray:
+        """Per id of ``layout``: its table's number."""
+        key = tuple(layout.tables)
+        if (numbers := self._numbers.get(key)) is None:
+            try:
+                numbers = self._numbers[key] = np.array([self._number[n] for n in key],
+                                                        dtype=np.int64)
+            except KeyError as exc:
+                raise InvalidArgument(f"the replica has no table {exc.args[0]!r}") from None
+        return numbers[layout.table_index()]
+
+    def _slots(self, layout: ShardedIds) -> np.ndarray:
+        return self._index.find(self._table_numbers(layout), layout.ids)
+
+    def _held_parts(self, layout: ShardedIds
+                    ) -> list[tuple[_Arena, np.ndarray | None, np.ndarray]]:
+        """Per arena: where ``layout``'s ids of it are (None: all of them) and their slots."""
+        if self._configs is None:
             raise FailedPrecondition("the replica holds no rows yet: seed() first")
-        return self._tables
-
-
-def _replica_config(config: TableConfig) -> TableConfig:
-    """``config`` held in RAM, with every row kept and admitted (the PS's copy still evicts,
-    expires and admits)."""
-    return replace(config, max_rows=None, ttl_s=None, admit_probability=1.0, admit_min_count=0,
-                   storage=StorageConfig(), initial_capacity=1024)
-
-
-def _by_table(layout: ShardedIds) -> Iterator[tuple[str, np.ndarray]]:
-    """Each table of ``layout`` with the positions of its ids (over every shard: the replica
-    holds one table of each, whatever the PS's shards)."""
-    which = layout.table_index()
-    order = np.argsort(which, kind="stable")
-    bounds = np.searchsorted(which[order], np.arange(len(layout.tables) + 1))
-    for j, name in enumerate(layout.tables):
-        if bounds[j + 1] > bounds[j]:
-            yield name, order[bounds[j]:bounds[j + 1]]
-
-
-def _held(tables: dict[str, EmbeddingTable], layout: ShardedIds) -> np.ndarray:
-    """Per id of ``layout``: whether the replica holds its row."""
-    held = np.zeros(layout.ids.size, dtype=bool)
-    for name, at in _by_table(layout):
-        held[at] = tables[name].peek(layout.ids[at])[1]
-    return held
+        numbers = self._table_numbers(layout)
+        slots = self._index.find(numbers, layout.ids)
+        if (slots < 0).any():
+            raise FailedPrecondition(f"the replica holds {int((slots < 0).sum())} of these "
+                                     "rows not: seed() them first")
+        if len(self._arenas) == 1:
+            return [(self._arenas[0], None, slots)]
+        arenas = self._arena_of[numbers]
+        return [(arena, at, slots[at]) for k, arena in enumerate(self._arenas)
+                if (at := np.flatnonzero(arenas == k)).size]

@@ -86,6 +86,27 @@ def _members(table, keys, out):  # pragma: no cover - numba
             at = (at + np.uint64(1)) & mask
 
 
+@njit(cache=True, nogil=True)
+def _totals(keys, occurs, first, total):  # pragma: no cover - numba
+    """Per distinct key of ``keys`` (in first-appearance order): the position of its first
+    occurrence and its summed ``occurs``; returns how many keys are distinct."""
+    bits = 1
+    while (1 << bits) < 2 * keys.size:
+        bits += 1
+    table = np.full(1 << bits, -1, dtype=np.int64)  # -> its distinct key's number
+    mask = np.uint64(table.size - 1)
+    n = 0
+    for j in range(keys.size):
+        at = (keys[j] * _MIX) >> np.uint64(64 - bits) & mask
+        while table[at] >= 0 and keys[first[table[at]]] != keys[j]:
+            at = (at + np.uint64(1)) & mask
+        if table[at] < 0:
+            table[at], first[n], total[n] = n, j, 0
+            n += 1
+        total[table[at]] += occurs[j]
+    return n
+
+
 @dataclass(frozen=True, slots=True)
 class SplitBatch:
     """One batch's windowed groups split into head ids and the rest.
@@ -192,10 +213,11 @@ class HeadIds:
         """The head keys of ``seen`` and where each first occurs in its concatenated keys."""
         keys = np.concatenate([k for k, _, _ in seen])
         occurs = np.concatenate([c for _, c, _ in seen])
-        unique, first, where = np.unique(keys, return_index=True, return_inverse=True)
-        total = np.bincount(where, weights=occurs, minlength=unique.size)
-        head = total >= max(2.0, self.rate * len(seen))
-        return unique[head], first[head]
+        first, total = np.empty(keys.size, dtype=np.int64), np.empty(keys.size, dtype=np.int64)
+        n = _totals(keys, occurs, first, total)
+        at = first[:n][total[:n] >= max(2.0, self.rate * len(seen))]
+        at = at[np.argsort(keys[at], kind="stable")]  # in key order
+        return keys[at], at
 
     @staticmethod
     def _layout_of(seen: Seen, at: np.ndarray) -> ShardedIds:

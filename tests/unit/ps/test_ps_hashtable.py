@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.sharding import mix64
-from services.ps.hashtable import IdHashTable, unique_inverse
+from services.ps.hashtable import IdHashTable, PairHashTable, unique_inverse
 
 
 def _check(table: IdHashTable, ref: dict[int, int], universe: int) -> None:
@@ -93,3 +93,22 @@ def test_unique_inverse_matches_numpy(values, repeat):
     # first-appearance order
     _, first = np.unique(ids, return_index=True)
     assert np.array_equal(uniq, ids[np.sort(first)])
+
+
+def test_pair_table_matches_a_dict_through_growth_and_keeps_tables_apart():
+    """The same id in two tables is two keys (a map keyed by the id alone, or by a mix of id
+    and table that can collide, fails); huge ids work; growth keeps every pair."""
+    rng = np.random.default_rng(1)
+    table, ref = PairHashTable(2), {}
+    for _ in range(60):
+        tables = rng.integers(0, 4, size=40)
+        ids = rng.integers(0, 50, size=40).astype(np.uint64) + np.uint64(2**64 - 64)
+        values = rng.integers(0, 1000, size=40)
+        for t, i, v in zip(tables.tolist(), ids.tolist(), values.tolist(), strict=True):
+            ref[t, i] = v  # the last write of a pair wins, as in the table
+        table.insert(tables, ids, values)
+        assert len(table) == len(ref)
+    every = [(t, i) for t in range(5) for i in range(2**64 - 64, 2**64 - 10)]
+    found = table.find(np.array([t for t, _ in every]), np.array([i for _, i in every],
+                                                                 dtype=np.uint64))
+    assert found.tolist() == [ref.get(pair, -1) for pair in every]

@@ -100,14 +100,14 @@ def assert_ps_follows(replica: HeadReplica, shards: list[Shard]) -> None:
     """Every row the replica holds (updated here: not its initial row) is the same, bit for
     bit, on the shard that owns it."""
     same = total = 0
-    for name, tab in (replica._tables or {}).items():
-        ids = tab.ids()
-        mine = tab.peek(ids)[0]
+    for name, ids in replica.held().items():
+        layout, _ = ShardedIds.of_tables({name: ids}, 1)
+        mine = replica.lookup_now(layout)
         held = [s.tables[name].peek(ids) for s in shards]
         theirs = held[0][0].copy()
         for rows, present in held[1:]:
             theirs[present] = rows[present]  # each id's row on the shard owning it
-        assert ids.size == 0 or not np.array_equal(mine, tab.initial_rows(ids))
+        assert ids.size == 0 or not np.array_equal(mine, shards[0].tables[name].initial_rows(ids))
         same += int((mine == theirs).all(axis=1).sum())
         total += ids.size
     assert same == total > 0, (same, total)
@@ -155,3 +155,27 @@ async def test_a_failed_push_fails_the_run_and_no_copy_waits_for_it() -> None:
             await asyncio.wait_for(t.fit(batches), 60)
         assert t.pipeline._seeding is not None
         assert t.pipeline._seeding._acked.below > 6
+
+
+async def test_the_replica_updates_rows_as_the_ps_does_across_optimizers_and_dtypes() -> None:
+    """Tables of three optimizer configs and two storage dtypes in one layout (three arenas
+    of the replica): after the same pushes, NaN rows among them, the replica's rows and
+    push results equal the PS's bit for bit (an arena shared by tables of different
+    optimizers, or float16 rows updated without widening, fails)."""
+    configs = [TableConfig(name="a", dim=4, optimizer=OptimizerConfig(kind="adagrad", lr=0.1)),
+               TableConfig(name="b", dim=4, dtype="float16",
+                           optimizer=OptimizerConfig(kind="adagrad", lr=0.1)),
+               TableConfig(name="c", dim=4, optimizer=OptimizerConfig(kind="adam", lr=0.01))]
+    ps, replica = InProcessShards(configs, num_shards=2), HeadReplica()
+    ids = {name: np.arange(5, 25, dtype=np.uint64) * np.uint64(7919) for name in "abc"}
+    layout, _ = ShardedIds.of_tables(ids, 2)
+    for name in "abc":  # a state lookup serves tables of one state layout
+        assert await replica.seed(ps, ShardedIds.of_tables({name: ids[name]}, 2)[0]) == 20
+    rng = np.random.default_rng(5)
+    for step in range(4):
+        grads = rng.normal(size=(layout.ids.size, 4)).astype(np.float32)
+        grads[step] = np.nan
+        assert replica.push_now(layout, grads) == ps.push_now(layout, grads)
+    np.testing.assert_array_equal(replica.lookup_now(layout), ps.lookup_now(layout))
+    assert len(replica._arenas) == 3 and replica.num_rows == layout.ids.size
+    assert await replica.seed(ps, layout) == 0  # held: nothing copied again
