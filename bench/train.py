@@ -285,7 +285,8 @@ def _self_peak_rss_mb() -> float:
 
 
 def rtt_row(rtt_ms: float, every: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """One ``rtt`` row: paired ratios and median AUCs of the runs behind the proxy."""
+    """One ``rtt`` row: paired ratios and median AUCs of the runs behind the proxy, and each
+    way's median run (``runs``: where its step's time went)."""
     speed = {key: [r["samples_per_s"] for r in values] for key, values in every.items()}
     return {"rtt_ms": rtt_ms,
             "measured_rtt_ms": statistics.median(r["measured_rtt_ms"] for r in every["sync"]),
@@ -299,7 +300,8 @@ def rtt_row(rtt_ms: float, every: dict[str, list[dict[str, Any]]]) -> dict[str, 
             "auc_hybrid": statistics.median(r["auc"] for r in every["hybrid"]),
             "auc_hot": statistics.median(r["auc"] for r in every["hybrid_hot"]),
             "auc_replica": statistics.median(r["auc"] for r in every["hybrid_replica"]),
-            "auc_sync": statistics.median(r["auc"] for r in every["sync"])}
+            "auc_sync": statistics.median(r["auc"] for r in every["sync"]),
+            "runs": {key: median_run(every[key]) for key in _RTT_RUNS}}
 
 
 def paired_ratios(every: dict[str, list[dict[str, Any]]], batch_size: int, cores: int

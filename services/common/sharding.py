@@ -159,6 +159,13 @@ class ShardedIds:
         return ShardedIds(self.tables, self.ids[keep], counts.reshape(self.counts.shape),
                           tag=self.tag)
 
+    def partition(self, keep: np.ndarray) -> tuple[ShardedIds, ShardedIds]:
+        """``(subset(keep), subset(~keep))``, the cells of the ids laid out once."""
+        cells = np.repeat(np.arange(self.counts.size), self.counts.ravel())
+        kept = np.bincount(cells[keep], minlength=self.counts.size).reshape(self.counts.shape)
+        return (ShardedIds(self.tables, self.ids[keep], kept, tag=self.tag),
+                ShardedIds(self.tables, self.ids[~keep], self.counts - kept, tag=self.tag))
+
     def table_index(self) -> np.ndarray:
         """For every id, the index of its table in ``tables``."""
         cells = np.arange(self.counts.size) % len(self.tables)

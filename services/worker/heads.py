@@ -24,7 +24,7 @@ import asyncio
 import collections
 import functools
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -37,7 +37,7 @@ from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath
 from services.worker.pooling import BatchPlan
 
-__all__ = ["Acknowledged", "HeadIds", "HotChain", "ReplicaSeeds", "SplitBatch"]
+__all__ = ["Acknowledged", "HeadIds", "HotChain", "ReplicaSeeds", "Seeds", "SplitBatch"]
 
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
 Seen = collections.deque[tuple[np.ndarray, np.ndarray, ShardedIds]]  # keys, occurrences, layout
@@ -155,12 +155,18 @@ class HeadIds:
         self.groups = list(groups)
         self.rate = rate
         self.memory, self.every = memory, every
-        self._seen: dict[int, Seen] = {i: collections.deque(maxlen=memory) for i in self.groups}
+        self._seen: dict[int, Seen] = {}
         self._head: dict[int, np.ndarray] = {}  # per group: a hash set of its head keys
         self._sticky: dict[int, np.ndarray] | None = {} if sticky else None  # every head key
         self._fresh: dict[int, ShardedIds] = {}  # sticky: head ids new since take_fresh()
-        self._count_now = 0
-        self._batches = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every batch seen and every head id."""
+        self._seen = {i: collections.deque(maxlen=self.memory) for i in self.groups}
+        self._head, self._fresh = {}, {}
+        self._sticky = None if self._sticky is None else {}
+        self._count_now = self._batches = 0
 
     def head_count(self) -> int:
         """Head ids now, over every group."""
@@ -183,9 +189,12 @@ class HeadIds:
                 _members(members, k, is_head)
             layout = plan.groups[i].layout
             groups[i] = (np.flatnonzero(is_head), np.flatnonzero(~is_head))
-            head[i] = replace(head[i], layout=layout.subset(is_head))
             if groups[i][0].size:  # else the rest is the whole layout
-                remote[i] = replace(remote[i], layout=layout.subset(~is_head))
+                mine, rest = layout.partition(is_head)
+                head[i], remote[i] = replace(head[i], layout=mine), replace(remote[i],
+                                                                            layout=rest)
+            else:
+                head[i] = replace(head[i], layout=layout.subset(is_head))
         return SplitBatch(replace(plan, groups=remote), replace(plan, groups=head), groups)
 
     def _count(self, plan: BatchPlan, keys: dict[int, np.ndarray]) -> None:
@@ -336,6 +345,19 @@ class Acknowledged:
             await self._moved.wait()
 
 
+@dataclass(frozen=True, slots=True)
+class Seeds:
+    """What a replica must hold before a batch's step: ``fresh``, the layouts of the head ids
+    decided at the batch (copied once every earlier step's push is acknowledged: they were
+    windowed rows); ``hot``, its hot groups' layouts (never windowed: copied where not held,
+    without waiting); ``heads``, whether it reads head rows (each decided at an earlier
+    batch, whose copy may still be under way)."""
+
+    fresh: list[ShardedIds] = field(default_factory=list)
+    hot: list[ShardedIds] = field(default_factory=list)
+    heads: bool = False
+
+
 class ReplicaSeeds:
     """What a :class:`clients.rows.RowsReplica` of the hot groups and head ids must hold
     before each batch's step, copied from the PS once every earlier step's push is
@@ -347,11 +369,13 @@ class ReplicaSeeds:
         self._acked = Acknowledged(first_step)
         self._copying: set[asyncio.Future[None]] = set()  # copies under way
 
-    def begin(self, first_step: int) -> None:
+    def begin(self, first_step: int, heads: HeadIds | None) -> None:
         """A new run, whose first step is ``first_step``: the replica copies every row again
-        (the PS's may have changed between runs)."""
+        (the PS's may have changed between runs), so the head ids are decided anew."""
         self.replica.clear()
         self._acked = Acknowledged(first_step)
+        if heads is not None:
+            heads.reset()
 
     def send(self, path: EmbeddingPath, rows: RowsClient, plan: BatchPlan,
              split: SplitBatch | None, grads: Rows, hot: Sequence[int]) -> asyncio.Future[Any]:
@@ -374,38 +398,33 @@ class ReplicaSeeds:
 
     @staticmethod
     def layouts(plan: BatchPlan, split: SplitBatch | None, hot: Sequence[int],
-                heads: HeadIds | None) -> list[tuple[ShardedIds, bool]]:
-        """The layouts whose rows the replica must hold before ``plan``'s step, each with
-        whether its copy waits for the earlier steps' pushes: every head id decided since the
-        last batch (all at once: one wait), its head ids (they were windowed rows before),
-        and its hot groups' (``hot``: never windowed, no wait)."""
+                heads: HeadIds | None) -> Seeds:
+        """What the replica must hold before ``plan``'s step (``hot``: its hot groups)."""
         tag = plan.groups[0].layout.tag
         fresh = [] if heads is None else [replace(layout, tag=tag) for layout in
                                           heads.take_fresh().values()]
-        mine = [] if split is None else [split.head.groups[i].layout
-                                         for i, (at, _) in split.groups.items() if at.size]
-        return [(layout, True) for layout in fresh + mine] + [
-            (plan.groups[i].layout, False) for i in hot]
+        return Seeds(fresh, [plan.groups[i].layout for i in hot],
+                     split is not None and any(at.size for at, _ in split.groups.values()))
 
-    async def copy(self, source: StatefulRows, layouts: Sequence[tuple[ShardedIds, bool]]
-                   ) -> None:
-        """Copy the rows of ``layouts`` (of one tagged step) the replica lacks from ``source``,
+    async def copy(self, source: StatefulRows, seeds: Seeds) -> None:
+        """Copy the rows of ``seeds`` (of one tagged step) the replica lacks from ``source``,
         after the copies under way (one copy of a row, not one per batch that needs it; the
         batches after a decision wait for its copy only), a head id's once every earlier
         step's push is acknowledged."""
-        if all(self.replica.holds(layout) for layout, _ in layouts):
+        hot = [layout for layout in seeds.hot if not self.replica.holds(layout)]
+        if not seeds.fresh and not hot:
+            if seeds.heads and self._copying:  # its head rows may be in a copy under way
+                await asyncio.gather(*list(self._copying))
             return
         earlier = list(self._copying)
         done = asyncio.get_running_loop().create_future()
         self._copying.add(done)
         try:
             await asyncio.gather(*earlier, return_exceptions=True)
-            missing = [(layout, wait) for layout, wait in layouts
-                       if not self.replica.holds(layout)]
-            if any(wait for _, wait in missing):
-                tag = missing[0][0].tag
+            if seeds.fresh:
+                tag = seeds.fresh[0].tag
                 await self._acked.wait(tag[1] if tag is not None else 0)
-            for layout, _ in missing:  # in turn: a layout may hold ids of the one before
+            for layout in seeds.fresh + hot:  # in turn: a layout may hold ids of the one before
                 await self.replica.seed(source, layout)
         finally:
             self._copying.discard(done)

@@ -73,7 +73,7 @@ from services.common.codecs import WireStats
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
 from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath, RowsPath
-from services.worker.heads import HeadIds, HotChain, ReplicaSeeds, SplitBatch
+from services.worker.heads import HeadIds, HotChain, ReplicaSeeds, Seeds, SplitBatch
 from services.worker.pooling import BatchPlan, plan_batch
 
 __all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]
@@ -341,7 +341,7 @@ class EmbeddingPipeline:
         """Raw and wire bytes per stream and codec, over :meth:`clients`."""
         return WireStats.merged(*(client.codec_stats for client in self.clients()))
 
-    def _copy(self, seeds: list[tuple[ShardedIds, bool]]) -> Awaitable[Any]:
+    def _copy(self, seeds: Seeds) -> Awaitable[Any]:
         return (self._seeding.copy(cast(StatefulRows, self.rows), seeds) if self._seeding
                 else asyncio.sleep(0))
 
@@ -390,7 +390,7 @@ class EmbeddingPipeline:
         if self._chain is not None:
             self._chain.reset()
         if self._seeding is not None:
-            self._seeding.begin(self._steps)
+            self._seeding.begin(self._steps, self.heads)
 
     async def feed(self, batches: Batches, put: Callable[[Prepared | None], Awaitable[Any]],
                    fail: Callable[[BaseException], Any], *, steps: int | None = None,
@@ -417,7 +417,7 @@ class EmbeddingPipeline:
                     first = None
                 split = self.heads.split(plan) if self.heads is not None else None
                 wire = split.remote if split is not None else plan  # what the window sends
-                seeds = ([] if self._seeding is None else
+                seeds = (Seeds() if self._seeding is None else
                          self._seeding.layouts(plan, split, self._direct_hot, self.heads))
                 hot = (self._chain.request(split.head if split is not None else plan)
                        if self._chain is not None else None)
@@ -454,13 +454,13 @@ class EmbeddingPipeline:
         plan.groups[:] = [replace(g, layout=replace(g.layout, tag=tag)) for g in plan.groups]
         return plan
 
-    async def _look_up(self, plan: BatchPlan, staleness: int, seeds: list[tuple[ShardedIds, bool]]
+    async def _look_up(self, plan: BatchPlan, staleness: int, seeds: Seeds
                        ) -> tuple[Rows, int]:
         """The windowed groups' rows (the replica copies ``seeds`` meanwhile)."""
         done = await asyncio.gather(self.lookup(plan, self._windowed), self._copy(seeds))
         return cast(Rows, done[0]), staleness
 
-    async def _ride(self, rider: _Rider, seeds: list[tuple[ShardedIds, bool]]
+    async def _ride(self, rider: _Rider, seeds: Seeds
                     ) -> tuple[Rows, int]:
         """A rider's rows: from the push it rode on, or its own lookup when it was handed the
         slot only (it came after that push had left); the replica copies ``seeds`` once the

@@ -87,6 +87,7 @@ def testrtt_rows_pair_the_runs_behind_the_proxy() -> None:
     assert row["hot_vs_sync"] == statistics.median([1.1, 1.25])
     assert row["replica_vs_sync"] == statistics.median([1.4, 1.3]) and row["auc_replica"] == 0.845
     assert row["auc_hybrid"] == 0.81 and row["auc_hot"] == 0.835 and row["auc_sync"] == 0.85
+    assert row["runs"]["hybrid"]["samples_per_s"] == 60  # the lower middle of two
 
 
 def test_median_run_is_the_middle_by_samples_per_s() -> None:

@@ -179,3 +179,19 @@ async def test_the_replica_updates_rows_as_the_ps_does_across_optimizers_and_dty
     np.testing.assert_array_equal(replica.lookup_now(layout), ps.lookup_now(layout))
     assert len(replica._arenas) == 3 and replica.num_rows == layout.ids.size
     assert await replica.seed(ps, layout) == 0  # held: nothing copied again
+
+
+async def test_a_second_run_copies_its_head_rows_again() -> None:
+    """A new run of the same trainer clears the replica (the PS's rows may have changed in
+    between): its head ids are decided and copied anew, and the PS still follows it (head
+    ids kept from the first run would be read from an empty replica)."""
+    rows, replica = Remote(shards()), HeadReplica()
+    batches = list(SyntheticDataset(DATA).batches(128, 128 * 24))
+    async with Trainer(model=ModelConfig(name="dlrm"), rows_client=rows, lr=3e-3, seed=7,
+                       mode="hybrid", staleness=8) as t:
+        t.pipeline.replica = replica
+        await t.fit(batches[:12])
+        copied = rows.copied
+        summary = await t.fit(batches[12:])
+    assert rows.copied > copied and summary.replicated_rows == replica.num_rows > 0
+    assert_ps_follows(replica, rows.inner.shards)
