@@ -9,14 +9,14 @@ found by one probe of a (table, id) index, updated with the PS's own optimizer k
 (``services.ps.optimizers.apply_update``, bit for bit the PS's arithmetic). The compute thread
 reads them just before its step and applies their gradients just after
 (``lookup_now``/``push_now``, as with embedded shards: one call a step for all tables, not one a
-table), and the batch's push sends the same gradients on to the PS, whose copy so follows the
+table), and the same gradients go on to the PS in step order, whose copy so follows the
 replica's.
 
-A row is copied from the PS, rows and optimizer state exactly (``lookup_state_sharded``), the first
-time a batch needs it (:meth:`HeadReplica.seed`, at that batch's lookup), once every earlier
-batch's push is acknowledged (the worker's embedding pipeline waits for that): the copy holds every
-update of the id, and so does the PS's copy after it. The replica holds its rows in RAM without eviction,
-TTL or admission (the PS still applies those to its copy); optimizer
+A row is copied from the PS, rows and optimizer state exactly (``lookup_state_sharded``), the
+first time a batch needs it (:meth:`HeadReplica.seed`, at that batch's lookup), once every
+earlier batch's push is acknowledged (the worker's embedding pipeline waits for that): the copy
+holds every update of the id, and so does the PS's copy after it. The replica holds its rows in
+RAM without eviction, TTL or admission (the PS still applies those to its copy); optimizer
 settings changed on the PS during a run (admin API) do not reach the replica, nor does a lossy
 grads codec's loss.
 
@@ -31,6 +31,7 @@ Usage (one worker, its rows across a network)::
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -135,6 +136,9 @@ class HeadReplica:
     ``clients.rows.RowsReplica``."""
 
     def __init__(self) -> None:
+        # the compute thread reads and updates rows while the event loop adds copies (an
+        # arena or the index may be reallocated as it grows)
+        self._lock = threading.Lock()
         self.clear()
 
     @property
@@ -159,28 +163,30 @@ class HeadReplica:
 
     def lookup_now(self, layout: ShardedIds) -> np.ndarray:
         """The held rows of ``layout`` (every id seeded first), in the calling thread."""
-        out: np.ndarray | None = None
-        for arena, at, slots in self._held_parts(layout):
-            if at is None:
-                return arena.read(slots)
-            if out is None:
-                out = np.empty((layout.ids.size, arena.dim), dtype=np.float32)
-            out[at] = arena.read(slots)
-        assert out is not None
-        return out
+        with self._lock:
+            parts = self._held_parts(layout)
+            if len(parts) == 1 and parts[0][1] is None:
+                return parts[0][0].read(parts[0][2])
+            out = np.empty((layout.ids.size, parts[0][0].dim), dtype=np.float32)
+            for arena, at, slots in parts:
+                out[at] = arena.read(slots)
+            return out
 
     def push_now(self, layout: ShardedIds, grads: np.ndarray) -> PushResult:
         """Apply ``grads`` to the held rows of ``layout`` now, with the PS's optimizer."""
-        parts = self._held_parts(layout)
-        if grads.shape != (layout.ids.size, parts[0][0].dim):
-            raise InvalidArgument(f"grads must be ({layout.ids.size}, dim), got {grads.shape}")
-        grads = np.ascontiguousarray(grads, dtype=np.float32)
-        return PushResult.total(arena.apply(slots, grads if at is None else grads[at])
-                                for arena, at, slots in parts)
+        with self._lock:
+            parts = self._held_parts(layout)
+            if grads.shape != (layout.ids.size, parts[0][0].dim):
+                raise InvalidArgument(f"grads must be ({layout.ids.size}, dim), got "
+                                      f"{grads.shape}")
+            grads = np.ascontiguousarray(grads, dtype=np.float32)
+            return PushResult.total(arena.apply(slots, grads if at is None else grads[at])
+                                    for arena, at, slots in parts)
 
     def holds(self, layout: ShardedIds) -> bool:
         """Whether the replica holds the row of every id of ``layout``."""
-        return self._configs is not None and bool((self._slots(layout) >= 0).all())
+        with self._lock:
+            return self._configs is not None and bool((self._slots(layout) >= 0).all())
 
     def held(self) -> dict[str, np.ndarray]:
         """The ids of the rows held, per table."""
@@ -190,11 +196,17 @@ class HeadReplica:
         """Copy the rows of ``layout``'s ids not held yet from ``source`` (rows and optimizer
         state, exactly); returns how many it copied."""
         await self._build(source)
-        missing = layout.subset(self._slots(layout) < 0)
+        with self._lock:
+            missing = layout.subset(self._slots(layout) < 0)
         if not missing.ids.size:
             return 0
         rows, state = await source.lookup_state_sharded(
             replace(missing, tag=None))  # a copy, not a step's lookup (the PS's staleness count)
+        with self._lock:
+            return self._add(missing, rows, state)
+
+    def _add(self, missing: ShardedIds, rows: np.ndarray, state: dict[str, np.ndarray]) -> int:
+        """Hold the copied rows of ``missing`` not held yet; how many."""
         numbers = self._table_numbers(missing)
         fresh = self._index.find(numbers, missing.ids) < 0  # an overlapping seed copied some
         for k, arena in enumerate(self._arenas):

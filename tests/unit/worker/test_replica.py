@@ -195,3 +195,32 @@ async def test_a_second_run_copies_its_head_rows_again() -> None:
         summary = await t.fit(batches[12:])
     assert rows.copied > copied and summary.replicated_rows == replica.num_rows > 0
     assert_ps_follows(replica, rows.inner.shards)
+
+
+async def test_updates_in_another_thread_survive_copies_that_grow_the_arena() -> None:
+    """The compute thread updates held rows while the event loop copies new ones in (the
+    arena and index grow by reallocation): no update is lost (the rows equal the PS's after
+    the same pushes; unguarded, an update written to the old arena during a growth is)."""
+    configs = [TableConfig(name="a", dim=8, optimizer=OptimizerConfig(kind="adagrad", lr=0.1))]
+    ps, replica = InProcessShards(configs), HeadReplica()
+    first, _ = ShardedIds.of_tables({"a": np.arange(64, dtype=np.uint64)}, 1)
+    await replica.seed(ps, first)
+    grads = np.random.default_rng(2).normal(size=(64, 8)).astype(np.float32)
+    pushed, stop = [0], asyncio.Event()
+
+    def update() -> None:
+        while not stop.is_set() or pushed[0] < 50:
+            replica.push_now(first, grads)
+            pushed[0] += 1
+
+    worker = asyncio.get_running_loop().run_in_executor(None, update)
+    for k in range(1, 40):  # each copy grows the arena past its size
+        more, _ = ShardedIds.of_tables({"a": np.arange(64 * k, 64 * (k + 1) + 64 * k,
+                                                       dtype=np.uint64)}, 1)
+        await replica.seed(ps, more)
+        await asyncio.sleep(0)
+    stop.set()
+    await worker
+    for _ in range(pushed[0]):
+        ps.push_now(first, grads)
+    np.testing.assert_array_equal(replica.lookup_now(first), ps.lookup_now(first))
