@@ -228,6 +228,9 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
     # a first repeat at half speed)
     _persimmon(train[:4], test[:1], features, dim, seed, *_PERSIMMON_RUNS["default"],
                device=device)
+    if rtt_ms:  # and the replica's kernels, which only the remote runs load
+        _persimmon(train[:4], test[:1], features, dim, seed,
+                   *_PERSIMMON_RUNS["hybrid_replica"], device=device)
     if not only_rtt:
         _baseline("local", train[:4], test[:1], features, dim, seed, cores)
     keys = [] if only_rtt else [k for k in RUNS if k != "torchrec" or torchrec_available()]
