@@ -154,17 +154,20 @@ class ShardedIds:
     def subset(self, keep: np.ndarray) -> ShardedIds:
         """The layout of the ids where the boolean mask ``keep`` holds, in the same order,
         with the same tables and tag."""
-        cells = np.repeat(np.arange(self.counts.size), self.counts.ravel())
-        counts = np.bincount(cells[keep], minlength=self.counts.size)
+        counts = np.bincount(self._cells()[keep], minlength=self.counts.size)
         return ShardedIds(self.tables, self.ids[keep], counts.reshape(self.counts.shape),
                           tag=self.tag)
 
     def partition(self, keep: np.ndarray) -> tuple[ShardedIds, ShardedIds]:
         """``(subset(keep), subset(~keep))``, the cells of the ids laid out once."""
-        cells = np.repeat(np.arange(self.counts.size), self.counts.ravel())
-        kept = np.bincount(cells[keep], minlength=self.counts.size).reshape(self.counts.shape)
+        kept = np.bincount(self._cells()[keep], minlength=self.counts.size).reshape(
+            self.counts.shape)
         return (ShardedIds(self.tables, self.ids[keep], kept, tag=self.tag),
                 ShardedIds(self.tables, self.ids[~keep], self.counts - kept, tag=self.tag))
+
+    def _cells(self) -> np.ndarray:
+        """For every id, its (shard, table) cell's index in ``counts.ravel()``."""
+        return np.repeat(np.arange(self.counts.size), self.counts.ravel())
 
     def table_index(self) -> np.ndarray:
         """For every id, the index of its table in ``tables``."""
