@@ -377,6 +377,11 @@ def _print_table(result: dict[str, Any]) -> None:
                       f"{row['hot_vs_sync']:.2f}, replica_vs_sync {row['replica_vs_sync']:.2f}; "
                       f"AUC hybrid {row['auc_hybrid']:.4f}, hot {row['auc_hot']:.4f}, replica "
                       f"{row['auc_replica']:.4f}, sync {row['auc_sync']:.4f}")
+        steps = {key: row["runs"][key] for key in ("hybrid", "hybrid_replica")}
+        console.print("  a step (median run), hybrid / replica: " + ", ".join(
+            f"{label} {steps['hybrid'][k]:.1f} / {steps['hybrid_replica'][k]:.1f} ms"
+            for label, k in (("computing", "step_wall_ms"), ("its CPU", "step_cpu_ms"),
+                             ("waiting for rows", "batch_wait_ms"))))
 
 
 def _main(args: argparse.Namespace) -> int:
