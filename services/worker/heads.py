@@ -348,14 +348,14 @@ class Acknowledged:
 @dataclass(frozen=True, slots=True)
 class Seeds:
     """What a replica must hold before a batch's step: ``fresh``, the layouts of the head ids
-    decided at the batch (copied once every earlier step's push is acknowledged: they were
-    windowed rows); ``hot``, its hot groups' layouts (never windowed: copied where not held,
-    without waiting); ``heads``, whether it reads head rows (each decided at an earlier
-    batch, whose copy may still be under way)."""
+    decided at the batch, and ``mine``, of its head ids (both windowed rows before: copied
+    once every earlier step's push is acknowledged; each of ``mine`` was ``fresh`` at an
+    earlier batch, whose copy may still be under way); ``hot``, its hot groups' layouts (never
+    windowed: copied where not held, without waiting)."""
 
     fresh: list[ShardedIds] = field(default_factory=list)
+    mine: list[ShardedIds] = field(default_factory=list)
     hot: list[ShardedIds] = field(default_factory=list)
-    heads: bool = False
 
 
 class ReplicaSeeds:
@@ -403,28 +403,28 @@ class ReplicaSeeds:
         tag = plan.groups[0].layout.tag
         fresh = [] if heads is None else [replace(layout, tag=tag) for layout in
                                           heads.take_fresh().values()]
-        return Seeds(fresh, [plan.groups[i].layout for i in hot],
-                     split is not None and any(at.size for at, _ in split.groups.values()))
+        mine = [] if split is None else [split.head.groups[i].layout
+                                         for i, (at, _) in split.groups.items() if at.size]
+        return Seeds(fresh, mine, [plan.groups[i].layout for i in hot])
 
     async def copy(self, source: StatefulRows, seeds: Seeds) -> None:
         """Copy the rows of ``seeds`` (of one tagged step) the replica lacks from ``source``,
         after the copies under way (one copy of a row, not one per batch that needs it; the
         batches after a decision wait for its copy only), a head id's once every earlier
         step's push is acknowledged."""
-        hot = [layout for layout in seeds.hot if not self.replica.holds(layout)]
-        if not seeds.fresh and not hot:
-            if seeds.heads and self._copying:  # its head rows may be in a copy under way
-                await asyncio.gather(*list(self._copying))
+        holds = self.replica.holds
+        if not seeds.fresh and all(holds(layout) for layout in seeds.mine + seeds.hot):
             return
         earlier = list(self._copying)
         done = asyncio.get_running_loop().create_future()
         self._copying.add(done)
         try:
             await asyncio.gather(*earlier, return_exceptions=True)
-            if seeds.fresh:
-                tag = seeds.fresh[0].tag
+            mine = [layout for layout in seeds.mine if not holds(layout)]  # else copied since
+            if seeds.fresh or mine:  # (two tables' ids may share a head key: not yet copied)
+                tag = (seeds.fresh + mine)[0].tag
                 await self._acked.wait(tag[1] if tag is not None else 0)
-            for layout in seeds.fresh + hot:  # in turn: a layout may hold ids of the one before
+            for layout in seeds.fresh + mine + seeds.hot:  # in turn: one may hold ids of another
                 await self.replica.seed(source, layout)
         finally:
             self._copying.discard(done)

@@ -5,6 +5,7 @@ a step, and the PS's copy follows it."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from services.ps.replica import HeadReplica
 from services.ps.shard import Shard
 from services.ps.tables import OptimizerConfig, TableConfig
 from services.worker.config import ps_table_configs
+from services.worker.heads import ReplicaSeeds, Seeds
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
 
@@ -224,3 +226,22 @@ async def test_updates_in_another_thread_survive_copies_that_grow_the_arena() ->
     for _ in range(pushed[0]):
         ps.push_now(first, grads)
     np.testing.assert_array_equal(replica.lookup_now(first), ps.lookup_now(first))
+
+
+async def test_a_head_row_not_held_is_copied_once_the_earlier_pushes_are_acknowledged() -> None:
+    """A batch's head id whose row the replica lacks (two tables' ids can share a head key:
+    the id was never decided itself) is copied, but only after the pushes of the steps
+    before (it was a windowed row); a held one costs no lookup."""
+    rows, replica = Remote(shards()), HeadReplica()
+    seeds = ReplicaSeeds(replica, 0)
+    layout, _ = ShardedIds.of_tables({DATA.sparse_names[0]: np.arange(9, dtype=np.uint64)}, 2)
+    layout = replace(layout, tag=(0, 3, 1))  # worker 0's step 3 of 1 worker
+    copying = asyncio.create_task(seeds.copy(rows, Seeds(mine=[layout])))
+    for step in range(3):
+        await asyncio.sleep(0.01)
+        assert not copying.done() and rows.state_lookups == 0  # steps 0-2 not all acknowledged
+        seeds._acked.add(step)
+    await asyncio.wait_for(copying, 5)
+    assert replica.holds(layout) and rows.state_lookups == 1
+    await seeds.copy(rows, Seeds(mine=[layout]))
+    assert rows.state_lookups == 1
