@@ -13,8 +13,12 @@ the same for the frequent ids of the large ones.
 twice at least). :meth:`HeadIds.split` splits each of a batch's windowed groups into its head
 ids and the rest, which keeps the window. Where the rows live in this process the compute
 thread reads the head ids just before its step and updates them just after (no round trip,
-every earlier step's update seen); else they ride :class:`HotChain` with the hot tables.
-Which ids are head only decides the path a row's update takes, never whether it is applied:
+every earlier step's update seen); where a replica of them does (one worker, remote rows:
+:class:`ReplicaSeeds`), a head id stays one for the run, and the new head ids of a decision
+after the first batch switch ``defer`` batches later: meanwhile they are read with the rest and
+their gradients held back, so that their copy needs no wait for the pushes in flight, and at
+the switch the held gradients go to the copy and on to the PS in step order. Else they ride
+:class:`HotChain` with the hot tables. Which ids are head only decides the path a row's update takes, never whether it is applied:
 an id that moves between the two is applied once either way.
 """
 
@@ -112,14 +116,21 @@ class SplitBatch:
     """One batch's windowed groups split into head ids and the rest.
 
     ``remote`` is the batch's plan with each windowed group's layout holding the rest only
-    (what the lookups and pushes under the window send), ``head`` the plan with each windowed
-    group's layout holding its head ids only (possibly none); ``groups`` maps a windowed
-    group's index to the positions of its head ids in the full layout and those of the rest.
+    (what the lookups under the window read), ``head`` the plan with each windowed group's
+    layout holding its head ids only (possibly none); ``groups`` maps a windowed group's index
+    to the positions of its head ids in the full layout and those of the rest. Ids decided
+    head but not switched yet are among the rest, their gradients held back
+    (:class:`ReplicaSeeds`): ``pushed`` is ``remote`` less them, and ``held`` maps a group that
+    has some to their layout, their positions and those of the rest pushed. ``switched``: the
+    batch is the first to read the ids last decided as head ids.
     """
 
     remote: BatchPlan
     head: BatchPlan
     groups: dict[int, tuple[np.ndarray, np.ndarray]]
+    pushed: BatchPlan
+    held: dict[int, tuple[ShardedIds, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    switched: bool = False
 
     def rows(self, group: int, rest: np.ndarray, head: np.ndarray) -> np.ndarray:
         """The group's rows in the full layout's order from the rest's and the head's."""
@@ -130,9 +141,14 @@ class SplitBatch:
         out[rest_at] = rest
         return out
 
-    def remote_grads(self, grads: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Every group's gradients as ``remote`` sends them (the rest's of windowed groups)."""
-        return [g[self.groups[i][1]] if i in self.groups else g for i, g in enumerate(grads)]
+    def pushed_grads(self, grads: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Every group's gradients as ``pushed`` sends them."""
+        return [g[self.held[i][2]] if i in self.held else
+                g[self.groups[i][1]] if i in self.groups else g for i, g in enumerate(grads)]
+
+    def held_back(self, grads: Sequence[np.ndarray]) -> list[tuple[ShardedIds, np.ndarray]]:
+        """The held ids' layout and gradients, per group that has some."""
+        return [(layout, grads[i][at]) for i, (layout, at, _) in self.held.items()]
 
     def head_grads(self, grads: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Every group's gradients as ``head`` sends them (the head ids' of windowed groups)."""
@@ -147,7 +163,7 @@ class HeadIds:
     never holds a row that the PS has since updated)."""
 
     def __init__(self, groups: Sequence[int], rate: float, memory: int = 16,
-                 every: int = 64, *, sticky: bool = False) -> None:
+                 every: int = 64, *, sticky: bool = False, defer: int = 0) -> None:
         if not rate > 0:
             raise ConfigError(f"head rate must be > 0, got {rate!r}")
         if memory < 1 or every < 1:
@@ -155,6 +171,7 @@ class HeadIds:
         self.groups = list(groups)
         self.rate = rate
         self.memory, self.every = memory, every
+        self.defer = defer
         self._seen: dict[int, Seen] = {}
         self._head: dict[int, np.ndarray] = {}  # per group: a hash set of its head keys
         self._sticky: dict[int, np.ndarray] | None = {} if sticky else None  # every head key
@@ -167,10 +184,17 @@ class HeadIds:
         self._head, self._fresh = {}, {}
         self._sticky = None if self._sticky is None else {}
         self._count_now = self._batches = 0
+        self._pending: dict[int, np.ndarray] = {}  # per group: head keys not switched yet
+        self._switch_at: int | None = None  # the batch that switches them
 
     def head_count(self) -> int:
         """Head ids now, over every group."""
         return self._count_now
+
+    @property
+    def deferring(self) -> bool:
+        """Whether head ids decided are waiting for their switch."""
+        return self._switch_at is not None
 
     def take_fresh(self) -> dict[int, ShardedIds]:
         """``sticky``: per group, the layout of the head ids decided since the last call."""
@@ -180,9 +204,14 @@ class HeadIds:
     def split(self, plan: BatchPlan) -> SplitBatch:
         """Count ``plan``'s ids, then split its windowed groups by the head ids decided so
         far."""
+        switched = self._batches + 1 == self._switch_at
+        if switched:
+            self._pending, self._switch_at = {}, None
+            self._head = {i: _hash_set(h) for i, h in (self._sticky or {}).items() if h.size}
         keys = {i: _keys(plan.groups[i].layout) for i in self.groups}
         self._count(plan, keys)
-        remote, head, groups = list(plan.groups), list(plan.groups), {}
+        remote, head, pushed = list(plan.groups), list(plan.groups), list(plan.groups)
+        groups, held = {}, {}
         for i, k in keys.items():
             is_head = np.zeros(k.size, dtype=bool)
             if (members := self._head.get(i)) is not None:
@@ -195,28 +224,54 @@ class HeadIds:
                                                                             layout=rest)
             else:
                 head[i] = replace(head[i], layout=layout.subset(is_head))
-        return SplitBatch(replace(plan, groups=remote), replace(plan, groups=head), groups)
+            pushed[i] = remote[i]
+            if (pending := self._pending.get(i)) is not None:
+                is_held = np.isin(k, pending) & ~is_head
+                if is_held.any():
+                    pushed[i] = replace(pushed[i], layout=layout.subset(~is_held & ~is_head))
+                    held[i] = (layout.subset(is_held), np.flatnonzero(is_held),
+                               np.flatnonzero(~is_held & ~is_head))
+        return SplitBatch(replace(plan, groups=remote), replace(plan, groups=head), groups,
+                          replace(plan, groups=pushed), held, switched)
 
     def _count(self, plan: BatchPlan, keys: dict[int, np.ndarray]) -> None:
         """Remember the batch's keys with how often each occurs; decide the head ids again
-        when it is time."""
+        when it is time. Sticky, with ``defer``: the new head ids of a decision after the
+        first batch are switched ``defer`` batches later (until then their rows are read
+        as the rest's and their gradients held back: their copy need not wait)."""
         for i, k in keys.items():
             occurs = np.bincount(plan.groups[i].inverse, minlength=k.size)
             self._seen[i].append((k, occurs, plan.groups[i].layout))
         self._batches += 1
         n = self._batches
-        if n & (n - 1) == 0 and n <= self.memory or n % self.every == 0:
-            heads: dict[int, np.ndarray] = {}
-            for i, seen in self._seen.items():
-                found, at = self._decide(seen)
-                if self._sticky is not None:
-                    old = self._sticky.get(i, found[:0])
-                    if (new := ~np.isin(found, old)).any():
-                        self._fresh[i] = self._layout_of(seen, at[new])
-                    found = self._sticky[i] = np.union1d(found, old)
-                heads[i] = found
-            self._count_now = sum(h.size for h in heads.values())
-            self._head = {i: _hash_set(h) for i, h in heads.items() if h.size}
+        if not self._decides(n):
+            return
+        heads: dict[int, np.ndarray] = {}
+        defer = self.defer and n > 1
+        for i, seen in self._seen.items():
+            found, at = self._decide(seen)
+            if self._sticky is not None:
+                old = self._sticky.get(i, found[:0])
+                if (new := ~np.isin(found, old)).any():
+                    self._fresh[i] = self._layout_of(seen, at[new])
+                    if defer:
+                        self._pending[i] = np.union1d(self._pending.get(i, found[:0]),
+                                                      found[new])
+                found = self._sticky[i] = np.union1d(found, old)
+            heads[i] = found
+        if defer and self._fresh:
+            self._switch_at = n + self.defer
+        self._count_now = sum(h.size for h in heads.values())
+        self._head = {i: _hash_set(h) for i in heads
+                      if (h := np.setdiff1d(heads[i], self._pending.get(i, heads[i][:0]))).size}
+
+    def _decides(self, n: int) -> bool:
+        """Whether to decide after batch ``n``: 1, 2, 4, ... up to ``memory``, then every
+        ``every``; with ``defer``, after 1 and ``memory`` only, then every ``every`` (a
+        decision while others wait for their switch delays those)."""
+        if n % self.every == 0 or n == 1 or n == self.memory:
+            return True
+        return not self.defer and n & (n - 1) == 0 and n <= self.memory
 
     def _decide(self, seen: Seen) -> tuple[np.ndarray, np.ndarray]:
         """The head keys of ``seen`` and where each first occurs in its concatenated keys."""
@@ -351,11 +406,16 @@ class Seeds:
     decided at the batch, and ``mine``, of its head ids (both windowed rows before: copied
     once every earlier step's push is acknowledged; each of ``mine`` was ``fresh`` at an
     earlier batch, whose copy may still be under way); ``hot``, its hot groups' layouts (never
-    windowed: copied where not held, without waiting)."""
+    windowed: copied where not held, without waiting). ``later``: ``fresh`` is switched at a
+    later batch (copied meanwhile); ``switch``: batch ``step`` switches the ids last
+    decided."""
 
     fresh: list[ShardedIds] = field(default_factory=list)
     mine: list[ShardedIds] = field(default_factory=list)
     hot: list[ShardedIds] = field(default_factory=list)
+    later: bool = False
+    switch: bool = False
+    step: int | None = None  # the batch's
 
 
 class ReplicaSeeds:
@@ -366,16 +426,63 @@ class ReplicaSeeds:
 
     def __init__(self, replica: RowsReplica, first_step: int) -> None:
         self.replica = replica
-        self._acked = Acknowledged(first_step)
         self._copying: set[asyncio.Future[None]] = set()  # copies under way
+        self._later: asyncio.Future[None] | None = None  # copies of ids switched later
+        self.begin(first_step, None)
 
     def begin(self, first_step: int, heads: HeadIds | None) -> None:
         """A new run, whose first step is ``first_step``: the replica copies every row again
         (the PS's may have changed between runs), so the head ids are decided anew."""
         self.replica.clear()
-        self._acked = Acknowledged(first_step)
+        if self._later is not None:
+            self._later.cancel()  # a failed run's, left waiting
+        self._acked = Acknowledged(first_step)  # steps whose push is acknowledged
+        self._done = Acknowledged(first_step)  # steps whose gradients are pushed or held
+        self._later = None
+        self._held: list[list[tuple[ShardedIds, np.ndarray]]] = []  # per step, in order
+        self._released: list[asyncio.Future[Any]] = []  # held gradients on their way
         if heads is not None:
             heads.reset()
+
+    def hold(self, plan: BatchPlan, split: SplitBatch | None, grads: Rows) -> None:
+        """``plan``'s step is done: keep the gradients it holds back. Call it in step order."""
+        if split is not None and split.held:
+            self._held.append(split.held_back(grads))
+        if (tag := plan.groups[0].layout.tag) is not None:
+            self._done.add(tag[1])
+
+    async def flush(self, rows: RowsClient) -> None:
+        """The run's end: the gradients held back go to the replica and on to the PS."""
+        await self._release(rows, None)
+
+    async def _release(self, rows: RowsClient, step: int | None) -> None:
+        """Once the ids held back are copied and every step before ``step`` is done (None:
+        every step), apply the gradients held for them to the replica and send them on to
+        the PS, in step order (before any later step's)."""
+        if self._later is not None:
+            await self._later
+        if step is not None:
+            await self._done.wait(step)
+        held, self._held = self._held, []
+        sent = []
+        for layout, grads in (part for parts in held for part in parts):
+            self.replica.push_now(layout, grads)
+            sent.append(rows.push_sharded(replace(layout, tag=None), grads))
+        if sent:  # on their way now, before any later step's (the run's end awaits them)
+            self._released.append(asyncio.ensure_future(asyncio.gather(*sent)))
+        if step is None:
+            await asyncio.gather(*self._released)
+
+    async def _copy_later(self, source: StatefulRows, fresh: list[ShardedIds],
+                          before: asyncio.Future[None] | None) -> None:
+        """Copy ``fresh`` once every step before its decision is acknowledged (no later push
+        touches those rows: their gradients are held back)."""
+        if before is not None:
+            await before
+        tag = fresh[0].tag
+        await self._acked.wait(tag[1] if tag is not None else 0)
+        for layout in fresh:
+            await self.replica.seed(source, layout)
 
     def send(self, path: EmbeddingPath, rows: RowsClient, plan: BatchPlan,
              split: SplitBatch | None, grads: Rows, hot: Sequence[int]) -> asyncio.Future[Any]:
@@ -387,6 +494,9 @@ class ReplicaSeeds:
         a broken connection can land after later ones."""
         heads = [] if split is None else [i for i, (at, _) in split.groups.items() if at.size]
         head_grads = split.head_grads(grads) if split is not None else grads
+        for released in self._released:  # a held gradient's push failed: so does this one
+            if released.done() and released.exception() is not None:
+                raise cast(BaseException, released.exception())
         return asyncio.ensure_future(asyncio.gather(
             *(path.push(rows, plan, i, grads[i]) for i in hot),
             *(path.push(rows, cast(SplitBatch, split).head, i, head_grads[i]) for i in heads)))
@@ -405,13 +515,24 @@ class ReplicaSeeds:
                                           heads.take_fresh().values()]
         mine = [] if split is None else [split.head.groups[i].layout
                                          for i, (at, _) in split.groups.items() if at.size]
-        return Seeds(fresh, mine, [plan.groups[i].layout for i in hot])
+        return Seeds(fresh, mine, [plan.groups[i].layout for i in hot],
+                     later=heads is not None and heads.deferring and bool(fresh),
+                     switch=split is not None and split.switched,
+                     step=tag[1] if tag is not None else None)
 
-    async def copy(self, source: StatefulRows, seeds: Seeds) -> None:
-        """Copy the rows of ``seeds`` (of one tagged step) the replica lacks from ``source``,
+    async def copy(self, rows: RowsClient, seeds: Seeds) -> None:
+        """Copy the rows of ``seeds`` (of one tagged step) the replica lacks from ``rows``,
         after the copies under way (one copy of a row, not one per batch that needs it; the
         batches after a decision wait for its copy only), a head id's once every earlier
-        step's push is acknowledged."""
+        step's push is acknowledged; ids switched later are copied meanwhile, and switched
+        with the gradients held back for them."""
+        source = cast(StatefulRows, rows)
+        if seeds.later:
+            self._later = asyncio.ensure_future(self._copy_later(source, seeds.fresh,
+                                                                 self._later))
+            seeds = replace(seeds, fresh=[])
+        if seeds.switch:
+            await self._release(rows, seeds.step)
         holds = self.replica.holds
         if not seeds.fresh and all(holds(layout) for layout in seeds.mine + seeds.hot):
             return

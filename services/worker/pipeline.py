@@ -118,8 +118,8 @@ class _Rider:
 
 @dataclass(slots=True)
 class _Ahead:
-    """A batch on its way to compute: its rows and staleness, once looked up (the hot
-    groups' rows come apart, from the synchronous chain)."""
+    """A batch on its way to compute: its rows and staleness, once looked up (``hot``: the
+    hot groups', from the synchronous chain)."""
 
     batch: Batch
     plan: BatchPlan
@@ -166,13 +166,11 @@ class EmbeddingPipeline:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
         self.rows = rows
-        # the hot chain's rows client: a lane of its own beside ``rows`` when that one carries
-        # the bulk traffic (a PS client process), so that the small requests every step waits
-        # for do not queue behind it (None: ``rows``)
+        # the hot chain's rows client: a lane of its own beside ``rows`` when that carries the
+        # bulk traffic (a PS client process): the requests a step waits for skip that queue
         self.chain_rows: RowsClient | None = None
         self.path = path if path is not None else RowsPath()
-        self.window = window
-        self.prefetch = prefetch
+        self.window, self.prefetch = window, prefetch
         self.tables: dict[str, str] | None = dict(tables) if tables is not None else None
         if self.tables is not None and not self.tables:
             raise ConfigError("tables must map at least one feature to a PS table")
@@ -184,8 +182,7 @@ class EmbeddingPipeline:
             raise ConfigError(f"worker must be in [0, workers), got {worker} of {workers}")
         if barrier is not None and window is None:
             raise ConfigError("a barrier needs a window: pushes are waited for")
-        self._timers = timers
-        self.worker, self.workers = worker, workers
+        self._timers, self.worker, self.workers = timers, worker, workers
         self._barrier, self._hot_barrier = barrier, hot_barrier
         self._steps = 0  # batches fed so far, over every run: the step of the next tag
         self._hot_ratio = hot_ratio if window is not None and window > hot_window else None
@@ -279,8 +276,9 @@ class EmbeddingPipeline:
             if hot and self._hot_window == 1 and direct is not None:
                 self._direct_hot, self._direct_rows, hot = hot, direct, []
             if self._head_rate and self._windowed and isinstance(self.path, RowsPath):
-                self.heads = HeadIds(self._windowed, self._head_rate,
-                                     sticky=self._seeding is not None)
+                replicated = self._seeding is not None
+                self.heads = HeadIds(self._windowed, self._head_rate, sticky=replicated,
+                                     defer=(self.window or 1) if replicated else 0)
                 if direct is not None:
                     self._direct_rows = direct
                 else:  # the head ids ride the hot chain
@@ -342,8 +340,7 @@ class EmbeddingPipeline:
         return WireStats.merged(*(client.codec_stats for client in self.clients()))
 
     def _copy(self, seeds: Seeds) -> Awaitable[Any]:
-        return (self._seeding.copy(cast(StatefulRows, self.rows), seeds) if self._seeding
-                else asyncio.sleep(0))
+        return self._seeding.copy(self.rows, seeds) if self._seeding else asyncio.sleep(0)
 
     def head_count(self) -> int:
         """Head ids now (0 without head ids)."""
@@ -504,6 +501,8 @@ class EmbeddingPipeline:
         """Wait until every push is acknowledged; raise the first error."""
         await asyncio.gather(*list(self._pushes))
         self._pushes.clear()
+        if self._seeding is not None:
+            await self._seeding.flush(self.rows)
 
     async def settle(self) -> None:
         """End a run, failed or not: wait for every push to finish, forget waiting riders."""
@@ -522,8 +521,8 @@ class EmbeddingPipeline:
         if rider is not None:
             self._carried += 1
         hot_push = self._hot_push(item, grads)
-        plan, sent = ((item.plan, grads) if item.split is None else
-                      (item.split.remote, item.split.remote_grads(grads)))  # heads: applied
+        plan, sent = ((item.plan, grads) if item.split is None else  # heads: applied, and
+                      (item.split.pushed, item.split.pushed_grads(grads)))  # some held back
         try:
             started = time.perf_counter()
             if rider is None:
@@ -554,7 +553,8 @@ class EmbeddingPipeline:
 
     def _hot_push(self, item: Prepared, grads: Rows) -> asyncio.Future[Any] | None:
         """The push of ``item``'s hot rows: the chain's, or the replica's updates sent on."""
-        if self._seeding is not None:
+        if self._seeding is not None:  # (the held back gradients kept first)
+            self._seeding.hold(item.plan, item.split, grads)
             return self._seeding.send(self.path, self.rows, item.plan, item.split, grads,
                                       self._direct_hot)
         if self._chain is None:

@@ -76,7 +76,7 @@ def test_a_split_sends_the_rest_and_puts_rows_back_in_place() -> None:
     # rows come back in the full layout's order; gradients go out as the rest's
     rows = np.arange(full.ids.size, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
     assert np.array_equal(split.rows(0, rows[rest_at], rows[head_at]), rows)
-    (sent,) = split.remote_grads([rows])
+    (sent,) = split.pushed_grads([rows])
     assert np.array_equal(sent, rows[rest_at])
     (sent,) = split.head_grads([rows])
     assert np.array_equal(sent, rows[head_at])
@@ -136,3 +136,33 @@ def test_sticky_head_ids_stay_head_for_the_rest_of_the_run() -> None:
         assert got[0] == {("a", 7)} and got[20] >= {("a", 9)}, sticky
         assert (("a", 7) in got[20]) is sticky
         assert heads.head_count() == len(late)
+
+
+def test_deferred_head_ids_are_held_back_until_their_switch() -> None:
+    """With ``defer`` 3, id 9 (frequent from batch 2 on) is decided head after batch 4
+    (``memory``), but batches 4-6 still read it with the rest and hold its gradient back
+    (neither pushed nor head); batch 7 switches it to head. The first batch's decision is
+    not deferred (nothing is in flight before it)."""
+    def batch(b: int) -> BatchPlan:
+        ids = [7, 7, 7, *([9, 9, 9] if b >= 2 else []), *[1000 + 10 * b + k for k in range(3)]]
+        return plan_batch({"a": (np.array(ids, np.uint64), np.ones(len(ids), np.int32))},
+                          num_shards=SHARDS, groups=[["a"]])
+
+    heads = HeadIds([0], 1.0, memory=4, every=64, sticky=True, defer=3)
+    for b in range(9):
+        p = batch(b)
+        split = heads.split(p)
+        head = {int(i) for i in split.head.groups[0].layout.ids}
+        pushed = {int(i) for i in split.pushed.groups[0].layout.ids}
+        held = {int(i) for i in split.held[0][0].ids} if 0 in split.held else set()
+        looked_up = {int(i) for i in split.remote.groups[0].layout.ids}
+        assert head | looked_up == {int(i) for i in p.groups[0].layout.ids}
+        assert 7 in head, b  # decided at the first batch: head at once
+        if b < 3:
+            assert 9 not in head | held and heads.deferring is False, b
+        elif b < 6:  # decided after batch 4 (b = 3), switched at batch 7 (b = 6)
+            assert 9 in held and 9 in looked_up and 9 not in pushed | head, b
+            assert heads.deferring and split.switched is False, b
+        else:
+            assert 9 in head and not held and split.switched is (b == 6), b
+        assert pushed == looked_up - held
