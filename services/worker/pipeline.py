@@ -413,7 +413,7 @@ class EmbeddingPipeline:
                     await first(batch)
                     first = None
                 split = self.heads.split(plan) if self.heads is not None else None
-                wire = split.remote if split is not None else plan  # what the window sends
+                wire = split.remote if split is not None else plan  # what the window reads
                 seeds = (Seeds() if self._seeding is None else
                          self._seeding.layouts(plan, split, self._direct_hot, self.heads))
                 hot = (self._chain.request(split.head if split is not None else plan)
