@@ -160,7 +160,9 @@ class HeadIds:
     least ``rate`` times per batch on average over the last ``memory`` batches (at most),
     decided after batches 1, 2, 4, ... up to ``memory`` and then every ``every`` batches.
     ``sticky``: a head id stays one for the rest of the run (a replica of the head rows then
-    never holds a row that the PS has since updated)."""
+    never holds a row that the PS has since updated); ``defer``: the new head ids of a
+    decision after the first batch switch ``defer`` batches later (decisions then after
+    batches 1 and ``memory`` only, then every ``every``)."""
 
     def __init__(self, groups: Sequence[int], rate: float, memory: int = 16,
                  every: int = 64, *, sticky: bool = False, defer: int = 0) -> None:
@@ -188,7 +190,7 @@ class HeadIds:
         self._switch_at: int | None = None  # the batch that switches them
 
     def head_count(self) -> int:
-        """Head ids now, over every group."""
+        """Head ids decided so far, over every group."""
         return self._count_now
 
     @property
