@@ -68,8 +68,8 @@ from bench.procstats import cpu_seconds, memory_mb
 from services.common.batch import Batch
 from services.common.commands import int_at_least
 
-__all__ = ["RUNS", "hybrid_ceiling", "machine", "median_run", "paired_ratios", "register_bench",
-           "rtt_row", "run"]
+__all__ = ["RUNS", "hybrid_ceiling", "machine", "median_run", "paired_ratios", "print_table",
+           "register_bench", "rtt_row", "run"]
 
 console = Console()
 _PS_LR = 0.05
@@ -336,7 +336,8 @@ def paired_ratios(every: dict[str, list[dict[str, Any]]], batch_size: int, cores
     return out
 
 
-def _print_table(result: dict[str, Any]) -> None:
+def print_table(result: dict[str, Any]) -> None:
+    """``run``'s result as a person reads it: the runs, the ratios, the rtt rows."""
     table = Table(title=f"persimmon bench train ({result['rows']:,} planted rows, "
                         f"{result['profile']} profile, batch {result['batch_size']}, DLRM)")
     for column in ("run", "samples/s", "ms/step", "test AUC"):
@@ -391,7 +392,7 @@ def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, seed=args.seed,
                  repeats=args.repeats, profile=args.profile, rtt_ms=args.rtt_ms,
                  only_rtt=args.only_rtt, device=args.device, hot_staleness=args.hot_staleness)
-    _print_table(result)
+    print_table(result)
     write_json(result, args.json)
     return 0
 

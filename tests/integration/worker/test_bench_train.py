@@ -13,7 +13,7 @@ import pytest
 
 from bench.netem import LatencyProxy
 from bench.peers import torchrec_available
-from bench.train import RUNS, _print_table, hybrid_ceiling, median_run, paired_ratios, rtt_row, run
+from bench.train import RUNS, hybrid_ceiling, median_run, paired_ratios, print_table, rtt_row, run
 from services.common.errors import ConfigError
 
 
@@ -71,7 +71,7 @@ def test_only_rtt_runs_the_remote_path_behind_the_proxy_and_names_the_machine(ca
     assert row["rtt_ms"] == 0.0 and row["hybrid_vs_sync"] > 0 and 0.3 < row["auc_hot"] <= 1
     assert row["runs"]["hybrid_replica"]["step_wall_ms"] > 0
     capsys.readouterr()
-    _print_table(result)
+    print_table(result)
     assert "waiting for rows" in capsys.readouterr().out  # where the replica's step went
     assert result["machine"]["device"] == "cpu" and result["machine"]["cpu"]
     with pytest.raises(ConfigError, match="hot_staleness"):  # the bound reaches the trainer
