@@ -26,9 +26,10 @@ from numba.extending import intrinsic
 from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
 
-__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "PairHashTable", "committed", "dedup_slots", "gather_rows",
-           "mix64", "mix64_int", "nonfinite_rows", "prefetch", "prefetch_row", "smallest_keys",
-           "sum_rows_by_slot", "to_unit", "touch_slots", "unique_inverse"]
+__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "PairHashTable", "committed",
+           "dedup_slots", "gather_rows", "mix64", "mix64_int", "nonfinite_rows", "prefetch",
+           "prefetch_row", "smallest_keys", "sum_rows_by_slot", "to_unit", "touch_slots",
+           "unique_inverse"]
 
 _S11 = np.uint64(11)
 _EMPTY = -1
@@ -367,12 +368,16 @@ class PairHashTable:
                     np.ascontiguousarray(ids, dtype=np.uint64), out)
         return out
 
+    def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tables, ids, values)`` of every entry, in bucket order."""
+        used = self._vals != _EMPTY
+        return self._owners[used], self._keys[used], self._vals[used]
+
     def insert(self, tables: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
         """Set ``(tables[j], ids[j]) → values[j]``, growing by doubling past a load of 3/4."""
         need = self._size + ids.shape[0]
         if _LOAD_DEN * need > _LOAD_NUM * self._keys.shape[0]:
-            used = self._vals != _EMPTY
-            old = self._owners[used], self._keys[used], self._vals[used]
+            old = self.items()
             self._allocate(_pow2_at_least(_LOAD_DEN * need // _LOAD_NUM + 1))
             self._size = int(_insert_pairs(self._owners, self._keys, self._vals, *old))
         self._size += int(_insert_pairs(

@@ -157,7 +157,6 @@ class HeadReplica:
         self._arena_of = np.empty(0, dtype=np.int64)  # table number -> its arena
         self._arenas: list[_Arena] = []
         self._index = PairHashTable()  # (table number, id) -> slot in its table's arena
-        self._held_ids: list[np.ndarray] = []  # per table number: the ids held, in order
         self._numbers: dict[tuple[str, ...], np.ndarray] = {}  # per layout's tables
         self._building = asyncio.Lock()
 
@@ -190,7 +189,9 @@ class HeadReplica:
 
     def held(self) -> dict[str, np.ndarray]:
         """The ids of the rows held, per table."""
-        return {name: self._held_ids[number] for name, number in self._number.items()}
+        with self._lock:
+            tables, ids, _ = self._index.items()
+        return {name: ids[tables == number] for name, number in self._number.items()}
 
     async def seed(self, source: _Source, layout: ShardedIds) -> int:
         """Copy the rows of ``layout``'s ids not held yet from ``source`` (rows and optimizer
@@ -214,10 +215,6 @@ class HeadReplica:
             if at.size:
                 slots = arena.add(rows[at], {key: v[at] for key, v in state.items()})
                 self._index.insert(numbers[at], missing.ids[at], slots)
-                for number in np.unique(numbers[at]):
-                    mine = at[numbers[at] == number]
-                    self._held_ids[number] = np.concatenate([self._held_ids[number],
-                                                             missing.ids[mine]])
         return int(fresh.sum())
 
     async def _build(self, source: _Source) -> None:
@@ -239,7 +236,6 @@ class HeadReplica:
             await asyncio.to_thread(_warm_up, self._arenas)  # numba's kernels, off the loop
             self._number = {c.name: j for j, c in enumerate(configs)}
             self._arena_of = np.array(arena_of, dtype=np.int64)
-            self._held_ids = [np.empty(0, dtype=np.uint64) for _ in configs]
             self._configs = {c.name: c for c in configs}
 
     def _table_numbers(self, layout: ShardedIds) -> np.ndarray:

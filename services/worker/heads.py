@@ -187,6 +187,7 @@ class HeadIds:
         self._sticky = None if self._sticky is None else {}
         self._count_now = self._batches = 0
         self._pending: dict[int, np.ndarray] = {}  # per group: head keys not switched yet
+        self._pending_set: dict[int, np.ndarray] = {}  # the same as hash sets
         self._switch_at: int | None = None  # the batch that switches them
 
     def head_count(self) -> int:
@@ -208,7 +209,7 @@ class HeadIds:
         far."""
         switched = self._batches + 1 == self._switch_at
         if switched:
-            self._pending, self._switch_at = {}, None
+            self._pending, self._pending_set, self._switch_at = {}, {}, None
             self._head = {i: _hash_set(h) for i, h in (self._sticky or {}).items() if h.size}
         keys = {i: _keys(plan.groups[i].layout) for i in self.groups}
         self._count(plan, keys)
@@ -227,8 +228,10 @@ class HeadIds:
             else:
                 head[i] = replace(head[i], layout=layout.subset(is_head))
             pushed[i] = remote[i]
-            if (pending := self._pending.get(i)) is not None:
-                is_held = np.isin(k, pending) & ~is_head
+            if (pending := self._pending_set.get(i)) is not None:
+                is_held = np.zeros(k.size, dtype=bool)
+                _members(pending, k, is_held)
+                is_held &= ~is_head
                 if is_held.any():
                     pushed[i] = replace(pushed[i], layout=layout.subset(~is_held & ~is_head))
                     held[i] = (layout.subset(is_held), np.flatnonzero(is_held),
@@ -263,6 +266,7 @@ class HeadIds:
             heads[i] = found
         if defer and self._fresh:
             self._switch_at = n + self.defer
+            self._pending_set = {i: _hash_set(p) for i, p in self._pending.items()}
         self._count_now = sum(h.size for h in heads.values())
         self._head = {i: _hash_set(h) for i in heads
                       if (h := np.setdiff1d(heads[i], self._pending.get(i, heads[i][:0]))).size}

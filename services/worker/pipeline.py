@@ -457,8 +457,7 @@ class EmbeddingPipeline:
         done = await asyncio.gather(self.lookup(plan, self._windowed), self._copy(seeds))
         return cast(Rows, done[0]), staleness
 
-    async def _ride(self, rider: _Rider, seeds: Seeds
-                    ) -> tuple[Rows, int]:
+    async def _ride(self, rider: _Rider, seeds: Seeds) -> tuple[Rows, int]:
         """A rider's rows: from the push it rode on, or its own lookup when it was handed the
         slot only (it came after that push had left); the replica copies ``seeds`` once the
         rider has its slot."""

@@ -93,7 +93,8 @@ class FitSummary:
     (``train_auc``/``train_logloss``). ``loss`` is the mean of the latest 50 training losses,
     ``staleness_max``/``staleness_mean`` are those of the windowed rows; ``hot_tables`` and
     ``head_ids`` (how many, at the end) are looked up under ``hot_staleness``;
-    ``replicated_rows`` are the rows of those the worker's replica held at the end (0: none). ``recent_losses`` this fit's latest ones (at most ``RECENT_LOSSES``), ``loss_curve`` the
+    ``replicated_rows`` are the rows of those the worker's replica held at the end (0: none).
+    ``recent_losses`` this fit's latest ones (at most ``RECENT_LOSSES``), ``loss_curve`` the
     whole fit as ``(first step, mean loss)`` spans; ``history`` holds every held-out
     evaluation. With validation data, ``validation`` holds its evaluations, ``best_step`` and
     ``best_validation_auc`` the best of them, and ``restored_best`` whether the final state

@@ -530,7 +530,7 @@ class Trainer:
             batch_wait_ms=timing["batch_wait_ms"], loss_curve=curve.points(),
             worker_cpu_ms_per_step=1e3 * cpu_seconds / steps_done if steps_done else 0.0,
             recent_losses=recent[len(recent) - min(steps_done, len(recent)):],
-            replicated_rows=getattr(self.pipeline.replica, "num_rows", 0))
+            replicated_rows=self.pipeline.replica.num_rows if self.pipeline.replica else 0)
         train = gather_accumulator(train_acc).result()
         summary.train_auc, summary.train_logloss = train.auc, train.logloss
         # the spread of the replicas as trained, then one model: their average
