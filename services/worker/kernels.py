@@ -95,62 +95,83 @@ class PoolBags(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+_LANES = 64  # samples a block of the interaction kernels, whose inner loops run across them
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _load_sample(vecs, b, buffer):  # pragma: no cover - numba
-    """``buffer[i] = vecs[i][b]`` for every vector: one sample's vectors, contiguous."""
+def _load_block(vecs, b0, m, tb):  # pragma: no cover - numba
+    """``tb[i, d, s] = vecs[i][b0 + s, d]`` for the block's ``m`` samples: the vectors of a
+    block of samples, sample innermost (lanes past ``m`` keep what they held)."""
     for i in range(len(vecs)):
         v = vecs[i]
-        for d in range(buffer.shape[1]):
-            buffer[i, d] = v[b, d]
+        for s in range(m):
+            for d in range(tb.shape[1]):
+                tb[i, d, s] = v[b0 + s, d]
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _interaction_forward(vecs, keep_first, out):  # pragma: no cover - numba
+def _interaction_forward(vecs, keep_first, lanes, out):  # pragma: no cover - numba
     """Row ``b`` of ``out``: ``vecs[0][b]`` if ``keep_first``, then ``<vecs[i][b], vecs[j][b]>``
-    for ``i > j`` in ``tril_indices`` order. Each sample's vectors are copied to a small
-    buffer first, so that the dots run over contiguous memory."""
+    for ``i > j`` in ``tril_indices`` order. Samples go ``lanes`` at a time, transposed into
+    a block with the sample innermost, so that each multiply-add runs across the block's
+    samples (SIMD; ``lanes`` is an argument, not a constant, so that the compiler vectorizes
+    the loops rather than unrolling them)."""
     n = len(vecs)
     size, dim = vecs[0].shape
-    tb = np.empty((n, dim), dtype=np.float32)
     first = dim if keep_first else 0
-    for b in range(size):
-        _load_sample(vecs, b, tb)
-        for d in range(first):
-            out[b, d] = tb[0, d]
-        col = first
+    tb = np.zeros((n, dim, lanes), dtype=np.float32)
+    ob = np.empty((n * (n - 1) // 2, lanes), dtype=np.float32)
+    for b0 in range(0, size, lanes):
+        m = min(lanes, size - b0)
+        _load_block(vecs, b0, m, tb)
+        col = 0
         for i in range(1, n):
             for j in range(i):
-                s = np.float32(0.0)
-                for d in range(dim):
-                    s += tb[i, d] * tb[j, d]
-                out[b, col] = s
+                for s in range(lanes):
+                    ob[col, s] = tb[i, 0, s] * tb[j, 0, s]
+                for d in range(1, dim):
+                    for s in range(lanes):
+                        ob[col, s] += tb[i, d, s] * tb[j, d, s]
                 col += 1
+        for s in range(m):
+            for d in range(first):
+                out[b0 + s, d] = tb[0, d, s]
+            for c in range(ob.shape[0]):
+                out[b0 + s, first + c] = ob[c, s]
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _interaction_backward(grad_out, vecs, keep_first, grads):  # pragma: no cover - numba
-    """``grads[i, b]``: the gradient w.r.t. ``vecs[i][b]`` (written whole)."""
+def _interaction_backward(grad_out, vecs, keep_first, lanes, grads):  # pragma: no cover
+    """``grads[i, b]``: the gradient w.r.t. ``vecs[i][b]`` (written whole), in blocks of
+    ``lanes`` samples as the forward."""
     n = len(vecs)
     size, dim = vecs[0].shape
-    tb = np.empty((n, dim), dtype=np.float32)
-    gb = np.empty((n, dim), dtype=np.float32)
     first = dim if keep_first else 0
-    for b in range(size):
-        _load_sample(vecs, b, tb)
+    tb = np.zeros((n, dim, lanes), dtype=np.float32)
+    gb = np.empty((n, dim, lanes), dtype=np.float32)
+    gt = np.zeros((n * (n - 1) // 2, lanes), dtype=np.float32)
+    for b0 in range(0, size, lanes):
+        m = min(lanes, size - b0)
+        _load_block(vecs, b0, m, tb)
+        for s in range(m):
+            for c in range(gt.shape[0]):
+                gt[c, s] = grad_out[b0 + s, first + c]
         gb[:] = 0.0
-        for d in range(first):
-            gb[0, d] = grad_out[b, d]
-        col = first
+        for s in range(m):
+            for d in range(first):
+                gb[0, d, s] = grad_out[b0 + s, d]
+        col = 0
         for i in range(1, n):
             for j in range(i):
-                w = grad_out[b, col]
-                col += 1
                 for d in range(dim):
-                    gb[i, d] += w * tb[j, d]
-                    gb[j, d] += w * tb[i, d]
+                    for s in range(lanes):
+                        gb[i, d, s] += gt[col, s] * tb[j, d, s]
+                        gb[j, d, s] += gt[col, s] * tb[i, d, s]
+                col += 1
         for i in range(n):
-            for d in range(dim):
-                grads[i, b, d] = gb[i, d]
+            for s in range(m):
+                for d in range(dim):
+                    grads[i, b0 + s, d] = gb[i, d, s]
 
 
 class DotInteraction(torch.autograd.Function):
@@ -166,7 +187,7 @@ class DotInteraction(torch.autograd.Function):
         n = len(arrays)
         out = torch.empty((size, (dim if keep_first else 0) + n * (n - 1) // 2),
                           dtype=torch.float32)
-        _interaction_forward(arrays, keep_first, out.numpy())
+        _interaction_forward(arrays, keep_first, _LANES, out.numpy())
         ctx.save_for_backward(*vecs)
         ctx.keep_first = keep_first
         return out
@@ -177,5 +198,5 @@ class DotInteraction(torch.autograd.Function):
         grads = torch.empty((len(vecs), *vecs[0].shape), dtype=torch.float32)
         _interaction_backward(grad_out.contiguous().numpy(),
                               tuple(v.detach().contiguous().numpy() for v in vecs),
-                              ctx.keep_first, grads.numpy())
+                              ctx.keep_first, _LANES, grads.numpy())
         return (None, *grads.unbind(0))
