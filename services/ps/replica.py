@@ -158,6 +158,10 @@ class HeadReplica:
         self._arenas: list[_Arena] = []
         self._index = PairHashTable()  # (table number, id) -> slot in its table's arena
         self._numbers: dict[tuple[str, ...], np.ndarray] = {}  # per layout's tables
+        # the parts of the layout read last: a step's push_now finds its rows where its
+        # lookup_now did (slots never move: rows are only added, until clear())
+        self._recent: tuple[ShardedIds, list[tuple[_Arena, np.ndarray | None, np.ndarray]]] \
+            | None = None
         self._building = asyncio.Lock()
 
     def lookup_now(self, layout: ShardedIds) -> np.ndarray:
@@ -255,6 +259,8 @@ class HeadReplica:
     def _held_parts(self, layout: ShardedIds
                     ) -> list[tuple[_Arena, np.ndarray | None, np.ndarray]]:
         """Per arena: where ``layout``'s ids of it are (None: all of them) and their slots."""
+        if self._recent is not None and self._recent[0] is layout:
+            return self._recent[1]
         if self._configs is None:
             raise FailedPrecondition("the replica holds no rows yet: seed() first")
         numbers = self._table_numbers(layout)
@@ -263,7 +269,11 @@ class HeadReplica:
             raise FailedPrecondition(f"the replica holds {int((slots < 0).sum())} of these "
                                      "rows not: seed() them first")
         if len(self._arenas) == 1:
-            return [(self._arenas[0], None, slots)]
-        arenas = self._arena_of[numbers]
-        return [(arena, at, slots[at]) for k, arena in enumerate(self._arenas)
-                if (at := np.flatnonzero(arenas == k)).size]
+            parts: list[tuple[_Arena, np.ndarray | None, np.ndarray]] = [
+                (self._arenas[0], None, slots)]
+        else:
+            arenas = self._arena_of[numbers]
+            parts = [(arena, at, slots[at]) for k, arena in enumerate(self._arenas)
+                     if (at := np.flatnonzero(arenas == k)).size]
+        self._recent = (layout, parts)
+        return parts

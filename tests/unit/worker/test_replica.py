@@ -203,6 +203,26 @@ async def test_a_second_run_copies_its_head_rows_again() -> None:
     assert_ps_follows(replica, rows.inner.shards)
 
 
+async def test_a_push_after_the_replica_was_cleared_updates_the_rows_where_they_are_now(
+        ) -> None:
+    """A step's push_now finds its rows where its lookup_now found them; once the replica is
+    cleared and copied anew (another order: other slots), a push of the same layout updates
+    the new copy's rows of its ids (a push to the slots found before the clear fails)."""
+    configs = [TableConfig(name="a", dim=4, optimizer=OptimizerConfig(kind="adagrad", lr=0.1))]
+    ps, replica = InProcessShards(configs), HeadReplica()
+    every, _ = ShardedIds.of_tables({"a": np.arange(10, 20, dtype=np.uint64)}, 1)
+    tail, _ = ShardedIds.of_tables({"a": np.arange(15, 20, dtype=np.uint64)}, 1)
+    head, _ = ShardedIds.of_tables({"a": np.arange(10, 15, dtype=np.uint64)}, 1)
+    await replica.seed(ps, every)
+    replica.lookup_now(tail)
+    replica.clear()
+    await replica.seed(ps, tail)  # now first in the arena
+    await replica.seed(ps, head)
+    grads = np.random.default_rng(4).normal(size=(5, 4)).astype(np.float32)
+    assert replica.push_now(tail, grads) == ps.push_now(tail, grads)
+    np.testing.assert_array_equal(replica.lookup_now(every), ps.lookup_now(every))
+
+
 async def test_updates_in_another_thread_survive_copies_that_grow_the_arena() -> None:
     """The compute thread updates held rows while the event loop copies new ones in (the
     arena and index grow by reallocation): no update is lost (the rows equal the PS's after
