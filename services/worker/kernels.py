@@ -140,26 +140,31 @@ def _interaction_forward(vecs, keep_first, lanes, out):  # pragma: no cover - nu
                 out[b0 + s, first + c] = ob[c, s]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _load_grad_block(grad_out, b0, m, first, gt, gb):  # pragma: no cover - numba
+    """The block's upstream gradients, sample innermost: of the dots into ``gt``, of the
+    first vector (its first ``first`` columns) into ``gb[0]``; ``gb`` is zeroed first."""
+    gb[:] = 0.0
+    for s in range(m):
+        for d in range(first):
+            gb[0, d, s] = grad_out[b0 + s, d]
+        for c in range(gt.shape[0]):
+            gt[c, s] = grad_out[b0 + s, first + c]
+
+
 @njit(cache=True, nogil=True, fastmath=True)
 def _interaction_backward(grad_out, vecs, keep_first, lanes, grads):  # pragma: no cover
     """``grads[i, b]``: the gradient w.r.t. ``vecs[i][b]`` (written whole), in blocks of
     ``lanes`` samples as the forward."""
     n = len(vecs)
     size, dim = vecs[0].shape
-    first = dim if keep_first else 0
     tb = np.zeros((n, dim, lanes), dtype=np.float32)
     gb = np.empty((n, dim, lanes), dtype=np.float32)
     gt = np.zeros((n * (n - 1) // 2, lanes), dtype=np.float32)
     for b0 in range(0, size, lanes):
         m = min(lanes, size - b0)
         _load_block(vecs, b0, m, tb)
-        for s in range(m):
-            for c in range(gt.shape[0]):
-                gt[c, s] = grad_out[b0 + s, first + c]
-        gb[:] = 0.0
-        for s in range(m):
-            for d in range(first):
-                gb[0, d, s] = grad_out[b0 + s, d]
+        _load_grad_block(grad_out, b0, m, dim if keep_first else 0, gt, gb)
         col = 0
         for i in range(1, n):
             for j in range(i):
