@@ -101,27 +101,32 @@ _LANES = 64  # samples a block of the interaction kernels, whose inner loops run
 @njit(cache=True, nogil=True, inline="always")
 def _load_block(vecs, b0, m, tb):  # pragma: no cover - numba
     """``tb[i, d, s] = vecs[i][b0 + s, d]`` for the block's ``m`` samples: the vectors of a
-    block of samples, sample innermost (lanes past ``m`` keep what they held)."""
+    block of samples, sample innermost (lanes past ``m`` are zeroed)."""
     for i in range(len(vecs)):
         v = vecs[i]
         for s in range(m):
             for d in range(tb.shape[1]):
                 tb[i, d, s] = v[b0 + s, d]
+        for s in range(m, tb.shape[2]):
+            for d in range(tb.shape[1]):
+                tb[i, d, s] = 0.0
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _interaction_forward(vecs, keep_first, lanes, out):  # pragma: no cover - numba
+def _interaction_forward(vecs, keep_first, blocks, out):  # pragma: no cover - numba
     """Row ``b`` of ``out``: ``vecs[0][b]`` if ``keep_first``, then ``<vecs[i][b], vecs[j][b]>``
-    for ``i > j`` in ``tril_indices`` order. Samples go ``lanes`` at a time, transposed into
-    a block with the sample innermost, so that each multiply-add runs across the block's
-    samples (SIMD; ``lanes`` is an argument, not a constant, so that the compiler vectorizes
-    the loops rather than unrolling them)."""
+    for ``i > j`` in ``tril_indices`` order. Samples go a block of ``lanes`` at a time,
+    transposed into ``blocks[k]`` ``(n, dim, lanes)``, sample innermost (kept for the
+    backward), so that each multiply-add runs across the block's samples (SIMD; the lanes
+    are a run-time size, so that the compiler vectorizes the loops rather than unrolling
+    them)."""
     n = len(vecs)
     size, dim = vecs[0].shape
+    lanes = blocks.shape[3]
     first = dim if keep_first else 0
-    tb = np.zeros((n, dim, lanes), dtype=np.float32)
     ob = np.empty((n * (n - 1) // 2, lanes), dtype=np.float32)
-    for b0 in range(0, size, lanes):
+    for k in range(blocks.shape[0]):
+        b0, tb = k * lanes, blocks[k]
         m = min(lanes, size - b0)
         _load_block(vecs, b0, m, tb)
         col = 0
@@ -153,17 +158,16 @@ def _load_grad_block(grad_out, b0, m, first, gt, gb):  # pragma: no cover - numb
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _interaction_backward(grad_out, vecs, keep_first, lanes, grads):  # pragma: no cover
-    """``grads[i, b]``: the gradient w.r.t. ``vecs[i][b]`` (written whole), in blocks of
-    ``lanes`` samples as the forward."""
-    n = len(vecs)
-    size, dim = vecs[0].shape
-    tb = np.zeros((n, dim, lanes), dtype=np.float32)
+def _interaction_backward(grad_out, blocks, keep_first, grads):  # pragma: no cover - numba
+    """``grads[i, b]``: the gradient w.r.t. ``vecs[i][b]`` (written whole), from the
+    forward's ``blocks``, a block at a time."""
+    _, n, dim, lanes = blocks.shape
+    size = grads.shape[1]
     gb = np.empty((n, dim, lanes), dtype=np.float32)
     gt = np.zeros((n * (n - 1) // 2, lanes), dtype=np.float32)
-    for b0 in range(0, size, lanes):
+    for k in range(blocks.shape[0]):
+        b0, tb = k * lanes, blocks[k]
         m = min(lanes, size - b0)
-        _load_block(vecs, b0, m, tb)
         _load_grad_block(grad_out, b0, m, dim if keep_first else 0, gt, gb)
         col = 0
         for i in range(1, n):
@@ -192,16 +196,16 @@ class DotInteraction(torch.autograd.Function):
         n = len(arrays)
         out = torch.empty((size, (dim if keep_first else 0) + n * (n - 1) // 2),
                           dtype=torch.float32)
-        _interaction_forward(arrays, keep_first, _LANES, out.numpy())
-        ctx.save_for_backward(*vecs)
-        ctx.keep_first = keep_first
+        blocks = np.empty((-(-size // _LANES), n, dim, _LANES), dtype=np.float32)
+        _interaction_forward(arrays, keep_first, blocks, out.numpy())
+        ctx.blocks, ctx.keep_first = blocks, keep_first
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        vecs = ctx.saved_tensors
-        grads = torch.empty((len(vecs), *vecs[0].shape), dtype=torch.float32)
-        _interaction_backward(grad_out.contiguous().numpy(),
-                              tuple(v.detach().contiguous().numpy() for v in vecs),
-                              ctx.keep_first, _LANES, grads.numpy())
+        blocks = ctx.blocks
+        grads = torch.empty((blocks.shape[1], grad_out.shape[0], blocks.shape[2]),
+                            dtype=torch.float32)
+        _interaction_backward(grad_out.contiguous().numpy(), blocks, ctx.keep_first,
+                              grads.numpy())
         return (None, *grads.unbind(0))
