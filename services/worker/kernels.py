@@ -186,8 +186,9 @@ def _interaction_backward(grad_out, blocks, keep_first, grads):  # pragma: no co
 class DotInteraction(torch.autograd.Function):
     """DLRM's interaction of ``n`` vectors ``(B, D)`` (CPU float32) in one kernel each way:
     ``(B, [D +] n(n-1)/2)``, the first vector itself when ``keep_first``, then the pairwise
-    dots in ``tril_indices(n, n, -1)`` order. No ``(B, n, D)`` stack and no concatenation
-    with the first vector is made in either direction."""
+    dots in ``tril_indices(n, n, -1)`` order. The forward copies the vectors once, into
+    blocks of ``_LANES`` samples with the sample innermost, and keeps them for the backward;
+    no concatenation with the first vector is made in either direction."""
 
     @staticmethod
     def forward(ctx: Any, keep_first: bool, *vecs: Tensor) -> Tensor:
