@@ -27,9 +27,9 @@ from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
 
 __all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "PairHashTable", "committed",
-           "dedup_slots", "gather_rows", "mix64", "mix64_int", "nonfinite_rows", "prefetch",
-           "prefetch_row", "smallest_keys", "sum_rows_by_slot", "to_unit", "touch_slots",
-           "unique_inverse"]
+           "dedup_slots", "find_values", "gather_rows", "mix64", "mix64_int", "nonfinite_rows",
+           "prefetch", "prefetch_row", "smallest_keys", "sum_rows_by_slot", "to_unit",
+           "touch_slots", "unique_inverse"]
 
 _S11 = np.uint64(11)
 _EMPTY = -1
@@ -114,6 +114,13 @@ def _find(keys, vals, ids, out):  # pragma: no cover - numba
                 out[j] = v
                 break
             i = (i + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def find_values(keys, vals, ids, out):  # pragma: no cover - numba
+    """``out[j]``: the value of ``ids[j]`` in the table of arrays ``(keys, vals)``
+    (:attr:`IdHashTable.arrays`), or -1 where absent; for kernels over several tables."""
+    _find(keys, vals, ids, out)
 
 
 @njit(cache=True, nogil=True)
@@ -255,6 +262,11 @@ class IdHashTable:
     @property
     def nbytes(self) -> int:
         return int(self._keys.nbytes + self._vals.nbytes)
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, values)`` as stored, for :func:`find_values` (valid until it grows)."""
+        return self._keys, self._vals
 
     def reserve(self, more: int) -> None:
         """Grow (by doubling) so that ``more`` new keys keep the load factor <= 3/4."""

@@ -54,10 +54,11 @@ from services.ps.checkpoint import (
 )
 from services.ps.config import PSConfig
 from services.ps.dedup import PushOrigin, PushWindow, fingerprint
+from services.ps.multitable import lookup_plain, push_plain, warm_up
 from services.ps.optimizers import state_layout
 from services.ps.pooled import check_lengths, segment_sum
 from services.ps.staleness import GlobalStaleness
-from services.ps.store import EmbeddingTable, PushResult, warm_up
+from services.ps.store import EmbeddingTable, PushResult
 from services.ps.tables import OptimizerConfig, TableConfig
 from services.ps.wal import PushPart, WalFsync, WriteAheadLog, push_record, read_push
 
@@ -239,7 +240,9 @@ class Shard:
         return result
 
     def _apply(self, parts: Sequence[PushPart]) -> PushResult:
-        results = [self.table(name).push(ids, grads) for name, ids, grads in parts]
+        tables = [self.table(name) for name, _, _ in parts]
+        results = push_plain(tables, [ids for _, ids, _ in parts], [g for _, _, g in parts]) \
+            or [t.push(ids, grads) for t, (_, ids, grads) in zip(tables, parts, strict=True)]
         self.staleness.pushed([name for name, _, _ in parts])
         return PushResult.total(results)
 
@@ -314,6 +317,11 @@ class Shard:
     def _lookup_slices(self, parts: list[tuple[str, np.ndarray]], dim: int, num_ids: int, *,
                        read_only: bool = False, state: dict[str, np.ndarray] | None = None
                        ) -> np.ndarray:
+        if not read_only and state is None and (out := lookup_plain(
+                [self.table(name) for name, _ in parts], [p for _, p in parts], dim)) is not None:
+            for name, _ in parts:
+                self.staleness.looked_up(name)
+            return out
         out = np.empty((num_ids, dim), dtype=np.float32)
         states: list[dict[str, np.ndarray]] = []
         start = 0

@@ -21,10 +21,11 @@ bit-identically. Eviction, TTL, deletes, snapshots and restores see both tiers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -44,6 +45,7 @@ from services.ps.hashtable import (
 )
 from services.ps.optimizers import apply_update, init_state, state_layout
 from services.ps.table_io import (
+    PlainTable,
     PushResult,
     TableSnapshot,
     check_snapshot,
@@ -59,7 +61,7 @@ from services.ps.tables import (
     initial_rows,
 )
 
-__all__ = ["EmbeddingTable", "PushResult", "TableSnapshot", "warm_up"]
+__all__ = ["EmbeddingTable", "PushResult", "TableSnapshot"]
 
 _COUNTERS = ("lookups", "pushes", "ids_looked_up", "ids_pushed", "misses", "evictions",
              "expired", "deleted", "dropped_nonfinite", "not_admitted", "promoted", "demoted")
@@ -182,6 +184,16 @@ class EmbeddingTable:
             out = self._gather(ids, slots)
             self._spill()
             return out
+
+    @contextlib.contextmanager
+    def plain(self) -> Iterator[PlainTable | None]:
+        """Under its lock, its arrays for kernels over several tables (:mod:`.multitable`);
+        None unless a lookup or push of held ids is a probe and an update (float32 rows in
+        RAM, no use bookkeeping: no disk tier, ``max_rows`` or TTL)."""
+        with self._lock:
+            plain = self._disk is None and not self._tracks_use and self._dtype == np.float32
+            yield PlainTable(*self._index.arrays, self._rows, self._mark, self._dirty,
+                             self._counters, self._apply) if plain else None
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
@@ -558,8 +570,6 @@ class EmbeddingTable:
             if slots.shape[0]:
                 self._tick = max(self._tick, int(self._ticks[slots].max()))
 
-    # ----------------------------------------------------------------- stats
-
     def content_digest(self) -> str:
         """sha256 of every live id with its stored row and optimizer state (order-free)."""
         with self._lock:
@@ -588,13 +598,3 @@ class EmbeddingTable:
                     "disk_bytes": 0 if disk is None else disk.nbytes_disk,
                     "pending_admission": len(self._pending), **self._counters}
 
-
-def warm_up(config: TableConfig) -> None:
-    """Look up and push a few ids on a scratch table of ``config``, twice, so that numba loads
-    (or compiles) every kernel a table of this kind runs now, not during the first training
-    steps; the scratch table is dropped."""
-    table = EmbeddingTable(replace(config, initial_capacity=16))
-    ids = np.arange(4, dtype=np.uint64)
-    for _ in range(2):
-        table.lookup(ids)
-        table.push(ids, np.zeros((ids.size, config.dim), dtype=np.float32))

@@ -3,7 +3,7 @@ of a push, and snapshots (with the check that one fits a table)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +13,23 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.ps.optimizers import state_layout
 from services.ps.tables import TableConfig
 
-__all__ = ["PushResult", "TableSnapshot", "check_snapshot", "validate_grads", "validate_ids"]
+__all__ = ["PlainTable", "PushResult", "TableSnapshot", "check_snapshot", "validate_grads",
+           "validate_ids"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlainTable:
+    """A plain table's arrays (:meth:`services.ps.store.EmbeddingTable.plain`): its index
+    (``keys``, ``vals``), rows, push scratch (``mark``), dirty flags and counters, and its
+    optimizer's update of distinct slots (``apply(slots, grads)``)."""
+
+    keys: np.ndarray
+    vals: np.ndarray
+    rows: np.ndarray
+    mark: np.ndarray
+    dirty: np.ndarray
+    counters: dict[str, int]
+    apply: Callable[[np.ndarray, np.ndarray], None]
 
 
 @dataclass(slots=True)

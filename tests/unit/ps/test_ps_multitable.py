@@ -1,0 +1,127 @@
+"""Several plain tables' lookups and pushes in one kernel call each (services.ps.multitable):
+the same rows, optimizer state, counters and results as the tables' own, or None with nothing
+changed where a table is not plain or an id has no row."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from services.ps.multitable import lookup_plain, push_plain
+from services.ps.store import EmbeddingTable
+from services.ps.tables import OptimizerConfig, TableConfig
+
+DIM = 4
+KINDS = ("adagrad", "rowwise_adagrad", "adam", "sgd")
+
+
+def tables(**extra: object) -> list[EmbeddingTable]:
+    return [EmbeddingTable(TableConfig(name=f"t{k}", dim=DIM, **extra,  # type: ignore[arg-type]
+                                       optimizer=OptimizerConfig(kind=kind, lr=0.1)))
+            for k, kind in enumerate(KINDS)]
+
+
+def held_ids(rng: np.random.Generator, n: int) -> list[np.ndarray]:
+    """Per table, ``n`` ids of 0..29 (duplicates among them)."""
+    return [rng.integers(0, 30, n).astype(np.uint64) for _ in KINDS]
+
+
+def state(ts: list[EmbeddingTable]) -> list[tuple[str, dict[str, int]]]:
+    return [(t.content_digest(), t.stats()) for t in ts]
+
+
+def test_plain_lookups_and_pushes_equal_the_tables_own() -> None:
+    """Tables of four optimizers: the same pushes (duplicate ids, NaN and Inf gradients)
+    through push_plain and through each table's push leave the same rows, state and counters
+    and give the same results; lookups the same rows (summing duplicates in another order,
+    or applying a non-finite sum, fails)."""
+    fused, own = tables(), tables()
+    rng = np.random.default_rng(11)
+    every = [np.arange(30, dtype=np.uint64)] * len(KINDS)
+    for t, ids in zip(fused + own, every + every, strict=True):
+        t.lookup(ids)  # every row created
+    for step in range(6):
+        ids = held_ids(rng, 40)
+        grads = [rng.normal(size=(40, DIM)).astype(np.float32) for _ in KINDS]
+        grads[step % len(KINDS)][3] = np.nan
+        grads[(step + 1) % len(KINDS)][5, 1] = np.inf
+        results = push_plain(fused, ids, grads)
+        assert results is not None
+        assert results == [t.push(i, g) for t, i, g in zip(own, ids, grads, strict=True)]
+        assert sum(r.dropped_nonfinite for r in results) >= 2
+        reads = held_ids(rng, 25)
+        rows = lookup_plain(fused, reads, DIM)
+        assert rows is not None
+        np.testing.assert_array_equal(
+            rows, np.concatenate([t.lookup(i) for t, i in zip(own, reads, strict=True)]))
+    assert state(fused) == state(own)
+
+
+@pytest.mark.parametrize("extra", [{"dtype": "float16"}, {"max_rows": 100}, {"ttl_s": 60.0}])
+def test_a_table_that_is_not_plain_is_left_to_its_own_lookups_and_pushes(
+        extra: dict[str, object]) -> None:
+    """float16 rows, eviction and TTL (use bookkeeping): None, nothing changed."""
+    ts = tables()
+    ts[2] = EmbeddingTable(TableConfig(name="other", dim=DIM, **extra))  # type: ignore[arg-type]
+    ids = [np.arange(8, dtype=np.uint64)] * len(ts)
+    for t, i in zip(ts, ids, strict=True):
+        t.lookup(i)
+    before = state(ts)
+    assert lookup_plain(ts, ids, DIM) is None
+    assert push_plain(ts, ids, [np.ones((8, DIM), np.float32)] * len(ts)) is None
+    assert state(ts) == before
+
+
+def test_an_id_without_a_row_changes_nothing_and_the_next_push_is_exact() -> None:
+    """One absent id among many held ones: None, no row created, no counter moved, and the
+    push scratch is left clean (the next push equals the tables' own)."""
+    fused, own = tables(), tables()
+    held = [np.arange(10, dtype=np.uint64)] * len(KINDS)
+    for t, ids in zip(fused + own, held + held, strict=True):
+        t.lookup(ids)
+    before = state(fused)
+    absent = [*held[:-1], np.array([1, 1, 99], dtype=np.uint64)]
+    grads = [np.ones((ids.size, DIM), np.float32) for ids in absent]
+    assert push_plain(fused, absent, grads) is None
+    assert lookup_plain(fused, absent, DIM) is None
+    assert state(fused) == before
+    again = [np.array([3, 3, 4], dtype=np.uint64)] * len(KINDS)
+    grads = [np.full((3, DIM), 0.5, np.float32)] * len(KINDS)
+    assert push_plain(fused, again, grads) == [
+        t.push(i, g) for t, i, g in zip(own, again, grads, strict=True)]
+    assert state(fused) == state(own)
+
+
+def test_ids_or_gradients_of_another_dtype_are_left_to_the_tables_own_checks() -> None:
+    ts = tables()
+    ids = [np.arange(4, dtype=np.uint64)] * len(ts)
+    for t, i in zip(ts, ids, strict=True):
+        t.lookup(i)
+    signed = [i.astype(np.int64) for i in ids]
+    assert lookup_plain(ts, signed, DIM) is None
+    assert push_plain(ts, signed, [np.ones((4, DIM), np.float32)] * len(ts)) is None
+    assert push_plain(ts, ids, [np.ones((4, DIM), np.float64)] * len(ts)) is None
+
+
+def test_requests_naming_the_same_tables_in_other_orders_do_not_deadlock() -> None:
+    """Two threads push to the same tables, named in opposite orders (each takes the tables'
+    locks in name order: taken in request order, they deadlock)."""
+    ts = tables()
+    ids = [np.arange(16, dtype=np.uint64)] * len(ts)
+    for t, i in zip(ts, ids, strict=True):
+        t.lookup(i)
+    grads = [np.full((16, DIM), 0.01, np.float32)] * len(ts)
+
+    def push(order: list[EmbeddingTable]) -> None:
+        for _ in range(300):
+            assert push_plain(order, ids, grads) is not None
+
+    threads = [threading.Thread(target=push, args=(o,), daemon=True) for o in (ts, ts[::-1])]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads)
+    assert all(t.stats()["pushes"] == 600 for t in ts)
