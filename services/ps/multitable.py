@@ -38,13 +38,13 @@ __all__ = ["lookup_plain", "push_plain", "warm_up"]
 @njit(cache=True, nogil=True)
 def _find_all(keys, vals, ids, bounds, slots):  # pragma: no cover - numba
     """``slots[bounds[t]:bounds[t + 1]]``: the slots of table ``t``'s ids; True if every id
-    has one."""
+    has one (False as soon as a table's ids have not: a request of new ids costs little)."""
     for t in range(len(keys)):
         lo, hi = bounds[t], bounds[t + 1]
         find_values(keys[t], vals[t], ids[lo:hi], slots[lo:hi])
-    for j in range(slots.shape[0]):
-        if slots[j] < 0:
-            return False
+        for j in range(lo, hi):
+            if slots[j] < 0:
+                return False
     return True
 
 
