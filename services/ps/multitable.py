@@ -112,9 +112,11 @@ def _bounds(parts: Sequence[np.ndarray]) -> np.ndarray:
 
 def lookup_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], dim: int
                  ) -> np.ndarray | None:
-    """The rows of ``ids[t]`` of ``tables[t]``, one after the other, as the tables' lookups
-    give them; None, nothing changed, unless every table is plain and holds every id."""
-    if not all(part.dtype == np.uint64 and part.ndim == 1 for part in ids):
+    """The rows of ``ids[t]`` of ``tables[t]`` (tables of dim ``dim``), one after the other,
+    as the tables' lookups give them; None, nothing changed, unless every table is plain and
+    holds every id."""
+    if not all(part.dtype == np.uint64 and part.ndim == 1 for part in ids) \
+            or any(t.dim != dim for t in tables):
         return None  # the tables' own lookups check them
     bounds = _bounds(ids)
     out = np.empty((int(bounds[-1]), dim), dtype=np.float32)
@@ -136,8 +138,9 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
     holds every id."""
     if not tables or not all(
             i.dtype == np.uint64 and i.ndim == 1 and g.dtype == np.float32
-            and g.shape == (i.shape[0], t.dim) for t, i, g in zip(tables, ids, grads, strict=True)):
-        return None  # the tables' own pushes check them
+            and g.shape == (i.shape[0], tables[0].dim) and t.dim == tables[0].dim
+            for t, i, g in zip(tables, ids, grads, strict=True)):
+        return None  # the tables' own pushes check them (tables of one dim here)
     bounds = _bounds(ids)
     n = int(bounds[-1])
     uslots = np.empty(n, dtype=np.int64)

@@ -94,7 +94,7 @@ def test_an_id_without_a_row_changes_nothing_and_the_next_push_is_exact() -> Non
     assert state(fused) == state(own)
 
 
-def test_ids_or_gradients_of_another_dtype_are_left_to_the_tables_own_checks() -> None:
+def test_ids_gradients_or_dims_that_do_not_fit_are_left_to_the_tables_own_checks() -> None:
     ts = tables()
     ids = [np.arange(4, dtype=np.uint64)] * len(ts)
     for t, i in zip(ts, ids, strict=True):
@@ -103,6 +103,12 @@ def test_ids_or_gradients_of_another_dtype_are_left_to_the_tables_own_checks() -
     assert lookup_plain(ts, signed, DIM) is None
     assert push_plain(ts, signed, [np.ones((4, DIM), np.float32)] * len(ts)) is None
     assert push_plain(ts, ids, [np.ones((4, DIM), np.float64)] * len(ts)) is None
+    wide = EmbeddingTable(TableConfig(name="wide", dim=2 * DIM))
+    wide.lookup(ids[0])
+    assert lookup_plain([*ts, wide], [*ids, ids[0]], DIM) is None  # rows wider than asked
+    assert push_plain([wide, *ts], [ids[0], *ids],
+                      [np.ones((4, 2 * DIM), np.float32)] + [np.ones((4, DIM), np.float32)]
+                      * len(ts)) is None  # tables of two dims
 
 
 def test_requests_naming_the_same_tables_in_other_orders_do_not_deadlock() -> None:
