@@ -97,7 +97,9 @@ def _prefetch_bucket(keys, vals, key, mask):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def _find(keys, vals, ids, out):  # pragma: no cover - numba
+def find_values(keys, vals, ids, out):  # pragma: no cover - numba
+    """``out[j]``: the value of ``ids[j]`` in the table of arrays ``(keys, vals)``
+    (:attr:`IdHashTable.arrays`), or -1 where absent."""
     mask = keys.shape[0] - 1
     n = ids.shape[0]
     for j in range(n):
@@ -114,13 +116,6 @@ def _find(keys, vals, ids, out):  # pragma: no cover - numba
                 out[j] = v
                 break
             i = (i + 1) & mask
-
-
-@njit(cache=True, nogil=True)
-def find_values(keys, vals, ids, out):  # pragma: no cover - numba
-    """``out[j]``: the value of ``ids[j]`` in the table of arrays ``(keys, vals)``
-    (:attr:`IdHashTable.arrays`), or -1 where absent; for kernels over several tables."""
-    _find(keys, vals, ids, out)
 
 
 @njit(cache=True, nogil=True)
@@ -286,7 +281,7 @@ class IdHashTable:
         """The value of each id, or -1 where absent."""
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.empty(ids.shape[0], dtype=np.int64)
-        _find(self._keys, self._vals, ids, out)
+        find_values(self._keys, self._vals, ids, out)
         return out
 
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:

@@ -18,8 +18,9 @@ every earlier step's update seen); where a replica of them does (one worker, rem
 after the first batch switch ``defer`` batches later: meanwhile they are read with the rest and
 their gradients held back, so that their copy needs no wait for the pushes in flight, and at
 the switch the held gradients go to the copy and on to the PS in step order. Else they ride
-:class:`HotChain` with the hot tables. Which ids are head only decides the path a row's update takes, never whether it is applied:
-an id that moves between the two is applied once either way.
+:class:`HotChain` with the hot tables. Which ids are head only decides the path a row's update
+takes, never whether it is applied: an id that moves between the two is applied once either
+way.
 """
 
 from __future__ import annotations
