@@ -27,8 +27,8 @@ from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
 
 __all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "PairHashTable", "committed",
-           "dedup_slots", "find_values", "gather_rows", "mix64", "mix64_int", "nonfinite_rows",
-           "prefetch", "prefetch_row", "smallest_keys", "sum_rows_by_slot", "to_unit",
+           "dedup_slots", "gather_rows", "mix64", "mix64_int", "nonfinite_rows",
+           "prefetch", "prefetch_row", "smallest_keys", "sum_rows_by_inverse", "to_unit",
            "touch_slots", "unique_inverse"]
 
 _S11 = np.uint64(11)
@@ -97,9 +97,8 @@ def _prefetch_bucket(keys, vals, key, mask):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def find_values(keys, vals, ids, out):  # pragma: no cover - numba
-    """``out[j]``: the value of ``ids[j]`` in the table of arrays ``(keys, vals)``
-    (:attr:`IdHashTable.arrays`), or -1 where absent."""
+def _find(keys, vals, ids, out):  # pragma: no cover - numba
+    """``out[j]``: the value of ``ids[j]``, or -1 where absent."""
     mask = keys.shape[0] - 1
     n = ids.shape[0]
     for j in range(n):
@@ -258,11 +257,6 @@ class IdHashTable:
     def nbytes(self) -> int:
         return int(self._keys.nbytes + self._vals.nbytes)
 
-    @property
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(keys, values)`` as stored, for :func:`find_values` (valid until it grows)."""
-        return self._keys, self._vals
-
     def reserve(self, more: int) -> None:
         """Grow (by doubling) so that ``more`` new keys keep the load factor <= 3/4."""
         need = self._size + int(more)
@@ -281,7 +275,7 @@ class IdHashTable:
         """The value of each id, or -1 where absent."""
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.empty(ids.shape[0], dtype=np.int64)
-        find_values(self._keys, self._vals, ids, out)
+        _find(self._keys, self._vals, ids, out)
         return out
 
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
@@ -425,32 +419,70 @@ def gather_rows(rows, slots, out):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def dedup_slots(slots, mark, uslots, first):  # pragma: no cover - numba
-    """Unique slots >= 0 of ``slots`` in first-appearance order; ``mark[s]`` becomes the
-    position of slot s. Returns (count, whether any slot repeats)."""
+def dedup_slots(slots, seen, uslots, first, inv):  # pragma: no cover - numba
+    """The distinct slots >= 0 of ``slots`` in first-appearance order at ``uslots[:k]``,
+    ``first[p]`` where ``uslots[p]`` first appears, ``inv[i]`` the position in ``uslots`` of
+    ``slots[i]`` (-1 for a negative slot). Returns (k, whether a slot repeats).
+
+    ``seen`` is the table's scratch bitmap, one bit a slot, all clear (and left so): it finds
+    that no slot repeats, the usual case, in one pass; where one does, a hash of the
+    request's own (2n buckets) maps slots to positions."""
+    n = slots.shape[0]
     k = 0
     dups = False
-    for i in range(slots.shape[0]):
+    for i in range(n):
         s = slots[i]
         if s < 0:
+            inv[i] = -1
             continue
-        if mark[s] < 0:
-            mark[s] = k
-            uslots[k] = s
-            first[k] = i
-            k += 1
-        else:
+        bit = np.uint8(1 << (s & 7))
+        if seen[s >> 3] & bit:
             dups = True
-    return k, dups
+            break
+        seen[s >> 3] |= bit
+        uslots[k] = s
+        first[k] = i
+        inv[i] = k
+        k += 1
+    for p in range(k):
+        seen[uslots[p] >> 3] = 0
+    if not dups:
+        return k, False
+    size, bits = 8, 3
+    while size < 2 * n:
+        size, bits = 2 * size, bits + 1
+    shift = np.uint64(64 - bits)
+    mask = size - 1
+    table = np.full(size, -1, dtype=np.int64)  # slot << 32 | position; -1: empty
+    k = 0
+    for i in range(n):
+        s = slots[i]
+        if s < 0:
+            inv[i] = -1
+            continue
+        h = np.int64((np.uint64(s) * GOLDEN) >> shift)
+        while True:
+            e = table[h]
+            if e < 0:
+                table[h] = (s << 32) | k
+                uslots[k] = s
+                first[k] = i
+                inv[i] = k
+                k += 1
+                break
+            if (e >> 32) == s:
+                inv[i] = e & 0xFFFFFFFF
+                break
+            h = (h + 1) & mask
+    return k, True
 
 
 @njit(cache=True, nogil=True)
-def sum_rows_by_slot(slots, mark, grads, out):  # pragma: no cover - numba
-    """out[mark[slots[i]]] += grads[i] in request order (slots < 0 skipped)."""
-    for i in range(slots.shape[0]):
-        s = slots[i]
-        if s >= 0:
-            p = mark[s]
+def sum_rows_by_inverse(inv, grads, out):  # pragma: no cover - numba
+    """out[inv[i]] += grads[i] in request order (inv < 0 skipped): :func:`dedup_slots`'s sums."""
+    for i in range(inv.shape[0]):
+        p = inv[i]
+        if p >= 0:
             for c in range(grads.shape[1]):
                 out[p, c] += grads[i, c]
 

@@ -21,13 +21,8 @@ from dataclasses import replace
 import numpy as np
 from numba import njit
 
-from services.ps.hashtable import (
-    dedup_slots,
-    find_values,
-    gather_rows,
-    nonfinite_rows,
-    sum_rows_by_slot,
-)
+from services.ps.hashtable import dedup_slots, gather_rows, nonfinite_rows, sum_rows_by_inverse
+from services.ps.slotindex import find_slots
 from services.ps.store import EmbeddingTable
 from services.ps.table_io import PlainTable, PushResult
 from services.ps.tables import TableConfig
@@ -36,12 +31,12 @@ __all__ = ["lookup_plain", "push_plain", "warm_up"]
 
 
 @njit(cache=True, nogil=True)
-def _find_all(keys, vals, ids, bounds, slots):  # pragma: no cover - numba
+def _find_all(buckets, slot_ids, ids, bounds, slots):  # pragma: no cover - numba
     """``slots[bounds[t]:bounds[t + 1]]``: the slots of table ``t``'s ids; True if every id
     has one (False as soon as a table's ids have not: a request of new ids costs little)."""
-    for t in range(len(keys)):
+    for t in range(len(buckets)):
         lo, hi = bounds[t], bounds[t + 1]
-        find_values(keys[t], vals[t], ids[lo:hi], slots[lo:hi])
+        find_slots(buckets[t], slot_ids[t], ids[lo:hi], slots[lo:hi])
         for j in range(lo, hi):
             if slots[j] < 0:
                 return False
@@ -49,11 +44,11 @@ def _find_all(keys, vals, ids, bounds, slots):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def _find_gather(keys, vals, rows, ids, bounds, out):  # pragma: no cover - numba
+def _find_gather(buckets, slot_ids, rows, ids, bounds, out):  # pragma: no cover - numba
     """``out[j]``: the row of id ``j`` (table ``t``'s ids at ``bounds[t]:bounds[t + 1]``);
     False, ``out`` unwritten, if an id has none."""
     slots = np.empty(ids.shape[0], dtype=np.int64)
-    if not _find_all(keys, vals, ids, bounds, slots):
+    if not _find_all(buckets, slot_ids, ids, bounds, slots):
         return False
     for t in range(len(rows)):
         lo, hi = bounds[t], bounds[t + 1]
@@ -62,28 +57,27 @@ def _find_gather(keys, vals, rows, ids, bounds, out):  # pragma: no cover - numb
 
 
 @njit(cache=True, nogil=True)
-def _find_sum(keys, vals, marks, ids, grads, bounds, uslots, summed, kept, dropped
+def _find_sum(buckets, slot_ids, seen, ids, grads, bounds, uslots, summed, kept, dropped
               ):  # pragma: no cover - numba
     """Per table ``t``: its distinct slots in first-appearance order and their summed
     gradients (as a table's push sums them), the non-finite sums left out, at
     ``uslots``/``summed[bounds[t]:]``: ``kept[t]`` of them, ``dropped[t]`` left out. False,
     nothing written, if an id has no slot."""
     slots = np.empty(ids.shape[0], dtype=np.int64)
-    if not _find_all(keys, vals, ids, bounds, slots):
+    if not _find_all(buckets, slot_ids, ids, bounds, slots):
         return False
     first = np.empty(ids.shape[0], dtype=np.int64)
+    inv = np.empty(ids.shape[0], dtype=np.int64)
     bad = np.empty(ids.shape[0], dtype=np.bool_)
-    for t in range(len(keys)):
+    for t in range(len(buckets)):
         lo, hi = bounds[t], bounds[t + 1]
         s, u, total = slots[lo:hi], uslots[lo:hi], summed[lo:hi]
-        k, dups = dedup_slots(s, marks[t], u, first[lo:hi])
+        k, dups = dedup_slots(s, seen[t], u, first[lo:hi], inv[lo:hi])
         if dups:
             total[:k] = 0.0
-            sum_rows_by_slot(s, marks[t], grads[lo:hi], total)
+            sum_rows_by_inverse(inv[lo:hi], grads[lo:hi], total)
         else:
             total[:k] = grads[lo:hi]
-        for p in range(k):
-            marks[t][u[p]] = -1
         dropped[t] = nonfinite_rows(total[:k], bad[:k])
         n = 0
         for p in range(k):
@@ -122,7 +116,7 @@ def lookup_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], di
     out = np.empty((int(bounds[-1]), dim), dtype=np.float32)
     with _plain(tables) as views:
         if views is None or not _find_gather(
-                tuple(v.keys for v in views), tuple(v.vals for v in views),
+                tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
                 tuple(v.rows for v in views), np.concatenate(ids), bounds, out):
             return None
         for view, part in zip(views, ids, strict=True):
@@ -149,8 +143,8 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
     dropped = np.empty(len(tables), dtype=np.int64)
     with _plain(tables) as views:
         if views is None or not _find_sum(
-                tuple(v.keys for v in views), tuple(v.vals for v in views),
-                tuple(v.mark for v in views), np.concatenate(ids), np.concatenate(grads),
+                tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
+                tuple(v.seen for v in views), np.concatenate(ids), np.concatenate(grads),
                 bounds, uslots, summed, kept, dropped):
             return None
         results = []

@@ -1,7 +1,7 @@
 """The in-memory embedding table of one PS shard: hash index + row arena + optimizer state.
 
-Layout: an :class:`~services.ps.hashtable.IdHashTable` maps id → slot; slot ``s`` owns ``rows[s]``
-(storage dtype), the optimizer state rows ``state[name][s]`` and per-slot bookkeeping (id, live and
+Layout: a :class:`~services.ps.slotindex.SlotIndex` maps id ↔ slot; slot ``s`` owns ``rows[s]``
+(storage dtype), the optimizer state rows ``state[name][s]`` and per-slot bookkeeping (live and
 dirty flags; last-use tick and time and use count only where eviction, TTL or the disk tier reads
 them: 24 bytes a slot less without). Freed slots go on a free list; the arena and the index grow by
 doubling. Every public method works on whole batches (numpy and numba, no Python loop per id) and
@@ -39,11 +39,12 @@ from services.ps.hashtable import (
     gather_rows,
     nonfinite_rows,
     smallest_keys,
-    sum_rows_by_slot,
+    sum_rows_by_inverse,
     touch_slots,
     unique_inverse,
 )
 from services.ps.optimizers import apply_update, init_state, state_layout
+from services.ps.slotindex import SlotIndex
 from services.ps.table_io import (
     PlainTable,
     PushResult,
@@ -78,13 +79,13 @@ class EmbeddingTable:
         self._lock = threading.RLock()
         self._dtype = config.storage_dtype
         cap = int(config.initial_capacity)
-        self._index = IdHashTable(cap)
+        self._index = SlotIndex(cap)
         self._pending = IdHashTable(64)  # sightings of ids not admitted yet
         self._rows = committed((cap, self.dim), self._dtype)
         self._state = {name: committed((cap, *shape), dt)
                        for name, (shape, dt) in state_layout(config.optimizer, self.dim).items()}
-        self._slot_ids = committed((cap,), np.uint64)
         self._live = committed((cap,), bool)
+        self._seen = committed(((cap + 7) // 8,), np.uint8)  # push scratch: a bit a slot, clear
         self._dirty = committed((cap,), bool)
         # last-use tick and time, use count: read by eviction, TTL and the disk tier only
         self._tracks_use = (config.max_rows is not None or config.ttl_s is not None
@@ -93,7 +94,6 @@ class EmbeddingTable:
         self._ticks = committed((used,), np.int64)
         self._uses = committed((used,), np.int64)
         self._last_used = committed((used,), np.float64)
-        self._mark = committed((cap,), np.int32, -1)  # scratch of push: slot -> position
         self._free = np.empty(0, dtype=np.int64)  # stack of freed slots below _high
         self._high = 0  # slots >= _high were never used
         self._num_live = 0
@@ -192,7 +192,7 @@ class EmbeddingTable:
         RAM, no use bookkeeping: no disk tier, ``max_rows`` or TTL)."""
         with self._lock:
             plain = self._disk is None and not self._tracks_use and self._dtype == np.float32
-            yield PlainTable(*self._index.arrays, self._rows, self._mark, self._dirty,
+            yield PlainTable(*self._index.arrays, self._rows, self._seen, self._dirty,
                              self._counters, self._apply) if plain else None
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -257,16 +257,14 @@ class EmbeddingTable:
     def _sum_by_slot(self, slots: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(unique slots >= 0, their summed gradients); no copy when nothing repeats."""
         n = slots.shape[0]
-        uslots = np.empty(n, dtype=np.int64)
-        first = np.empty(n, dtype=np.int64)
-        k, dups = dedup_slots(slots, self._mark, uslots, first)
+        uslots, first, inv = (np.empty(n, dtype=np.int64) for _ in range(3))
+        k, dups = dedup_slots(slots, self._seen, uslots, first, inv)
         uslots = uslots[:k]
         if not dups:
             summed = grads if k == n else grads[first[:k]]
         else:
             summed = np.zeros((k, self.dim), dtype=np.float32)
-            sum_rows_by_slot(slots, self._mark, grads, summed)
-        self._mark[uslots] = -1
+            sum_rows_by_inverse(inv, grads, summed)
         return uslots, summed
 
     def _apply(self, slots: np.ndarray, grads: np.ndarray) -> None:
@@ -359,9 +357,10 @@ class EmbeddingTable:
 
         self._rows = grown(self._rows)
         self._state = {k: grown(v) for k, v in self._state.items()}
-        for name in ("_slot_ids", "_live", "_dirty", *self._use_columns()):
+        for name in ("_live", "_dirty", *self._use_columns()):
             setattr(self, name, grown(getattr(self, name)))
-        self._mark = grown(self._mark, -1)
+        self._index.grow_slots(cap)
+        self._seen = committed(((cap + 7) // 8,), np.uint8)
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
         """New rows (initial values, fresh state) for unique absent ids; returns their slots."""
@@ -370,7 +369,6 @@ class EmbeddingTable:
         rows = initial_rows(self.config, ids)
         self._rows[slots] = rows
         init_state(self.config.optimizer, self._state, slots, rows)
-        self._slot_ids[slots] = ids
         self._live[slots] = True
         self._dirty[slots] = True
         if self._tracks_use:
@@ -396,7 +394,7 @@ class EmbeddingTable:
         candidates = self._live[:high].copy()
         candidates[protected[protected >= 0]] = False
         cand = np.flatnonzero(candidates)
-        ticks, uses, ids = self._ticks[cand], self._uses[cand], self._slot_ids[cand]
+        ticks, uses, ids = self._ticks[cand], self._uses[cand], self._index.slot_ids[cand]
         if self._disk is not None:
             dslots = self._disk.live_slots()
             ticks, uses, ids = (np.concatenate([mine, self._disk.field(name, dslots)]) for
@@ -411,7 +409,7 @@ class EmbeddingTable:
 
     def _release(self, slots: np.ndarray) -> np.ndarray:
         """Free RAM slots (their rows leave the RAM tier); returns their ids."""
-        ids = self._slot_ids[slots]
+        ids = self._index.slot_ids[slots]
         self._index.remove(ids)
         self._live[slots] = False
         self._dirty[slots] = False
@@ -467,7 +465,8 @@ class EmbeddingTable:
             return
         live = np.flatnonzero(self._live[:self._high])
         k = in_ram - (limit - limit // 8)
-        victims = live[smallest_keys(k, self._ticks[live], self._uses[live], self._slot_ids[live])]
+        ids = self._index.slot_ids[live]
+        victims = live[smallest_keys(k, self._ticks[live], self._uses[live], ids)]
         self._disk.put(self._columns(), victims, self._dirty[victims])
         self._release(victims)
         self._counters["demoted"] += k
@@ -477,7 +476,7 @@ class EmbeddingTable:
         bookkeeping where this table keeps it)."""
         use = {"tick": self._ticks, "uses": self._uses,
                "last_used": self._last_used} if self._tracks_use else {}
-        return {"id": self._slot_ids, **use, "row": self._rows,
+        return {"id": self._index.slot_ids, **use, "row": self._rows,
                 **{f"state:{k}": v for k, v in self._state.items()}}
 
     # ----------------------------------------------------------------- snapshots
@@ -556,7 +555,6 @@ class EmbeddingTable:
             fresh = self._allocate(int(new.sum()))
             self._index.insert(ids[new], fresh)
             slots[new] = fresh
-            self._slot_ids[fresh] = ids[new]
             self._live[fresh] = True
             self._num_live += fresh.shape[0]
         self._rows[slots] = snap.rows[pos].astype(self._dtype)
@@ -582,8 +580,8 @@ class EmbeddingTable:
 
     def nbytes(self) -> int:
         """Bytes held in RAM: arena, optimizer state, bookkeeping, both tiers' indexes."""
-        arrays = [self._rows, self._slot_ids, self._live, self._dirty, self._ticks, self._uses,
-                  self._last_used, self._mark, *self._state.values()]
+        arrays = [self._rows, self._live, self._seen, self._dirty, self._ticks, self._uses,
+                  self._last_used, *self._state.values()]
         disk = 0 if self._disk is None else self._disk.nbytes_ram
         return int(sum(a.nbytes for a in arrays) + self._index.nbytes + self._pending.nbytes
                    + disk)

@@ -20,13 +20,14 @@ __all__ = ["PlainTable", "PushResult", "TableSnapshot", "check_snapshot", "valid
 @dataclass(frozen=True, slots=True)
 class PlainTable:
     """A plain table's arrays (:meth:`services.ps.store.EmbeddingTable.plain`): its index
-    (``keys``, ``vals``), rows, push scratch (``mark``), dirty flags and counters, and its
-    optimizer's update of distinct slots (``apply(slots, grads)``)."""
+    (``buckets``, ``slot_ids``: :attr:`~services.ps.slotindex.SlotIndex.arrays`), rows,
+    push scratch (``seen``), dirty flags and counters, and its optimizer's update of distinct
+    slots (``apply(slots, grads)``)."""
 
-    keys: np.ndarray
-    vals: np.ndarray
+    buckets: np.ndarray
+    slot_ids: np.ndarray
     rows: np.ndarray
-    mark: np.ndarray
+    seen: np.ndarray
     dirty: np.ndarray
     counters: dict[str, int]
     apply: Callable[[np.ndarray, np.ndarray], None]
