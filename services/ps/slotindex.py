@@ -3,13 +3,13 @@
 A table's rows live in slots; it needs each slot's id (eviction, snapshots, demotion) and each
 id's slot (every lookup and push). :class:`SlotIndex` keeps the first as an array ``slot_ids``
 and the second as a linear-probing hash table whose buckets are an int32 each (-1 for empty):
-the slot (a table's slots stay below its bucket count), and above it, in the bits that leaves
-free, a tag of the id's hash (7 bits at 10M rows), so that a probe reads ``slot_ids`` (to compare the id) almost only
-at the right bucket. Against a table of (id, slot) buckets (12 bytes at a load of 3/8 to 3/4:
-16-32 bytes a row) that is 5-11 bytes a row, for a dependent read, which :func:`find_slots`
-prefetches in two stages (the bucket, then its slot's id). Deletion by backward shift, growth
-by doubling past a load of 3/4, as :class:`~services.ps.hashtable.IdHashTable`.
-"""
+the slot (a table's slots stay below its bucket count) and, in the bits above it, a tag of the
+id's hash (7 bits at 10M rows), so that a probe reads ``slot_ids`` to compare the id almost
+only at the right bucket. Against a table of (id, slot) buckets (12 bytes at a load of 3/8 to
+3/4: 16-32 bytes a row) that is 5-11 bytes a row, for a dependent read, which the kernels
+prefetch in two stages (the bucket, then its slot's id). Deletion by backward shift (reading
+the id of each entry it moves), growth by doubling past a load of 3/4, as
+:class:`~services.ps.hashtable.IdHashTable`."""
 
 from __future__ import annotations
 
