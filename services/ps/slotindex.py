@@ -88,8 +88,7 @@ def _insert(buckets, slot_ids, ids, slots):  # pragma: no cover - numba
     """Map ``ids[j]`` to ``slots[j]`` (moving a present id); returns how many ids were new."""
     mask, bits, low = _geometry(buckets)
     added = 0
-    n = ids.shape[0]
-    for j in range(n):
+    for j in range(ids.shape[0]):
         _prefetch_ahead(buckets, slot_ids, ids, j, mask, low)
         k = ids[j]
         i = _probe(buckets, slot_ids, k, mask, bits, low)
@@ -120,8 +119,7 @@ def _remove(buckets, slot_ids, ids, out):  # pragma: no cover - numba
     """Unmap ids (backward-shift deletion); ``out[j]`` is the slot ``ids[j]`` had, or -1."""
     mask, bits, low = _geometry(buckets)
     removed = 0
-    n = ids.shape[0]
-    for j in range(n):
+    for j in range(ids.shape[0]):
         _prefetch_ahead(buckets, slot_ids, ids, j, mask, low)
         i = _probe(buckets, slot_ids, ids[j], mask, bits, low)
         if buckets[i] == _EMPTY:
