@@ -4,8 +4,11 @@ A tiered :class:`~services.ps.store.EmbeddingTable` keeps its hot rows in the RA
 moves the least recently used ones here (demotion); a row read or pushed again moves back
 (promotion). A row lives in exactly one tier. Each disk slot is one record of
 :func:`record_dtype` — id, eviction bookkeeping, the row in its storage dtype and its
-optimizer state — so a row's move touches one place of the file. The id → slot index and the
-live/dirty flags of the slots stay in RAM. Demoted rows are appended (whole pages, in
+optimizer state — so a row's move touches one place of the file. The id → slot index
+(:class:`~services.ps.slotindex.SlotIndex`: 4 bytes a bucket, the ids read from the records)
+and the live/dirty flags of the slots stay in RAM. A row that leaves keeps its entry, dead
+(its slot not live), until the slot is reclaimed: a removal from the index would read the
+records of the entries it shifts, random reads of the file. Demoted rows are appended (whole pages, in
 order); freed slots are reclaimed by compacting the file when it is full and a quarter of it
 is free; the file grows by doubling and is sparse.
 
@@ -23,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from services.common.errors import ConfigError
-from services.ps.hashtable import IdHashTable
+from services.ps.slotindex import SlotIndex
 
 __all__ = ["DiskTier", "record_dtype"]
 
@@ -58,18 +61,21 @@ class DiskTier:
         os.unlink(path)
         self._file = os.fdopen(fd, "r+b")
         self.dtype = dtype
-        self._index = IdHashTable(capacity)
+        self._index = SlotIndex(max(1, int(capacity)), slot_ids=np.zeros(0, np.uint64))
         self._live = np.zeros(0, dtype=bool)
         self._dirty = np.zeros(0, dtype=bool)
         self._map = self._remap(max(1, int(capacity)))
         self._raw = self._bytes(self._map)
         self._high = 0
+        self._rows = 0
 
     def _remap(self, cap: int) -> np.memmap:
         self._file.truncate(cap * self.dtype.itemsize)
         self._live = np.concatenate([self._live, np.zeros(cap - self._live.shape[0], bool)])
         self._dirty = np.concatenate([self._dirty, np.zeros(cap - self._dirty.shape[0], bool)])
-        return np.memmap(self._file, dtype=self.dtype, mode="r+", shape=(cap,))
+        records = np.memmap(self._file, dtype=self.dtype, mode="r+", shape=(cap,))
+        self._index.slot_ids = np.asarray(records["id"])  # the index reads ids from the file
+        return records
 
     def _bytes(self, records: np.ndarray) -> np.ndarray:
         """``records`` as a (n, record size) uint8 array: whole records move by memcpy, much
@@ -80,17 +86,20 @@ class DiskTier:
         return self._raw[slots].view(self.dtype).reshape(slots.shape[0])
 
     def __len__(self) -> int:
-        return len(self._index)
+        return self._rows
 
     # ----------------------------------------------------------------- by id
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """The disk slot of each id, -1 where the id has no row here."""
-        return self._index.find(ids)
+        slots = self._index.find(ids)
+        hit = np.flatnonzero(slots >= 0)
+        slots[hit[~self._live[slots[hit]]]] = -1  # a dead entry: the row left
+        return slots
 
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(records, found)``: the records of ``ids`` (garbage where not found); no change."""
-        slots = self._index.find(ids)
+        slots = self.find(ids)
         found = slots >= 0
         return self._gather(np.where(found, slots, 0)), found
 
@@ -101,16 +110,17 @@ class DiskTier:
         for name in self.dtype.names or ():
             records[name] = columns[name][at]
         slots = self._allocate(records.shape[0])
-        self._index.insert(records["id"], slots)
+        self._index.insert(records["id"], slots)  # a dead entry of an id moves to its new slot
         self._raw[slots] = self._bytes(records)
         self._live[slots] = True
         self._dirty[slots] = dirty
+        self._rows += slots.shape[0]
 
     def take(self, ids: np.ndarray, columns: dict[str, np.ndarray], at: np.ndarray
              ) -> np.ndarray:
         """Move the rows of unique ids that all have one here into ``columns[field][at]``;
         returns their dirty flags; their slots are freed."""
-        slots = self._index.remove(ids)
+        slots = self.find(ids)
         records, dirty = self._gather(slots), self._dirty[slots].copy()
         for name in self.dtype.names or ():
             columns[name][at] = records[name]
@@ -119,13 +129,13 @@ class DiskTier:
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
         """Drop the rows of unique ``ids``; returns the ids that had one."""
-        slots = self._index.remove(ids)
+        slots = self.find(ids)
         hit = slots >= 0
         self._release(slots[hit])
         return ids[hit]
 
     def mark_dirty(self, ids: np.ndarray) -> None:
-        slots = self._index.find(ids)
+        slots = self.find(ids)
         self._dirty[slots[slots >= 0]] = True
 
     # ----------------------------------------------------------------- whole tier
@@ -170,7 +180,7 @@ class DiskTier:
         (a freed slot in the middle would cost a read and a write of its page). When the file
         is full and a quarter of it is freed slots, :meth:`_compact` reclaims them first."""
         cap = self._map.shape[0]
-        if self._high + n > cap and 4 * (self._high - len(self._index)) >= cap:
+        if self._high + n > cap and 4 * (self._high - self._rows) >= cap:
             self._compact()
         if self._high + n > cap:
             while cap < self._high + n:
@@ -183,14 +193,16 @@ class DiskTier:
         return slots
 
     def _compact(self) -> None:
-        """Move every live record to the front, in order, and give the rest back as holes."""
+        """Move every live record to the front, in order, and give the rest back as holes;
+        the index is built anew (without its dead entries)."""
         live = np.flatnonzero(self._live[:self._high])
         n = live.shape[0]
         for start in range(0, n, _COMPACT_CHUNK):  # destinations never pass their sources
             src = live[start:start + _COMPACT_CHUNK]
             dst = np.arange(start, start + src.shape[0], dtype=np.int64)
             self._raw[dst] = self._raw[src]
-            self._index.insert(self._gather(dst)["id"], dst)
+        self._index = SlotIndex(max(1, n), slot_ids=self._index.slot_ids)
+        self._index.insert(self._map["id"][:n], np.arange(n, dtype=np.int64))
         self._dirty[:n] = self._dirty[live]
         self._dirty[n:self._high] = False
         self._live[:n] = True
@@ -204,3 +216,4 @@ class DiskTier:
     def _release(self, slots: np.ndarray) -> None:
         self._live[slots] = False
         self._dirty[slots] = False
+        self._rows -= slots.shape[0]

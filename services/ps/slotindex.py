@@ -153,12 +153,17 @@ def _buckets_for(rows: int) -> int:
 
 class SlotIndex:
     """Which slot holds each id and which id each slot holds (``slot_ids``; a freed slot
-    keeps its last id until reused). Not thread-safe: its table serialises access."""
+    keeps its last id until reused). Not thread-safe: its table serialises access.
 
-    __slots__ = ("_buckets", "_size", "slot_ids")
+    ``slot_ids`` is its own array of ``slots`` ids, or one of the caller's (``slot_ids=``, say
+    the id field of records on disk), which it then reads and writes in place and which the
+    caller points it at anew (``index.slot_ids = ...``) when the records move."""
 
-    def __init__(self, slots: int) -> None:
-        self.slot_ids = committed((int(slots),), np.uint64)
+    __slots__ = ("_buckets", "_owns_ids", "_size", "slot_ids")
+
+    def __init__(self, slots: int, slot_ids: np.ndarray | None = None) -> None:
+        self._owns_ids = slot_ids is None
+        self.slot_ids = committed((int(slots),), np.uint64) if slot_ids is None else slot_ids
         self._buckets = committed((_buckets_for(slots),), np.int32, _EMPTY)
         self._size = 0
 
@@ -167,7 +172,8 @@ class SlotIndex:
 
     @property
     def nbytes(self) -> int:
-        return int(self.slot_ids.nbytes + self._buckets.nbytes)
+        """Bytes in RAM: the buckets, and ``slot_ids`` where it is the index's own."""
+        return int(self._buckets.nbytes + (self.slot_ids.nbytes if self._owns_ids else 0))
 
     @property
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -175,9 +181,9 @@ class SlotIndex:
         return self._buckets, self.slot_ids
 
     def grow_slots(self, slots: int) -> None:
-        """Room for slots up to ``slots`` (the arena grew)."""
+        """Room for slots up to ``slots`` (the arena grew) in the index's own ``slot_ids``."""
         old = self.slot_ids
-        if slots > old.shape[0]:
+        if self._owns_ids and slots > old.shape[0]:
             self.slot_ids = committed((int(slots),), np.uint64)
             self.slot_ids[:old.shape[0]] = old
 

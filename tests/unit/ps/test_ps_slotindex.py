@@ -95,3 +95,14 @@ def test_dedup_sums_repeats_in_request_order_skips_negative_slots_and_leaves_bit
     assert (k, dups) == (3, False)
     assert uslots[:k].tolist() == [4, 12, 1] and inv[:4].tolist() == [0, -1, 1, 2]
     assert not seen.any()
+
+
+def test_an_index_over_the_callers_ids_reads_and_writes_them_in_place():
+    records = np.zeros(16, dtype=[("id", np.uint64), ("row", np.float32, (2,))])
+    index = SlotIndex(16, slot_ids=records["id"])
+    ids = np.array([11, 2**63 + 5, 7], dtype=np.uint64)
+    index.insert(ids, np.array([4, 0, 9]))
+    assert records["id"][[4, 0, 9]].tolist() == ids.tolist()
+    assert index.nbytes == index.arrays[0].nbytes  # the ids are not the index's RAM
+    records["id"][9] = 8  # the record at slot 9 now holds another id: the index reads it there
+    assert index.find(np.array([7, 11, 2**63 + 5], dtype=np.uint64)).tolist() == [-1, 4, 0]
