@@ -8,9 +8,10 @@ optimizer state — so a row's move touches one place of the file. The id → sl
 (:class:`~services.ps.slotindex.SlotIndex`: 4 bytes a bucket, the ids read from the records)
 and the live/dirty flags of the slots stay in RAM. A row that leaves keeps its entry, dead
 (its slot not live), until the slot is reclaimed: a removal from the index would read the
-records of the entries it shifts, random reads of the file. Demoted rows are appended (whole pages, in
-order); freed slots are reclaimed by compacting the file when it is full and a quarter of it
-is free; the file grows by doubling and is sparse.
+records of the entries it shifts, random reads of the file. Demoted rows are appended
+(whole pages, in order); freed slots are reclaimed by compacting the file when it is full
+and a quarter of it is free, which builds the index anew; the file grows by doubling and is
+sparse.
 
 The file is scratch, not a durable copy: it is unlinked as soon as it is open (the process's
 descriptor keeps it), so nothing is left behind by a crash; checkpoints are the durable copy
