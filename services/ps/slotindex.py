@@ -8,7 +8,7 @@ id's hash (7 bits at 10M rows), so that a probe reads ``slot_ids`` to compare th
 only at the right bucket. Against a table of (id, slot) buckets (12 bytes at a load of 3/8 to
 3/4: 16-32 bytes a row) that is 5-11 bytes a row, for a dependent read, which the kernels
 prefetch in two stages (the bucket, then its slot's id). Deletion by backward shift (reading
-the id of each entry it moves), growth by doubling past a load of 3/4, as
+the id of each entry it passes), growth by doubling past a load of 3/4, as
 :class:`~services.ps.hashtable.IdHashTable`."""
 
 from __future__ import annotations
