@@ -26,8 +26,8 @@ from numba.extending import intrinsic
 from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
 
-__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "PairHashTable", "committed",
-           "dedup_slots", "gather_rows", "mix64", "mix64_int", "nonfinite_rows",
+__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "PairHashTable", "SlotBits",
+           "committed", "dedup_slots", "gather_rows", "mix64", "mix64_int", "nonfinite_rows",
            "prefetch", "prefetch_row", "smallest_keys", "sum_rows_by_inverse", "to_unit",
            "touch_slots", "unique_inverse"]
 
@@ -396,6 +396,65 @@ def committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
     a = np.empty(shape, dtype=dtype)
     a.fill(fill)
     return a
+
+
+@njit(cache=True, nogil=True)
+def _set_bits(data, slots, values):  # pragma: no cover - numba
+    """Bit ``slots[j]`` of ``data`` := ``values[j]`` (``values[0]`` for all if it has one)."""
+    one = values.shape[0] == 1
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        bit = np.uint8(1 << (s & 7))
+        if values[0] if one else values[j]:
+            data[s >> 3] |= bit
+        else:
+            data[s >> 3] &= ~bit
+
+
+@njit(cache=True, nogil=True)
+def _get_bits(data, slots, out):  # pragma: no cover - numba
+    for j in range(slots.shape[0]):
+        out[j] = (data[slots[j] >> 3] >> (slots[j] & 7)) & 1
+
+
+class SlotBits:
+    """One flag a slot (live, dirty), eight to a byte, indexed like a bool array: by an
+    int array of slots, or by ``[:n]`` (the first n slots)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, slots: int) -> None:
+        self.data = committed(((int(slots) + 7) // 8,), np.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def grown(self, slots: int) -> SlotBits:
+        """A copy with room for ``slots`` slots (the new ones clear)."""
+        out = SlotBits(slots)
+        out.data[:self.data.shape[0]] = self.data
+        return out
+
+    def _slots(self, key: slice | np.ndarray) -> np.ndarray:
+        if isinstance(key, slice):
+            if key.start not in (None, 0) or key.step not in (None, 1) or key.stop is None:
+                raise IndexError("SlotBits takes [:n] or an array of slots")
+            return np.arange(key.stop, dtype=np.int64)
+        return np.ascontiguousarray(key, dtype=np.int64)
+
+    def __getitem__(self, key: slice | np.ndarray) -> np.ndarray:
+        if isinstance(key, slice):
+            self._slots(key)  # checks the form
+            return np.unpackbits(self.data, count=key.stop, bitorder="little").view(bool)
+        slots = self._slots(key)
+        out = np.empty(slots.shape[0], dtype=bool)
+        _get_bits(self.data, slots, out)
+        return out
+
+    def __setitem__(self, key: slice | np.ndarray, value: bool | np.ndarray) -> None:
+        values = np.ascontiguousarray(np.atleast_1d(value), dtype=bool)
+        _set_bits(self.data, self._slots(key), values)
 
 
 @njit(cache=True, nogil=True)

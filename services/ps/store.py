@@ -2,10 +2,10 @@
 
 Layout: a :class:`~services.ps.slotindex.SlotIndex` maps id ↔ slot; slot ``s`` owns ``rows[s]``
 (storage dtype), the optimizer state rows ``state[name][s]`` and per-slot bookkeeping (live and
-dirty flags; last-use tick and time and use count only where eviction, TTL or the disk tier reads
-them: 24 bytes a slot less without). Freed slots go on a free list; the arena and the index grow by
-doubling. Every public method works on whole batches (numpy and numba, no Python loop per id) and
-holds the table's lock, so the gRPC server may call it from worker threads.
+dirty flags, a bit each; last-use tick and time and use count only where eviction, TTL or the disk
+tier reads them: 24 bytes a slot less without). Freed slots go on a free list; the arena and the
+index grow by doubling. Every public method works on whole batches (numpy and numba, no Python
+loop per id) and holds the table's lock, so the gRPC server may call it from worker threads.
 
 Row life cycle: a row is created on first sight (lookup or push) once admitted, with the
 deterministic :func:`~services.ps.tables.initial_rows`; it is dropped by eviction (when
@@ -34,6 +34,7 @@ import numpy as np
 from services.ps.disk import DiskTier, record_dtype
 from services.ps.hashtable import (
     IdHashTable,
+    SlotBits,
     committed,
     dedup_slots,
     gather_rows,
@@ -84,9 +85,8 @@ class EmbeddingTable:
         self._rows = committed((cap, self.dim), self._dtype)
         self._state = {name: committed((cap, *shape), dt)
                        for name, (shape, dt) in state_layout(config.optimizer, self.dim).items()}
-        self._live = committed((cap,), bool)
+        self._live, self._dirty = SlotBits(cap), SlotBits(cap)
         self._seen = committed(((cap + 7) // 8,), np.uint8)  # push scratch: a bit a slot, clear
-        self._dirty = committed((cap,), bool)
         # last-use tick and time, use count: read by eviction, TTL and the disk tier only
         self._tracks_use = (config.max_rows is not None or config.ttl_s is not None
                             or config.storage.tier is StorageTier.DISK)
@@ -357,8 +357,9 @@ class EmbeddingTable:
 
         self._rows = grown(self._rows)
         self._state = {k: grown(v) for k, v in self._state.items()}
-        for name in ("_live", "_dirty", *self._use_columns()):
+        for name in self._use_columns():
             setattr(self, name, grown(getattr(self, name)))
+        self._live, self._dirty = self._live.grown(cap), self._dirty.grown(cap)
         self._index.grow_slots(cap)
         self._seen = committed(((cap + 7) // 8,), np.uint8)
 
@@ -580,11 +581,11 @@ class EmbeddingTable:
 
     def nbytes(self) -> int:
         """Bytes held in RAM: arena, optimizer state, bookkeeping, both tiers' indexes."""
-        arrays = [self._rows, self._live, self._seen, self._dirty, self._ticks, self._uses,
-                  self._last_used, *self._state.values()]
+        arrays = [self._rows, self._seen, self._ticks, self._uses, self._last_used,
+                  *self._state.values()]
         disk = 0 if self._disk is None else self._disk.nbytes_ram
-        return int(sum(a.nbytes for a in arrays) + self._index.nbytes + self._pending.nbytes
-                   + disk)
+        return int(sum(a.nbytes for a in arrays) + self._live.nbytes + self._dirty.nbytes
+                   + self._index.nbytes + self._pending.nbytes + disk)
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes of this table (a JSON-ready dict)."""

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.ps.hashtable import SlotBits
 from services.ps.optimizers import state_layout
 from services.ps.tables import TableConfig
 
@@ -28,7 +29,7 @@ class PlainTable:
     slot_ids: np.ndarray
     rows: np.ndarray
     seen: np.ndarray
-    dirty: np.ndarray
+    dirty: SlotBits
     counters: dict[str, int]
     apply: Callable[[np.ndarray, np.ndarray], None]
 

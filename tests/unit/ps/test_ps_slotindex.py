@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from services.common.sharding import mix64
-from services.ps.hashtable import dedup_slots, sum_rows_by_inverse
+from services.ps.hashtable import SlotBits, dedup_slots, sum_rows_by_inverse
 from services.ps.slotindex import SlotIndex
 
 
@@ -106,3 +106,18 @@ def test_an_index_over_the_callers_ids_reads_and_writes_them_in_place():
     assert index.nbytes == index.arrays[0].nbytes  # the ids are not the index's RAM
     records["id"][9] = 8  # the record at slot 9 now holds another id: the index reads it there
     assert index.find(np.array([7, 11, 2**63 + 5], dtype=np.uint64)).tolist() == [-1, 4, 0]
+
+
+def test_slot_bits_read_and_write_like_a_bool_array():
+    bits, ref = SlotBits(20), np.zeros(20, dtype=bool)
+    for slots, value in (([3, 9, 17, 8], True), ([9], False), ([0, 19, 3], [True, True, False])):
+        bits[np.array(slots)] = value
+        ref[slots] = value
+    assert bits[:20].tolist() == ref.tolist() and bits[:5].tolist() == ref[:5].tolist()
+    assert bits[np.array([17, 9, 0])].tolist() == [True, False, True]
+    bits[:16] = False  # two whole bytes
+    ref[:16] = False
+    grown = bits.grown(100)
+    assert grown[:100].tolist() == ref.tolist() + [False] * 80 and grown.nbytes == 13
+    with pytest.raises(IndexError, match=r"\[:n\]"):
+        bits[4:8]
