@@ -436,25 +436,31 @@ class SlotBits:
         out.data[:self.data.shape[0]] = self.data
         return out
 
-    def _slots(self, key: slice | np.ndarray) -> np.ndarray:
-        if isinstance(key, slice):
-            if key.start not in (None, 0) or key.step not in (None, 1) or key.stop is None:
-                raise IndexError("SlotBits takes [:n] or an array of slots")
-            return np.arange(key.stop, dtype=np.int64)
-        return np.ascontiguousarray(key, dtype=np.int64)
+    @staticmethod
+    def _stop(key: slice) -> int:
+        if key.start not in (None, 0) or key.step not in (None, 1) or key.stop is None:
+            raise IndexError("SlotBits takes [:n] or an array of slots")
+        return int(key.stop)
 
     def __getitem__(self, key: slice | np.ndarray) -> np.ndarray:
         if isinstance(key, slice):
-            self._slots(key)  # checks the form
-            return np.unpackbits(self.data, count=key.stop, bitorder="little").view(bool)
-        slots = self._slots(key)
+            return np.unpackbits(self.data, count=self._stop(key), bitorder="little").view(bool)
+        slots = np.ascontiguousarray(key, dtype=np.int64)
         out = np.empty(slots.shape[0], dtype=bool)
         _get_bits(self.data, slots, out)
         return out
 
     def __setitem__(self, key: slice | np.ndarray, value: bool | np.ndarray) -> None:
         values = np.ascontiguousarray(np.atleast_1d(value), dtype=bool)
-        _set_bits(self.data, self._slots(key), values)
+        if isinstance(key, slice) and values.shape[0] == 1:  # [:n] = flag: whole bytes at once
+            n = self._stop(key)
+            self.data[:n // 8] = 0xFF if values[0] else 0
+            slots = np.arange(n // 8 * 8, n, dtype=np.int64)
+        elif isinstance(key, slice):
+            slots = np.arange(self._stop(key), dtype=np.int64)
+        else:
+            slots = np.ascontiguousarray(key, dtype=np.int64)
+        _set_bits(self.data, slots, values)
 
 
 @njit(cache=True, nogil=True)

@@ -117,6 +117,11 @@ def test_slot_bits_read_and_write_like_a_bool_array():
     assert bits[np.array([17, 9, 0])].tolist() == [True, False, True]
     bits[:16] = False  # two whole bytes
     ref[:16] = False
+    bits[:12] = True  # a byte and a half
+    ref[:12] = True
+    bits[:3] = np.array([False, True, False])
+    ref[:3] = [False, True, False]
+    assert bits[:20].tolist() == ref.tolist()
     grown = bits.grown(100)
     assert grown[:100].tolist() == ref.tolist() + [False] * 80 and grown.nbytes == 13
     with pytest.raises(IndexError, match=r"\[:n\]"):
