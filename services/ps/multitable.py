@@ -144,7 +144,7 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
     with _plain(tables) as views:
         if views is None or not _find_sum(
                 tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
-                tuple(v.seen for v in views), np.concatenate(ids), np.concatenate(grads),
+                tuple(v.seen.data for v in views), np.concatenate(ids), np.concatenate(grads),
                 bounds, uslots, summed, kept, dropped):
             return None
         results = []

@@ -86,7 +86,7 @@ class EmbeddingTable:
         self._state = {name: committed((cap, *shape), dt)
                        for name, (shape, dt) in state_layout(config.optimizer, self.dim).items()}
         self._live, self._dirty = SlotBits(cap), SlotBits(cap)
-        self._seen = committed(((cap + 7) // 8,), np.uint8)  # push scratch: a bit a slot, clear
+        self._seen = SlotBits(cap)  # push scratch (dedup_slots), all clear between pushes
         # last-use tick and time, use count: read by eviction, TTL and the disk tier only
         self._tracks_use = (config.max_rows is not None or config.ttl_s is not None
                             or config.storage.tier is StorageTier.DISK)
@@ -258,7 +258,7 @@ class EmbeddingTable:
         """(unique slots >= 0, their summed gradients); no copy when nothing repeats."""
         n = slots.shape[0]
         uslots, first, inv = (np.empty(n, dtype=np.int64) for _ in range(3))
-        k, dups = dedup_slots(slots, self._seen, uslots, first, inv)
+        k, dups = dedup_slots(slots, self._seen.data, uslots, first, inv)
         uslots = uslots[:k]
         if not dups:
             summed = grads if k == n else grads[first[:k]]
@@ -361,7 +361,7 @@ class EmbeddingTable:
             setattr(self, name, grown(getattr(self, name)))
         self._live, self._dirty = self._live.grown(cap), self._dirty.grown(cap)
         self._index.grow_slots(cap)
-        self._seen = committed(((cap + 7) // 8,), np.uint8)
+        self._seen = SlotBits(cap)
 
     def _create(self, ids: np.ndarray) -> np.ndarray:
         """New rows (initial values, fresh state) for unique absent ids; returns their slots."""
@@ -581,11 +581,11 @@ class EmbeddingTable:
 
     def nbytes(self) -> int:
         """Bytes held in RAM: arena, optimizer state, bookkeeping, both tiers' indexes."""
-        arrays = [self._rows, self._seen, self._ticks, self._uses, self._last_used,
-                  *self._state.values()]
+        arrays = [self._rows, self._ticks, self._uses, self._last_used, *self._state.values()]
         disk = 0 if self._disk is None else self._disk.nbytes_ram
-        return int(sum(a.nbytes for a in arrays) + self._live.nbytes + self._dirty.nbytes
-                   + self._index.nbytes + self._pending.nbytes + disk)
+        bits = self._live.nbytes + self._dirty.nbytes + self._seen.nbytes
+        return int(sum(a.nbytes for a in arrays) + bits + self._index.nbytes
+                   + self._pending.nbytes + disk)
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes of this table (a JSON-ready dict)."""

@@ -28,7 +28,7 @@ class PlainTable:
     buckets: np.ndarray
     slot_ids: np.ndarray
     rows: np.ndarray
-    seen: np.ndarray
+    seen: SlotBits
     dirty: SlotBits
     counters: dict[str, int]
     apply: Callable[[np.ndarray, np.ndarray], None]
