@@ -26,10 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from numba import njit
+
 from services.common.errors import ConfigError
+from services.ps.hashtable import PREFETCH_DISTANCE, prefetch_row
 from services.ps.slotindex import SlotIndex
 
-__all__ = ["DiskTier", "record_dtype"]
+__all__ = ["DiskTier", "copy_unit", "record_dtype"]
 
 _COMPACT_CHUNK = 1 << 20
 
@@ -42,6 +45,48 @@ def record_dtype(dim: int, storage_dtype: np.dtype,
                            ("last_used", np.float64), ("row", storage_dtype, (dim,))]
     fields += [(f"state:{name}", dt, shape) for name, (shape, dt) in sorted(state.items())]
     return np.dtype(fields)
+
+
+def copy_unit(dtype: np.dtype) -> np.dtype:
+    """The widest unsigned integer dividing the record's size and each field's offset and size:
+    records and the RAM arena's columns are copied in words of it."""
+    sizes = [dtype.itemsize] + [v for name in dtype.names or ()
+                                for v in (dtype.fields[name][1], dtype.fields[name][0].itemsize)]
+    return next(np.dtype(u) for u in (np.uint64, np.uint32, np.uint16, np.uint8)
+                if all(v % np.dtype(u).itemsize == 0 for v in sizes))
+
+
+@njit(cache=True, nogil=True)
+def _pack(records, slots, columns, offsets, at):  # pragma: no cover - numba
+    """``records[slots[i]]`` (one row of words a record) from ``columns[f][at[i]]`` at
+    ``offsets[f]``: a demotion's write of whole records, the next rows prefetched."""
+    n = slots.shape[0]
+    for i in range(n):
+        ahead = min(i + PREFETCH_DISTANCE, n - 1)
+        prefetch_row(records, slots[ahead])
+        for f in range(len(columns)):
+            prefetch_row(columns[f], at[ahead])
+        s, a = slots[i], at[i]
+        for f in range(len(columns)):
+            column, o = columns[f], offsets[f]
+            for w in range(column.shape[1]):
+                records[s, o + w] = column[a, w]
+
+
+@njit(cache=True, nogil=True)
+def _unpack(records, slots, columns, offsets, at):  # pragma: no cover - numba
+    """``columns[f][at[i]]`` from ``records[slots[i]]`` at ``offsets[f]``: a promotion's read."""
+    n = slots.shape[0]
+    for i in range(n):
+        ahead = min(i + PREFETCH_DISTANCE, n - 1)
+        prefetch_row(records, slots[ahead])
+        for f in range(len(columns)):
+            prefetch_row(columns[f], at[ahead])
+        s, a = slots[i], at[i]
+        for f in range(len(columns)):
+            column, o = columns[f], offsets[f]
+            for w in range(column.shape[1]):
+                column[a, w] = records[s, o + w]
 
 
 class DiskTier:
@@ -62,11 +107,13 @@ class DiskTier:
         os.unlink(path)
         self._file = os.fdopen(fd, "r+b")
         self.dtype = dtype
+        self._unit = copy_unit(dtype)
+        self._offsets = np.array([dtype.fields[name][1] // self._unit.itemsize
+                                  for name in dtype.names or ()], dtype=np.int64)
         self._index = SlotIndex(max(1, int(capacity)), slot_ids=np.zeros(0, np.uint64))
         self._live = np.zeros(0, dtype=bool)
         self._dirty = np.zeros(0, dtype=bool)
         self._map = self._remap(max(1, int(capacity)))
-        self._raw = self._bytes(self._map)
         self._high = 0
         self._rows = 0
 
@@ -76,12 +123,23 @@ class DiskTier:
         self._dirty = np.concatenate([self._dirty, np.zeros(cap - self._dirty.shape[0], bool)])
         records = np.memmap(self._file, dtype=self.dtype, mode="r+", shape=(cap,))
         self._index.slot_ids = np.asarray(records["id"])  # the index reads ids from the file
+        # whole records move as rows of bytes (memcpy, much faster than numpy's copy of a
+        # structured dtype) or of copy-unit words (the kernels)
+        self._raw = records.view(np.uint8).reshape(cap, self.dtype.itemsize)
+        self._words = self._raw.view(self._unit)
         return records
 
-    def _bytes(self, records: np.ndarray) -> np.ndarray:
-        """``records`` as a (n, record size) uint8 array: whole records move by memcpy, much
-        faster than numpy's copy of a structured dtype."""
-        return records.view(np.uint8).reshape(records.shape[0], self.dtype.itemsize)
+    def _column_words(self, columns: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+        """Each record field's column (``columns[name]``, a row a slot) as rows of words."""
+        views = []
+        for name in self.dtype.names or ():
+            field, col = self.dtype.fields[name][0], columns[name]
+            if (col.dtype != field.base or col.shape[1:] != field.shape
+                    or not col.flags.c_contiguous):
+                raise TypeError(f"column {name}: {col.dtype}{col.shape[1:]} is not a "
+                                f"C-contiguous column of the record's {field.base}{field.shape}")
+            views.append(col.reshape(col.shape[0], -1).view(self._unit))
+        return tuple(views)
 
     def _gather(self, slots: np.ndarray) -> np.ndarray:
         return self._raw[slots].view(self.dtype).reshape(slots.shape[0])
@@ -105,26 +163,28 @@ class DiskTier:
         return self._gather(np.where(found, slots, 0)), found
 
     def put(self, columns: dict[str, np.ndarray], at: np.ndarray, dirty: np.ndarray) -> None:
-        """Store the rows ``columns[field][at]`` (arrays named as the record's fields) of ids
-        that have no row here; ``dirty``: changed since the table's last snapshot."""
-        records = np.empty(at.shape[0], dtype=self.dtype)
-        for name in self.dtype.names or ():
-            records[name] = columns[name][at]
-        slots = self._allocate(records.shape[0])
-        self._index.insert(records["id"], slots)  # a dead entry of an id moves to its new slot
-        self._raw[slots] = self._bytes(records)
+        """Store the rows ``columns[field][at]`` (C-contiguous arrays of the record fields'
+        dtypes, named as the fields) of ids that have no row here; ``dirty``: changed since the
+        table's last snapshot."""
+        words = self._column_words(columns)
+        at = np.ascontiguousarray(at, dtype=np.int64)
+        slots = self._allocate(at.shape[0])
+        _pack(self._words, slots, words, self._offsets, at)
+        # after the records: a probe reads the ids of the entries it passes from them
+        self._index.insert(self._map["id"][slots], slots)  # a dead entry moves to its new slot
         self._live[slots] = True
         self._dirty[slots] = dirty
         self._rows += slots.shape[0]
 
-    def take(self, ids: np.ndarray, columns: dict[str, np.ndarray], at: np.ndarray
+    def take(self, slots: np.ndarray, columns: dict[str, np.ndarray], at: np.ndarray
              ) -> np.ndarray:
-        """Move the rows of unique ids that all have one here into ``columns[field][at]``;
-        returns their dirty flags; their slots are freed."""
-        slots = self.find(ids)
-        records, dirty = self._gather(slots), self._dirty[slots].copy()
-        for name in self.dtype.names or ():
-            columns[name][at] = records[name]
+        """Move the rows at distinct live ``slots`` (from :meth:`find`) into
+        ``columns[field][at]`` (as :meth:`put`'s); returns their dirty flags; the slots are
+        freed."""
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        _unpack(self._words, slots, self._column_words(columns), self._offsets,
+                np.ascontiguousarray(at, dtype=np.int64))
+        dirty = self._dirty[slots].copy()
         self._release(slots)
         return dirty
 
@@ -188,7 +248,6 @@ class DiskTier:
                 cap *= 2
             self._map.flush()
             self._map = self._remap(cap)
-            self._raw = self._bytes(self._map)
         slots = np.arange(self._high, self._high + n, dtype=np.int64)
         self._high += n
         return slots

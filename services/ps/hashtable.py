@@ -566,18 +566,32 @@ def nonfinite_rows(x, out):  # pragma: no cover - numba
     return bad
 
 
+def _kth_smallest(values: np.ndarray, k: int) -> int:
+    """The k-th smallest (k >= 1) of integer ``values``, in O(n)."""
+    lo = int(values.min())
+    if int(values.max()) - lo < 4 * values.shape[0]:  # counting: introselect crawls on ties
+        return lo + int(np.searchsorted(np.cumsum(np.bincount(values - lo)), k))
+    return int(values[np.argpartition(values, k - 1)[k - 1]])
+
+
 def smallest_keys(k: int, primary: np.ndarray, secondary: np.ndarray,
                   ids: np.ndarray) -> np.ndarray:
-    """Positions of the k smallest entries by integer (primary, secondary, id), in O(n) + ties
-    (eviction's victims: LRU by (tick, uses), LFU by (uses, tick))."""
+    """Positions of the k smallest entries by integer (primary, secondary, unique id), in
+    O(n), in no particular order (eviction's and demotion's victims: LRU by (tick, uses), LFU
+    by (uses, tick)). Each key is selected on, not sorted by: a bulk load leaves most rows
+    on one tick, a tie a sort would pay n log n for."""
     if k >= primary.shape[0]:
         return np.arange(primary.shape[0])
-    lo = int(primary.min())
-    if int(primary.max()) - lo < 4 * primary.shape[0]:  # counting: introselect crawls on ties
-        kth = lo + int(np.searchsorted(np.cumsum(np.bincount(primary - lo)), k))
-    else:
-        kth = primary[np.argpartition(primary, k - 1)[k - 1]]
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    kth = _kth_smallest(primary, k)
     below = np.flatnonzero(primary < kth)
     ties = np.flatnonzero(primary == kth)
-    order = np.lexsort((ids[ties], secondary[ties]))
-    return np.concatenate([below, ties[order[:k - below.shape[0]]]])
+    need = k - below.shape[0]
+    second = secondary[ties]
+    kth = _kth_smallest(second, need)
+    below2, ties = ties[second < kth], ties[second == kth]
+    need -= below2.shape[0]
+    if need < ties.shape[0]:
+        ties = ties[np.argpartition(ids[ties], need - 1)[:need]]
+    return np.concatenate([below, below2, ties])

@@ -370,8 +370,7 @@ class EmbeddingTable:
         rows = initial_rows(self.config, ids)
         self._rows[slots] = rows
         init_state(self.config.optimizer, self._state, slots, rows)
-        self._live[slots] = True
-        self._dirty[slots] = True
+        self._live[slots] = self._dirty[slots] = True
         if self._tracks_use:
             self._uses[slots] = 0
             self._ticks[slots] = self._tick
@@ -445,36 +444,36 @@ class EmbeddingTable:
         if self._disk is None or not len(self._disk):
             return
         pos = np.flatnonzero(slots < 0)
-        hit = pos[self._disk.find(ids[pos]) >= 0]
+        on_disk = self._disk.find(ids[pos])
+        hit = pos[on_disk >= 0]
         if not hit.shape[0]:
             return
         uids, inv = unique_inverse(ids[hit])
+        dslots = np.empty(uids.shape[0], dtype=np.int64)
+        dslots[inv] = on_disk[on_disk >= 0]  # the disk slot of each uid
         new = self._allocate(uids.shape[0])
         self._index.insert(uids, new)
-        self._dirty[new] = self._disk.take(uids, self._columns(), new)
+        self._dirty[new] = self._disk.take(dslots, self._columns(), new)
         self._live[new] = True
         slots[hit] = new[inv]
         self._counters["promoted"] += uids.shape[0]
 
     def _spill(self) -> None:
         """Past ``ram_rows`` rows in RAM, move the least recently used to disk (to 7/8)."""
-        if self._disk is None:
-            return
         limit = int(self.config.storage.ram_rows or 0)
-        in_ram = self._num_live - len(self._disk)
-        if in_ram <= limit:
+        if self._disk is None or self._num_live - len(self._disk) <= limit:
             return
         live = np.flatnonzero(self._live[:self._high])
-        k = in_ram - (limit - limit // 8)
+        k = self._num_live - len(self._disk) - (limit - limit // 8)
         ids = self._index.slot_ids[live]
-        victims = live[smallest_keys(k, self._ticks[live], self._uses[live], ids)]
+        # in slot order: the write-back reads the arena's columns front to back
+        victims = np.sort(live[smallest_keys(k, self._ticks[live], self._uses[live], ids)])
         self._disk.put(self._columns(), victims, self._dirty[victims])
         self._release(victims)
         self._counters["demoted"] += k
 
     def _columns(self) -> dict[str, np.ndarray]:
-        """The RAM arena's per-slot arrays under the disk records' field names (the use
-        bookkeeping where this table keeps it)."""
+        """The RAM arena's per-slot arrays (those a disk record has) by record field name."""
         use = {"tick": self._ticks, "uses": self._uses,
                "last_used": self._last_used} if self._tracks_use else {}
         return {"id": self._index.slot_ids, **use, "row": self._rows,

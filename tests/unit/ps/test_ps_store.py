@@ -299,13 +299,14 @@ def test_concurrent_calls_from_threads_are_serialised():
     assert np.array_equal(threaded.peek(ids)[0], sequential.peek(ids)[0])
 
 
-@pytest.mark.parametrize("span", [3, 10**12])  # counting (narrow range) and introselect (wide)
-def test_smallest_matches_a_full_sort_with_ties(span):
+# each key by counting (narrow range) or introselect (wide)
+@pytest.mark.parametrize("span,span2", [(3, 3), (10**12, 3), (3, 10**12), (1, 1)])
+def test_smallest_matches_a_full_sort_with_ties(span, span2):
     from services.ps.hashtable import smallest_keys
 
-    rng = np.random.default_rng(span)
+    rng = np.random.default_rng(span + span2)
     primary = rng.integers(0, span, 5000)
-    secondary = rng.integers(0, 3, 5000)
+    secondary = rng.integers(0, span2, 5000)
     ids = rng.permutation(5000).astype(np.uint64)
     want = np.lexsort((ids, secondary, primary))
     for k in (1, 17, 2500, 4999):
