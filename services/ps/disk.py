@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-
 from numba import njit
 
 from services.common.errors import ConfigError
 from services.ps.hashtable import PREFETCH_DISTANCE, prefetch_row
 from services.ps.slotindex import SlotIndex
 
-__all__ = ["DiskTier", "copy_unit", "record_dtype"]
+__all__ = ["DiskTier", "record_dtype"]
 
 _COMPACT_CHUNK = 1 << 20
 
@@ -47,11 +47,17 @@ def record_dtype(dim: int, storage_dtype: np.dtype,
     return np.dtype(fields)
 
 
-def copy_unit(dtype: np.dtype) -> np.dtype:
+def _record_fields(dtype: np.dtype) -> list[tuple[str, np.dtype, int]]:
+    """``(name, dtype, byte offset)`` of each field of a record dtype, in order."""
+    fields: Mapping[str, tuple] = dtype.fields or {}
+    return [(name, fields[name][0], fields[name][1]) for name in dtype.names or ()]
+
+
+def _copy_unit(dtype: np.dtype) -> np.dtype:
     """The widest unsigned integer dividing the record's size and each field's offset and size:
     records and the RAM arena's columns are copied in words of it."""
-    sizes = [dtype.itemsize] + [v for name in dtype.names or ()
-                                for v in (dtype.fields[name][1], dtype.fields[name][0].itemsize)]
+    sizes = [dtype.itemsize] + [v for _, field, offset in _record_fields(dtype)
+                                for v in (offset, field.itemsize)]
     return next(np.dtype(u) for u in (np.uint64, np.uint32, np.uint16, np.uint8)
                 if all(v % np.dtype(u).itemsize == 0 for v in sizes))
 
@@ -107,9 +113,9 @@ class DiskTier:
         os.unlink(path)
         self._file = os.fdopen(fd, "r+b")
         self.dtype = dtype
-        self._unit = copy_unit(dtype)
-        self._offsets = np.array([dtype.fields[name][1] // self._unit.itemsize
-                                  for name in dtype.names or ()], dtype=np.int64)
+        self._unit = _copy_unit(dtype)
+        self._offsets = np.array([offset // self._unit.itemsize
+                                  for _, _, offset in _record_fields(dtype)], dtype=np.int64)
         self._index = SlotIndex(max(1, int(capacity)), slot_ids=np.zeros(0, np.uint64))
         self._live = np.zeros(0, dtype=bool)
         self._dirty = np.zeros(0, dtype=bool)
@@ -132,8 +138,8 @@ class DiskTier:
     def _column_words(self, columns: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
         """Each record field's column (``columns[name]``, a row a slot) as rows of words."""
         views = []
-        for name in self.dtype.names or ():
-            field, col = self.dtype.fields[name][0], columns[name]
+        for name, field, _ in _record_fields(self.dtype):
+            col = columns[name]
             if (col.dtype != field.base or col.shape[1:] != field.shape
                     or not col.flags.c_contiguous):
                 raise TypeError(f"column {name}: {col.dtype}{col.shape[1:]} is not a "

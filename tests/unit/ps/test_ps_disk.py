@@ -81,9 +81,10 @@ def test_tiered_table_matches_ram_only_bit_for_bit(tmp_path, kind):
     assert_same(ram, tiered)
 
 
-def test_fp16_rows_and_a_push_only_workload_match(tmp_path):
-    ram, tiered, _ = pair(tmp_path, ram_rows=3, dtype="float16")
-    for _, ids, grads in zipf_calls(2, 25):
+@pytest.mark.parametrize("dim", [4, 3])  # records copied in 8-byte words, in 2-byte ones
+def test_fp16_rows_and_a_push_only_workload_match(tmp_path, dim):
+    ram, tiered, _ = pair(tmp_path, ram_rows=3, dtype="float16", dim=dim)
+    for _, ids, grads in zipf_calls(2, 25, dim=dim):
         ram.push(ids, grads)
         tiered.push(ids, grads)
     assert_same(ram, tiered)
