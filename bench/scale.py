@@ -7,6 +7,9 @@ receives one push (Adagrad by default, ``--optimizer``; Zipf truncated to the ta
 its rows are redrawn).
 After ``warmup`` untimed steps, ``steps`` steps are timed; rows/s is their total over their
 total time (a tiered table's write-backs come in bursts: the median step would hide them).
+A tiered table is timed right after its build (cold rows/s: its RAM tier holds the last rows
+built, not the hot ones) and again once its RAM tier has turned over (rows/s: untimed steps
+until it has promoted ``ram_rows`` rows), the steady state of a training job.
 Reported per case: lookup + push rows/s, the RAM tier's hit ratio (rows a lookup found in
 RAM; 1 for RAM-only tables), RAM bytes per row (everything the table
 allocates in RAM, indexes included, over its rows), disk bytes per row (blocks of the arena
@@ -70,37 +73,53 @@ def _build(config: TableConfig, rows: int, chunk: int) -> tuple[EmbeddingTable, 
     return table, time.perf_counter() - t0
 
 
-def run_case(rows: int, *, dim: int = 16, optimizer: str = "adagrad", disk: str | None = None,
-             ram_rows: int = 1_000_000, batch: int = 65_536, steps: int = 20, warmup: int = 3,
-             seed: int = 0) -> dict[str, Any]:
-    """One table of ``rows`` rows (RAM-only, or tiered under directory ``disk``), timed."""
-    config = _config(rows, dim, optimizer, disk, ram_rows, batch)
-    table, build_s = _build(config, rows, chunk=min(ram_rows, 1 << 20) if disk else 1 << 20)
-    rng = np.random.default_rng(seed)
+def _steps(table: EmbeddingTable, rng: np.random.Generator, rows: int, batch: int, dim: int,
+           count: int) -> tuple[list[float], list[int]]:
+    """``count`` steps (lookup, then push, of a batch's unique ids): seconds and rows of each."""
     times, sent = [], []
-    before = table.stats()
-    for step in range(warmup + steps):
-        if step == warmup:
-            before = table.stats()
+    for _ in range(count):
         ids = np.unique(_ids(zipf_ranks(rng, batch, rows)))
         grads = rng.standard_normal((ids.shape[0], dim), dtype=np.float32)
         t0 = time.perf_counter()
         table.lookup(ids)
         table.push(ids, grads)
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
-            sent.append(2 * ids.shape[0])
+        times.append(time.perf_counter() - t0)
+        sent.append(2 * ids.shape[0])
+    return times, sent
+
+
+def run_case(rows: int, *, dim: int = 16, optimizer: str = "adagrad", disk: str | None = None,
+             ram_rows: int = 1_000_000, batch: int = 65_536, steps: int = 20, warmup: int = 3,
+             settle_max: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """One table of ``rows`` rows (RAM-only, or tiered under directory ``disk``), timed.
+
+    A tiered table is timed twice: right after the build (``cold``: its RAM tier holds the
+    last rows built) and once the tier has settled, after untimed steps until it has promoted
+    ``ram_rows`` rows (at most ``settle_max`` steps): a training job's steady state."""
+    config = _config(rows, dim, optimizer, disk, ram_rows, batch)
+    table, build_s = _build(config, rows, chunk=min(ram_rows, 1 << 20) if disk else 1 << 20)
+    rng = np.random.default_rng(seed)
+    _steps(table, rng, rows, batch, dim, warmup)
+    extra: dict[str, Any] = {}
+    if disk is not None:
+        times, sent = _steps(table, rng, rows, batch, dim, steps)
+        extra["cold_rows_per_s"] = sum(sent) / sum(times)
+        start, settle = table.stats()["promoted"], 0
+        while table.stats()["promoted"] - start < ram_rows and settle < settle_max:
+            settle += len(_steps(table, rng, rows, batch, dim, 1)[0])
+        extra["settle_steps"] = settle
+    before = table.stats()
+    times, sent = _steps(table, rng, rows, batch, dim, steps)
     after = table.stats()
     looked = after["ids_looked_up"] - before["ids_looked_up"]
     payload = 4 * dim + sum(int(np.prod(shape)) * np.dtype(dt).itemsize
                             for shape, dt in state_layout(config.optimizer, dim).values())
-    step_s = statistics.median(times)
     return {
         "rows": rows,
         "tier": "ram" if disk is None else "disk",
         "ram_rows": rows if disk is None else ram_rows,
         "build_s": build_s,
-        "step_s_median": step_s,
+        "step_s_median": statistics.median(times),
         "step_s_max": max(times),
         "ids_per_step": statistics.median(sent) / 2,
         "rows_per_s": sum(sent) / sum(times),
@@ -109,13 +128,14 @@ def run_case(rows: int, *, dim: int = 16, optimizer: str = "adagrad", disk: str 
         "disk_bytes_per_row": after["disk_bytes"] / after["rows"],
         "payload_bytes_per_row": payload,
         "disk_rows": after["disk_rows"],
+        **extra,
     }
 
 
 def bench_scale(*, ram_sizes: list[int], disk_sizes: list[int], ram_rows: int = 1_000_000,
                 dim: int = 16, optimizer: str = "adagrad", batch: int = 65_536,
-                steps: int = 20, warmup: int = 3, path: str | None = None,
-                seed: int = 0) -> dict[str, Any]:
+                steps: int = 20, warmup: int = 3, settle_max: int = 2000,
+                path: str | None = None, seed: int = 0) -> dict[str, Any]:
     """Every case of the run and the ratios of the largest tiered case to the largest
     all-in-RAM one (``tiered_vs_ram``) and of RAM per row to the payload."""
     cases = []
@@ -126,7 +146,8 @@ def bench_scale(*, ram_sizes: list[int], disk_sizes: list[int], ram_rows: int = 
     for n in disk_sizes:
         with tempfile.TemporaryDirectory(dir=path, prefix="persimmon-scale-") as tmp:
             cases.append(run_case(n, dim=dim, optimizer=optimizer, disk=tmp, ram_rows=ram_rows,
-                                  batch=batch, steps=steps, warmup=warmup, seed=seed))
+                                  batch=batch, steps=steps, warmup=warmup,
+                                  settle_max=settle_max, seed=seed))
         print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
     result: dict[str, Any] = {"dim": dim, "optimizer": optimizer, "batch": batch,
                               "zipf_a": ZIPF_A, "steps": steps, "cases": cases}
@@ -147,11 +168,12 @@ def _print(result: dict[str, Any]) -> None:
           f"Zipf({result['zipf_a']}) batches of {result['batch']:,} ids (unique), "
           f"{result['steps']} steps")
     print(f"{'rows':>13} {'tier':>5} {'in RAM':>11} {'build s':>8} {'rows/s':>12} {'hit':>6} "
-          f"{'RAM B/row':>10} {'disk B/row':>11}")
+          f"{'RAM B/row':>10} {'disk B/row':>11} {'cold rows/s':>12}")
     for c in result["cases"]:
+        cold = f"{c['cold_rows_per_s']:>12,.0f}" if "cold_rows_per_s" in c else ""
         print(f"{c['rows']:>13,} {c['tier']:>5} {c['ram_rows']:>11,} {c['build_s']:>8.1f} "
               f"{c['rows_per_s']:>12,.0f} {c['hit_ratio']:>6.3f} {c['ram_bytes_per_row']:>10.1f} "
-              f"{c['disk_bytes_per_row']:>11.1f}")
+              f"{c['disk_bytes_per_row']:>11.1f} {cold}")
     if "ram_bytes_per_row_ratio" in result:
         print(f"ram_bytes_per_row_ratio = {result['ram_bytes_per_row_ratio']:.2f} "
               f"(RAM per row over row + optimizer state, largest in-RAM table)")
@@ -203,7 +225,8 @@ def _main(args: argparse.Namespace) -> int:
     result = bench_scale(ram_sizes=args.ram_sizes, disk_sizes=args.disk_sizes,
                          ram_rows=args.ram_rows, dim=args.dim, optimizer=args.optimizer,
                          batch=args.batch,
-                         steps=args.steps, warmup=args.warmup, path=args.path, seed=args.seed)
+                         steps=args.steps, warmup=args.warmup, settle_max=args.settle_max,
+                         path=args.path, seed=args.seed)
     _print(result)
     print(f"cost against rows: {save_plot(plot, result, args.plot, 'scale')}")
     write_json(result, args.json)
@@ -228,5 +251,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch", type=int_at_least(1), default=65_536, help="ids drawn per step")
     parser.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per case")
     parser.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed steps first")
+    parser.add_argument("--settle-max", type=int_at_least(0), default=2000,
+                        help="most untimed steps a tiered table gets to turn its RAM tier over")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_main)

@@ -48,6 +48,7 @@ def test_bench_scale_smoke(tmp_path, capsys):
     assert r["optimizer"] == "rowwise_adagrad"
     assert ram["payload_bytes_per_row"] == 16 * 4 + 4  # dim 16 fp32 row + one accumulator
     assert 0 < disk["hit_ratio"] < 1 and disk["disk_rows"] >= 3000 - 300 - 256
+    assert disk["cold_rows_per_s"] > 0 and disk["settle_steps"] >= 1 and "settle_steps" not in ram
     assert disk["disk_bytes_per_row"] > 0 == ram["disk_bytes_per_row"]
     assert disk["ram_bytes_per_row"] < ram["ram_bytes_per_row"]
     assert r["tiered_vs_ram"] == disk["rows_per_s"] / ram["rows_per_s"]
