@@ -22,6 +22,9 @@ Run: ``persimmon bench scale [--ram-sizes 1000000,10000000] [--disk-sizes 100000
 from __future__ import annotations
 
 import argparse
+import mmap
+import os
+import random
 import statistics
 import sys
 import tempfile
@@ -132,12 +135,43 @@ def run_case(rows: int, *, dim: int = 16, optimizer: str = "adagrad", disk: str 
     }
 
 
+def disk_read_us(directory: str, size_mb: int = 1024, reads: int = 2000,
+                 seed: int = 0) -> float | None:
+    """Median microseconds of one random 4 KiB read, one at a time (queue depth 1, as a page
+    fault of the tier's memory map is), past the page cache (O_DIRECT), from a file of
+    ``size_mb`` MiB written under ``directory``; None where O_DIRECT is refused."""
+    fd, path = tempfile.mkstemp(prefix="persimmon-disk-", dir=directory)
+    try:
+        chunk = os.urandom(1 << 20)
+        for _ in range(size_mb):
+            os.write(fd, chunk)
+        os.fsync(fd)
+        direct = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    page = mmap.mmap(-1, 4096)  # O_DIRECT wants an aligned buffer
+    pages = random.Random(seed).choices(range(size_mb * 256), k=reads)
+    times = []
+    try:
+        for p in pages:
+            t0 = time.perf_counter()
+            os.preadv(direct, [page], p * 4096)
+            times.append(time.perf_counter() - t0)
+    except OSError:
+        return None
+    finally:
+        os.close(direct)
+    return 1e6 * statistics.median(times)
+
+
 def bench_scale(*, ram_sizes: list[int], disk_sizes: list[int], ram_rows: int = 1_000_000,
                 dim: int = 16, optimizer: str = "adagrad", batch: int = 65_536,
                 steps: int = 20, warmup: int = 3, settle_max: int = 2000,
-                path: str | None = None, seed: int = 0) -> dict[str, Any]:
-    """Every case of the run and the ratios of the largest tiered case to the largest
-    all-in-RAM one (``tiered_vs_ram``) and of RAM per row to the payload."""
+                path: str | None = None, probe_mb: int = 1024, seed: int = 0) -> dict[str, Any]:
+    """Every case of the run, the ratios of the largest tiered case to the largest all-in-RAM
+    one (``tiered_vs_ram``) and of RAM per row to the payload, and with a tier the disk's
+    random read time (``disk_read_us``, :func:`disk_read_us` on a ``probe_mb`` MiB file)."""
     cases = []
     for n in ram_sizes:
         cases.append(run_case(n, dim=dim, optimizer=optimizer, batch=batch, steps=steps,
@@ -151,6 +185,8 @@ def bench_scale(*, ram_sizes: list[int], disk_sizes: list[int], ram_rows: int = 
         print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
     result: dict[str, Any] = {"dim": dim, "optimizer": optimizer, "batch": batch,
                               "zipf_a": ZIPF_A, "steps": steps, "cases": cases}
+    if disk_sizes and probe_mb:
+        result["disk_read_us"] = disk_read_us(path or tempfile.gettempdir(), probe_mb)
     ram = [c for c in cases if c["tier"] == "ram"]
     tiered = [c for c in cases if c["tier"] == "disk"]
     if ram:
@@ -177,6 +213,9 @@ def _print(result: dict[str, Any]) -> None:
     if "ram_bytes_per_row_ratio" in result:
         print(f"ram_bytes_per_row_ratio = {result['ram_bytes_per_row_ratio']:.2f} "
               f"(RAM per row over row + optimizer state, largest in-RAM table)")
+    if result.get("disk_read_us") is not None:
+        print(f"disk_read_us = {result['disk_read_us']:.0f} (a random 4 KiB read past the page "
+              f"cache, one at a time, under the tier's directory)")
     if "tiered_vs_ram" in result:
         a, b = result["tiered_vs_ram_cases"]
         print(f"tiered_vs_ram = {result['tiered_vs_ram']:.2f} (rows/s, {a:,} rows tiered over "
@@ -226,7 +265,7 @@ def _main(args: argparse.Namespace) -> int:
                          ram_rows=args.ram_rows, dim=args.dim, optimizer=args.optimizer,
                          batch=args.batch,
                          steps=args.steps, warmup=args.warmup, settle_max=args.settle_max,
-                         path=args.path, seed=args.seed)
+                         path=args.path, probe_mb=args.probe_mb, seed=args.seed)
     _print(result)
     print(f"cost against rows: {save_plot(plot, result, args.plot, 'scale')}")
     write_json(result, args.json)
@@ -253,5 +292,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed steps first")
     parser.add_argument("--settle-max", type=int_at_least(0), default=2000,
                         help="most untimed steps a tiered table gets to turn its RAM tier over")
+    parser.add_argument("--probe-mb", type=int_at_least(0), default=1024,
+                        help="MiB of the file the disk's random reads are timed on (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_main)

@@ -38,7 +38,7 @@ def test_bench_scale_smoke(tmp_path, capsys):
     register_bench(parser.add_subparsers())
     args = parser.parse_args(["scale", "--ram-sizes", "3000", "--disk-sizes", "3000",
                               "--ram-rows", "300", "--batch", "256", "--steps", "2",
-                              "--optimizer", "rowwise_adagrad",
+                              "--optimizer", "rowwise_adagrad", "--probe-mb", "1",
                               "--path", str(tmp_path), "--json", str(tmp_path / "s.json"),
                               "--plot", str(tmp_path / "s.png")])
     assert args.func(args) == 0
@@ -49,6 +49,7 @@ def test_bench_scale_smoke(tmp_path, capsys):
     assert ram["payload_bytes_per_row"] == 16 * 4 + 4  # dim 16 fp32 row + one accumulator
     assert 0 < disk["hit_ratio"] < 1 and disk["disk_rows"] >= 3000 - 300 - 256
     assert disk["cold_rows_per_s"] > 0 and disk["settle_steps"] >= 1 and "settle_steps" not in ram
+    assert r["disk_read_us"] is None or 0 < r["disk_read_us"] < 1e5  # None: no O_DIRECT there
     assert disk["disk_bytes_per_row"] > 0 == ram["disk_bytes_per_row"]
     assert disk["ram_bytes_per_row"] < ram["ram_bytes_per_row"]
     assert r["tiered_vs_ram"] == disk["rows_per_s"] / ram["rows_per_s"]
