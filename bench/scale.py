@@ -22,6 +22,7 @@ Run: ``persimmon bench scale [--ram-sizes 1000000,10000000] [--disk-sizes 100000
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import random
@@ -32,6 +33,8 @@ import time
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.progress import track
 
 from bench import save_plot, write_json
 from services.common.commands import int_at_least
@@ -91,48 +94,66 @@ def _steps(table: EmbeddingTable, rng: np.random.Generator, rows: int, batch: in
     return times, sent
 
 
-def run_case(rows: int, *, dim: int = 16, optimizer: str = "adagrad", disk: str | None = None,
-             ram_rows: int = 1_000_000, batch: int = 65_536, steps: int = 20, warmup: int = 3,
-             settle_max: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """One table of ``rows`` rows (RAM-only, or tiered under directory ``disk``), timed.
+class Case:
+    """One table of the run: built, warmed up (a tiered one also timed cold, then settled), then
+    timed in rounds of ``steps`` steps by :meth:`time_round`, alternating with the others.
 
-    A tiered table is timed twice: right after the build (``cold``: its RAM tier holds the
-    last rows built) and once the tier has settled, after untimed steps until it has promoted
-    ``ram_rows`` rows (at most ``settle_max`` steps): a training job's steady state."""
-    config = _config(rows, dim, optimizer, disk, ram_rows, batch)
-    table, build_s = _build(config, rows, chunk=min(ram_rows, 1 << 20) if disk else 1 << 20)
-    rng = np.random.default_rng(seed)
-    _steps(table, rng, rows, batch, dim, warmup)
-    extra: dict[str, Any] = {}
-    if disk is not None:
-        times, sent = _steps(table, rng, rows, batch, dim, steps)
-        extra["cold_rows_per_s"] = sum(sent) / sum(times)
-        start, settle = table.stats()["promoted"], 0
-        while table.stats()["promoted"] - start < ram_rows and settle < settle_max:
-            settle += len(_steps(table, rng, rows, batch, dim, 1)[0])
-        extra["settle_steps"] = settle
-    before = table.stats()
-    times, sent = _steps(table, rng, rows, batch, dim, steps)
-    after = table.stats()
-    looked = after["ids_looked_up"] - before["ids_looked_up"]
-    payload = 4 * dim + sum(int(np.prod(shape)) * np.dtype(dt).itemsize
-                            for shape, dt in state_layout(config.optimizer, dim).values())
-    return {
-        "rows": rows,
-        "tier": "ram" if disk is None else "disk",
-        "ram_rows": rows if disk is None else ram_rows,
-        "build_s": build_s,
-        "step_s_median": statistics.median(times),
-        "step_s_max": max(times),
-        "ids_per_step": statistics.median(sent) / 2,
-        "rows_per_s": sum(sent) / sum(times),
-        "hit_ratio": 1.0 - (after["promoted"] - before["promoted"]) / max(1, looked),
-        "ram_bytes_per_row": after["bytes"] / after["rows"],
-        "disk_bytes_per_row": after["disk_bytes"] / after["rows"],
-        "payload_bytes_per_row": payload,
-        "disk_rows": after["disk_rows"],
-        **extra,
-    }
+    A tiered table is timed cold right after the build (its RAM tier holds the last rows
+    built) and then settles, with untimed steps until it has promoted ``ram_rows`` rows (at
+    most ``settle_max`` steps): the rounds time a training job's steady state."""
+
+    def __init__(self, rows: int, *, dim: int = 16, optimizer: str = "adagrad",
+                 disk: str | None = None, ram_rows: int = 1_000_000, batch: int = 65_536,
+                 steps: int = 20, warmup: int = 3, settle_max: int = 2000, seed: int = 0) -> None:
+        self.rows, self.dim, self.batch, self.steps = rows, dim, batch, steps
+        self.config = _config(rows, dim, optimizer, disk, ram_rows, batch)
+        self.table, build_s = _build(self.config, rows,
+                                     chunk=min(ram_rows, 1 << 20) if disk else 1 << 20)
+        self.rng = np.random.default_rng(seed)
+        self.info: dict[str, Any] = {"rows": rows, "tier": "ram" if disk is None else "disk",
+                                     "ram_rows": rows if disk is None else ram_rows,
+                                     "build_s": build_s}
+        self._run(warmup)
+        if disk is not None:
+            times, sent = self._run(steps)
+            self.info["cold_rows_per_s"] = sum(sent) / sum(times)
+            start, settle = self.table.stats()["promoted"], 0
+            while self.table.stats()["promoted"] - start < ram_rows and settle < settle_max:
+                settle += len(self._run(1)[0])
+            self.info["settle_steps"] = settle
+        self.before = self.table.stats()
+        self.round_rates: list[float] = []
+        self.times: list[float] = []
+        self.sent: list[int] = []
+
+    def _run(self, count: int) -> tuple[list[float], list[int]]:
+        return _steps(self.table, self.rng, self.rows, self.batch, self.dim, count)
+
+    def time_round(self) -> None:
+        times, sent = self._run(self.steps)
+        self.round_rates.append(sum(sent) / sum(times))
+        self.times += times
+        self.sent += sent
+
+    def result(self) -> dict[str, Any]:
+        """The case's figures: rows/s the median of its rounds' (each its rows over its time)."""
+        after = self.table.stats()
+        looked = after["ids_looked_up"] - self.before["ids_looked_up"]
+        payload = 4 * self.dim + sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt
+                                     in state_layout(self.config.optimizer, self.dim).values())
+        return {
+            **self.info,
+            "step_s_median": statistics.median(self.times),
+            "step_s_max": max(self.times),
+            "ids_per_step": statistics.median(self.sent) / 2,
+            "rows_per_s": statistics.median(self.round_rates),
+            "rounds_rows_per_s": self.round_rates,
+            "hit_ratio": 1.0 - (after["promoted"] - self.before["promoted"]) / max(1, looked),
+            "ram_bytes_per_row": after["bytes"] / after["rows"],
+            "disk_bytes_per_row": after["disk_bytes"] / after["rows"],
+            "payload_bytes_per_row": payload,
+            "disk_rows": after["disk_rows"],
+        }
 
 
 def disk_read_us(directory: str, size_mb: int = 1024, reads: int = 2000,
@@ -167,42 +188,50 @@ def disk_read_us(directory: str, size_mb: int = 1024, reads: int = 2000,
 
 def bench_scale(*, ram_sizes: list[int], disk_sizes: list[int], ram_rows: int = 1_000_000,
                 dim: int = 16, optimizer: str = "adagrad", batch: int = 65_536,
-                steps: int = 20, warmup: int = 3, settle_max: int = 2000,
+                steps: int = 20, warmup: int = 3, settle_max: int = 2000, repeats: int = 3,
                 path: str | None = None, probe_mb: int = 1024, seed: int = 0) -> dict[str, Any]:
-    """Every case of the run, the ratios of the largest tiered case to the largest all-in-RAM
-    one (``tiered_vs_ram``) and of RAM per row to the payload, and with a tier the disk's
+    """Every case of the run (built, then timed in ``repeats`` rounds, in alternating order),
+    the ratios of the largest tiered case to the largest all-in-RAM one (``tiered_vs_ram``,
+    the median of the rounds') and of RAM per row to the payload, and with a tier the disk's
     random read time (``disk_read_us``, :func:`disk_read_us` on a ``probe_mb`` MiB file)."""
-    cases = []
-    for n in ram_sizes:
-        cases.append(run_case(n, dim=dim, optimizer=optimizer, batch=batch, steps=steps,
-                              warmup=warmup, seed=seed))
-        print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
-    for n in disk_sizes:
-        with tempfile.TemporaryDirectory(dir=path, prefix="persimmon-scale-") as tmp:
-            cases.append(run_case(n, dim=dim, optimizer=optimizer, disk=tmp, ram_rows=ram_rows,
-                                  batch=batch, steps=steps, warmup=warmup,
-                                  settle_max=settle_max, seed=seed))
-        print(f"  done: {cases[-1]}", file=sys.stderr, flush=True)
+    kw = {"dim": dim, "optimizer": optimizer, "batch": batch, "steps": steps,
+          "warmup": warmup, "seed": seed}
+    with contextlib.ExitStack() as stack:
+        cases = []
+        for n in ram_sizes + disk_sizes:
+            tmp = (None if len(cases) < len(ram_sizes) else stack.enter_context(
+                tempfile.TemporaryDirectory(dir=path, prefix="persimmon-scale-")))
+            cases.append(Case(n, disk=tmp, ram_rows=ram_rows, settle_max=settle_max, **kw))
+            print(f"  built: {cases[-1].info}", file=sys.stderr, flush=True)
+        for r in track(range(repeats), description="timed rounds",
+                       console=Console(stderr=True)):
+            for case in cases if r % 2 == 0 else cases[::-1]:
+                case.time_round()
+        results = [c.result() for c in cases]
     result: dict[str, Any] = {"dim": dim, "optimizer": optimizer, "batch": batch,
-                              "zipf_a": ZIPF_A, "steps": steps, "cases": cases}
+                              "zipf_a": ZIPF_A, "steps": steps, "repeats": repeats,
+                              "cases": results}
     if disk_sizes and probe_mb:
         result["disk_read_us"] = disk_read_us(path or tempfile.gettempdir(), probe_mb)
-    ram = [c for c in cases if c["tier"] == "ram"]
-    tiered = [c for c in cases if c["tier"] == "disk"]
+    ram = [c for c in cases if c.info["tier"] == "ram"]
+    tiered = [c for c in cases if c.info["tier"] == "disk"]
     if ram:
-        big = max(ram, key=lambda c: c["rows"])
-        result["ram_bytes_per_row_ratio"] = big["ram_bytes_per_row"] / big["payload_bytes_per_row"]
+        big = max(ram, key=lambda c: c.rows)
+        top_ram = results[cases.index(big)]
+        result["ram_bytes_per_row_ratio"] = (top_ram["ram_bytes_per_row"]
+                                             / top_ram["payload_bytes_per_row"])
         if tiered:
-            top = max(tiered, key=lambda c: c["rows"])
-            result["tiered_vs_ram"] = top["rows_per_s"] / big["rows_per_s"]
-            result["tiered_vs_ram_cases"] = [top["rows"], big["rows"]]
+            top = max(tiered, key=lambda c: c.rows)
+            result["tiered_vs_ram"] = statistics.median(
+                a / b for a, b in zip(top.round_rates, big.round_rates, strict=True))
+            result["tiered_vs_ram_cases"] = [top.rows, big.rows]
     return result
 
 
 def _print(result: dict[str, Any]) -> None:
     print(f"scale: one table, dim {result['dim']}, {result['optimizer']}, "
           f"Zipf({result['zipf_a']}) batches of {result['batch']:,} ids (unique), "
-          f"{result['steps']} steps")
+          f"{result['repeats']} rounds of {result['steps']} steps (rows/s: their median)")
     print(f"{'rows':>13} {'tier':>5} {'in RAM':>11} {'build s':>8} {'rows/s':>12} {'hit':>6} "
           f"{'RAM B/row':>10} {'disk B/row':>11} {'cold rows/s':>12}")
     for c in result["cases"]:
@@ -219,7 +248,7 @@ def _print(result: dict[str, Any]) -> None:
     if "tiered_vs_ram" in result:
         a, b = result["tiered_vs_ram_cases"]
         print(f"tiered_vs_ram = {result['tiered_vs_ram']:.2f} (rows/s, {a:,} rows tiered over "
-              f"{b:,} in RAM)")
+              f"{b:,} in RAM, median of the rounds')")
 
 
 def plot(result: dict[str, Any], png: str) -> None:
@@ -265,7 +294,7 @@ def _main(args: argparse.Namespace) -> int:
                          ram_rows=args.ram_rows, dim=args.dim, optimizer=args.optimizer,
                          batch=args.batch,
                          steps=args.steps, warmup=args.warmup, settle_max=args.settle_max,
-                         path=args.path, probe_mb=args.probe_mb, seed=args.seed)
+                         repeats=args.repeats, path=args.path, probe_mb=args.probe_mb, seed=args.seed)
     _print(result)
     print(f"cost against rows: {save_plot(plot, result, args.plot, 'scale')}")
     write_json(result, args.json)
@@ -290,6 +319,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch", type=int_at_least(1), default=65_536, help="ids drawn per step")
     parser.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per case")
     parser.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed steps first")
+    parser.add_argument("--repeats", type=int_at_least(1), default=3,
+                        help="timed rounds per case, the cases alternating")
     parser.add_argument("--settle-max", type=int_at_least(0), default=2000,
                         help="most untimed steps a tiered table gets to turn its RAM tier over")
     parser.add_argument("--probe-mb", type=int_at_least(0), default=1024,
