@@ -20,9 +20,11 @@ and read both tiers.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -123,17 +125,35 @@ class DiskTier:
         self._high = 0
         self._rows = 0
 
-    def _remap(self, cap: int) -> np.memmap:
+    def _remap(self, cap: int) -> np.ndarray:
         self._file.truncate(cap * self.dtype.itemsize)
         self._live = np.concatenate([self._live, np.zeros(cap - self._live.shape[0], bool)])
         self._dirty = np.concatenate([self._dirty, np.zeros(cap - self._dirty.shape[0], bool)])
-        records = np.memmap(self._file, dtype=self.dtype, mode="r+", shape=(cap,))
+        self._mmap = mmap.mmap(self._file.fileno(), cap * self.dtype.itemsize)
+        self._advise("MADV_RANDOM")
+        records = np.frombuffer(self._mmap, dtype=self.dtype, count=cap)
         self._index.slot_ids = np.asarray(records["id"])  # the index reads ids from the file
         # whole records move as rows of bytes (memcpy, much faster than numpy's copy of a
         # structured dtype) or of copy-unit words (the kernels)
         self._raw = records.view(np.uint8).reshape(cap, self.dtype.itemsize)
         self._words = self._raw.view(self._unit)
         return records
+
+    def _advise(self, advice: str) -> None:
+        """How the map is read: ``MADV_RANDOM``, a batch's scattered records (no readahead: it
+        reads 128 KiB or more around each 4 KiB page, and a table past the page cache thrashes),
+        or ``MADV_SEQUENTIAL`` for a scan in slot order."""
+        if hasattr(mmap, advice):
+            self._mmap.madvise(getattr(mmap, advice))
+
+    @contextlib.contextmanager
+    def _scan(self) -> Iterator[None]:
+        """Reads of the whole tier in slot order, with readahead."""
+        self._advise("MADV_SEQUENTIAL")
+        try:
+            yield
+        finally:
+            self._advise("MADV_RANDOM")
 
     def _column_words(self, columns: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
         """Each record field's column (``columns[name]``, a row a slot) as rows of words."""
@@ -175,6 +195,8 @@ class DiskTier:
         words = self._column_words(columns)
         at = np.ascontiguousarray(at, dtype=np.int64)
         slots = self._allocate(at.shape[0])
+        if not self._index.has_room(slots.shape[0]):
+            self._rebuild_index(self._high)
         _pack(self._words, slots, words, self._offsets, at)
         # after the records: a probe reads the ids of the entries it passes from them
         self._index.insert(self._map["id"][slots], slots)  # a dead entry moves to its new slot
@@ -216,7 +238,8 @@ class DiskTier:
 
     def field(self, name: str, slots: np.ndarray) -> np.ndarray:
         """One field (e.g. ``tick``) of the records at ``slots``."""
-        return np.asarray(self._map[name][slots])
+        with self._scan():
+            return np.asarray(self._map[name][slots])
 
     def idle_ids(self, now: float, ttl_s: float) -> np.ndarray:
         """Ids of the rows last used more than ``ttl_s`` before ``now``."""
@@ -224,7 +247,9 @@ class DiskTier:
         return self.field("id", slots[now - self.field("last_used", slots) > ttl_s])
 
     def records(self, slots: np.ndarray) -> np.ndarray:
-        return self._gather(slots)
+        """The records at ``slots`` (sorted: a scan of the file)."""
+        with self._scan():
+            return self._gather(slots)
 
     def set_clean(self) -> None:
         """Every row counts as saved (the table took a snapshot)."""
@@ -248,36 +273,46 @@ class DiskTier:
         is full and a quarter of it is freed slots, :meth:`_compact` reclaims them first."""
         cap = self._map.shape[0]
         if self._high + n > cap and 4 * (self._high - self._rows) >= cap:
-            self._compact()
+            self._compact(n)
         if self._high + n > cap:
             while cap < self._high + n:
                 cap *= 2
-            self._map.flush()
+            self._mmap.flush()
             self._map = self._remap(cap)
         slots = np.arange(self._high, self._high + n, dtype=np.int64)
         self._high += n
         return slots
 
-    def _compact(self) -> None:
+    def _compact(self, more: int) -> None:
         """Move every live record to the front, in order, and give the rest back as holes;
-        the index is built anew (without its dead entries)."""
+        the index is built anew (without its dead entries, with room for ``more``)."""
         live = np.flatnonzero(self._live[:self._high])
         n = live.shape[0]
-        for start in range(0, n, _COMPACT_CHUNK):  # destinations never pass their sources
-            src = live[start:start + _COMPACT_CHUNK]
-            dst = np.arange(start, start + src.shape[0], dtype=np.int64)
-            self._raw[dst] = self._raw[src]
-        self._index = SlotIndex(max(1, n), slot_ids=self._index.slot_ids)
-        self._index.insert(self._map["id"][:n], np.arange(n, dtype=np.int64))
+        with self._scan():
+            for start in range(0, n, _COMPACT_CHUNK):  # destinations never pass their sources
+                src = live[start:start + _COMPACT_CHUNK]
+                dst = np.arange(start, start + src.shape[0], dtype=np.int64)
+                self._raw[dst] = self._raw[src]
         self._dirty[:n] = self._dirty[live]
         self._dirty[n:self._high] = False
         self._live[:n] = True
         self._live[n:self._high] = False
         self._high = n
+        self._rebuild_index(n + more)
         size = self._map.shape[0] * self.dtype.itemsize
-        self._map.flush()
+        self._mmap.flush()
         self._file.truncate(n * self.dtype.itemsize)  # frees the blocks past the live records
         self._file.truncate(size)
+
+    def _rebuild_index(self, slots: int) -> None:
+        """A new index of the live rows, for ``slots`` slots (without dead entries), their ids
+        read in slot order: growing the index in place would read them in bucket order, a
+        random read of the file each once the file outgrows the page cache."""
+        live = np.flatnonzero(self._live[:self._high])
+        with self._scan():
+            ids = self._map["id"][live]
+        self._index = SlotIndex(max(1, slots), slot_ids=self._index.slot_ids)
+        self._index.insert(ids, live)
 
     def _release(self, slots: np.ndarray) -> None:
         self._live[slots] = False

@@ -187,6 +187,10 @@ class SlotIndex:
             self.slot_ids = committed((int(slots),), np.uint64)
             self.slot_ids[:old.shape[0]] = old
 
+    def has_room(self, more: int) -> bool:
+        """Whether ``more`` entries (of slots below the bucket count) fit without growing."""
+        return _buckets_for(self._size + more) <= self._buckets.shape[0]
+
     def find(self, ids: np.ndarray) -> np.ndarray:
         """The slot of each id (int64), -1 where absent."""
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
