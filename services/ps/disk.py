@@ -312,7 +312,7 @@ class DiskTier:
         with self._scan():
             ids = self._map["id"][live]
         self._index = SlotIndex(max(1, slots), slot_ids=self._index.slot_ids)
-        self._index.insert(ids, live)
+        self._index.insert_new(ids, live)
 
     def _release(self, slots: np.ndarray) -> None:
         self._live[slots] = False

@@ -93,9 +93,25 @@ def _insert(buckets, slot_ids, ids, slots):  # pragma: no cover - numba
         k = ids[j]
         i = _probe(buckets, slot_ids, k, mask, bits, low)
         added += buckets[i] == _EMPTY
-        slot_ids[slots[j]] = k
+        if slot_ids[slots[j]] != k:  # slot_ids may be a file's records: keep its pages clean
+            slot_ids[slots[j]] = k
         buckets[i] = _tag(mix64(k), bits) | slots[j]
     return added
+
+
+@njit(cache=True, nogil=True)
+def _place(buckets, slot_ids, ids, slots):  # pragma: no cover - numba
+    """Map ``ids[j]`` (distinct, none held) to ``slots[j]`` at the first empty bucket from
+    each home: no id is read to compare."""
+    mask, bits, _ = _geometry(buckets)
+    for j in range(ids.shape[0]):
+        h = mix64(ids[j])
+        i = np.int64(h & np.uint64(mask))
+        while buckets[i] != _EMPTY:
+            i = (i + 1) & mask
+        if slot_ids[slots[j]] != ids[j]:
+            slot_ids[slots[j]] = ids[j]
+        buckets[i] = _tag(h, bits) | slots[j]
 
 
 @njit(cache=True, nogil=True)
@@ -215,6 +231,18 @@ class SlotIndex:
             self._buckets = committed((size,), np.int32, _EMPTY)
             _rehash(self._buckets, self.slot_ids, old)
         self._size += int(_insert(self._buckets, self.slot_ids, ids, slots))
+
+    def insert_new(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """:meth:`insert` of distinct ids the index does not hold (say, to build it anew from
+        stored rows), without reading any id: past the page cache, a compare of records' ids is
+        a random read of the file each."""
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        if not self.has_room(ids.shape[0]) or (slots.size and slots.max() >= min(
+                self._buckets.shape[0], self.slot_ids.shape[0])):
+            raise ValueError("insert_new needs room for the ids and slots below the bucket count")
+        _place(self._buckets, self.slot_ids, ids, slots)
+        self._size += ids.shape[0]
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
         """Unmap ids; returns the slots they had (-1 where absent)."""

@@ -126,3 +126,22 @@ def test_slot_bits_read_and_write_like_a_bool_array():
     assert grown[:100].tolist() == ref.tolist() + [False] * 80 and grown.nbytes == 13
     with pytest.raises(IndexError, match=r"\[:n\]"):
         bits[4:8]
+
+
+def test_insert_new_builds_the_index_an_insert_would_and_refuses_without_room():
+    rng = np.random.default_rng(3)
+    ids = rng.choice(2**40, 500, replace=False).astype(np.uint64)
+    slots = rng.permutation(600)[:500].astype(np.int64)
+    built, probed = SlotIndex(600), SlotIndex(600)
+    built.insert_new(ids, slots)
+    probed.insert(ids, slots)
+    universe = np.concatenate([ids, rng.choice(2**40, 300).astype(np.uint64)])
+    assert built.find(universe).tolist() == probed.find(universe).tolist()
+    assert len(built) == 500 and built.slot_ids[slots].tolist() == ids.tolist()
+    removed = built.remove(ids[:100])  # backward shift over entries it placed
+    assert removed.tolist() == slots[:100].tolist()
+    assert built.find(ids).tolist() == [-1] * 100 + slots[100:].tolist()
+    small = SlotIndex(4)
+    with pytest.raises(ValueError, match="room"):
+        small.insert_new(ids, slots)
+    assert len(small) == 0 and (small.find(ids) == -1).all()
