@@ -65,9 +65,10 @@ def _copy_unit(dtype: np.dtype) -> np.dtype:
 
 
 @njit(cache=True, nogil=True)
-def _pack(records, slots, columns, offsets, at):  # pragma: no cover - numba
-    """``records[slots[i]]`` (one row of words a record) from ``columns[f][at[i]]`` at
-    ``offsets[f]``: a demotion's write of whole records, the next rows prefetched."""
+def _move_records(records, slots, columns, offsets, at, to_records):  # pragma: no cover
+    """Between ``records[slots[i]]`` (one row of words a record) and ``columns[f][at[i]]``
+    (field ``f`` at word ``offsets[f]``), into the records (a demotion's write) if
+    ``to_records``, else out of them (a promotion's read); the next rows prefetched."""
     n = slots.shape[0]
     for i in range(n):
         ahead = min(i + PREFETCH_DISTANCE, n - 1)
@@ -77,24 +78,12 @@ def _pack(records, slots, columns, offsets, at):  # pragma: no cover - numba
         s, a = slots[i], at[i]
         for f in range(len(columns)):
             column, o = columns[f], offsets[f]
-            for w in range(column.shape[1]):
-                records[s, o + w] = column[a, w]
-
-
-@njit(cache=True, nogil=True)
-def _unpack(records, slots, columns, offsets, at):  # pragma: no cover - numba
-    """``columns[f][at[i]]`` from ``records[slots[i]]`` at ``offsets[f]``: a promotion's read."""
-    n = slots.shape[0]
-    for i in range(n):
-        ahead = min(i + PREFETCH_DISTANCE, n - 1)
-        prefetch_row(records, slots[ahead])
-        for f in range(len(columns)):
-            prefetch_row(columns[f], at[ahead])
-        s, a = slots[i], at[i]
-        for f in range(len(columns)):
-            column, o = columns[f], offsets[f]
-            for w in range(column.shape[1]):
-                column[a, w] = records[s, o + w]
+            if to_records:
+                for w in range(column.shape[1]):
+                    records[s, o + w] = column[a, w]
+            else:
+                for w in range(column.shape[1]):
+                    column[a, w] = records[s, o + w]
 
 
 class DiskTier:
@@ -197,7 +186,7 @@ class DiskTier:
         slots = self._allocate(at.shape[0])
         if not self._index.has_room(slots.shape[0]):
             self._rebuild_index(self._high)
-        _pack(self._words, slots, words, self._offsets, at)
+        _move_records(self._words, slots, words, self._offsets, at, True)
         # after the records: a probe reads the ids of the entries it passes from them
         self._index.insert(self._map["id"][slots], slots)  # a dead entry moves to its new slot
         self._live[slots] = True
@@ -210,8 +199,8 @@ class DiskTier:
         ``columns[field][at]`` (as :meth:`put`'s); returns their dirty flags; the slots are
         freed."""
         slots = np.ascontiguousarray(slots, dtype=np.int64)
-        _unpack(self._words, slots, self._column_words(columns), self._offsets,
-                np.ascontiguousarray(at, dtype=np.int64))
+        _move_records(self._words, slots, self._column_words(columns), self._offsets,
+                      np.ascontiguousarray(at, dtype=np.int64), False)
         dirty = self._dirty[slots].copy()
         self._release(slots)
         return dirty
