@@ -168,6 +168,8 @@ def disk_read_us(directory: str, size_mb: int = 1024, reads: int = 2000,
             os.write(fd, chunk)
         os.fsync(fd)
         direct = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:  # e.g. tmpfs, which refuses O_DIRECT
+        return None
     finally:
         os.close(fd)
         os.unlink(path)
