@@ -5,11 +5,12 @@ by lookups in chunks: the build time), then runs Zipf(1.1) traffic over those ro
 ``batch`` of ids is drawn (duplicates removed, as a worker sends them), looked up, and
 receives one push (Adagrad by default, ``--optimizer``; Zipf truncated to the table: draws past
 its rows are redrawn).
-After ``warmup`` untimed steps, ``steps`` steps are timed; rows/s is their total over their
-total time (a tiered table's write-backs come in bursts: the median step would hide them).
-A tiered table is timed right after its build (cold rows/s: its RAM tier holds the last rows
-built, not the hot ones) and again once its RAM tier has turned over (rows/s: untimed steps
-until it has promoted ``ram_rows`` rows), the steady state of a training job.
+Every table is built first and runs ``warmup`` untimed steps. A tiered table is then timed
+right after its build (cold rows/s: its RAM tier holds the last rows built, not the hot
+ones) and settles (untimed steps until it has promoted ``ram_rows`` rows), the steady state
+of a training job. Then every case runs ``repeats`` rounds of ``steps`` steps, the cases in
+alternating order; a round's rows/s is its rows over its time (a tiered table's write-backs
+come in bursts: the median step would hide them), a case's the median of its rounds'.
 Reported per case: lookup + push rows/s, the RAM tier's hit ratio (rows a lookup found in
 RAM; 1 for RAM-only tables), RAM bytes per row (everything the table
 allocates in RAM, indexes included, over its rows), disk bytes per row (blocks of the arena
@@ -79,21 +80,6 @@ def _build(config: TableConfig, rows: int, chunk: int) -> tuple[EmbeddingTable, 
     return table, time.perf_counter() - t0
 
 
-def _steps(table: EmbeddingTable, rng: np.random.Generator, rows: int, batch: int, dim: int,
-           count: int) -> tuple[list[float], list[int]]:
-    """``count`` steps (lookup, then push, of a batch's unique ids): seconds and rows of each."""
-    times, sent = [], []
-    for _ in range(count):
-        ids = np.unique(_ids(zipf_ranks(rng, batch, rows)))
-        grads = rng.standard_normal((ids.shape[0], dim), dtype=np.float32)
-        t0 = time.perf_counter()
-        table.lookup(ids)
-        table.push(ids, grads)
-        times.append(time.perf_counter() - t0)
-        sent.append(2 * ids.shape[0])
-    return times, sent
-
-
 class Case:
     """One table of the run: built, warmed up (a tiered one also timed cold, then settled), then
     timed in rounds of ``steps`` steps by :meth:`time_round`, alternating with the others.
@@ -127,7 +113,18 @@ class Case:
         self.sent: list[int] = []
 
     def _run(self, count: int) -> tuple[list[float], list[int]]:
-        return _steps(self.table, self.rng, self.rows, self.batch, self.dim, count)
+        """``count`` steps (lookup, then push, of a batch's unique ids): seconds and rows of
+        each."""
+        times, sent = [], []
+        for _ in range(count):
+            ids = np.unique(_ids(zipf_ranks(self.rng, self.batch, self.rows)))
+            grads = self.rng.standard_normal((ids.shape[0], self.dim), dtype=np.float32)
+            t0 = time.perf_counter()
+            self.table.lookup(ids)
+            self.table.push(ids, grads)
+            times.append(time.perf_counter() - t0)
+            sent.append(2 * ids.shape[0])
+        return times, sent
 
     def time_round(self) -> None:
         times, sent = self._run(self.steps)
