@@ -28,6 +28,7 @@ planted profile, ``toy`` on the small one.
 with the shards behind a latency-injecting proxy (:mod:`bench.netem`; no kernel netem here):
 ``rtt`` rows of ``{rtt_ms, measured_rtt_ms, hybrid_vs_sync, hot_vs_sync, replica_vs_sync,
 auc_hybrid, auc_hot, auc_replica, auc_sync}``. The proxy's process shares the cores, which a real network would not.
+``--rtt-ways hybrid_replica,sync`` runs only those ways there (sync and any of the others),
 ``--only-rtt`` runs those alone (as on a lent GPU machine without the peers), ``--device``
 puts Persimmon's dense compute on the CPU or a GPU, ``--hot-staleness`` sets the head ids'
 bound; ``machine`` in the JSON names the CPU (and its widest vector ISA) and the device.
@@ -201,19 +202,22 @@ def _baseline(key: str, train: Sequence[Batch], test: Sequence[Batch], features:
 
 def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int = 0,
         repeats: int = 9, profile: str = "toy", rtt_ms: Sequence[float] = (),
-        only_rtt: bool = False, device: str | None = None, hot_staleness: int = 1
-        ) -> dict[str, Any]:
+        only_rtt: bool = False, device: str | None = None, hot_staleness: int = 1,
+        rtt_ways: Sequence[str] = _RTT_RUNS) -> dict[str, Any]:
     """Train every way of :data:`RUNS` on the same batches of the planted ``profile``,
     ``repeats`` times in turn (then, for each of ``rtt_ms``, the remote path behind the
     latency proxy); the median run of each way and the median of each ratio within a
     repeat. TorchRec runs only where it is installed. ``only_rtt``: the runs behind the
     proxy only; ``device``: Persimmon's torch device (None: CUDA where there is one; the
-    peers run on the CPU); ``hot_staleness``: the head ids' bound in the runs that have them.
+    peers run on the CPU); ``hot_staleness``: the head ids' bound in the runs that have them;
+    ``rtt_ways``: the ways run behind the proxy (sync and any of the others).
 
     Persimmon's torch runs one intra-op thread (2 cores: the PS work needs the other);
     ``local`` one, ``torch`` and ``torchrec`` one per core."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if "sync" not in rtt_ways or not set(rtt_ways) <= set(_RTT_RUNS):
+        raise ValueError(f"rtt_ways must hold sync and any of {_RTT_RUNS}, got {list(rtt_ways)}")
     torch.set_num_threads(1)
     _warm_up_torch()
     from services.loader.synthetic import SyntheticDataset, synthetic_profile
@@ -228,13 +232,14 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
     # a first repeat at half speed)
     _persimmon(train[:4], test[:1], features, dim, seed, *_PERSIMMON_RUNS["default"],
                device=device)
-    if rtt_ms:  # and the replica's kernels, which only the remote runs load
+    if rtt_ms and "hybrid_replica" in rtt_ways:  # and the replica's kernels (remote runs only)
         _persimmon(train[:4], test[:1], features, dim, seed,
                    *_PERSIMMON_RUNS["hybrid_replica"], device=device)
     if not only_rtt:
         _baseline("local", train[:4], test[:1], features, dim, seed, cores)
     keys = [] if only_rtt else [k for k in RUNS if k != "torchrec" or torchrec_available()]
-    ways = [(key, None) for key in keys] + [(key, r) for r in rtt_ms for key in _RTT_RUNS]
+    ways = [(key, None) for key in keys] + [(key, r) for r in rtt_ms
+                                            for key in _RTT_RUNS if key in rtt_ways]
     every: dict[tuple[str, float | None], list[dict[str, Any]]] = {w: [] for w in ways}
     for repeat in track(range(repeats), description="bench train repeats", console=console):
         # every other repeat in reverse order: a drift of the machine's speed within a repeat
@@ -259,7 +264,8 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
             **{key: statistics.median(values) if values else None
                for key, values in per_repeat.items()},
             "ratios_per_repeat": per_repeat,
-            "rtt": [rtt_row(r, {key: every[key, r] for key in _RTT_RUNS}) for r in rtt_ms]}
+            "rtt": [rtt_row(r, {key: every[key, r] for key in _RTT_RUNS if key in rtt_ways})
+                    for r in rtt_ms]}
 
 
 def machine(device: str | None = None) -> dict[str, str]:
@@ -287,24 +293,26 @@ def _self_peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+_RTT_NAMES = {"hybrid": "hybrid", "hybrid_hot": "hot", "hybrid_replica": "replica"}  # way: key
+
+
 def rtt_row(rtt_ms: float, every: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """One ``rtt`` row: paired ratios and median AUCs of the runs behind the proxy, and each
-    way's median run (``runs``: where its step's time went)."""
+    way's median run (``runs``: where its step's time went). ``every`` holds sync and any of
+    the other ways; the figures of a way that did not run are None."""
     speed = {key: [r["samples_per_s"] for r in values] for key, values in every.items()}
-    return {"rtt_ms": rtt_ms,
-            "measured_rtt_ms": statistics.median(r["measured_rtt_ms"] for r in every["sync"]),
-            "hybrid_vs_sync": statistics.median(
-                h / s for h, s in zip(speed["hybrid"], speed["sync"], strict=True)),
-            "hot_vs_sync": statistics.median(
-                h / s for h, s in zip(speed["hybrid_hot"], speed["sync"], strict=True)),
-            "replica_vs_sync": statistics.median(
-                h / s for h, s in zip(speed["hybrid_replica"], speed["sync"], strict=True)),
-            **{f"samples_per_s_{key}": statistics.median(speed[key]) for key in _RTT_RUNS},
-            "auc_hybrid": statistics.median(r["auc"] for r in every["hybrid"]),
-            "auc_hot": statistics.median(r["auc"] for r in every["hybrid_hot"]),
-            "auc_replica": statistics.median(r["auc"] for r in every["hybrid_replica"]),
-            "auc_sync": statistics.median(r["auc"] for r in every["sync"]),
-            "runs": {key: median_run(every[key]) for key in _RTT_RUNS}}
+    row: dict[str, Any] = {
+        "rtt_ms": rtt_ms,
+        "measured_rtt_ms": statistics.median(r["measured_rtt_ms"] for r in every["sync"])}
+    for way, name in _RTT_NAMES.items():
+        ran = way in every
+        row[f"{name}_vs_sync"] = statistics.median(
+            h / s for h, s in zip(speed[way], speed["sync"], strict=True)) if ran else None
+        row[f"auc_{name}"] = statistics.median(r["auc"] for r in every[way]) if ran else None
+    row["auc_sync"] = statistics.median(r["auc"] for r in every["sync"])
+    row.update({f"samples_per_s_{key}": statistics.median(speed[key]) for key in every})
+    row["runs"] = {key: median_run(values) for key, values in every.items()}
+    return row
 
 
 def paired_ratios(every: dict[str, list[dict[str, Any]]], batch_size: int, cores: int
@@ -373,16 +381,18 @@ def print_table(result: dict[str, Any]) -> None:
                   f"{result['oracle_auc']:.4f}; this process's peak RSS "
                   f"{result['peak_rss_mb']:.0f} MB)")
     for row in result["rtt"]:
+        ran = [name for name in _RTT_NAMES.values() if row[f"{name}_vs_sync"] is not None]
         console.print(f"RTT {row['rtt_ms']} ms (measured {row['measured_rtt_ms']:.2f}): "
-                      f"hybrid_vs_sync {row['hybrid_vs_sync']:.2f}, hot_vs_sync "
-                      f"{row['hot_vs_sync']:.2f}, replica_vs_sync {row['replica_vs_sync']:.2f}; "
-                      f"AUC hybrid {row['auc_hybrid']:.4f}, hot {row['auc_hot']:.4f}, replica "
-                      f"{row['auc_replica']:.4f}, sync {row['auc_sync']:.4f}")
-        steps = {key: row["runs"][key] for key in ("hybrid", "hybrid_replica")}
-        console.print("  a step (median run), hybrid / replica: " + ", ".join(
-            f"{label} {steps['hybrid'][k]:.1f} / {steps['hybrid_replica'][k]:.1f} ms"
-            for label, k in (("computing", "step_wall_ms"), ("its CPU", "step_cpu_ms"),
-                             ("waiting for rows", "batch_wait_ms"))))
+                      + ", ".join(f"{name}_vs_sync {row[f'{name}_vs_sync']:.2f}" for name in ran)
+                      + "; AUC " + ", ".join(f"{name} {row[f'auc_{name}']:.4f}"
+                                             for name in [*ran, "sync"]))
+        steps = {key: row["runs"][key] for key in ("hybrid", "hybrid_replica")
+                 if key in row["runs"]}
+        if steps:
+            console.print(f"  a step (median run), {' / '.join(steps)}: " + ", ".join(
+                f"{label} " + " / ".join(f"{r[k]:.1f}" for r in steps.values()) + " ms"
+                for label, k in (("computing", "step_wall_ms"), ("its CPU", "step_cpu_ms"),
+                                 ("waiting for rows", "batch_wait_ms"))))
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -391,10 +401,19 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     result = run(rows=args.rows, batch_size=args.batch_size, seed=args.seed,
                  repeats=args.repeats, profile=args.profile, rtt_ms=args.rtt_ms,
-                 only_rtt=args.only_rtt, device=args.device, hot_staleness=args.hot_staleness)
+                 only_rtt=args.only_rtt, device=args.device, hot_staleness=args.hot_staleness,
+                 rtt_ways=args.rtt_ways)
     print_table(result)
     write_json(result, args.json)
     return 0
+
+
+def _rtt_ways(text: str) -> list[str]:
+    ways = [w.strip() for w in text.split(",") if w.strip()]
+    if "sync" not in ways or not set(ways) <= set(_RTT_RUNS):
+        raise argparse.ArgumentTypeError(f"--rtt-ways takes sync and any of "
+                                         f"{','.join(_RTT_RUNS)}, got {text!r}")
+    return ways
 
 
 def _rtt_list(text: str) -> list[float]:
@@ -422,6 +441,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rtt-ms", type=_rtt_list, default=[],
                         help="also run the remote path behind a proxy adding these round-trip "
                              "times (comma-separated ms, e.g. 0,0.5,2)")
+    parser.add_argument("--rtt-ways", type=_rtt_ways, default=list(_RTT_RUNS),
+                        help="the ways run behind the proxy: sync and any of "
+                             f"{','.join(_RTT_RUNS)} (default: all)")
     parser.add_argument("--only-rtt", action="store_true",
                         help="run only the remote path behind the proxy (needs --rtt-ms)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,

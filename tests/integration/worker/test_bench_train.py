@@ -64,18 +64,28 @@ def test_bench_train_reports_every_ratio_from_its_own_runs() -> None:
 
 
 def test_only_rtt_runs_the_remote_path_behind_the_proxy_and_names_the_machine(capsys) -> None:
+    """The ways asked for alone (hybrid S=8 left out here), each paired with sync."""
     result = run(rows=2048, batch_size=512, repeats=1, rtt_ms=[0.0], only_rtt=True,
-                 hot_staleness=2, device="cpu")
+                 hot_staleness=2, device="cpu", rtt_ways=["hybrid_hot", "hybrid_replica", "sync"])
     assert result["runs"] == {} and result["hot_staleness"] == 2
     [row] = result["rtt"]
-    assert row["rtt_ms"] == 0.0 and row["hybrid_vs_sync"] > 0 and 0.3 < row["auc_hot"] <= 1
+    assert row["rtt_ms"] == 0.0 and row["hot_vs_sync"] > 0 and 0.3 < row["auc_hot"] <= 1
     assert row["runs"]["hybrid_replica"]["step_wall_ms"] > 0
+    assert set(row["runs"]) == {"hybrid_hot", "hybrid_replica", "sync"}
+    assert row["hybrid_vs_sync"] is None and row["auc_hybrid"] is None
+    assert math.isclose(row["replica_vs_sync"], row["samples_per_s_hybrid_replica"]
+                        / row["samples_per_s_sync"])
     capsys.readouterr()
     print_table(result)
-    assert "waiting for rows" in capsys.readouterr().out  # where the replica's step went
+    out = " ".join(capsys.readouterr().out.split())  # as read, whatever the console's width
+    assert "waiting for rows" in out  # where the replica's step went
+    assert "replica_vs_sync" in out and "hybrid_vs_sync" not in out
     assert result["machine"]["device"] == "cpu" and result["machine"]["cpu"]
     with pytest.raises(ConfigError, match="hot_staleness"):  # the bound reaches the trainer
         run(rows=2048, batch_size=512, repeats=1, rtt_ms=[0.0], only_rtt=True, hot_staleness=0)
+    for ways in (["hybrid_replica"], ["sync", "hybrid_fast"]):  # no sync to pair; no such way
+        with pytest.raises(ValueError, match="rtt_ways"):
+            run(rows=2048, batch_size=512, repeats=1, rtt_ms=[0.0], only_rtt=True, rtt_ways=ways)
 
 
 def testrtt_rows_pair_the_runs_behind_the_proxy() -> None:
