@@ -34,7 +34,8 @@ puts Persimmon's dense compute on the CPU or a GPU, ``--hot-staleness`` sets the
 bound; ``machine`` in the JSON names the CPU (and its widest vector ISA) and the device.
 
 Each Persimmon run reports its compute thread's mean ``step_wall_ms`` and ``step_cpu_ms``,
-``batch_wait_ms``, the CPU per training step (``cpu_ms_per_step``: worker with its children,
+``batch_wait_ms``, its event loop's thread's CPU per step (``loop_cpu_ms``: the plans, lookups
+and pushes that feed the steps), the CPU per training step (``cpu_ms_per_step``: worker with its children,
 the PS processes) and the peak RSS of the PS processes (``ps_peak_rss_mb``); the embedded
 runs report ``bytes_per_row`` (rows, optimizer state, index and slack of every table over
 its live rows). ``peak_rss_mb`` is this process's peak over the whole run.
@@ -167,7 +168,7 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
 
 def _summary_figures(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in ("samples_per_s", "auc", "staleness_max", "step_wall_ms",
-                                    "step_cpu_ms", "batch_wait_ms")}
+                                    "step_cpu_ms", "batch_wait_ms", "loop_cpu_ms")}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -368,7 +369,8 @@ def print_table(result: dict[str, Any]) -> None:
                  else f"; PS peak RSS {r['ps_peak_rss_mb']:.0f} MB")
         console.print(f"{key}: compute thread per step {r['step_wall_ms']:.2f} ms wall, "
                       f"{r['step_cpu_ms']:.2f} ms CPU; {r['batch_wait_ms']:.2f} ms waiting "
-                      f"for a batch; CPU per step: worker {cpu['worker']:.2f} ms, PS {ps} ms"
+                      f"for a batch; CPU per step: worker {cpu['worker']:.2f} ms (its event "
+                      f"loop {r['loop_cpu_ms']:.2f}), PS {ps} ms"
                       + extra)
     figures = "   ".join(f"{key} {result[key]:.2f}" for key in (
         "vs_torchrec", "default_vs_torchrec", "sync_vs_torchrec", "vs_torch", "vs_local",
@@ -392,7 +394,8 @@ def print_table(result: dict[str, Any]) -> None:
             console.print(f"  a step (median run), {' / '.join(steps)}: " + ", ".join(
                 f"{label} " + " / ".join(f"{r[k]:.1f}" for r in steps.values()) + " ms"
                 for label, k in (("computing", "step_wall_ms"), ("its CPU", "step_cpu_ms"),
-                                 ("waiting for rows", "batch_wait_ms"))))
+                                 ("waiting for rows", "batch_wait_ms"),
+                                 ("the event loop's CPU", "loop_cpu_ms"))))
 
 
 def _main(args: argparse.Namespace) -> int:

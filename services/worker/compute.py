@@ -59,6 +59,7 @@ class ComputeThread(Generic[Item]):
         self.resume = threading.Event()
         self.started = time.perf_counter()  # reset once the model is built
         self.started_cpu = 0.0  # the worker's CPU seconds at ``started``
+        self.started_loop_cpu = 0.0  # the event loop's thread's CPU seconds, likewise
         self._room = asyncio.Semaphore(room) if room is not None else None
         self._eval_every = eval_every
         self._pause_each_step = pause_each_step
@@ -72,6 +73,12 @@ class ComputeThread(Generic[Item]):
         if self._room is not None and item is not None:
             await self._room.acquire()
         self.feed.put(DONE if item is None else item)
+
+    def mark_started(self, worker_cpu: float) -> None:
+        """Start the run's clocks now (from the event loop's thread): wall, the worker's CPU
+        seconds (``worker_cpu``) and the loop's thread's."""
+        self.started, self.started_cpu = time.perf_counter(), worker_cpu
+        self.started_loop_cpu = time.thread_time()
 
     def fail(self, exc: BaseException) -> None:
         """End the results with ``exc`` (the consumer raises it)."""

@@ -118,6 +118,7 @@ class FitSummary:
     step_cpu_ms: float = 0.0
     batch_wait_ms: float = 0.0
     worker_cpu_ms_per_step: float = 0.0
+    loop_cpu_ms: float = 0.0
     train_auc: float = math.nan
     train_logloss: float = math.nan
     auc: float = math.nan
@@ -138,11 +139,13 @@ class FitSummary:
 
     @property
     def timing(self) -> dict[str, float]:
-        """The mean milliseconds per step: wall and CPU of a step, wait for a batch, and the
-        worker's CPU (its PS-client process included)."""
+        """The mean milliseconds per step: wall and CPU of a step, wait for a batch, the
+        worker's CPU (its PS-client process included) and its event loop's thread's CPU (the
+        lookups, pushes and batch plans that feed the steps)."""
         return {"step_wall_ms": self.step_wall_ms, "step_cpu_ms": self.step_cpu_ms,
                 "batch_wait_ms": self.batch_wait_ms,
-                "worker_cpu_ms_per_step": self.worker_cpu_ms_per_step}
+                "worker_cpu_ms_per_step": self.worker_cpu_ms_per_step,
+                "loop_cpu_ms": self.loop_cpu_ms}
 
     def as_dict(self) -> dict[str, Any]:
         """Every field as plain JSON values (the curve's points as lists)."""

@@ -461,14 +461,12 @@ class Trainer:
             self.train_step, room=None if self.config.window is not None else self.config.prefetch,
             eval_every=every,
             pause_each_step=self.on_step is not None or self.after_step is not None)
-        loader = batches if isinstance(batches, LoaderClient) else None
-        self.pipeline.begin(acknowledge=loader.ack if loader is not None else None)
-        compute.started_cpu = await self._cpu_seconds()  # reset if this fit builds the model
+        self.pipeline.begin(acknowledge=batches.ack if isinstance(batches, LoaderClient) else None)
+        compute.mark_started(await self._cpu_seconds())  # again if this fit builds the model
 
         async def first(batch: Batch) -> None:  # the model's one-time cost is not training time
             await self._ensure_model(batch)
-            compute.started = time.perf_counter()
-            compute.started_cpu = await self._cpu_seconds()
+            compute.mark_started(await self._cpu_seconds())
 
         source: Batches = batches.batches() if isinstance(batches, LoaderClient) else batches
         producer = asyncio.create_task(self.pipeline.feed(
@@ -509,6 +507,7 @@ class Trainer:
                 if compute.pauses_after(self.step):  # the thread waited for on_step / eval
                     compute.resume.set()
             await self.pipeline.drain()
+            loop_cpu_seconds = time.thread_time() - compute.started_loop_cpu
             cpu_seconds = await self._cpu_seconds() - compute.started_cpu
         finally:
             producer.cancel()
@@ -529,6 +528,7 @@ class Trainer:
             step_wall_ms=timing["step_wall_ms"], step_cpu_ms=timing["step_cpu_ms"],
             batch_wait_ms=timing["batch_wait_ms"], loss_curve=curve.points(),
             worker_cpu_ms_per_step=1e3 * cpu_seconds / steps_done if steps_done else 0.0,
+            loop_cpu_ms=1e3 * loop_cpu_seconds / steps_done if steps_done else 0.0,
             recent_losses=recent[len(recent) - min(steps_done, len(recent)):],
             replicated_rows=self.pipeline.replica.num_rows if self.pipeline.replica else 0)
         train = gather_accumulator(train_acc).result()

@@ -35,6 +35,8 @@ def test_bench_train_reports_every_ratio_from_its_own_runs() -> None:
         assert runs[key]["batch_wait_ms"] >= 0
         cpu = runs[key]["cpu_ms_per_step"]
         assert cpu["worker"] >= runs[key]["step_cpu_ms"] * 0.9
+        # the loop's thread planned every batch (its CPU is the worker's, measured in it)
+        assert 0 < runs[key]["loop_cpu_ms"] <= cpu["worker"] - 0.9 * runs[key]["step_cpu_ms"]
     for key in ("hybrid", "hybrid_hot", "hybrid_replica", "sync"):  # the shards did work, held memory
         assert runs[key]["cpu_ms_per_step"]["ps"] > 0 and runs[key]["ps_peak_rss_mb"] > 10
     for key in ("default", "sync_embedded", "hybrid_embedded"):  # the shards in this process
