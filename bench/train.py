@@ -35,10 +35,10 @@ bound; ``machine`` in the JSON names the CPU (and its widest vector ISA) and the
 
 Each Persimmon run reports its compute thread's mean ``step_wall_ms`` and ``step_cpu_ms``,
 ``batch_wait_ms``, its event loop's thread's CPU per step (``loop_cpu_ms``: the plans, lookups
-and pushes that feed the steps), the CPU per training step (``cpu_ms_per_step``: worker with its children,
-the PS processes) and the peak RSS of the PS processes (``ps_peak_rss_mb``); the embedded
-runs report ``bytes_per_row`` (rows, optimizer state, index and slack of every table over
-its live rows). ``peak_rss_mb`` is this process's peak over the whole run.
+and pushes that feed the steps), the CPU per training step (``cpu_ms_per_step``: worker with
+its children, the PS processes) and the peak RSS of the PS processes (``ps_peak_rss_mb``); the
+embedded runs report ``bytes_per_row`` (rows, optimizer state, index and slack of every table
+over its live rows). ``peak_rss_mb`` is this process's peak over the whole run.
 
 Machines drift (a shared 2-core VM by 10-30 % within a minute), so the runs are repeated in
 turn (``--repeats``; every other repeat in reverse order): the table shows each way's median
@@ -217,8 +217,7 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
     ``local`` one, ``torch`` and ``torchrec`` one per core."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if "sync" not in rtt_ways or not set(rtt_ways) <= set(_RTT_RUNS):
-        raise ValueError(f"rtt_ways must hold sync and any of {_RTT_RUNS}, got {list(rtt_ways)}")
+    _check_rtt_ways(rtt_ways)
     torch.set_num_threads(1)
     _warm_up_torch()
     from services.loader.synthetic import SyntheticDataset, synthetic_profile
@@ -411,11 +410,19 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_rtt_ways(ways: Sequence[str]) -> None:
+    """Raise ValueError unless ``ways`` holds sync (every ratio's pair) and known ways only."""
+    if "sync" not in ways or not set(ways) <= set(_RTT_RUNS):
+        raise ValueError(f"rtt_ways must hold sync and any of {','.join(_RTT_RUNS)}, "
+                         f"got {','.join(ways) or 'none'}")
+
+
 def _rtt_ways(text: str) -> list[str]:
     ways = [w.strip() for w in text.split(",") if w.strip()]
-    if "sync" not in ways or not set(ways) <= set(_RTT_RUNS):
-        raise argparse.ArgumentTypeError(f"--rtt-ways takes sync and any of "
-                                         f"{','.join(_RTT_RUNS)}, got {text!r}")
+    try:
+        _check_rtt_ways(ways)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return ways
 
 
