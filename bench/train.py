@@ -98,7 +98,9 @@ _PERSIMMON_RUNS = {  # key: placement, mode, hot tables and head ids as by defau
     "hybrid_hot": ("processes", "hybrid", True, False),
     "hybrid_replica": ("processes", "hybrid", True, True),
     "sync": ("processes", "sync", False, False)}
-_RTT_RUNS = ("hybrid", "hybrid_hot", "hybrid_replica", "sync")
+# the ways behind the proxy (each paired with sync) and their names in the rtt rows' keys
+_RTT_NAMES = {"hybrid": "hybrid", "hybrid_hot": "hot", "hybrid_replica": "replica"}
+_RTT_RUNS = (*_RTT_NAMES, "sync")
 
 
 def _warm_up_torch() -> None:
@@ -291,9 +293,6 @@ def machine(device: str | None = None) -> dict[str, str]:
 
 def _self_peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-_RTT_NAMES = {"hybrid": "hybrid", "hybrid_hot": "hot", "hybrid_replica": "replica"}  # way: key
 
 
 def rtt_row(rtt_ms: float, every: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -57,9 +57,9 @@ class ComputeThread(Generic[Item]):
         self.feed: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.results: asyncio.Queue[Any] = asyncio.Queue()
         self.resume = threading.Event()
-        self.started = time.perf_counter()  # reset once the model is built
-        self.started_cpu = 0.0  # the worker's CPU seconds at ``started``
-        self.started_loop_cpu = 0.0  # the event loop's thread's CPU seconds, likewise
+        # the run's clocks at its start (:meth:`mark_started`): wall, the worker's CPU seconds
+        # and the event loop's thread's
+        self.started = self.started_cpu = self.started_loop_cpu = 0.0
         self._room = asyncio.Semaphore(room) if room is not None else None
         self._eval_every = eval_every
         self._pause_each_step = pause_each_step
