@@ -113,13 +113,14 @@ def _load_block(vecs, b0, m, tb):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _interaction_forward(vecs, keep_first, blocks, out):  # pragma: no cover - numba
-    """Row ``b`` of ``out``: ``vecs[0][b]`` if ``keep_first``, then ``<vecs[i][b], vecs[j][b]>``
-    for ``i > j`` in ``tril_indices`` order. Samples go a block of ``lanes`` at a time,
-    transposed into ``blocks[k]`` ``(n, dim, lanes)``, sample innermost (kept for the
-    backward), so that each multiply-add runs across the block's samples (SIMD; the lanes
-    are a run-time size, so that the compiler vectorizes the loops rather than unrolling
-    them)."""
+def _interaction_forward(vecs, keep_first, blocks, out_t):  # pragma: no cover - numba
+    """Column ``b`` of ``out_t`` (feature-major: ``(width, B)``): ``vecs[0][b]`` if
+    ``keep_first``, then ``<vecs[i][b], vecs[j][b]>`` for ``i > j`` in ``tril_indices`` order.
+    Samples go a block of ``lanes`` at a time, transposed into ``blocks[k]``
+    ``(n, dim, lanes)``, sample innermost (kept for the backward), so that each multiply-add
+    runs across the block's samples (SIMD; the lanes are a run-time size, so that the
+    compiler vectorizes the loops rather than unrolling them), and so is each row of
+    ``out_t`` written: a contiguous run of the block's samples."""
     n = len(vecs)
     size, dim = vecs[0].shape
     lanes = blocks.shape[3]
@@ -138,44 +139,38 @@ def _interaction_forward(vecs, keep_first, blocks, out):  # pragma: no cover - n
                     for s in range(lanes):
                         ob[col, s] += tb[i, d, s] * tb[j, d, s]
                 col += 1
-        for s in range(m):
-            for d in range(first):
-                out[b0 + s, d] = tb[0, d, s]
-            for c in range(ob.shape[0]):
-                out[b0 + s, first + c] = ob[c, s]
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _load_grad_block(grad_out, b0, m, first, gt, gb):  # pragma: no cover - numba
-    """The block's upstream gradients, sample innermost: of the dots into ``gt``, of the
-    first vector (its first ``first`` columns) into ``gb[0]``; ``gb`` is zeroed first."""
-    gb[:] = 0.0
-    for s in range(m):
         for d in range(first):
-            gb[0, d, s] = grad_out[b0 + s, d]
-        for c in range(gt.shape[0]):
-            gt[c, s] = grad_out[b0 + s, first + c]
+            for s in range(m):
+                out_t[d, b0 + s] = tb[0, d, s]
+        for c in range(ob.shape[0]):
+            for s in range(m):
+                out_t[first + c, b0 + s] = ob[c, s]
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _interaction_backward(grad_out, blocks, keep_first, grads):  # pragma: no cover - numba
+def _interaction_backward(grad_t, blocks, keep_first, grads):  # pragma: no cover - numba
     """``grads[i, b]``: the gradient w.r.t. ``vecs[i][b]`` (written whole), from the
-    forward's ``blocks``, a block at a time."""
+    upstream gradient ``grad_t`` (feature-major, as the forward's output) and the forward's
+    ``blocks``, a block at a time: each upstream row is read as a contiguous run of the
+    block's samples."""
     _, n, dim, lanes = blocks.shape
     size = grads.shape[1]
+    first = dim if keep_first else 0
     gb = np.empty((n, dim, lanes), dtype=np.float32)
-    gt = np.zeros((n * (n - 1) // 2, lanes), dtype=np.float32)
     for k in range(blocks.shape[0]):
         b0, tb = k * lanes, blocks[k]
         m = min(lanes, size - b0)
-        _load_grad_block(grad_out, b0, m, dim if keep_first else 0, gt, gb)
-        col = 0
+        gb[:] = 0.0
+        for d in range(first):
+            gb[0, d, :m] = grad_t[d, b0:b0 + m]
+        col = first
         for i in range(1, n):
             for j in range(i):
+                g = grad_t[col, b0:b0 + m]
                 for d in range(dim):
-                    for s in range(lanes):
-                        gb[i, d, s] += gt[col, s] * tb[j, d, s]
-                        gb[j, d, s] += gt[col, s] * tb[i, d, s]
+                    for s in range(m):
+                        gb[i, d, s] += g[s] * tb[j, d, s]
+                        gb[j, d, s] += g[s] * tb[i, d, s]
                 col += 1
         for i in range(n):
             for s in range(m):
@@ -188,25 +183,30 @@ class DotInteraction(torch.autograd.Function):
     ``(B, [D +] n(n-1)/2)``, the first vector itself when ``keep_first``, then the pairwise
     dots in ``tril_indices(n, n, -1)`` order. The forward copies the vectors once, into
     blocks of ``_LANES`` samples with the sample innermost, and keeps them for the backward;
-    no concatenation with the first vector is made in either direction."""
+    no concatenation with the first vector is made in either direction. The output is a
+    transposed view of a feature-major ``(width, B)`` tensor: a Linear layer after it takes
+    it as it is (BLAS reads either order), and hands back its gradient in the same order,
+    which the backward reads a block of samples at a time."""
 
     @staticmethod
     def forward(ctx: Any, keep_first: bool, *vecs: Tensor) -> Tensor:
         arrays = tuple(v.detach().contiguous().numpy() for v in vecs)
         size, dim = arrays[0].shape
         n = len(arrays)
-        out = torch.empty((size, (dim if keep_first else 0) + n * (n - 1) // 2),
-                          dtype=torch.float32)
+        out_t = torch.empty(((dim if keep_first else 0) + n * (n - 1) // 2, size),
+                            dtype=torch.float32)
         blocks = np.empty((-(-size // _LANES), n, dim, _LANES), dtype=np.float32)
-        _interaction_forward(arrays, keep_first, blocks, out.numpy())
+        _interaction_forward(arrays, keep_first, blocks, out_t.numpy())
         ctx.blocks, ctx.keep_first = blocks, keep_first
-        return out
+        return out_t.t()
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         blocks = ctx.blocks
+        grad_t = grad_out.t()
+        if grad_t.stride(1) != 1:  # a row-major upstream: one transposing copy
+            grad_t = grad_t.contiguous()
         grads = torch.empty((blocks.shape[1], grad_out.shape[0], blocks.shape[2]),
                             dtype=torch.float32)
-        _interaction_backward(grad_out.contiguous().numpy(), blocks, ctx.keep_first,
-                              grads.numpy())
+        _interaction_backward(grad_t.numpy(), blocks, ctx.keep_first, grads.numpy())
         return (None, *grads.unbind(0))

@@ -110,6 +110,30 @@ def test_interaction_kernel_matches_bmm_forward_and_backward(
         torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("keep_first", [False, True])
+@pytest.mark.parametrize("batch", [1, 70, 128])
+def test_interaction_kernel_gradient_through_a_linear_layer(batch: int, keep_first: bool) -> None:
+    """Under a Linear layer (as DLRM's top MLP) the upstream gradient comes back in the
+    output's feature-major order, not row-major: the kernel's values and gradients still
+    match bmm's (float64), and the output is the dots, not their transpose."""
+    n, dim = 6, 5
+    g = torch.Generator().manual_seed(batch)
+    base = torch.randn(n, batch, dim, generator=g, dtype=torch.float64)
+    width = (dim if keep_first else 0) + n * (n - 1) // 2
+    weight = torch.randn(3, width, generator=g, dtype=torch.float64)
+    v64 = [b.clone().requires_grad_(True) for b in base]
+    v32 = [b.float().requires_grad_(True) for b in base]
+    z32 = dot_interaction(v32, keep_first=keep_first)
+    assert z32.shape == (batch, width)
+    y64 = torch.nn.functional.linear(dot_interaction(v64, keep_first=keep_first), weight)
+    y32 = torch.nn.functional.linear(z32, weight.float())
+    torch.testing.assert_close(y32.double(), y64.detach(), rtol=1e-5, atol=1e-5)
+    y64.pow(2).sum().backward()
+    y32.pow(2).sum().backward()
+    for a, b in zip(v32, v64, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_fm_second_order_matches_pairwise_sum() -> None:
     v = torch.randn(4, 6, 3, dtype=torch.float64)
     expected = torch.stack([
