@@ -96,6 +96,7 @@ class PoolBags(torch.autograd.Function):
 
 
 _LANES = 64  # samples a block of the interaction kernels, whose inner loops run across them
+_MAX_UNROLLED_DIM = 32  # the forward's dim loop unrolls up to this dim (slower above: measured)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -112,15 +113,42 @@ def _load_block(vecs, b0, m, tb):  # pragma: no cover - numba
                 tb[i, d, s] = 0.0
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pair_dots(tb, ob, unrolled):  # pragma: no cover - numba
+    """``ob[c, s]``: the dot of vectors ``i > j`` (pair ``c`` in ``tril_indices`` order) of
+    the block ``tb`` ``(n, dim, lanes)`` for lane ``s``. With ``unrolled`` (a tuple of
+    ``dim`` items: the dim as a compile-time constant) the dim's loop unrolls and each dot
+    sums in a register across a vector of lanes, else each multiply-add goes over the lanes
+    into ``ob``'s row (faster for dims above 32, whose loop would not unroll)."""
+    n, dim, lanes = tb.shape
+    col = 0
+    for i in range(1, n):
+        for j in range(i):
+            if len(unrolled):
+                for s in range(lanes):
+                    acc = np.float32(0.0)
+                    for d in range(len(unrolled)):
+                        acc += tb[i, d, s] * tb[j, d, s]
+                    ob[col, s] = acc
+            else:
+                for s in range(lanes):
+                    ob[col, s] = tb[i, 0, s] * tb[j, 0, s]
+                for d in range(1, dim):
+                    for s in range(lanes):
+                        ob[col, s] += tb[i, d, s] * tb[j, d, s]
+            col += 1
+
+
 @njit(cache=True, nogil=True, fastmath=True)
-def _interaction_forward(vecs, keep_first, blocks, out_t):  # pragma: no cover - numba
+def _interaction_forward(vecs, keep_first, blocks, out_t, unrolled):  # pragma: no cover
     """Column ``b`` of ``out_t`` (feature-major: ``(width, B)``): ``vecs[0][b]`` if
     ``keep_first``, then ``<vecs[i][b], vecs[j][b]>`` for ``i > j`` in ``tril_indices`` order.
     Samples go a block of ``lanes`` at a time, transposed into ``blocks[k]``
-    ``(n, dim, lanes)``, sample innermost (kept for the backward), so that each multiply-add
-    runs across the block's samples (SIMD; the lanes are a run-time size, so that the
+    ``(n, dim, lanes)``, sample innermost (kept for the backward), so that the multiply-adds
+    run across the block's samples (SIMD; the lanes are a run-time size, so that the
     compiler vectorizes the loops rather than unrolling them), and so is each row of
-    ``out_t`` written: a contiguous run of the block's samples."""
+    ``out_t`` written: a contiguous run of the block's samples. ``unrolled``: see
+    :func:`_pair_dots`."""
     n = len(vecs)
     size, dim = vecs[0].shape
     lanes = blocks.shape[3]
@@ -130,15 +158,7 @@ def _interaction_forward(vecs, keep_first, blocks, out_t):  # pragma: no cover -
         b0, tb = k * lanes, blocks[k]
         m = min(lanes, size - b0)
         _load_block(vecs, b0, m, tb)
-        col = 0
-        for i in range(1, n):
-            for j in range(i):
-                for s in range(lanes):
-                    ob[col, s] = tb[i, 0, s] * tb[j, 0, s]
-                for d in range(1, dim):
-                    for s in range(lanes):
-                        ob[col, s] += tb[i, d, s] * tb[j, d, s]
-                col += 1
+        _pair_dots(tb, ob, unrolled)
         for d in range(first):
             for s in range(m):
                 out_t[d, b0 + s] = tb[0, d, s]
@@ -196,7 +216,8 @@ class DotInteraction(torch.autograd.Function):
         out_t = torch.empty(((dim if keep_first else 0) + n * (n - 1) // 2, size),
                             dtype=torch.float32)
         blocks = np.empty((-(-size // _LANES), n, dim, _LANES), dtype=np.float32)
-        _interaction_forward(arrays, keep_first, blocks, out_t.numpy())
+        unrolled = (0,) * dim if dim <= _MAX_UNROLLED_DIM else ()
+        _interaction_forward(arrays, keep_first, blocks, out_t.numpy(), unrolled)
         ctx.blocks, ctx.keep_first = blocks, keep_first
         return out_t.t()
 

@@ -88,7 +88,7 @@ def test_dot_interaction_matches_pairwise_loop(keep_first: bool) -> None:
 
 
 @pytest.mark.parametrize("keep_first", [False, True])
-@pytest.mark.parametrize("shape", [(1, 2, 1), (7, 5, 3), (64, 27, 16), (150, 6, 5)])
+@pytest.mark.parametrize("shape", [(1, 2, 1), (7, 5, 3), (64, 27, 16), (150, 6, 5), (70, 4, 40)])
 def test_interaction_kernel_matches_bmm_forward_and_backward(
         shape: tuple[int, int, int], keep_first: bool) -> None:
     """The CPU float32 kernel against torch's bmm path (taken for float64): values and the
