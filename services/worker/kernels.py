@@ -167,6 +167,39 @@ def _interaction_forward(vecs, keep_first, blocks, out_t, unrolled):  # pragma: 
                 out_t[first + c, b0 + s] = ob[c, s]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pair_grads(tb, grad_t, b0, m, first, gb, g4):  # pragma: no cover - numba
+    """Add the pairs' part of the block's gradients into ``gb`` ``(n, dim, lanes)``: vector
+    ``i`` takes its pairs ``(i, j)`` four ``j`` at a time (their upstream rows copied into
+    ``g4``): one read-modify-write of its gradient for four multiply-adds."""
+    n, dim, lanes = tb.shape
+    for i in range(1, n):
+        col = first + i * (i - 1) // 2  # pair (i, 0)'s upstream row
+        j = 0
+        while j < i:
+            step = 4 if j + 4 <= i else 1
+            for e in range(step):
+                for s in range(m):
+                    g4[e, s] = grad_t[col + j + e, b0 + s]
+            if step == 4:
+                for d in range(dim):
+                    for s in range(lanes):
+                        x0, x1, x2, x3 = g4[0, s], g4[1, s], g4[2, s], g4[3, s]
+                        gb[i, d, s] += (x0 * tb[j, d, s] + x1 * tb[j + 1, d, s]
+                                        + x2 * tb[j + 2, d, s] + x3 * tb[j + 3, d, s])
+                        ti = tb[i, d, s]
+                        gb[j, d, s] += x0 * ti
+                        gb[j + 1, d, s] += x1 * ti
+                        gb[j + 2, d, s] += x2 * ti
+                        gb[j + 3, d, s] += x3 * ti
+            else:
+                for d in range(dim):
+                    for s in range(lanes):
+                        gb[i, d, s] += g4[0, s] * tb[j, d, s]
+                        gb[j, d, s] += g4[0, s] * tb[i, d, s]
+            j += step
+
+
 @njit(cache=True, nogil=True, fastmath=True)
 def _interaction_backward(grad_t, blocks, keep_first, grads):  # pragma: no cover - numba
     """``grads[i, b]``: the gradient w.r.t. ``vecs[i][b]`` (written whole), from the
@@ -177,21 +210,15 @@ def _interaction_backward(grad_t, blocks, keep_first, grads):  # pragma: no cove
     size = grads.shape[1]
     first = dim if keep_first else 0
     gb = np.empty((n, dim, lanes), dtype=np.float32)
+    g4 = np.zeros((4, lanes), dtype=np.float32)
     for k in range(blocks.shape[0]):
-        b0, tb = k * lanes, blocks[k]
+        b0 = k * lanes
         m = min(lanes, size - b0)
         gb[:] = 0.0
         for d in range(first):
-            gb[0, d, :m] = grad_t[d, b0:b0 + m]
-        col = first
-        for i in range(1, n):
-            for j in range(i):
-                g = grad_t[col, b0:b0 + m]
-                for d in range(dim):
-                    for s in range(m):
-                        gb[i, d, s] += g[s] * tb[j, d, s]
-                        gb[j, d, s] += g[s] * tb[i, d, s]
-                col += 1
+            for s in range(m):
+                gb[0, d, s] = grad_t[d, b0 + s]
+        _pair_grads(blocks[k], grad_t, b0, m, first, gb, g4)
         for i in range(n):
             for s in range(m):
                 for d in range(dim):
