@@ -7,7 +7,8 @@ which the compute thread pays every step for its head ids where the shard is emb
 every table of a request is plain (:meth:`EmbeddingTable.plain`: float32 rows in RAM, no use
 bookkeeping) and holds every id, :func:`lookup_plain` probes and copies all the rows in one
 call, and :func:`push_plain` probes the ids, sums each table's duplicates and drops the
-non-finite sums in one call, then runs each table's optimizer: the rows, state, counters and
+non-finite sums in one call, then runs the tables' optimizer (one call for all where they
+share an Adagrad config, else each table's in turn): the rows, state, counters and
 results of the tables' own ``lookup`` and ``push``, which serve every other case (the callers
 fall back to them on None, nothing changed).
 """
@@ -22,6 +23,7 @@ import numpy as np
 from numba import njit
 
 from services.ps.hashtable import dedup_slots, gather_rows, nonfinite_rows, sum_rows_by_inverse
+from services.ps.optimizers import apply_updates
 from services.ps.slotindex import find_slots
 from services.ps.store import EmbeddingTable
 from services.ps.table_io import PlainTable, PushResult
@@ -89,6 +91,17 @@ def _find_sum(buckets, slot_ids, seen, ids, grads, bounds, uslots, summed, kept,
     return True
 
 
+@njit(cache=True, nogil=True)
+def _mark(bits, uslots, bounds, kept):  # pragma: no cover - numba
+    """Set table ``t``'s flag (``bits[t]``, eight slots a byte) of its applied slots
+    ``uslots[bounds[t]:][:kept[t]]``: the rows a push changed, for incremental snapshots."""
+    for t in range(len(bits)):
+        flags = bits[t]
+        for j in range(bounds[t], bounds[t] + kept[t]):
+            s = uslots[j]
+            flags[s >> 3] |= np.uint8(1 << (s & 7))
+
+
 @contextlib.contextmanager
 def _plain(tables: Sequence[EmbeddingTable]) -> Iterator[list[PlainTable] | None]:
     """The tables' :class:`PlainTable` views under their locks (taken in name order, as any
@@ -147,12 +160,16 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
                 tuple(v.seen.data for v in views), np.concatenate(ids), np.concatenate(grads),
                 bounds, uslots, summed, kept, dropped):
             return None
+        if not (all(v.optimizer == views[0].optimizer for v in views) and apply_updates(
+                views[0].optimizer, [v.rows for v in views], [v.state for v in views], uslots,
+                summed, bounds[:-1], kept)):
+            for t, view in enumerate(views):  # each table's optimizer in turn
+                lo, k = int(bounds[t]), int(kept[t])
+                view.apply(uslots[lo:lo + k], summed[lo:lo + k])
+        _mark(tuple(v.dirty.data for v in views), uslots, bounds, kept)
         results = []
         for t, view in enumerate(views):
-            lo, k, bad = int(bounds[t]), int(kept[t]), int(dropped[t])
-            slots = uslots[lo:lo + k]
-            view.apply(slots, summed[lo:lo + k])
-            view.dirty[slots] = True
+            k, bad = int(kept[t]), int(dropped[t])
             view.counters["pushes"] += 1
             view.counters["ids_pushed"] += ids[t].shape[0]
             view.counters["dropped_nonfinite"] += bad

@@ -28,6 +28,8 @@ before its update (L2 as TorchRec/FBGEMM apply it: lazily, only rows a push touc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from numba import njit
 
@@ -35,7 +37,7 @@ from services.ps.hashtable import PREFETCH_DISTANCE as AHEAD
 from services.ps.hashtable import prefetch, prefetch_row
 from services.ps.tables import OptimizerConfig, OptimizerKind
 
-__all__ = ["apply_update", "init_state", "state_layout"]
+__all__ = ["apply_update", "apply_updates", "init_state", "state_layout"]
 
 _F32 = np.float32
 
@@ -175,6 +177,24 @@ def _ftrl(W, wi, Z, N, si, G, alpha, beta, l1, l2, bound):  # pragma: no cover -
             W[r, c] = _clip(w, bound)
 
 
+@njit(cache=True, nogil=True)
+def _adagrad_tables(Ws, As, slots, G, starts, counts, lr, eps, wd, bound):  # pragma: no cover
+    """:func:`_adagrad` for each table ``t``: its rows ``slots[starts[t]:][:counts[t]]``."""
+    for t in range(len(Ws)):
+        lo, hi = starts[t], starts[t] + counts[t]
+        _adagrad(Ws[t], slots[lo:hi], As[t], slots[lo:hi], G[lo:hi], lr, eps, wd, bound)
+
+
+@njit(cache=True, nogil=True)
+def _rowwise_adagrad_tables(Ws, As, slots, G, starts, counts, lr, eps, wd,
+                            bound):  # pragma: no cover - numba
+    """:func:`_rowwise_adagrad` for each table ``t``: its rows ``slots[starts[t]:][:counts[t]]``."""
+    for t in range(len(Ws)):
+        lo, hi = starts[t], starts[t] + counts[t]
+        _rowwise_adagrad(Ws[t], slots[lo:hi], As[t], slots[lo:hi], G[lo:hi], lr, eps, wd,
+                         bound)
+
+
 def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.ndarray,
                  state: dict[str, np.ndarray], slots: np.ndarray, grads: np.ndarray) -> None:
     """Update ``weights[weight_index[k]]`` with ``grads[k]`` in place, state rows ``slots[k]``.
@@ -200,3 +220,24 @@ def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.
     else:
         _ftrl(weights, wi, state["z"], state["n"], si, grads, lr, _F32(config.ftrl_beta),
               _F32(config.ftrl_l1), _F32(config.ftrl_l2), bound)
+
+
+def apply_updates(config: OptimizerConfig, weights: Sequence[np.ndarray],
+                  states: Sequence[dict[str, np.ndarray]], slots: np.ndarray, grads: np.ndarray,
+                  starts: np.ndarray, counts: np.ndarray) -> bool:
+    """:func:`apply_update` for several float32 tables of one optimizer config in one call
+    (a call a table costs more than the update of a few ids): table ``t`` updates its rows
+    and state rows ``slots[starts[t]:][:counts[t]]`` (distinct) with the ``grads`` there.
+    False, nothing done, for the kinds without such a call (all but the two Adagrads)."""
+    kernels = {OptimizerKind.ADAGRAD: _adagrad_tables,
+               OptimizerKind.ROWWISE_ADAGRAD: _rowwise_adagrad_tables}
+    if (kernel := kernels.get(config.kind)) is None or not weights:
+        return False
+    bound = _F32(np.inf if config.weight_bound is None else config.weight_bound)
+    kernel(tuple(weights), tuple(state["accum"] for state in states),
+           np.ascontiguousarray(slots, dtype=np.int64),
+           np.ascontiguousarray(grads, dtype=np.float32),
+           np.ascontiguousarray(starts, dtype=np.int64),
+           np.ascontiguousarray(counts, dtype=np.int64),
+           _F32(config.lr), _F32(config.eps), _F32(config.weight_decay), bound)
+    return True

@@ -193,7 +193,8 @@ class EmbeddingTable:
         with self._lock:
             plain = self._disk is None and not self._tracks_use and self._dtype == np.float32
             yield PlainTable(*self._index.arrays, self._rows, self._seen, self._dirty,
-                             self._counters, self._apply) if plain else None
+                             self._counters, self._apply, self.config.optimizer,
+                             self._state) if plain else None
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         out = np.empty((ids.shape[0], self.dim), dtype=np.float32)

@@ -12,7 +12,7 @@ import numpy as np
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.ps.hashtable import SlotBits
 from services.ps.optimizers import state_layout
-from services.ps.tables import TableConfig
+from services.ps.tables import OptimizerConfig, TableConfig
 
 __all__ = ["PlainTable", "PushResult", "TableSnapshot", "check_snapshot", "validate_grads",
            "validate_ids"]
@@ -22,8 +22,9 @@ __all__ = ["PlainTable", "PushResult", "TableSnapshot", "check_snapshot", "valid
 class PlainTable:
     """A plain table's arrays (:meth:`services.ps.store.EmbeddingTable.plain`): its index
     (``buckets``, ``slot_ids``: :attr:`~services.ps.slotindex.SlotIndex.arrays`), rows,
-    push scratch (``seen``), dirty flags and counters, and its optimizer's update of distinct
-    slots (``apply(slots, grads)``)."""
+    push scratch (``seen``), dirty flags and counters, its optimizer's update of distinct
+    slots (``apply(slots, grads)``), and that optimizer's config and state arrays (indexed
+    by slot, as the rows)."""
 
     buckets: np.ndarray
     slot_ids: np.ndarray
@@ -32,6 +33,8 @@ class PlainTable:
     dirty: SlotBits
     counters: dict[str, int]
     apply: Callable[[np.ndarray, np.ndarray], None]
+    optimizer: OptimizerConfig
+    state: dict[str, np.ndarray]
 
 
 @dataclass(slots=True)

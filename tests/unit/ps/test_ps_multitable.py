@@ -59,6 +59,35 @@ def test_plain_lookups_and_pushes_equal_the_tables_own() -> None:
     assert state(fused) == state(own)
 
 
+@pytest.mark.parametrize("kind", ["adagrad", "rowwise_adagrad"])
+def test_tables_of_one_adagrad_config_update_in_one_call_as_their_own(kind: str) -> None:
+    """Tables sharing an Adagrad config (one optimizer call for all of them): the same rows,
+    state, counters and results as each table's own push, and the same rows changed in an
+    incremental snapshot (the pushed ones only: a flag set on the wrong table or slot, or
+    not at all, shows). Weight decay and a weight bound are in the config (a kernel that
+    dropped them differs)."""
+    def five() -> list[EmbeddingTable]:
+        return [EmbeddingTable(TableConfig(name=f"t{k}", dim=DIM, optimizer=OptimizerConfig(
+            kind=kind, lr=0.2, weight_decay=0.01, weight_bound=0.3))) for k in range(5)]
+    fused, own = five(), five()
+    rng = np.random.default_rng(5)
+    for t in fused + own:
+        t.lookup(np.arange(60, dtype=np.uint64))
+        t.snapshot(incremental=True)  # every flag clear
+    for _ in range(3):
+        ids = [rng.integers(0, 60, int(rng.integers(1, 30))).astype(np.uint64) for _ in range(5)]
+        grads = [rng.normal(size=(i.size, DIM)).astype(np.float32) for i in ids]
+        grads[1][0] = np.inf
+        results = push_plain(fused, ids, grads)
+        assert results == [t.push(i, g) for t, i, g in zip(own, ids, grads, strict=True)]
+    assert state(fused) == state(own)
+    for a, b in zip(fused, own, strict=True):
+        delta, expected = a.snapshot(incremental=True), b.snapshot(incremental=True)
+        assert 0 < delta.ids.size < 60
+        np.testing.assert_array_equal(delta.ids, expected.ids)
+        np.testing.assert_array_equal(delta.rows, expected.rows)
+
+
 @pytest.mark.parametrize("extra", [{"dtype": "float16"}, {"max_rows": 100}, {"ttl_s": 60.0}])
 def test_a_table_that_is_not_plain_is_left_to_its_own_lookups_and_pushes(
         extra: dict[str, object]) -> None:
