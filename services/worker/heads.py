@@ -149,6 +149,10 @@ class SplitBatch:
         """The group's rows in the full layout's order from the rest's and the head's."""
         head_at, rest_at = self.groups[group]
         dim = head.shape[1] if head.size else rest.shape[1]
+        head, rest = (np.reshape(a, (-1, dim)) if not a.size else a for a in (head, rest))
+        if head.shape != (head_at.size, dim) or rest.shape != (rest_at.size, dim):
+            raise ValueError(f"group {group}: rows {head.shape} and {rest.shape} for "
+                             f"{head_at.size} head ids and {rest_at.size} others")
         out = np.empty((head_at.size + rest_at.size, dim), dtype=rest.dtype)
         _place_rows(out, head_at, head, rest_at, rest)
         return out

@@ -76,6 +76,8 @@ def test_a_split_sends_the_rest_and_puts_rows_back_in_place() -> None:
     # rows come back in the full layout's order; gradients go out as the rest's
     rows = np.arange(full.ids.size, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
     assert np.array_equal(split.rows(0, rows[rest_at], rows[head_at]), rows)
+    with pytest.raises(ValueError, match="head ids"):  # a row short: refused, not read past
+        split.rows(0, rows[rest_at][1:], rows[head_at])
     (sent,) = split.pushed_grads([rows])
     assert np.array_equal(sent, rows[rest_at])
     (sent,) = split.head_grads([rows])
