@@ -399,7 +399,7 @@ def committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _set_bits(data, slots, values):  # pragma: no cover - numba
+def set_bits(data, slots, values):  # pragma: no cover - numba
     """Bit ``slots[j]`` of ``data`` := ``values[j]`` (``values[0]`` for all if it has one)."""
     one = values.shape[0] == 1
     for j in range(slots.shape[0]):
@@ -460,7 +460,7 @@ class SlotBits:
             slots = np.arange(self._stop(key), dtype=np.int64)
         else:
             slots = np.ascontiguousarray(key, dtype=np.int64)
-        _set_bits(self.data, slots, values)
+        set_bits(self.data, slots, values)
 
 
 @njit(cache=True, nogil=True)

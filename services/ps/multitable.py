@@ -22,7 +22,13 @@ from dataclasses import replace
 import numpy as np
 from numba import njit
 
-from services.ps.hashtable import dedup_slots, gather_rows, nonfinite_rows, sum_rows_by_inverse
+from services.ps.hashtable import (
+    dedup_slots,
+    gather_rows,
+    nonfinite_rows,
+    set_bits,
+    sum_rows_by_inverse,
+)
 from services.ps.optimizers import apply_updates
 from services.ps.slotindex import find_slots
 from services.ps.store import EmbeddingTable
@@ -30,6 +36,8 @@ from services.ps.table_io import PlainTable, PushResult
 from services.ps.tables import TableConfig
 
 __all__ = ["lookup_plain", "push_plain", "warm_up"]
+
+_SET = np.ones(1, dtype=bool)  # the one flag value _mark sets
 
 
 @njit(cache=True, nogil=True)
@@ -92,14 +100,11 @@ def _find_sum(buckets, slot_ids, seen, ids, grads, bounds, uslots, summed, kept,
 
 
 @njit(cache=True, nogil=True)
-def _mark(bits, uslots, bounds, kept):  # pragma: no cover - numba
-    """Set table ``t``'s flag (``bits[t]``, eight slots a byte) of its applied slots
-    ``uslots[bounds[t]:][:kept[t]]``: the rows a push changed, for incremental snapshots."""
+def _mark(bits, uslots, bounds, kept, flag):  # pragma: no cover - numba
+    """Set table ``t``'s flag (``bits[t]``: a :class:`SlotBits`' bytes) of its applied slots
+    ``uslots[bounds[t]:][:kept[t]]`` to ``flag`` (one value): the rows a push changed."""
     for t in range(len(bits)):
-        flags = bits[t]
-        for j in range(bounds[t], bounds[t] + kept[t]):
-            s = uslots[j]
-            flags[s >> 3] |= np.uint8(1 << (s & 7))
+        set_bits(bits[t], uslots[bounds[t]:bounds[t] + kept[t]], flag)
 
 
 @contextlib.contextmanager
@@ -166,7 +171,7 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
             for t, view in enumerate(views):  # each table's optimizer in turn
                 lo, k = int(bounds[t]), int(kept[t])
                 view.apply(uslots[lo:lo + k], summed[lo:lo + k])
-        _mark(tuple(v.dirty.data for v in views), uslots, bounds, kept)
+        _mark(tuple(v.dirty.data for v in views), uslots, bounds, kept, _SET)
         results = []
         for t, view in enumerate(views):
             k, bad = int(kept[t]), int(dropped[t])

@@ -195,6 +195,15 @@ def _rowwise_adagrad_tables(Ws, As, slots, G, starts, counts, lr, eps, wd,
                          bound)
 
 
+_TABLES_KERNELS = {OptimizerKind.ADAGRAD: _adagrad_tables,  # the kinds apply_updates serves
+                   OptimizerKind.ROWWISE_ADAGRAD: _rowwise_adagrad_tables}
+
+
+def _bound(config: OptimizerConfig) -> np.float32:
+    """The weight bound as the kernels take it (inf: none)."""
+    return _F32(np.inf if config.weight_bound is None else config.weight_bound)
+
+
 def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.ndarray,
                  state: dict[str, np.ndarray], slots: np.ndarray, grads: np.ndarray) -> None:
     """Update ``weights[weight_index[k]]`` with ``grads[k]`` in place, state rows ``slots[k]``.
@@ -205,7 +214,7 @@ def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.
     wi = np.ascontiguousarray(weight_index, dtype=np.int64)
     si = np.ascontiguousarray(slots, dtype=np.int64)
     grads = np.ascontiguousarray(grads, dtype=np.float32)
-    bound = _F32(np.inf if config.weight_bound is None else config.weight_bound)
+    bound = _bound(config)
     lr, wd = _F32(config.lr), _F32(config.weight_decay)
     if config.kind is OptimizerKind.SGD:
         _sgd(weights, wi, grads, lr, wd, bound)
@@ -229,15 +238,12 @@ def apply_updates(config: OptimizerConfig, weights: Sequence[np.ndarray],
     (a call a table costs more than the update of a few ids): table ``t`` updates its rows
     and state rows ``slots[starts[t]:][:counts[t]]`` (distinct) with the ``grads`` there.
     False, nothing done, for the kinds without such a call (all but the two Adagrads)."""
-    kernels = {OptimizerKind.ADAGRAD: _adagrad_tables,
-               OptimizerKind.ROWWISE_ADAGRAD: _rowwise_adagrad_tables}
-    if (kernel := kernels.get(config.kind)) is None or not weights:
+    if (kernel := _TABLES_KERNELS.get(config.kind)) is None or not weights:
         return False
-    bound = _F32(np.inf if config.weight_bound is None else config.weight_bound)
     kernel(tuple(weights), tuple(state["accum"] for state in states),
            np.ascontiguousarray(slots, dtype=np.int64),
            np.ascontiguousarray(grads, dtype=np.float32),
            np.ascontiguousarray(starts, dtype=np.int64),
            np.ascontiguousarray(counts, dtype=np.int64),
-           _F32(config.lr), _F32(config.eps), _F32(config.weight_decay), bound)
+           _F32(config.lr), _F32(config.eps), _F32(config.weight_decay), _bound(config))
     return True
