@@ -16,6 +16,7 @@ fall back to them on None, nothing changed).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -29,6 +30,7 @@ from services.ps.hashtable import (
     set_bits,
     sum_rows_by_inverse,
 )
+from services.ps.locks import hold
 from services.ps.optimizers import apply_updates
 from services.ps.slotindex import find_slots
 from services.ps.store import EmbeddingTable
@@ -111,15 +113,14 @@ def _mark(bits, uslots, bounds, kept, flag):  # pragma: no cover - numba
 def _plain(tables: Sequence[EmbeddingTable]) -> Iterator[list[PlainTable] | None]:
     """The tables' :class:`PlainTable` views under their locks (taken in name order, as any
     two callers take them), or None if one is not plain."""
-    with contextlib.ExitStack() as stack:
-        views = {t.config.name: stack.enter_context(t.plain())
-                 for t in sorted(tables, key=lambda t: t.config.name)}
-        plain = [v for t in tables if (v := views[t.config.name]) is not None]
-        yield plain if len(plain) == len(tables) else None
+    with hold([t.lock for t in sorted(tables, key=lambda t: t.config.name)]):
+        views = [view for t in tables if (view := t.plain_view()) is not None]
+        yield views if len(views) == len(tables) else None
 
 
 def _bounds(parts: Sequence[np.ndarray]) -> np.ndarray:
-    return np.cumsum([0, *(p.shape[0] for p in parts)]).astype(np.int64)
+    return np.array(list(itertools.accumulate((p.shape[0] for p in parts), initial=0)),
+                    dtype=np.int64)
 
 
 def lookup_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], dim: int
@@ -165,9 +166,10 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
                 tuple(v.seen.data for v in views), np.concatenate(ids), np.concatenate(grads),
                 bounds, uslots, summed, kept, dropped):
             return None
-        if not (all(v.optimizer == views[0].optimizer for v in views) and apply_updates(
-                views[0].optimizer, [v.rows for v in views], [v.state for v in views], uslots,
-                summed, bounds[:-1], kept)):
+        first = views[0].optimizer  # one config object in every table, or equal ones
+        if not (all(v.optimizer is first or v.optimizer == first for v in views)
+                and apply_updates(first, [v.rows for v in views], [v.state for v in views],
+                                  uslots, summed, bounds[:-1], kept)):
             for t, view in enumerate(views):  # each table's optimizer in turn
                 lo, k = int(bounds[t]), int(kept[t])
                 view.apply(uslots[lo:lo + k], summed[lo:lo + k])

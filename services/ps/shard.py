@@ -26,12 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -54,6 +55,7 @@ from services.ps.checkpoint import (
 )
 from services.ps.config import PSConfig
 from services.ps.dedup import PushOrigin, PushWindow, fingerprint
+from services.ps.locks import hold
 from services.ps.multitable import lookup_plain, push_plain, warm_up
 from services.ps.optimizers import state_layout
 from services.ps.pooled import check_lengths, segment_sum
@@ -207,13 +209,11 @@ class Shard:
     def _holding(self, names: Sequence[str]) -> Iterator[bool]:
         """Hold the locks of tables ``names``, taken in name order (deadlock-free with a
         checkpoint, which takes every table's in that order); False: one has none (gone)."""
-        with contextlib.ExitStack() as stack:
-            for name in sorted(set(names)):
-                lock = self._locks.get(name)
-                if lock is None:
-                    yield False
-                    return
-                stack.enter_context(lock)
+        locks = [self._locks.get(name) for name in sorted(set(names))]
+        if any(lock is None for lock in locks):
+            yield False
+            return
+        with hold(cast(list[threading.RLock], locks)):
             yield True
 
     def _once(self, origin: PushOrigin | None, content: Callable[[], int],
@@ -280,9 +280,10 @@ class Shard:
     # one after the other (``counts`` per table). Every check is done before any part is
     # served or applied.
 
-    def _table_slices(self, tables: Sequence[str], counts: Sequence[int],
-                      ids: np.ndarray) -> tuple[list[tuple[str, np.ndarray]], int]:
-        """The (table, ids) parts of a multi-table request and the tables' common dim."""
+    def _table_slices(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray
+                      ) -> tuple[list[tuple[str, np.ndarray]], int, list[int]]:
+        """The (table, ids) parts of a multi-table request, the tables' common dim and the
+        parts' bounds in ``ids``."""
         if not tables:
             raise InvalidArgument("a multi-table request needs at least one table")
         if len(set(tables)) != len(tables):
@@ -290,15 +291,19 @@ class Shard:
         if len(counts) != len(tables):
             raise InvalidArgument(f"{len(counts)} counts for {len(tables)} tables")
         self.check_ids(ids)
-        if sum(counts) != ids.size:
-            raise InvalidArgument(f"the counts add up to {sum(counts)} but there are "
+        if any(count < 0 for count in counts):
+            raise InvalidArgument(f"counts must not be negative, got {list(counts)}")
+        bounds = list(itertools.accumulate(counts, initial=0))
+        if bounds[-1] != ids.size:
+            raise InvalidArgument(f"the counts add up to {bounds[-1]} but there are "
                                   f"{ids.size} ids")
-        dims = {name: self.table(name).dim for name in tables}
-        if len(set(dims.values())) != 1:
-            raise InvalidArgument(f"the tables of one request must have one dim, got {dims}")
-        bounds = np.cumsum([0, *counts])
-        return ([(name, ids[lo:hi]) for name, lo, hi in
-                 zip(tables, bounds[:-1], bounds[1:], strict=True)], dims[tables[0]])
+        dims = [self.table(name).dim for name in tables]
+        if len(set(dims)) != 1:
+            raise InvalidArgument("the tables of one request must have one dim, got "
+                                  f"{dict(zip(tables, dims, strict=True))}")
+        return ([(name, ids[lo:hi])
+                 for name, lo, hi in zip(tables, bounds[:-1], bounds[1:], strict=True)],
+                dims[0], bounds)
 
     def lookup_many_sync(self, tables: Sequence[str], counts: Sequence[int],
                          ids: np.ndarray, *, read_only: bool = False,
@@ -307,7 +312,7 @@ class Shard:
         change nothing (no row created or marked used; see :meth:`EmbeddingTable.peek`).
         ``state`` is filled with the rows' optimizer state by name, read with them (tables of
         one state layout only): what a worker's replica of the rows starts from."""
-        parts, dim = self._table_slices(tables, counts, ids)
+        parts, dim, _ = self._table_slices(tables, counts, ids)
         if state is not None and len({repr(state_layout(self.table(t).config.optimizer, dim))
                                       for t in tables}) > 1:
             raise InvalidArgument(f"the tables {list(tables)} keep optimizer states of "
@@ -347,18 +352,20 @@ class Shard:
         sampled = [grads] if isinstance(grads, np.ndarray) else list(grads)
 
         def check() -> Checked:
-            parts, _ = self._table_slices(tables, counts, ids)
-            split = sampled
-            if isinstance(grads, np.ndarray):
-                if grads.ndim != 2 or grads.shape[0] != ids.size:
-                    raise InvalidArgument(f"grads must be ({ids.size}, dim), got {grads.shape}")
-                bounds = np.cumsum([0, *counts])
-                split = [grads[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+            parts, dim, bounds = self._table_slices(tables, counts, ids)
+            held = [self.table(name) for name, _ in parts]
+            if isinstance(grads, np.ndarray):  # checked whole, then sliced
+                if grads.shape != (ids.size, dim) or grads.dtype.kind != "f":
+                    raise InvalidArgument(f"grads must be float32 ({ids.size} ids, dim {dim}), "
+                                          f"got {grads.dtype} {grads.shape}")
+                whole = np.ascontiguousarray(grads, dtype=np.float32)
+                checked = [(name, part, whole[lo:hi]) for (name, part), lo, hi
+                           in zip(parts, bounds[:-1], bounds[1:], strict=True)]
             elif len(grads) != len(parts):
                 raise InvalidArgument(f"{len(grads)} gradient arrays for {len(parts)} tables")
-            held = [self.table(name) for name, _ in parts]
-            checked = [(name, *table.validate_push(part, g)) for (name, part), g, table
-                       in zip(parts, split, held, strict=True)]
+            else:
+                checked = [(name, *table.validate_push(part, g)) for (name, part), g, table
+                           in zip(parts, grads, held, strict=True)]
             return (lambda: fingerprint((tuple(tables), tuple(counts)), [ids], sampled),
                     checked, held)
         return self._push_once(check, origin)
@@ -369,7 +376,7 @@ class Shard:
         """Apply a multi-table push (at most once per ``origin``), then serve a multi-table
         lookup (its rows include the push): both parts are checked before the push is
         applied."""
-        parts, dim = self._table_slices(*lookup)
+        parts, dim, _ = self._table_slices(*lookup)
         return (self.push_many_sync(*push, origin=origin),
                 self._lookup_slices(parts, dim, lookup[2].size))
 

@@ -21,11 +21,10 @@ bit-identically. Eviction, TTL, deletes, snapshots and restores see both tiers.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -185,16 +184,19 @@ class EmbeddingTable:
             self._spill()
             return out
 
-    @contextlib.contextmanager
-    def plain(self) -> Iterator[PlainTable | None]:
-        """Under its lock, its arrays for kernels over several tables (:mod:`.multitable`);
-        None unless a lookup or push of held ids is a probe and an update (float32 rows in
-        RAM, no use bookkeeping: no disk tier, ``max_rows`` or TTL)."""
-        with self._lock:
-            plain = self._disk is None and not self._tracks_use and self._dtype == np.float32
-            yield PlainTable(*self._index.arrays, self._rows, self._seen, self._dirty,
-                             self._counters, self._apply, self.config.optimizer,
-                             self._state) if plain else None
+    @property
+    def lock(self) -> threading.RLock:
+        """The table's lock (re-entrant): every read or change of its arrays holds it."""
+        return self._lock
+
+    def plain_view(self) -> PlainTable | None:
+        """Its arrays for kernels over several tables (:mod:`.multitable`), for a caller that
+        holds :attr:`lock`; None unless a lookup or push of held ids is a probe and an
+        update (float32 rows in RAM, no use bookkeeping: no disk tier, ``max_rows`` or TTL)."""
+        if self._disk is not None or self._tracks_use or self._dtype != np.float32:
+            return None
+        return PlainTable(*self._index.arrays, self._rows, self._seen, self._dirty,
+                          self._counters, self._apply, self.config.optimizer, self._state)
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         out = np.empty((ids.shape[0], self.dim), dtype=np.float32)

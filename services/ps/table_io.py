@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -18,9 +18,8 @@ __all__ = ["PlainTable", "PushResult", "TableSnapshot", "check_snapshot", "valid
            "validate_ids"]
 
 
-@dataclass(frozen=True, slots=True)
-class PlainTable:
-    """A plain table's arrays (:meth:`services.ps.store.EmbeddingTable.plain`): its index
+class PlainTable(NamedTuple):
+    """A plain table's arrays (:meth:`services.ps.store.EmbeddingTable.plain_view`): its index
     (``buckets``, ``slot_ids``: :attr:`~services.ps.slotindex.SlotIndex.arrays`), rows,
     push scratch (``seen``), dirty flags and counters, its optimizer's update of distinct
     slots (``apply(slots, grads)``), and that optimizer's config and state arrays (indexed
