@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -210,11 +210,8 @@ class Shard:
         """Hold the locks of tables ``names``, taken in name order (deadlock-free with a
         checkpoint, which takes every table's in that order); False: one has none (gone)."""
         locks = [self._locks.get(name) for name in sorted(set(names))]
-        if any(lock is None for lock in locks):
-            yield False
-            return
-        with hold(cast(list[threading.RLock], locks)):
-            yield True
+        with hold([lock for lock in locks if lock is not None]):
+            yield None not in locks
 
     def _once(self, origin: PushOrigin | None, content: Callable[[], int],
               parts: Sequence[PushPart]) -> PushResult:

@@ -76,7 +76,7 @@ class EmbeddingTable:
         self.config = config
         self.dim = config.dim
         self._clock = clock
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # held by every read or change of its arrays
         self._dtype = config.storage_dtype
         cap = int(config.initial_capacity)
         self._index = SlotIndex(cap)
@@ -129,7 +129,7 @@ class EmbeddingTable:
     def peek(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, present)``: current rows (initial rows where absent); changes nothing."""
         ids = self.validate_lookup(ids)
-        with self._lock:
+        with self.lock:
             slots = self._index.find(ids)
             rows, present = self._gather(ids, slots), slots >= 0
             self._read_cold(ids, present, {"row": rows})
@@ -141,7 +141,7 @@ class EmbeddingTable:
         ids = self.validate_lookup(ids)
         out = {k: np.empty((ids.shape[0], *shape), dt) for k, (shape, dt)
                in state_layout(self.config.optimizer, self.dim).items()}
-        with self._lock:
+        with self.lock:
             slots = self._index.find(ids)
             present = slots >= 0
             for k, arr in out.items():
@@ -162,13 +162,13 @@ class EmbeddingTable:
 
     def ids(self) -> np.ndarray:
         """Every id that has a row, sorted."""
-        with self._lock:
+        with self.lock:
             return self._all_rows(dirty_only=False)["id"]
 
     def lookup(self, ids: Any) -> np.ndarray:
         """Rows of ``ids`` (float32, request order); creates admitted rows, marks rows used."""
         ids = self.validate_lookup(ids)
-        with self._lock:
+        with self.lock:
             self._counters["lookups"] += 1
             self._counters["ids_looked_up"] += ids.shape[0]
             slots = self._index.find(ids)
@@ -183,11 +183,6 @@ class EmbeddingTable:
             out = self._gather(ids, slots)
             self._spill()
             return out
-
-    @property
-    def lock(self) -> threading.RLock:
-        """The table's lock (re-entrant): every read or change of its arrays holds it."""
-        return self._lock
 
     def plain_view(self) -> PlainTable | None:
         """Its arrays for kernels over several tables (:mod:`.multitable`), for a caller that
@@ -215,7 +210,7 @@ class EmbeddingTable:
     def push(self, ids: Any, grads: Any) -> PushResult:
         """Apply gradients (duplicates summed first); non-finite ones are dropped and counted."""
         ids, grads = self.validate_push(ids, grads)
-        with self._lock:
+        with self.lock:
             self._counters["pushes"] += 1
             self._counters["ids_pushed"] += ids.shape[0]
             slots = self._index.find(ids)
@@ -282,7 +277,7 @@ class EmbeddingTable:
     def set_optimizer(self, **changes: Any) -> OptimizerConfig:
         """Change optimizer settings (not its kind: :meth:`TableConfig.optimizer_with`
         checks them); the state is kept."""
-        with self._lock:
+        with self.lock:
             new = self.config.optimizer_with(changes)
             self.config = replace(self.config, optimizer=new)
             return new
@@ -290,7 +285,7 @@ class EmbeddingTable:
     def delete(self, ids: Any) -> int:
         """Drop the rows of ``ids`` (absent ids are ignored); returns how many were dropped."""
         ids = self.validate_lookup(ids)
-        with self._lock:
+        with self.lock:
             self._pending.remove(ids)
             uids = np.unique(ids)
             slots = self._index.find(uids)
@@ -302,7 +297,7 @@ class EmbeddingTable:
         """Drop rows untouched for ``ttl_s`` seconds of the table's clock; returns how many."""
         if self.config.ttl_s is None:
             return 0
-        with self._lock:
+        with self.lock:
             now = self._clock()
             high = self._high
             old = self._live[:high] & (now - self._last_used[:high] > self.config.ttl_s)
@@ -486,7 +481,7 @@ class EmbeddingTable:
 
     def snapshot(self, *, incremental: bool = False) -> TableSnapshot:
         """All rows (or those changed since the last snapshot) and tombstones; resets both."""
-        with self._lock:
+        with self.lock:
             cols = self._all_rows(dirty_only=incremental)
             tomb = (np.unique(np.concatenate(self._tombstones)) if self._tombstones
                     else np.empty(0, dtype=np.uint64))
@@ -517,7 +512,7 @@ class EmbeddingTable:
     def requeue(self, snap: TableSnapshot) -> None:
         """Undo the reset of a snapshot that could not be saved: its rows and tombstones
         go into the next snapshot again."""
-        with self._lock:
+        with self.lock:
             slots = self._index.find(snap.ids)
             self._dirty[slots[slots >= 0]] = True
             if self._disk is not None:
@@ -539,7 +534,7 @@ class EmbeddingTable:
         if keep is not None and tomb.shape[0]:
             tomb = tomb[np.asarray(keep(tomb), dtype=bool)]
         pos = np.flatnonzero(sel)
-        with self._lock:
+        with self.lock:
             gone = self._index.find(tomb)
             self._drop(gone[gone >= 0], None)
             self._drop_disk(np.unique(tomb), None)
@@ -573,7 +568,7 @@ class EmbeddingTable:
 
     def content_digest(self) -> str:
         """sha256 of every live id with its stored row and optimizer state (order-free)."""
-        with self._lock:
+        with self.lock:
             cols = self._all_rows(dirty_only=False)
             h = hashlib.sha256(cols["id"].tobytes())
             h.update(np.ascontiguousarray(cols["row"]).tobytes())
@@ -591,7 +586,7 @@ class EmbeddingTable:
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes of this table (a JSON-ready dict)."""
-        with self._lock:
+        with self.lock:
             disk = self._disk
             return {"name": self.config.name, "rows": self._num_live,
                     "capacity": int(self._rows.shape[0]), "bytes": self.nbytes(),
