@@ -147,15 +147,38 @@ class SplitBatch:
 
     def rows(self, group: int, rest: np.ndarray, head: np.ndarray) -> np.ndarray:
         """The group's rows in the full layout's order from the rest's and the head's."""
-        head_at, rest_at = self.groups[group]
-        dim = head.shape[1] if head.size else rest.shape[1]
-        head, rest = (np.reshape(a, (-1, dim)) if not a.size else a for a in (head, rest))
-        if head.shape != (head_at.size, dim) or rest.shape != (rest_at.size, dim):
-            raise ValueError(f"group {group}: rows {head.shape} and {rest.shape} for "
-                             f"{head_at.size} head ids and {rest_at.size} others")
-        out = np.empty((head_at.size + rest_at.size, dim), dtype=rest.dtype)
-        _place_rows(out, head_at, head, rest_at, rest)
+        out = self.spread(group, rest, head.shape[1] if head.size else rest.shape[1])
+        self.place_head(group, out, head)
         return out
+
+    def spread(self, group: int, rest: np.ndarray, dim: int) -> np.ndarray:
+        """The group's rows in the full layout's order with the rest's in place and the head
+        ids' unset until :meth:`place_head` (the compute thread reads those just before its
+        step: spreading the rest before then keeps that copy off it)."""
+        head_at, rest_at = self.groups[group]
+        rest = self._fitted(group, rest, rest_at, dim, "others")
+        out = np.empty((head_at.size + rest_at.size, dim), dtype=rest.dtype)
+        _place_rows(out, head_at[:0], rest[:0], rest_at, rest)
+        return out
+
+    def place_head(self, group: int, out: np.ndarray, head: np.ndarray) -> None:
+        """Write the head ids' rows into ``out``, the group's rows as :meth:`spread` gave."""
+        head_at, rest_at = self.groups[group]
+        head = self._fitted(group, head, head_at, out.shape[1], "head ids")
+        if out.shape[0] != head_at.size + rest_at.size:
+            raise ValueError(f"group {group}: {out.shape[0]} rows for "
+                             f"{head_at.size + rest_at.size} ids")
+        _place_rows(out, head_at, head, rest_at[:0], head[:0])
+
+    @staticmethod
+    def _fitted(group: int, rows: np.ndarray, at: np.ndarray, dim: int, what: str
+                ) -> np.ndarray:
+        """``rows`` as ``(len(at), dim)`` (an empty array of any shape fits none), or
+        ValueError: the compiled placement reads what it is given."""
+        rows = np.reshape(rows, (-1, dim)) if not rows.size else rows
+        if rows.shape != (at.size, dim):
+            raise ValueError(f"group {group}: rows {rows.shape} for {at.size} {what}")
+        return rows
 
     def pushed_grads(self, grads: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Every group's gradients as ``pushed`` sends them."""

@@ -306,9 +306,10 @@ class EmbeddingPipeline:
     def _merge(self, plan: BatchPlan, windowed: Rows, hot: Rows | None,
                split: SplitBatch | None) -> Rows:
         """Every group's rows in group order (a windowed group's head ids from the hot chain
-        where they ride it); a direct hot group's are empty until :meth:`read_hot` (the
-        compute thread) fills them."""
-        if hot is None and not self._direct_hot:
+        where they ride it); a direct hot group's are empty, and direct head ids' rows unset
+        (the rest's spread around them), until :meth:`read_hot` (the compute thread)."""
+        heads = split.groups if split is not None and self._direct_rows is not None else {}
+        if hot is None and not self._direct_hot and not heads:
             return windowed
         out = [_NOT_READ] * len(plan.groups)
         for i, rows in zip(self._windowed, windowed, strict=True):
@@ -318,6 +319,10 @@ class EmbeddingPipeline:
             for i, rows in zip(self._chain.groups, hot, strict=True):
                 out[i] = rows if split is None or i not in split.groups else \
                     split.rows(i, out[i], rows)
+        for i, (head_at, _) in heads.items():
+            if head_at.size:
+                assert split is not None
+                out[i] = split.spread(i, out[i], self.rows.dims[plan.groups[i].layout.tables[0]])
         return out
 
     @property
@@ -353,9 +358,8 @@ class EmbeddingPipeline:
             for i in self._direct_hot:
                 item.rows[i] = self._direct_rows.lookup_now(item.plan.groups[i].layout)
             for i, layout, _ in self._direct_heads(item):
-                assert item.split is not None
-                item.rows[i] = item.split.rows(i, item.rows[i],
-                                               self._direct_rows.lookup_now(layout))
+                assert item.split is not None  # the rest's rows spread by _merge
+                item.split.place_head(i, item.rows[i], self._direct_rows.lookup_now(layout))
 
     @staticmethod
     def _direct_heads(item: Prepared) -> list[tuple[int, ShardedIds, np.ndarray]]:
@@ -444,15 +448,13 @@ class EmbeddingPipeline:
                 raise
 
     def _tagged(self, plan: BatchPlan) -> BatchPlan:
-        """``plan`` with every layout tagged (worker, step, workers) for the PS's staleness
-        count."""
+        """``plan`` with every layout tagged (worker, step, workers) for the PS's staleness."""
         tag = (self.worker, self._steps, self.workers)
         self._steps += 1
         plan.groups[:] = [replace(g, layout=replace(g.layout, tag=tag)) for g in plan.groups]
         return plan
 
-    async def _look_up(self, plan: BatchPlan, staleness: int, seeds: Seeds
-                       ) -> tuple[Rows, int]:
+    async def _look_up(self, plan: BatchPlan, staleness: int, seeds: Seeds) -> tuple[Rows, int]:
         """The windowed groups' rows (the replica copies ``seeds`` meanwhile)."""
         done = await asyncio.gather(self.lookup(plan, self._windowed), self._copy(seeds))
         return cast(Rows, done[0]), staleness
@@ -568,8 +570,7 @@ class EmbeddingPipeline:
         if not task.cancelled():
             task.exception()  # retrieved here; push() and drain() raise it
         self._unacked -= 1
-        rider = state.rider
-        if rider is not None:
+        if (rider := state.rider) is not None:
             self._carried -= 1
         if rider is not None and not rider.future.done():
             rider.future.set_result((state.rows, self._unacked))

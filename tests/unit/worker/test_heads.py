@@ -76,8 +76,15 @@ def test_a_split_sends_the_rest_and_puts_rows_back_in_place() -> None:
     # rows come back in the full layout's order; gradients go out as the rest's
     rows = np.arange(full.ids.size, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
     assert np.array_equal(split.rows(0, rows[rest_at], rows[head_at]), rows)
-    with pytest.raises(ValueError, match="head ids"):  # a row short: refused, not read past
+    with pytest.raises(ValueError, match="others"):  # a row short: refused, not read past
         split.rows(0, rows[rest_at][1:], rows[head_at])
+    with pytest.raises(ValueError, match="head ids"):
+        split.rows(0, rows[rest_at], rows[head_at][1:])
+    spread = split.spread(0, rows[rest_at], 3)  # the rest first, the head ids' rows later
+    split.place_head(0, spread, rows[head_at])
+    assert np.array_equal(spread, rows)
+    with pytest.raises(ValueError, match="rows for"):
+        split.place_head(0, spread[1:], rows[head_at])
     (sent,) = split.pushed_grads([rows])
     assert np.array_equal(sent, rows[rest_at])
     (sent,) = split.head_grads([rows])
