@@ -19,7 +19,6 @@ import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import cast
 
 import numpy as np
 from numba import njit
@@ -57,24 +56,16 @@ def _find_all(buckets, slot_ids, ids, bounds, slots):  # pragma: no cover - numb
 
 
 @njit(cache=True, nogil=True)
-def _find_each(buckets, slot_ids, ids, bounds, slots, absent):  # pragma: no cover - numba
-    """``slots[bounds[t]:bounds[t + 1]]``: the slots of table ``t``'s ids (-1: none), and
-    ``absent[t]`` how many have none."""
-    for t in range(len(buckets)):
-        lo, hi = bounds[t], bounds[t + 1]
-        find_slots(buckets[t], slot_ids[t], ids[lo:hi], slots[lo:hi])
-        absent[t] = 0
-        for j in range(lo, hi):
-            absent[t] += slots[j] < 0
-
-
-@njit(cache=True, nogil=True)
-def _gather_each(rows, slots, bounds, out):  # pragma: no cover - numba
-    """``out[j]``: the row of slot ``slots[j]`` of table ``t`` (``bounds[t] <= j <
-    bounds[t + 1]``), left unwritten where the slot is -1."""
+def _find_gather(buckets, slot_ids, rows, ids, bounds, out):  # pragma: no cover - numba
+    """``out[j]``: the row of id ``j`` (table ``t``'s ids at ``bounds[t]:bounds[t + 1]``);
+    False, ``out`` unwritten, if an id has none."""
+    slots = np.empty(ids.shape[0], dtype=np.int64)
+    if not _find_all(buckets, slot_ids, ids, bounds, slots):
+        return False
     for t in range(len(rows)):
         lo, hi = bounds[t], bounds[t + 1]
         gather_rows(rows[t], slots[lo:hi], out[lo:hi])
+    return True
 
 
 @njit(cache=True, nogil=True)
@@ -135,30 +126,18 @@ def _bounds(parts: Sequence[np.ndarray]) -> np.ndarray:
 def lookup_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], dim: int
                  ) -> np.ndarray | None:
     """The rows of ``ids[t]`` of ``tables[t]`` (tables of dim ``dim``), one after the other,
-    as the tables' lookups give them, and like those creating the rows of absent ids that
-    are admitted; None, nothing changed, unless every table is plain."""
+    as the tables' lookups give them; None, nothing changed, unless every table is plain and
+    holds every id."""
     if not all(part.dtype == np.uint64 and part.ndim == 1 for part in ids) \
             or any(t.dim != dim for t in tables):
         return None  # the tables' own lookups check them
     bounds = _bounds(ids)
-    every = np.concatenate(ids)
-    slots = np.empty(every.shape[0], dtype=np.int64)
-    absent = np.empty(len(tables), dtype=np.int64)
-    out = np.empty((every.shape[0], dim), dtype=np.float32)
+    out = np.empty((int(bounds[-1]), dim), dtype=np.float32)
     with _plain(tables) as views:
-        if views is None:
+        if views is None or not _find_gather(
+                tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
+                tuple(v.rows for v in views), np.concatenate(ids), bounds, out):
             return None
-        _find_each(tuple(v.buckets for v in views), tuple(v.slot_ids for v in views), every,
-                   bounds, slots, absent)
-        missed = [(int(t), int(bounds[t]), int(bounds[t + 1])) for t in np.flatnonzero(absent)]
-        for t, lo, hi in missed:
-            tables[t].create_absent(every[lo:hi], slots[lo:hi])
-            views[t] = cast(PlainTable, tables[t].plain_view())  # its arrays may have grown
-        _gather_each(tuple(v.rows for v in views), slots, bounds, out)
-        for t, lo, hi in missed:  # ids not admitted: the rows they would start from
-            left = np.flatnonzero(slots[lo:hi] < 0) + lo
-            if left.size:
-                out[left] = tables[t].initial_rows(every[left])
         for view, part in zip(views, ids, strict=True):
             view.counters["lookups"] += 1
             view.counters["ids_looked_up"] += part.shape[0]

@@ -319,12 +319,11 @@ class Shard:
     def _lookup_slices(self, parts: list[tuple[str, np.ndarray]], dim: int, num_ids: int, *,
                        read_only: bool = False, state: dict[str, np.ndarray] | None = None
                        ) -> np.ndarray:
-        if not read_only and state is None:  # it may create rows: under the shard's locks
-            with self._holding([n for n, _ in parts]):  # (NotFound if a table is gone)
-                plain = lookup_plain([self.table(n) for n, _ in parts], [p for _, p in parts], dim)
-            if plain is not None:
-                self.staleness.looked_up([n for n, _ in parts])
-                return plain
+        if not read_only and state is None and (out := lookup_plain(
+                [self.table(name) for name, _ in parts], [p for _, p in parts], dim)) is not None:
+            for name, _ in parts:
+                self.staleness.looked_up(name)
+            return out
         out = np.empty((num_ids, dim), dtype=np.float32)
         states: list[dict[str, np.ndarray]] = []
         start = 0
@@ -334,7 +333,7 @@ class Shard:
                     out[start:start + part.size] = table.peek(part)[0]
                 else:
                     out[start:start + part.size] = table.lookup(part)
-                    self.staleness.looked_up([name])
+                    self.staleness.looked_up(name)
                 if state is not None:
                     states.append(table.state_of(part))
             start += part.size
@@ -439,8 +438,9 @@ class Shard:
 
     async def push(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
                    origin: PushOrigin | None = None) -> PushResult:
-        return await self._serve([name], np.size(ids), functools.partial(
-            self.push_sync, origin=origin), name, ids, grads, push=True)
+        return await self._serve([name], np.size(ids),
+                                 functools.partial(self.push_sync, origin=origin), name, ids, grads,
+                                 push=True)
 
     def peek(self, name: str, row_id: int) -> dict[str, Any]:
         if not 0 <= row_id < 2**64:

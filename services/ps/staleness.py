@@ -85,23 +85,22 @@ class GlobalStaleness:
                 last = self._last.setdefault(table, {})
                 last[worker] = max(step, last.get(worker, -1))
 
-    def looked_up(self, tables: Iterable[str]) -> None:
-        """The lookup of the call being served read the rows of ``tables``."""
+    def looked_up(self, table: str) -> None:
+        """The lookup of the call being served read the rows of ``table``."""
         tag = _TAGS.get().lookup
         if tag is None:
             return
         worker, step, workers = tag
         with self._lock:
-            for table in tables:
-                last = self._last.get(table, {})
-                missed = {v: max(0, step - 1 - last.get(v, -1)) for v in range(workers)}
-                total = sum(missed.values())
-                sums = self._sums.setdefault(table, [0, 0, 0, 0, 0])
-                sums[0] += 1
-                sums[1] += total
-                sums[2] = max(sums[2], total)
-                sums[3] += missed[worker]
-                sums[4] = max(sums[4], missed[worker])
+            last = self._last.get(table, {})
+            missed = {v: max(0, step - 1 - last.get(v, -1)) for v in range(workers)}
+            total = sum(missed.values())
+            sums = self._sums.setdefault(table, [0, 0, 0, 0, 0])
+            sums[0] += 1
+            sums[1] += total
+            sums[2] = max(sums[2], total)
+            sums[3] += missed[worker]
+            sums[4] = max(sums[4], missed[worker])
 
     def stats(self, table: str) -> dict[str, Any]:
         """``tagged_lookups`` of ``table`` and the earlier pushes they missed, max and mean:

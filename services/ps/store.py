@@ -173,20 +173,16 @@ class EmbeddingTable:
             self._counters["ids_looked_up"] += ids.shape[0]
             slots = self._index.find(ids)
             self._promote(ids, slots)
-            self.create_absent(ids, slots)
+            missing = slots < 0
+            if missing.any():
+                pos = np.flatnonzero(missing)
+                mids, inv = unique_inverse(ids[pos])
+                created = self._admit_and_create(mids, protected=slots[~missing])
+                slots[pos] = created[inv]
             self._mark_used(slots)
             out = self._gather(ids, slots)
             self._spill()
             return out
-
-    def create_absent(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Rows for the admitted ids of ``ids`` whose ``slots`` are -1, their slots written
-        there, as :meth:`lookup` creates them (for a caller that holds :attr:`lock`)."""
-        if (missing := slots < 0).any():
-            pos = np.flatnonzero(missing)
-            mids, inv = unique_inverse(ids[pos])
-            created = self._admit_and_create(mids, protected=slots[~missing])
-            slots[pos] = created[inv]
 
     def plain_view(self) -> PlainTable | None:
         """Its arrays for kernels over several tables (:mod:`.multitable`), for a caller that
