@@ -4,7 +4,7 @@ A step reads and updates a few ids of every table (26 for a Criteo-shaped model)
 table, that is some ten kernel and numpy calls a table each way, whatever the number of ids:
 most of the 0.9 ms of a lookup and 1.6 ms of a push of 2,348 ids over 26 tables (timed alone),
 which the compute thread pays every step for its head ids where the shard is embedded. Where
-every table of a request is plain (:meth:`EmbeddingTable.plain`: float32 rows in RAM, no use
+every table of a request is plain (:meth:`EmbeddingTable.plain_view`: float32 rows in RAM, no use
 bookkeeping) and holds every id, :func:`lookup_plain` probes and copies all the rows in one
 call, and :func:`push_plain` probes the ids, sums each table's duplicates and drops the
 non-finite sums in one call, then runs the tables' optimizer (one call for all where they
