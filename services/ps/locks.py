@@ -13,8 +13,9 @@ __all__ = ["hold"]
 def hold(locks: Sequence[threading.RLock]) -> Iterator[None]:
     """Hold ``locks``, taken in the given order (callers order them by table name: two
     callers then never each hold a lock the other waits for), released in reverse order,
-    also when the body raises. Plain acquires: an :class:`contextlib.ExitStack` of the locks costs ~1 µs a lock,
-    which a multi-table request of 26 tables pays four times a step."""
+    also when the body raises. Plain acquires: an :class:`contextlib.ExitStack` of the
+    locks costs ~1 µs a lock, which a multi-table request of 26 tables pays four times a
+    step."""
     held = 0
     try:
         for lock in locks:
