@@ -72,41 +72,55 @@ def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover -
     """Dedup ``(owner table, id)`` pairs and order the unique ones by (shard, table, first
     appearance). Segment ``s`` of ``values`` (``bounds[s]:bounds[s + 1]``) belongs to table
     ``owner[s]``. Returns the ordered ids, the (shard, table) counts and, per value, its index
-    into the ordered ids."""
+    into the ordered ids.
+
+    One table at a time, in a hash table sized to that table's values (a batch's share of one
+    table: a few KiB to a few hundred, in cache), each slot an (id, unique index + 1) pair on
+    one cache line; 0 marks an empty slot."""
     n = values.size
+    sizes = np.zeros(num_tables, dtype=np.int64)
+    for s in range(owner.size):
+        sizes[owner[s]] += bounds[s + 1] - bounds[s]
     capacity = 16
-    while capacity < 2 * n:
+    while capacity < 2 * sizes.max():
         capacity *= 2
-    mask = np.uint64(capacity - 1)
-    slot_table = np.full(capacity, -1, dtype=np.int64)
-    slot_id = np.empty(capacity, dtype=np.uint64)
-    slot_unique = np.empty(capacity, dtype=np.int64)
-    first = np.empty(n, dtype=np.int64)        # value -> unique index (first-appearance order)
+    slots = np.empty((capacity, 2), dtype=np.uint64)
+    pow2 = num_shards & (num_shards - 1) == 0  # the modulo as a mask: no 64-bit division
+    low = np.uint64(num_shards - 1)
+    first = np.empty(n, dtype=np.int64)        # value -> unique index (table-major order)
     unique_id = np.empty(n, dtype=np.uint64)
     unique_key = np.empty(n, dtype=np.int64)   # shard * num_tables + table
     count = 0
-    for s in range(owner.size):
-        table = owner[s]
-        salt = np.uint64(table) * GOLDEN
-        for i in range(bounds[s], bounds[s + 1]):
-            v = values[i]
-            mixed = mix64_scalar(v)
-            h = (mixed ^ salt) & mask
-            while True:
-                j = np.int64(h)
-                if slot_table[j] == -1:
-                    slot_table[j] = table
-                    slot_id[j] = v
-                    slot_unique[j] = count
-                    unique_id[count] = v
-                    unique_key[count] = np.int64(mixed % np.uint64(num_shards)) * num_tables + table
-                    first[i] = count
-                    count += 1
-                    break
-                if slot_id[j] == v and slot_table[j] == table:
-                    first[i] = slot_unique[j]
-                    break
-                h = (h + np.uint64(1)) & mask
+    for table in range(num_tables):
+        if sizes[table] == 0:
+            continue
+        size = 16
+        while size < 2 * sizes[table]:
+            size *= 2
+        mask = np.uint64(size - 1)
+        slots[:size, 1] = 0
+        for s in range(owner.size):
+            if owner[s] != table:
+                continue
+            for i in range(bounds[s], bounds[s + 1]):
+                v = values[i]
+                mixed = mix64_scalar(v)
+                j = np.int64(mixed & mask)
+                while True:
+                    taken = slots[j, 1]
+                    if taken == 0:
+                        slots[j, 0] = v
+                        slots[j, 1] = np.uint64(count + 1)
+                        unique_id[count] = v
+                        shard = mixed & low if pow2 else mixed % np.uint64(num_shards)
+                        unique_key[count] = np.int64(shard) * num_tables + table
+                        first[i] = count
+                        count += 1
+                        break
+                    if slots[j, 0] == v:
+                        first[i] = np.int64(taken) - 1
+                        break
+                    j = (j + 1) & np.int64(size - 1)
     counts = np.zeros(num_shards * num_tables, dtype=np.int64)
     for u in range(count):
         counts[unique_key[u]] += 1
