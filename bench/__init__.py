@@ -22,7 +22,7 @@ __all__ = ["BENCHES", "latency_quantiles", "register_benches", "save_plot", "wri
 # Modules exposing ``register_bench(subparsers)``: ``python -m bench <name>`` for each.
 BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",
            "bench.staleness", "bench.load", "bench.recovery", "bench.chaos", "bench.push_cost",
-           "bench.quality", "bench.serve", "bench.dashboard", "bench.scale"]
+           "bench.quality", "bench.serve", "bench.dashboard", "bench.scale", "bench.plan"]
 
 
 def register_benches(subparsers: argparse._SubParsersAction) -> None:

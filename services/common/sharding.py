@@ -67,6 +67,41 @@ def _mix64_all(ids, out):  # pragma: no cover - numba
         out[i] = mix64_scalar(ids[i])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _dedup_table(values, bounds, owner, table, slots, size, num_shards, num_tables, first,
+                 unique_id, unique_key, count):  # pragma: no cover - numba
+    """Dedup the values of ``table``'s segments in ``slots[:size]`` (each slot an (id,
+    unique index + 1) pair on one cache line, 0: empty), numbering new ids from ``count``;
+    returns the next number."""
+    mask = np.uint64(size - 1)
+    pow2 = num_shards & (num_shards - 1) == 0  # the modulo as a mask: no 64-bit division
+    low = np.uint64(num_shards - 1)
+    slots[:size, 1] = 0
+    for s in range(owner.size):
+        if owner[s] != table:
+            continue
+        for i in range(bounds[s], bounds[s + 1]):
+            v = values[i]
+            mixed = mix64_scalar(v)
+            j = np.int64(mixed & mask)
+            while True:
+                taken = slots[j, 1]
+                if taken == 0:
+                    slots[j, 0] = v
+                    slots[j, 1] = np.uint64(count + 1)
+                    unique_id[count] = v
+                    shard = mixed & low if pow2 else mixed % np.uint64(num_shards)
+                    unique_key[count] = np.int64(shard) * num_tables + table
+                    first[i] = count
+                    count += 1
+                    break
+                if slots[j, 0] == v:
+                    first[i] = np.int64(taken) - 1
+                    break
+                j = (j + 1) & np.int64(size - 1)
+    return count
+
+
 @njit(cache=True, nogil=True)
 def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover - numba
     """Dedup ``(owner table, id)`` pairs and order the unique ones by (shard, table, first
@@ -75,8 +110,7 @@ def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover -
     into the ordered ids.
 
     One table at a time, in a hash table sized to that table's values (a batch's share of one
-    table: a few KiB to a few hundred, in cache), each slot an (id, unique index + 1) pair on
-    one cache line; 0 marks an empty slot."""
+    table stays in cache; one for the whole batch missed it on every probe)."""
     n = values.size
     sizes = np.zeros(num_tables, dtype=np.int64)
     for s in range(owner.size):
@@ -85,42 +119,17 @@ def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover -
     while capacity < 2 * sizes.max():
         capacity *= 2
     slots = np.empty((capacity, 2), dtype=np.uint64)
-    pow2 = num_shards & (num_shards - 1) == 0  # the modulo as a mask: no 64-bit division
-    low = np.uint64(num_shards - 1)
     first = np.empty(n, dtype=np.int64)        # value -> unique index (table-major order)
     unique_id = np.empty(n, dtype=np.uint64)
     unique_key = np.empty(n, dtype=np.int64)   # shard * num_tables + table
     count = 0
     for table in range(num_tables):
-        if sizes[table] == 0:
-            continue
-        size = 16
-        while size < 2 * sizes[table]:
-            size *= 2
-        mask = np.uint64(size - 1)
-        slots[:size, 1] = 0
-        for s in range(owner.size):
-            if owner[s] != table:
-                continue
-            for i in range(bounds[s], bounds[s + 1]):
-                v = values[i]
-                mixed = mix64_scalar(v)
-                j = np.int64(mixed & mask)
-                while True:
-                    taken = slots[j, 1]
-                    if taken == 0:
-                        slots[j, 0] = v
-                        slots[j, 1] = np.uint64(count + 1)
-                        unique_id[count] = v
-                        shard = mixed & low if pow2 else mixed % np.uint64(num_shards)
-                        unique_key[count] = np.int64(shard) * num_tables + table
-                        first[i] = count
-                        count += 1
-                        break
-                    if slots[j, 0] == v:
-                        first[i] = np.int64(taken) - 1
-                        break
-                    j = (j + 1) & np.int64(size - 1)
+        if sizes[table]:
+            size = 16
+            while size < 2 * sizes[table]:
+                size *= 2
+            count = _dedup_table(values, bounds, owner, table, slots, size, num_shards,
+                                 num_tables, first, unique_id, unique_key, count)
     counts = np.zeros(num_shards * num_tables, dtype=np.int64)
     for u in range(count):
         counts[unique_key[u]] += 1
