@@ -353,7 +353,7 @@ class Shard:
             held = [self.table(name) for name, _ in parts]
             if isinstance(grads, np.ndarray):  # checked whole, then sliced
                 if grads.shape != (ids.size, dim) or grads.dtype.kind != "f":
-                    raise InvalidArgument(f"grads must be float32 ({ids.size} ids, dim {dim}), "
+                    raise InvalidArgument(f"grads must be floats ({ids.size} ids, dim {dim}), "
                                           f"got {grads.dtype} {grads.shape}")
                 whole = np.ascontiguousarray(grads, dtype=np.float32)
                 checked = [(name, part, whole[lo:hi]) for (name, part), lo, hi

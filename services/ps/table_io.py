@@ -94,7 +94,7 @@ def validate_grads(config: TableConfig, ids: np.ndarray, grads: Any) -> np.ndarr
         raise InvalidArgument(f"table {name}: grads must be a numpy array, "
                               f"got {type(grads).__name__}")
     if grads.dtype.kind != "f":
-        raise InvalidArgument(f"table {name}: grads must be float32, got dtype {grads.dtype}")
+        raise InvalidArgument(f"table {name}: grads must be floats, got dtype {grads.dtype}")
     if grads.ndim != 2:
         raise InvalidArgument(f"table {name}: grads must be 2-D (n, {dim}), "
                               f"got shape {grads.shape}")

@@ -93,7 +93,7 @@ def test_nonfinite_gradients_are_dropped_counted_and_change_nothing():
     ("lookup", ([1, 2],), "numpy array"),
     ("push", (u64(1, 2), np.ones((2, 5), dtype=np.float32)), "dim 5"),
     ("push", (u64(1, 2), np.ones((3, 4), dtype=np.float32)), "2 ids but 3"),
-    ("push", (u64(1, 2), np.ones((2, 4), dtype=np.int32)), "float32"),
+    ("push", (u64(1, 2), np.ones((2, 4), dtype=np.int32)), "grads must be floats"),
     ("push", (u64(1, 2), np.ones(8, dtype=np.float32)), "2-D"),
     ("push", (np.array([1.5, 2.5]), np.ones((2, 4), dtype=np.float32)), "uint64"),
 ])
