@@ -33,13 +33,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import numpy as np
-from numba import njit
 
 from clients.rows import RowsClient, RowsReplica, StatefulRows
 from services.common.errors import ConfigError, Unavailable
 from services.common.lifecycle import settle
 from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath
+from services.worker.head_sets import (
+    MIX,
+    NO_MEMBERS,
+    hash_set,
+    members,
+    partition,
+    place_rows,
+    totals,
+)
 from services.worker.pooling import BatchPlan
 
 __all__ = ["Acknowledged", "HeadIds", "HotChain", "ReplicaSeeds", "Seeds", "SplitBatch"]
@@ -47,77 +55,12 @@ __all__ = ["Acknowledged", "HeadIds", "HotChain", "ReplicaSeeds", "Seeds", "Spli
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
 Seen = collections.deque[tuple[np.ndarray, np.ndarray, ShardedIds]]  # keys, occurrences, layout
 
-_MIX = np.uint64(0x9E3779B97F4A7C15)  # spreads a table's index over the bits of its ids' keys
-
 
 def _keys(layout: ShardedIds) -> np.ndarray:
     """One uint64 key per id of the layout, the same for an id of one table in every batch
     (ids of two tables may share a key: that only moves a row to the other path)."""
     tables = layout.table_index().astype(np.uint64) + np.uint64(1)
-    return layout.ids ^ (tables * _MIX)
-
-
-@njit(cache=True, nogil=True)
-def _hash_set(keys):  # pragma: no cover - numba
-    """An open-addressing set of ``keys`` (0 marks a free slot: a key 0 is never a member)."""
-    bits = 1
-    while (1 << bits) < 2 * keys.size:
-        bits += 1
-    table = np.zeros(1 << bits, dtype=np.uint64)
-    mask = np.uint64(table.size - 1)
-    for key in keys:
-        at = (key * _MIX) >> np.uint64(64 - bits) & mask
-        while table[at] != 0 and table[at] != key:
-            at = (at + np.uint64(1)) & mask
-        table[at] = key
-    return table
-
-
-@njit(cache=True, nogil=True)
-def _members(table, keys, out):  # pragma: no cover - numba
-    """``out[k]``: ``keys[k]`` is in the set ``table`` (:func:`_hash_set`)."""
-    bits = 1
-    while (1 << bits) < table.size:
-        bits += 1
-    mask, shift = np.uint64(table.size - 1), np.uint64(64 - bits)
-    for k in range(keys.size):
-        key = keys[k]
-        at = (key * _MIX) >> shift & mask
-        out[k] = False
-        while table[at] != 0:
-            if table[at] == key:
-                out[k] = True
-                break
-            at = (at + np.uint64(1)) & mask
-
-
-@njit(cache=True, nogil=True)
-def _totals(keys, occurs, first, total):  # pragma: no cover - numba
-    """Per distinct key of ``keys`` (in first-appearance order): the position of its first
-    occurrence and its summed ``occurs``; returns how many keys are distinct."""
-    bits = 1
-    while (1 << bits) < 2 * keys.size:
-        bits += 1
-    table = np.full(1 << bits, -1, dtype=np.int64)  # -> its distinct key's number
-    mask = np.uint64(table.size - 1)
-    n = 0
-    for j in range(keys.size):
-        at = (keys[j] * _MIX) >> np.uint64(64 - bits) & mask
-        while table[at] >= 0 and keys[first[table[at]]] != keys[j]:
-            at = (at + np.uint64(1)) & mask
-        if table[at] < 0:
-            table[at], first[n], total[n] = n, j, 0
-            n += 1
-        total[table[at]] += occurs[j]
-    return n
-
-
-@njit(cache=True, nogil=True)
-def _place_rows(out, at, rows):  # pragma: no cover - numba
-    """``out[at] = rows`` (numpy's indexed assignment of rows takes ~5x as long)."""
-    for j in range(at.size):
-        for c in range(out.shape[1]):
-            out[at[j], c] = rows[j, c]
+    return layout.ids ^ (tables * MIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +97,7 @@ class SplitBatch:
         head_at, rest_at = self.groups[group]
         rest = self._fitted(group, rest, rest_at, dim, "others")
         out = np.empty((head_at.size + rest_at.size, dim), dtype=rest.dtype)
-        _place_rows(out, rest_at, rest)
+        place_rows(out, rest_at, rest)
         return out
 
     def place_head(self, group: int, out: np.ndarray, head: np.ndarray) -> None:
@@ -164,7 +107,7 @@ class SplitBatch:
         if out.shape[0] != head_at.size + rest_at.size:
             raise ValueError(f"group {group}: {out.shape[0]} rows for "
                              f"{head_at.size + rest_at.size} ids")
-        _place_rows(out, head_at, head)
+        place_rows(out, head_at, head)
 
     @staticmethod
     def _fitted(group: int, rows: np.ndarray, at: np.ndarray, dim: int, what: str
@@ -245,27 +188,28 @@ class HeadIds:
         switched = self._batches + 1 == self._switch_at
         if switched:
             self._pending, self._pending_set, self._switch_at = {}, {}, None
-            self._head = {i: _hash_set(h) for i, h in (self._sticky or {}).items() if h.size}
+            self._head = {i: hash_set(h) for i, h in (self._sticky or {}).items() if h.size}
         keys = {i: _keys(plan.groups[i].layout) for i in self.groups}
         self._count(plan, keys)
         remote, head, pushed = list(plan.groups), list(plan.groups), list(plan.groups)
         groups, held = {}, {}
         for i, k in keys.items():
-            is_head = np.zeros(k.size, dtype=bool)
-            if (members := self._head.get(i)) is not None:
-                _members(members, k, is_head)
+            is_head = np.empty(k.size, dtype=bool)
             layout = plan.groups[i].layout
-            groups[i] = (np.flatnonzero(is_head), np.flatnonzero(~is_head))
-            if groups[i][0].size:  # else the rest is the whole layout
-                mine, rest = layout.partition(is_head)
-                head[i], remote[i] = replace(head[i], layout=mine), replace(remote[i],
-                                                                            layout=rest)
-            else:
-                head[i] = replace(head[i], layout=layout.subset(is_head))
+            head_cells, head_at, rest_at = partition(self._head.get(i, NO_MEMBERS), k,
+                                                      layout.counts.ravel(), is_head)
+            groups[i] = (head_at, rest_at)
+            head_counts = head_cells.reshape(layout.counts.shape)
+            mine = ShardedIds(layout.tables, layout.ids[head_at], head_counts, tag=layout.tag)
+            head[i] = replace(head[i], layout=mine)
+            if head_at.size:  # else the rest is the whole layout
+                rest = ShardedIds(layout.tables, layout.ids[rest_at],
+                                  layout.counts - head_counts, tag=layout.tag)
+                remote[i] = replace(remote[i], layout=rest)
             pushed[i] = remote[i]
             if (pending := self._pending_set.get(i)) is not None:
                 is_held = np.zeros(k.size, dtype=bool)
-                _members(pending, k, is_held)
+                members(pending, k, is_held)
                 is_held &= ~is_head
                 if is_held.any():
                     pushed[i] = replace(pushed[i], layout=layout.subset(~is_held & ~is_head))
@@ -301,9 +245,9 @@ class HeadIds:
             heads[i] = found
         if defer and self._fresh:
             self._switch_at = n + self.defer
-            self._pending_set = {i: _hash_set(p) for i, p in self._pending.items()}
+            self._pending_set = {i: hash_set(p) for i, p in self._pending.items()}
         self._count_now = sum(h.size for h in heads.values())
-        self._head = {i: _hash_set(h) for i in heads
+        self._head = {i: hash_set(h) for i in heads
                       if (h := np.setdiff1d(heads[i], self._pending.get(i, heads[i][:0]))).size}
 
     def _decides(self, n: int) -> bool:
@@ -319,7 +263,7 @@ class HeadIds:
         keys = np.concatenate([k for k, _, _ in seen])
         occurs = np.concatenate([c for _, c, _ in seen])
         first, total = np.empty(keys.size, dtype=np.int64), np.empty(keys.size, dtype=np.int64)
-        n = _totals(keys, occurs, first, total)
+        n = totals(keys, occurs, first, total)
         at = first[:n][total[:n] >= max(2.0, self.rate * len(seen))]
         at = at[np.argsort(keys[at], kind="stable")]  # in key order
         return keys[at], at

@@ -1,0 +1,115 @@
+"""Numba kernels (GIL released) of the head ids' sets: build one, test keys against it,
+split a layout by it, sum occurrences per distinct key, put rows in place."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["MIX", "NO_MEMBERS", "hash_set", "members", "partition", "place_rows", "totals"]
+
+MIX = np.uint64(0x9E3779B97F4A7C15)  # spreads a table's index over the bits of its ids' keys
+NO_MEMBERS = np.zeros(2, dtype=np.uint64)  # an empty set (:func:`hash_set`)
+
+
+@njit(cache=True, nogil=True)
+def hash_set(keys):  # pragma: no cover - numba
+    """An open-addressing set of ``keys`` (0 marks a free slot: a key 0 is never a member)."""
+    bits = 1
+    while (1 << bits) < 2 * keys.size:
+        bits += 1
+    table = np.zeros(1 << bits, dtype=np.uint64)
+    mask = np.uint64(table.size - 1)
+    for key in keys:
+        at = (key * MIX) >> np.uint64(64 - bits) & mask
+        while table[at] != 0 and table[at] != key:
+            at = (at + np.uint64(1)) & mask
+        table[at] = key
+    return table
+
+
+@njit(cache=True, nogil=True)
+def members(table, keys, out):  # pragma: no cover - numba
+    """``out[k]``: ``keys[k]`` is in the set ``table`` (:func:`hash_set`)."""
+    bits = 1
+    while (1 << bits) < table.size:
+        bits += 1
+    mask, shift = np.uint64(table.size - 1), np.uint64(64 - bits)
+    for k in range(keys.size):
+        key = keys[k]
+        at = (key * MIX) >> shift & mask
+        out[k] = False
+        while table[at] != 0:
+            if table[at] == key:
+                out[k] = True
+                break
+            at = (at + np.uint64(1)) & mask
+
+
+@njit(cache=True, nogil=True)
+def partition(table, keys, cells, is_head):  # pragma: no cover - numba
+    """Split a layout by membership of its ids' ``keys`` in the set ``table``
+    (:func:`hash_set`; ``cells``: the layout's counts, flattened): ``is_head`` per id, then
+    the head ids' count per cell, their positions and the rest's (each in layout order)."""
+    bits = 1
+    while (1 << bits) < table.size:
+        bits += 1
+    mask, shift = np.uint64(table.size - 1), np.uint64(64 - bits)
+    head_cells = np.zeros(cells.size, dtype=np.int64)
+    heads = 0
+    u = 0
+    for c in range(cells.size):
+        for _ in range(cells[c]):
+            key = keys[u]
+            at = (key * MIX) >> shift & mask
+            found = False
+            while table[at] != 0:
+                if table[at] == key:
+                    found = True
+                    break
+                at = (at + np.uint64(1)) & mask
+            is_head[u] = found
+            if found:
+                head_cells[c] += 1
+                heads += 1
+            u += 1
+    head_at = np.empty(heads, dtype=np.int64)
+    rest_at = np.empty(keys.size - heads, dtype=np.int64)
+    h = r = 0
+    for u in range(keys.size):
+        if is_head[u]:
+            head_at[h] = u
+            h += 1
+        else:
+            rest_at[r] = u
+            r += 1
+    return head_cells, head_at, rest_at
+
+
+@njit(cache=True, nogil=True)
+def totals(keys, occurs, first, total):  # pragma: no cover - numba
+    """Per distinct key of ``keys`` (in first-appearance order): the position of its first
+    occurrence and its summed ``occurs``; returns how many keys are distinct."""
+    bits = 1
+    while (1 << bits) < 2 * keys.size:
+        bits += 1
+    table = np.full(1 << bits, -1, dtype=np.int64)  # -> its distinct key's number
+    mask = np.uint64(table.size - 1)
+    n = 0
+    for j in range(keys.size):
+        at = (keys[j] * MIX) >> np.uint64(64 - bits) & mask
+        while table[at] >= 0 and keys[first[table[at]]] != keys[j]:
+            at = (at + np.uint64(1)) & mask
+        if table[at] < 0:
+            table[at], first[n], total[n] = n, j, 0
+            n += 1
+        total[table[at]] += occurs[j]
+    return n
+
+
+@njit(cache=True, nogil=True)
+def place_rows(out, at, rows):  # pragma: no cover - numba
+    """``out[at] = rows`` (numpy's indexed assignment of rows takes ~5x as long)."""
+    for j in range(at.size):
+        for c in range(out.shape[1]):
+            out[at[j], c] = rows[j, c]
