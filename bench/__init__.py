@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BENCHES", "latency_quantiles", "register_benches", "save_plot", "write_json"]
+__all__ = ["BENCHES", "latency_quantiles", "main_of", "register_benches", "save_plot",
+           "write_json"]
 
 # Modules exposing ``register_bench(subparsers)``: ``python -m bench <name>`` for each.
 BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",
@@ -36,6 +37,17 @@ def write_json(result: dict[str, Any], path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def main_of(run: Callable[[argparse.Namespace], dict[str, Any]],
+            show: Callable[[dict[str, Any]], None]) -> Callable[[argparse.Namespace], int]:
+    """A bench's command: ``run(args)``, ``show`` its table, write its ``--json``."""
+    def main(args: argparse.Namespace) -> int:
+        result = run(args)
+        show(result)
+        write_json(result, args.json)
+        return 0
+    return main
 
 
 def latency_quantiles(seconds: Sequence[float]) -> dict[str, float]:

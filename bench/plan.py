@@ -22,7 +22,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench import write_json
+from bench import main_of
 from services.common.commands import int_at_least
 from services.common.sharding import shard_of
 from services.loader.synthetic import SyntheticDataset, synthetic_profile
@@ -100,13 +100,6 @@ def _print(result: dict[str, Any]) -> None:
     console.print(table)
 
 
-def _main(args: argparse.Namespace) -> int:
-    result = run(args)
-    _print(result)
-    write_json(result, args.json)
-    return 0
-
-
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan", help="planning a batch (dedup per table, by shard) against numpy's way")
@@ -119,4 +112,4 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int_at_least(1), default=5,
                         help="passes over the batches, in alternating order")
     parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(func=_main)
+    parser.set_defaults(func=main_of(run, _print))

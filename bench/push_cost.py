@@ -29,7 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench import write_json
+from bench import main_of
 from services.common.commands import int_at_least
 
 __all__ = ["register_bench", "run"]
@@ -126,13 +126,6 @@ def _print(result: dict[str, Any]) -> None:
     console.print(table)
 
 
-def _main(args: argparse.Namespace) -> int:
-    result = run(args)
-    _print(result)
-    write_json(result, args.json)
-    return 0
-
-
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "push_cost", help="training samples/s with idempotent pushes off, on, and with the WAL")
@@ -147,4 +140,4 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int_at_least(1), default=7, help="paired repeats")
     parser.add_argument("--work-dir", help="where the WALs go (default: the temp dir)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(func=_main)
+    parser.set_defaults(func=main_of(run, _print))

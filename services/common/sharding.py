@@ -181,13 +181,6 @@ class ShardedIds:
         return ShardedIds(self.tables, self.ids[keep], counts.reshape(self.counts.shape),
                           tag=self.tag)
 
-    def partition(self, keep: np.ndarray) -> tuple[ShardedIds, ShardedIds]:
-        """``(subset(keep), subset(~keep))``, the cells of the ids laid out once."""
-        kept = np.bincount(self._cells()[keep], minlength=self.counts.size).reshape(
-            self.counts.shape)
-        return (ShardedIds(self.tables, self.ids[keep], kept, tag=self.tag),
-                ShardedIds(self.tables, self.ids[~keep], self.counts - kept, tag=self.tag))
-
     def _cells(self) -> np.ndarray:
         """For every id, its (shard, table) cell's index in ``counts.ravel()``."""
         return np.repeat(np.arange(self.counts.size), self.counts.ravel())

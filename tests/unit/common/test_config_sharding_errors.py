@@ -163,23 +163,6 @@ def test_sharded_ids_of_tables_puts_every_id_back():
         place_ids([np.array([1], np.uint64)], [0], ["t"], 0)
 
 
-def test_partition_is_the_subset_and_its_complement():
-    """Each part keeps its ids in order with their cells' counts (a part whose counts are
-    not its own cells' misroutes ids to shards or tables)."""
-    tables = {"a": np.arange(0, 40, 3, dtype=np.uint64), "b": np.arange(5, 60, 7, dtype=np.uint64)}
-    layout, _ = ShardedIds.of_tables(tables, 3)
-    keep = np.random.default_rng(0).random(layout.ids.size) < 0.4
-    kept, rest = layout.partition(keep)
-    for part, mask in ((kept, keep), (rest, ~keep)):
-        expected = layout.subset(mask)
-        np.testing.assert_array_equal(part.ids, expected.ids)
-        np.testing.assert_array_equal(part.counts, expected.counts)
-        assert part.tables == layout.tables
-    for name in tables:  # every id of a table is in one part or the other, under that table
-        np.testing.assert_array_equal(np.sort(np.concatenate(
-            [kept.table_ids(name), rest.table_ids(name)])), tables[name])
-
-
 def test_numba_mixer_equals_numpy_mixer():
     ids = np.array([0, 1, 2**63, 2**64 - 1, 12345], dtype=np.uint64)
     assert [int(mix64_scalar(np.uint64(i))) for i in ids] == mix64(ids).tolist()

@@ -12,7 +12,7 @@ from services.worker.head_sets import NO_MEMBERS, hash_set, partition
 @pytest.mark.parametrize("num_shards", [1, 3])
 def test_partition_is_the_layouts_partition_by_membership(num_shards: int) -> None:
     """Each id is head exactly when its key is in the set; the head ids' cell counts and the
-    two position lists are those of the layout's own partition (a count put in the wrong cell
+    two position lists are those of the layout's own subsets (a count put in the wrong cell
     would send a head id's row to another shard or table)."""
     rng = np.random.default_rng(num_shards)
     tables = {t: np.unique(rng.integers(1, 5_000, 400, dtype=np.uint64)) for t in "abc"}
@@ -26,9 +26,9 @@ def test_partition_is_the_layouts_partition_by_membership(num_shards: int) -> No
     np.testing.assert_array_equal(is_head, expected)
     np.testing.assert_array_equal(head_at, np.flatnonzero(expected))
     np.testing.assert_array_equal(rest_at, np.flatnonzero(~expected))
-    mine, rest = layout.partition(expected)
-    np.testing.assert_array_equal(head_cells.reshape(layout.counts.shape), mine.counts)
-    np.testing.assert_array_equal(layout.ids[rest_at], rest.ids)
+    np.testing.assert_array_equal(head_cells.reshape(layout.counts.shape),
+                                  layout.subset(expected).counts)
+    np.testing.assert_array_equal(layout.ids[rest_at], layout.subset(~expected).ids)
 
 
 def test_partition_by_the_empty_set_keeps_every_id_in_the_rest() -> None:
