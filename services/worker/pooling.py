@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import njit
 from torch import Tensor
 
 from services.common.errors import InvalidArgument
@@ -110,23 +111,46 @@ def as_jagged(feature: Any, name: str = "feature") -> tuple[np.ndarray, np.ndarr
     return values.astype(np.uint64, copy=False), lengths
 
 
-def _check_counts(jagged: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Every feature's lengths end to end (int64), after checking in one pass that they are
-    non-negative and add up to the feature's number of values."""
-    names = list(jagged)
-    lengths = np.concatenate([jagged[n][1] for n in names]).astype(np.int64, copy=False)
-    sizes = [jagged[n][1].size for n in names]
-    if lengths.size and int(lengths.min()) < 0:
-        bad = next(n for n in names if jagged[n][1].size and int(jagged[n][1].min()) < 0)
-        raise InvalidArgument(f"{bad}: lengths must be >= 0")
-    totals = np.add.reduceat(lengths, np.cumsum([0] + sizes[:-1])) if lengths.size \
-        else np.zeros(len(names), dtype=np.int64)
-    for n, size, total in zip(names, sizes, totals.tolist(), strict=True):
-        total = total if size else 0  # reduceat gives the next element for an empty run
+@njit(cache=True, nogil=True)
+def _bags(lengths, batch_size, lengths64, offsets, own, totals):  # pragma: no cover - numba
+    """One pass over features' lengths end to end (``batch_size`` bags each): ``lengths64``
+    (the lengths as int64), ``offsets`` (each bag's start among all the features' ids),
+    ``own`` (its start among its own feature's) and ``totals`` (each feature's ids). Returns
+    the first feature with a negative length, or -1."""
+    run = 0
+    for k in range(totals.size):
+        start = run
+        for b in range(k * batch_size, (k + 1) * batch_size):
+            length = lengths[b]
+            if length < 0:
+                return k
+            lengths64[b] = length
+            offsets[b] = run
+            own[b] = run - start
+            run += length
+        totals[k] = run - start
+    return -1
+
+
+def _bag_layout(names: list[str], jagged: dict[str, tuple[np.ndarray, np.ndarray]],
+                batch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The ``names`` features' lengths end to end (int64), their bags' offsets among them all
+    and within each feature, and each feature's first id among them all; checks that the
+    lengths are non-negative and add up to each feature's number of values."""
+    lengths = (jagged[names[0]][1] if len(names) == 1
+               else np.concatenate([jagged[n][1] for n in names]))
+    out = np.empty((3, lengths.size), dtype=np.int64)
+    totals = np.empty(len(names), dtype=np.int64)
+    bad = _bags(lengths, batch_size, out[0], out[1], out[2], totals)
+    if bad >= 0:
+        raise InvalidArgument(f"{names[bad]}: lengths must be >= 0")
+    for n, total in zip(names, totals.tolist(), strict=True):
         if total != jagged[n][0].size:
             raise InvalidArgument(f"{n}: lengths add up to {total} but there are "
                                   f"{jagged[n][0].size} values")
-    return lengths
+    firsts = np.zeros(len(names), dtype=np.int64)
+    np.cumsum(totals[:-1], out=firsts[1:])
+    return out[0], out[1], out[2], firsts
 
 
 def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | None = None,
@@ -145,7 +169,6 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
     sizes = {name: lengths.size for name, (_, lengths) in jagged.items()}
     if len(set(sizes.values())) != 1:
         raise InvalidArgument(f"every feature needs the same batch size, got {sizes}")
-    all_lengths = _check_counts(jagged)
     table_of = dict(table_of or {})
     missing = sorted(set(jagged) - set(table_of)) if table_of else []
     if missing:
@@ -157,7 +180,6 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
     if ungrouped:
         raise InvalidArgument(f"tables {ungrouped} are in no group")
     batch_size = next(iter(sizes.values()))
-    position = {n: k for k, n in enumerate(jagged)}  # where a feature's bags sit in all_lengths
     plans: dict[str, FeaturePlan] = {}
     group_plans: list[GroupPlan] = []
     for gi, group in enumerate(groups):
@@ -166,16 +188,9 @@ def plan_batch(features: Mapping[str, Any], *, table_of: Mapping[str, str] | Non
         if not names:
             continue
         owners = [group_tables.index(table_of.get(n, n)) for n in names]
+        lengths, offsets, own, firsts = _bag_layout(names, jagged, batch_size)
         layout, inverse = place_ids([jagged[n][0] for n in names], owners, group_tables,
                                     num_shards)
-        lengths = (all_lengths if len(names) == len(jagged) else np.concatenate(
-            [all_lengths[position[n] * batch_size:(position[n] + 1) * batch_size]
-             for n in names]))
-        offsets = np.zeros(lengths.size, dtype=np.int64)
-        np.cumsum(lengths[:-1], out=offsets[1:])
-        firsts = offsets[::batch_size] if batch_size else np.zeros(len(names), np.int64)
-        # each feature's bag starts from its own first id, for all features in one pass
-        own = offsets - np.repeat(firsts, batch_size)
         index = len(group_plans)
         for k, (n, first) in enumerate(zip(names, firsts.tolist(), strict=True)):
             plans[n] = FeaturePlan(table=table_of.get(n, n), group=index,

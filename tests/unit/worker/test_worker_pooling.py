@@ -186,6 +186,12 @@ def test_batch_without_any_id_pools_to_zeros() -> None:
     ({"f": np.array([1, 2])}, "expected \\(values, lengths\\)"),
     ({"f": (np.array([1], np.uint64), np.array([1])),
       "g": (np.array([1], np.uint64), np.array([1, 0]))}, "same batch size"),
+    # the feature named is the one at fault, not its neighbour that takes up the slack
+    ({"f": (np.array([1, 2, 3], np.uint64), np.array([1, 1])),
+      "g": (np.array([4], np.uint64), np.array([2, -1]))}, "^g: lengths must be >= 0"),
+    ({"f": (np.array([1], np.uint64), np.array([0, 2], np.int32)),
+      "g": (np.array([4, 5, 6], np.uint64), np.array([1, 1], np.int32))},
+     "^f: lengths add up to 2 but there are 1"),
 ])
 def test_bad_batches_are_rejected(features: dict, match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
