@@ -119,7 +119,7 @@ def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover -
     while capacity < 2 * sizes.max():
         capacity *= 2
     slots = np.empty((capacity, 2), dtype=np.uint64)
-    first = np.empty(n, dtype=np.int64)        # value -> unique index (table-major order)
+    inverse = np.empty(n, dtype=np.int64)  # value -> unique index (table-major), then position
     unique_id = np.empty(n, dtype=np.uint64)
     unique_key = np.empty(n, dtype=np.int64)   # shard * num_tables + table
     count = 0
@@ -129,7 +129,7 @@ def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover -
             while size < 2 * sizes[table]:
                 size *= 2
             count = _dedup_table(values, bounds, owner, table, slots, size, num_shards,
-                                 num_tables, first, unique_id, unique_key, count)
+                                 num_tables, inverse, unique_id, unique_key, count)
     counts = np.zeros(num_shards * num_tables, dtype=np.int64)
     for u in range(count):
         counts[unique_key[u]] += 1
@@ -143,9 +143,8 @@ def _place(values, bounds, owner, num_tables, num_shards):  # pragma: no cover -
         cursor[unique_key[u]] += 1
         position[u] = p
         ids[p] = unique_id[u]
-    inverse = np.empty(n, dtype=np.int64)
     for i in range(n):
-        inverse[i] = position[first[i]]
+        inverse[i] = position[inverse[i]]
     return ids, counts.reshape(num_shards, num_tables), inverse
 
 
