@@ -6,9 +6,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from services.common.sharding import GOLDEN
+
 __all__ = ["MIX", "NO_MEMBERS", "hash_set", "members", "partition", "place_rows", "totals"]
 
-MIX = np.uint64(0x9E3779B97F4A7C15)  # spreads a table's index over the bits of its ids' keys
+MIX = GOLDEN  # spreads a table's index over the bits of its ids' keys
 NO_MEMBERS = np.zeros(2, dtype=np.uint64)  # an empty set (:func:`hash_set`)
 
 
