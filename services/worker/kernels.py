@@ -115,14 +115,15 @@ def _load_block(vecs, b0, m, tb):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _pair_dots(tb, ob, unrolled):  # pragma: no cover - numba
-    """``ob[c, s]``: the dot of vectors ``i > j`` (pair ``c`` in ``tril_indices`` order) of
-    the block ``tb`` ``(n, dim, lanes)`` for lane ``s``. With ``unrolled`` (a tuple of
-    ``dim`` items: the dim as a compile-time constant) the dim's loop unrolls and each dot
-    sums in a register across a vector of lanes, else each multiply-add goes over the lanes
-    into ``ob``'s row (faster for dims above 32, whose loop would not unroll)."""
+def _pair_dots(tb, out, row0, col0, unrolled):  # pragma: no cover - numba
+    """``out[row0 + c, col0 + s]``: the dot of vectors ``i > j`` (pair ``c`` in
+    ``tril_indices`` order) of the block ``tb`` ``(n, dim, lanes)`` for lane ``s``. With
+    ``unrolled`` (a tuple of ``dim`` items: the dim as a compile-time constant) the dim's loop
+    unrolls and each dot sums in a register across a vector of lanes, else each multiply-add
+    goes over the lanes into ``out``'s row (faster for dims above 32, whose loop would not
+    unroll)."""
     n, dim, lanes = tb.shape
-    col = 0
+    col = row0
     for i in range(1, n):
         for j in range(i):
             if len(unrolled):
@@ -130,13 +131,13 @@ def _pair_dots(tb, ob, unrolled):  # pragma: no cover - numba
                     acc = np.float32(0.0)
                     for d in range(len(unrolled)):
                         acc += tb[i, d, s] * tb[j, d, s]
-                    ob[col, s] = acc
+                    out[col, col0 + s] = acc
             else:
                 for s in range(lanes):
-                    ob[col, s] = tb[i, 0, s] * tb[j, 0, s]
+                    out[col, col0 + s] = tb[i, 0, s] * tb[j, 0, s]
                 for d in range(1, dim):
                     for s in range(lanes):
-                        ob[col, s] += tb[i, d, s] * tb[j, d, s]
+                        out[col, col0 + s] += tb[i, d, s] * tb[j, d, s]
             col += 1
 
 
@@ -159,10 +160,13 @@ def _interaction_forward(vecs, keep_first, blocks, out_t, unrolled):  # pragma: 
         b0, tb = k * lanes, blocks[k]
         m = min(lanes, size - b0)
         _load_block(vecs, b0, m, tb)
-        _pair_dots(tb, ob, unrolled)
         for d in range(first):
             for s in range(m):
                 out_t[d, b0 + s] = tb[0, d, s]
+        if m == lanes:  # the dots straight into their rows
+            _pair_dots(tb, out_t, first, b0, unrolled)
+            continue
+        _pair_dots(tb, ob, 0, 0, unrolled)  # a last, partial block: its lanes through ob
         for c in range(ob.shape[0]):
             for s in range(m):
                 out_t[first + c, b0 + s] = ob[c, s]
