@@ -123,7 +123,7 @@ def _pair_dots(tb, out, row0, col0, unrolled):  # pragma: no cover - numba
     goes over the lanes into ``out``'s row (faster for dims above 32, whose loop would not
     unroll)."""
     n, dim, lanes = tb.shape
-    col = row0
+    row = row0
     for i in range(1, n):
         for j in range(i):
             if len(unrolled):
@@ -131,14 +131,14 @@ def _pair_dots(tb, out, row0, col0, unrolled):  # pragma: no cover - numba
                     acc = np.float32(0.0)
                     for d in range(len(unrolled)):
                         acc += tb[i, d, s] * tb[j, d, s]
-                    out[col, col0 + s] = acc
+                    out[row, col0 + s] = acc
             else:
                 for s in range(lanes):
-                    out[col, col0 + s] = tb[i, 0, s] * tb[j, 0, s]
+                    out[row, col0 + s] = tb[i, 0, s] * tb[j, 0, s]
                 for d in range(1, dim):
                     for s in range(lanes):
-                        out[col, col0 + s] += tb[i, d, s] * tb[j, d, s]
-            col += 1
+                        out[row, col0 + s] += tb[i, d, s] * tb[j, d, s]
+            row += 1
 
 
 @njit(cache=True, nogil=True, fastmath=True)
