@@ -30,22 +30,32 @@ def hash_set(keys):  # pragma: no cover - numba
     return table
 
 
-@njit(cache=True, nogil=True)
-def members(table, keys, out):  # pragma: no cover - numba
-    """``out[k]``: ``keys[k]`` is in the set ``table`` (:func:`hash_set`)."""
+@njit(cache=True, nogil=True, inline="always")
+def _shift_mask(table):  # pragma: no cover - numba
+    """The set ``table``'s hash shift and slot mask (:func:`hash_set`)."""
     bits = 1
     while (1 << bits) < table.size:
         bits += 1
-    mask, shift = np.uint64(table.size - 1), np.uint64(64 - bits)
+    return np.uint64(64 - bits), np.uint64(table.size - 1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _has(table, key, shift, mask):  # pragma: no cover - numba
+    """Whether ``key`` is in the set ``table`` (``shift``, ``mask``: :func:`_shift_mask`)."""
+    at = (key * MIX) >> shift & mask
+    while table[at] != 0:
+        if table[at] == key:
+            return True
+        at = (at + np.uint64(1)) & mask
+    return False
+
+
+@njit(cache=True, nogil=True)
+def members(table, keys, out):  # pragma: no cover - numba
+    """``out[k]``: ``keys[k]`` is in the set ``table`` (:func:`hash_set`)."""
+    shift, mask = _shift_mask(table)
     for k in range(keys.size):
-        key = keys[k]
-        at = (key * MIX) >> shift & mask
-        out[k] = False
-        while table[at] != 0:
-            if table[at] == key:
-                out[k] = True
-                break
-            at = (at + np.uint64(1)) & mask
+        out[k] = _has(table, keys[k], shift, mask)
 
 
 @njit(cache=True, nogil=True)
@@ -53,23 +63,13 @@ def partition(table, keys, cells, is_head):  # pragma: no cover - numba
     """Split a layout by membership of its ids' ``keys`` in the set ``table``
     (:func:`hash_set`; ``cells``: the layout's counts, flattened): ``is_head`` per id, then
     the head ids' count per cell, their positions and the rest's (each in layout order)."""
-    bits = 1
-    while (1 << bits) < table.size:
-        bits += 1
-    mask, shift = np.uint64(table.size - 1), np.uint64(64 - bits)
+    shift, mask = _shift_mask(table)
     head_cells = np.zeros(cells.size, dtype=np.int64)
     heads = 0
     u = 0
     for c in range(cells.size):
         for _ in range(cells[c]):
-            key = keys[u]
-            at = (key * MIX) >> shift & mask
-            found = False
-            while table[at] != 0:
-                if table[at] == key:
-                    found = True
-                    break
-                at = (at + np.uint64(1)) & mask
+            found = _has(table, keys[u], shift, mask)
             is_head[u] = found
             if found:
                 head_cells[c] += 1
