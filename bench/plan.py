@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import main_of
-from services.common.commands import int_at_least
+from services.common.commands import int_at_least, ints_at_least
 from services.common.sharding import shard_of
 from services.loader.synthetic import SyntheticDataset, synthetic_profile
 from services.worker import plan_batch
@@ -33,10 +33,10 @@ __all__ = ["register_bench", "run"]
 console = Console()
 
 
-def _numpy_plan(values: list[np.ndarray], num_shards: int) -> list[tuple[np.ndarray, ...]]:
+def _numpy_plan(batch: dict[str, Any], num_shards: int) -> list[tuple[np.ndarray, ...]]:
     """Per table: its unique ids ordered by shard and each id's index into them."""
     planned = []
-    for ids in values:
+    for ids in (np.asarray(f.values) for f in batch.values()):
         unique, inverse = np.unique(ids, return_inverse=True)
         order = np.argsort(shard_of(unique, num_shards), kind="stable")
         where = np.empty_like(order)
@@ -50,7 +50,7 @@ def _check(batch: dict[str, Any], num_shards: int) -> None:
     first appearance against sorted, within a shard)."""
     plan = plan_batch(batch, num_shards=num_shards)
     for (unique, inverse), (name, feature) in zip(
-            _numpy_plan([np.asarray(f.values) for f in batch.values()], num_shards),
+            _numpy_plan(batch, num_shards),
             batch.items(), strict=True):
         ours = plan.features[name]
         ids = plan.groups[ours.group].layout.ids
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if way == "ours":
                         plan_batch(batch, num_shards=args.shards)
                     else:
-                        _numpy_plan([np.asarray(f.values) for f in batch.values()], args.shards)
+                        _numpy_plan(batch, args.shards)
                     times[way] = time.perf_counter() - start
                 ours.append(times["ours"] * 1e3)
                 numpy_ms.append(times["numpy"] * 1e3)
@@ -104,8 +104,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan", help="planning a batch (dedup per table, by shard) against numpy's way")
     parser.add_argument("--json", help="write the figures to this file")
-    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[2048, 16384, 65536], help="comma list of batch sizes")
+    parser.add_argument("--batch-sizes", type=ints_at_least(1),
+                        default=(2048, 16384, 65536), help="comma list of batch sizes")
     parser.add_argument("--batches", type=int_at_least(1), default=8,
                         help="planted batches a size")
     parser.add_argument("--shards", type=int_at_least(1), default=2)

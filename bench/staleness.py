@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
-from services.common.commands import int_at_least
+from services.common.commands import int_at_least, ints_at_least
 from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig, synthetic_profile
 from services.local.compare import PLANTED, TRAINING, train_configs
@@ -186,15 +186,6 @@ def staleness_list(text: str) -> tuple[int | None, ...]:
     return tuple(out)
 
 
-def _bounds(text: str) -> tuple[int, ...]:
-    """``--hot-staleness 1,2``: ints >= 1."""
-    bound = int_at_least(1)
-    values = tuple(bound(part.strip()) for part in text.split(",") if part.strip())
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected bounds like 1,2, got {text!r}")
-    return values
-
-
 def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
                  workers=args.workers, data=args.data, staleness=args.staleness,
@@ -222,7 +213,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="planted data: default (8 long-tailed features) or small")
     parser.add_argument("--staleness", type=staleness_list,
                         default=STALENESS, help="comma-separated S values ('unbounded' too)")
-    parser.add_argument("--hot-staleness", type=_bounds, default=(1,),
+    parser.add_argument("--hot-staleness", type=ints_at_least(1), default=(1,),
                         help="comma-separated head-id bounds of the default row, one row each "
                              "(e.g. 1,2)")
     parser.set_defaults(func=_main)

@@ -29,7 +29,7 @@ from services.common.errors import InvalidArgument, NotFound, PersimmonError
 
 __all__ = ["OK", "RUNTIME_FAILURE", "USAGE_ERROR", "add_service_command", "command_parser",
            "debug_enabled", "exit_status", "float_at_least", "input_file", "int_at_least",
-           "output_file", "run_commands", "run_parsed", "run_single"]
+           "ints_at_least", "output_file", "run_commands", "run_parsed", "run_single"]
 
 Register = Callable[[argparse._SubParsersAction], None]
 
@@ -56,6 +56,19 @@ def int_at_least(low: int) -> Callable[[str], int]:
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
+    return parse
+
+
+def ints_at_least(low: int) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type``: a comma list of integers >= ``low`` (``1,2``), at least one."""
+    one = int_at_least(low)
+
+    def parse(text: str) -> tuple[int, ...]:
+        values = tuple(one(part.strip()) for part in text.split(",") if part.strip())
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected integers like {low},{low + 1}, "
+                                             f"got {text!r}")
+        return values
     return parse
 
 

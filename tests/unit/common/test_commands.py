@@ -15,6 +15,7 @@ from services.common.commands import (
     command_parser,
     float_at_least,
     int_at_least,
+    ints_at_least,
     output_file,
     run_parsed,
 )
@@ -93,7 +94,11 @@ def test_a_usage_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_the_argument_types(tmp_path: Path) -> None:
     assert int_at_least(0)("0") == 0 and float_at_least(0, inclusive=False)("1e-3") == 1e-3
+    assert ints_at_least(1)(" 2, 16384,") == (2, 16384)
     for parse, text, says in ((int_at_least(1), "-5", "must be >= 1, got -5"),
+                              (ints_at_least(1), "2,0", "must be >= 1, got 0"),
+                              (ints_at_least(1), "2,x", "expected an integer, got 'x'"),
+                              (ints_at_least(1), " , ", "expected integers like 1,2"),
                               (int_at_least(1), "2.5", "expected an integer"),
                               (float_at_least(0), "inf", "must be >= 0"),
                               (float_at_least(0), "nan", "must be >= 0"),
