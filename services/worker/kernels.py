@@ -8,6 +8,8 @@ Each Function takes CPU float32 tensors; callers keep torch's ops for other devi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,7 @@ import torch
 from numba import njit
 from torch import Tensor
 
-__all__ = ["DotInteraction", "PoolBags"]
+__all__ = ["DotInteraction", "PoolBags", "dot_interaction_cpu"]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -82,13 +84,13 @@ class PoolBags(torch.autograd.Function):
                      for _ in range(parts))
         _bags_forward(rows.detach().numpy(), inverse.numpy(), offsets.numpy(), mean,
                       tuple(o.numpy() for o in outs))
-        ctx.save_for_backward(inverse, offsets)
-        ctx.mean, ctx.num_rows = mean, rows.shape[0]
+        ctx.save_for_backward(rows, inverse, offsets)  # rows: for DotInteraction's sources
+        ctx.mean, ctx.num_rows, ctx.parts = mean, rows.shape[0], parts
         return outs
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        inverse, offsets = ctx.saved_tensors
+        _, inverse, offsets = ctx.saved_tensors
         grad = torch.zeros((ctx.num_rows, grads[0].shape[1]), dtype=grads[0].dtype)
         _bags_backward(tuple(g.contiguous().numpy() for g in grads), inverse.numpy(),
                        offsets.numpy(), ctx.mean, grad.numpy())
@@ -206,13 +208,17 @@ def _pair_grads(tb, grad_t, b0, m, first, gb, g4):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _interaction_backward(grad_t, blocks, keep_first, grads):  # pragma: no cover - numba
-    """``grads[i, b]``: the gradient w.r.t. ``vecs[i][b]`` (written whole), from the
-    upstream gradient ``grad_t`` (feature-major, as the forward's output) and the forward's
-    ``blocks``, a block at a time: each upstream row is read as a contiguous run of the
-    block's samples."""
+def _interaction_backward(grad_t, blocks, keep_first, plain, grads, source, part, inverses,
+                          offsets, means, grad_rows):  # pragma: no cover - numba
+    """The gradient w.r.t. each vector, from the upstream gradient ``grad_t`` (feature-major,
+    as the forward's output) and the forward's ``blocks``, a block at a time (each upstream
+    row read as a contiguous run of the block's samples). Vector ``i``'s goes to
+    ``grads[plain[i], b]`` (written whole) where ``plain[i] >= 0``, else straight into the
+    rows it was pooled from: bag ``part[i] * B + b`` of source ``source[i]`` (its ids
+    ``inverses[k][offsets[k][bag]:...]``, the mean's scale where ``means[k]``) adds it to
+    ``grad_rows[k]``, with no ``(B, dim)`` gradient of the pooled vector made."""
     _, n, dim, lanes = blocks.shape
-    size = grads.shape[1]
+    size = grad_t.shape[1]
     first = dim if keep_first else 0
     gb = np.empty((n, dim, lanes), dtype=np.float32)
     g4 = np.zeros((4, lanes), dtype=np.float32)
@@ -225,9 +231,93 @@ def _interaction_backward(grad_t, blocks, keep_first, grads):  # pragma: no cove
                 gb[0, d, s] = grad_t[d, b0 + s]
         _pair_grads(blocks[k], grad_t, b0, m, first, gb, g4)
         for i in range(n):
+            if plain[i] >= 0:
+                out = grads[plain[i]]
+                for s in range(m):
+                    for d in range(dim):
+                        out[b0 + s, d] = gb[i, d, s]
+                continue
+            src = source[i]
+            inverse, bag0, rows = inverses[src], part[i] * size + b0, grad_rows[src]
             for s in range(m):
-                for d in range(dim):
-                    grads[i, b0 + s, d] = gb[i, d, s]
+                lo, hi = _bag_bounds(offsets[src], bag0 + s, inverse.size)
+                if hi == lo:
+                    continue
+                scale = np.float32(1.0) / np.float32(hi - lo) if means[src] else np.float32(1.0)
+                for t in range(lo, hi):
+                    r = inverse[t]
+                    for d in range(dim):
+                        rows[r, d] += gb[i, d, s] * scale
+
+
+@dataclass(frozen=True, slots=True)
+class _Sources:
+    """Where each of the interaction's ``n`` vectors comes from: ``plain[i]``, its index
+    among the Function's plain inputs (-1: pooled), else bag part ``part[i]`` of
+    :class:`PoolBags` call ``source[i]``, whose rows, ids, bag offsets and mode are
+    ``rows[k]``, ``inverses[k]``, ``offsets[k]`` and ``means[k]``."""
+
+    plain: np.ndarray
+    source: np.ndarray
+    part: np.ndarray
+    rows: tuple[Tensor, ...]
+    inverses: tuple[np.ndarray, ...]
+    offsets: tuple[np.ndarray, ...]
+    means: np.ndarray
+
+
+_NO_IDS = np.empty(0, dtype=np.int64)
+
+
+def _saved(node: Any) -> tuple[Tensor, ...] | None:
+    """A :class:`PoolBags` call's saved rows, ids and bag offsets; None once its backward
+    has freed them."""
+    try:
+        return node.saved_tensors
+    except RuntimeError:
+        return None
+
+
+def _sources(vecs: Sequence[Tensor], pooled: bool) -> tuple[_Sources, list[Tensor]]:
+    """The vectors' sources and the plain ones: with ``pooled``, a vector that is an output
+    of a :class:`PoolBags` call (as it came out, one bag per sample) is pooled; any other
+    is plain."""
+    size, dim = vecs[0].shape
+    calls: dict[int, int] = {}  # id of a PoolBags call's node -> its index in ``saved``
+    saved: list[tuple[Tensor, ...]] = []
+    means: list[bool] = []
+    plain, source, part = [], [], []
+    inputs: list[Tensor] = []
+    for v in vecs:
+        node = v.grad_fn
+        k = -1
+        if pooled and isinstance(node, PoolBags._backward_cls) and v.shape == (size, dim):
+            k = calls.get(id(node), -1)
+            if k < 0:
+                tensors = _saved(node)
+                if tensors is not None and tensors[2].numel() == size * node.parts:
+                    k = calls[id(node)] = len(saved)
+                    saved.append(tensors)
+                    means.append(node.mean)
+        source.append(k)
+        part.append(v.output_nr if k >= 0 else 0)
+        plain.append(-1 if k >= 0 else len(inputs))
+        if k < 0:
+            inputs.append(v)
+    return _Sources(plain=np.array(plain, dtype=np.int64),
+                    source=np.array(source, dtype=np.int64), part=np.array(part, dtype=np.int64),
+                    rows=tuple(rows for rows, _, _ in saved),
+                    inverses=tuple(inv.numpy() for _, inv, _ in saved) or (_NO_IDS,),
+                    offsets=tuple(off.numpy() for _, _, off in saved) or (_NO_IDS,),
+                    means=np.array(means or [False])), inputs
+
+
+def dot_interaction_cpu(vecs: Sequence[Tensor], keep_first: bool) -> Tensor:
+    """:class:`DotInteraction` of CPU float32 ``vecs``; the vectors that a :class:`PoolBags`
+    call pooled take their gradients straight into its rows (see there)."""
+    sources, inputs = _sources(vecs, torch.is_grad_enabled())
+    arrays = tuple(v.detach().contiguous().numpy() for v in vecs)
+    return DotInteraction.apply(keep_first, sources, arrays, *inputs, *sources.rows)
 
 
 class DotInteraction(torch.autograd.Function):
@@ -238,11 +328,17 @@ class DotInteraction(torch.autograd.Function):
     no concatenation with the first vector is made in either direction. The output is a
     transposed view of a feature-major ``(width, B)`` tensor: a Linear layer after it takes
     it as it is (BLAS reads either order), and hands back its gradient in the same order,
-    which the backward reads a block of samples at a time."""
+    which the backward reads a block of samples at a time.
+
+    Its inputs are the plain vectors and the rows of the :class:`PoolBags` calls that pooled
+    the others (``sources``; ``arrays``: every vector's values): the gradient of a pooled
+    vector goes straight into the rows' gradient, with no ``(B, D)`` tensor for it and no
+    pass of the pooling's backward (which runs only where something else uses its
+    output)."""
 
     @staticmethod
-    def forward(ctx: Any, keep_first: bool, *vecs: Tensor) -> Tensor:
-        arrays = tuple(v.detach().contiguous().numpy() for v in vecs)
+    def forward(ctx: Any, keep_first: bool, sources: _Sources, arrays: tuple[np.ndarray, ...],
+                *inputs: Tensor) -> Tensor:
         size, dim = arrays[0].shape
         n = len(arrays)
         out_t = torch.empty(((dim if keep_first else 0) + n * (n - 1) // 2, size),
@@ -250,16 +346,23 @@ class DotInteraction(torch.autograd.Function):
         blocks = np.empty((-(-size // _LANES), n, dim, _LANES), dtype=np.float32)
         unrolled = (0,) * dim if dim <= _MAX_UNROLLED_DIM else ()
         _interaction_forward(arrays, keep_first, blocks, out_t.numpy(), unrolled)
-        ctx.blocks, ctx.keep_first = blocks, keep_first
+        ctx.blocks, ctx.keep_first, ctx.sources = blocks, keep_first, sources
+        ctx.num_plain = len(inputs) - len(sources.rows)
         return out_t.t()
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        blocks = ctx.blocks
+        blocks, sources = ctx.blocks, ctx.sources
         grad_t = grad_out.t()
         if grad_t.stride(1) != 1:  # a row-major upstream: one transposing copy
             grad_t = grad_t.contiguous()
-        grads = torch.empty((blocks.shape[1], grad_out.shape[0], blocks.shape[2]),
+        grads = torch.empty((ctx.num_plain, grad_out.shape[0], blocks.shape[2]),
                             dtype=torch.float32)
-        _interaction_backward(grad_t.numpy(), blocks, ctx.keep_first, grads.numpy())
-        return (None, *grads.unbind(0))
+        grad_rows = [torch.zeros(tuple(rows.shape), dtype=torch.float32)
+                     for rows in sources.rows]
+        _interaction_backward(grad_t.numpy(), blocks, ctx.keep_first, sources.plain,
+                              grads.numpy(), sources.source, sources.part, sources.inverses,
+                              sources.offsets, sources.means,
+                              tuple(g.numpy() for g in grad_rows)
+                              or (np.empty((0, blocks.shape[2]), dtype=np.float32),))
+        return (None, None, None, *grads.unbind(0), *grad_rows)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from services.common.errors import ConfigError, InvalidArgument
-from services.worker.kernels import DotInteraction
+from services.worker.kernels import dot_interaction_cpu
 
 __all__ = [
     "CrossLayerV2",
@@ -87,7 +87,7 @@ def dot_interaction(vecs: Sequence[Tensor], *, keep_first: bool = False) -> Tens
     ``tril_indices(n, n, -1)`` order, after ``vecs[0]`` itself when ``keep_first``
     (``(B, D + n(n-1)/2)``). A numba kernel for CPU float32, ``bmm`` otherwise."""
     if all(v.device.type == "cpu" and v.dtype == torch.float32 for v in vecs):
-        return DotInteraction.apply(keep_first, *vecs)
+        return dot_interaction_cpu(vecs, keep_first)
     t = torch.stack(list(vecs), dim=1)  # (B, n, D)
     li, lj = torch.tril_indices(len(vecs), len(vecs), offset=-1, device=t.device)
     z = torch.bmm(t, t.transpose(1, 2))[:, li, lj]

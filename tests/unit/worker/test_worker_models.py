@@ -21,6 +21,7 @@ from services.worker.models import (
     fm_second_order,
     pick_device,
 )
+from services.worker.pooling import pool
 
 DIMS = {"user": 8, "item": 8, "cat": 4}
 
@@ -132,6 +133,62 @@ def test_interaction_kernel_gradient_through_a_linear_layer(batch: int, keep_fir
     y32.pow(2).sum().backward()
     for a, b in zip(v32, v64, strict=True):
         torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-4)
+
+
+def _bags(g: torch.Generator, parts: int, batch: int, num_rows: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids (into ``num_rows`` rows) and bag offsets of ``parts x batch`` bags of 0 to 3 ids."""
+    sizes = torch.randint(0, 4, (parts * batch,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)[:-1]])
+    return torch.randint(0, num_rows, (int(sizes.sum()),), generator=g), offsets
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("batch", [5, 70])
+def test_interaction_of_pooled_vectors_sends_their_gradients_to_the_rows(
+        mode: str, batch: int) -> None:
+    """Vectors that the pooling kernel gave (two calls, one of several features) take their
+    gradients straight into the calls' rows, next to plain vectors in any order: the rows'
+    and the plain vectors' gradients match float64 (embedding_bag and bmm), also where a
+    pooled vector is used twice and where another use of it adds its own gradient."""
+    dim = 4
+    g = torch.Generator().manual_seed(batch)
+    rows = [torch.randn(9, dim, generator=g, dtype=torch.float64),
+            torch.randn(6, dim, generator=g, dtype=torch.float64)]
+    bags = [_bags(g, 3, batch, 9), _bags(g, 1, batch, 6)]
+    dense = [torch.randn(batch, dim, generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def run(dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        leaves = [r.to(dtype).requires_grad_(True) for r in rows]
+        plain = [d.to(dtype).requires_grad_(True) for d in dense]
+        a = pool(leaves[0], *bags[0], mode, parts=3)
+        (b,) = pool(leaves[1], *bags[1], mode)
+        vecs = [plain[0], a[2], b, a[0], plain[1], a[2]]  # a[1] unused, a[2] twice
+        z = dot_interaction(vecs, keep_first=True)
+        weight = torch.linspace(-1, 1, z.shape[1], dtype=dtype)
+        loss = (z * weight).pow(2).sum() + a[0].sum() * 0.5  # a[0] also used elsewhere
+        loss.backward()
+        return z, [r.grad for r in leaves], [p.grad for p in plain]
+
+    z32, rows32, plain32 = run(torch.float32)
+    z64, rows64, plain64 = run(torch.float64)
+    torch.testing.assert_close(z32.double(), z64.detach(), rtol=1e-5, atol=1e-5)
+    for a32, a64 in zip(rows32 + plain32, rows64 + plain64, strict=True):
+        torch.testing.assert_close(a32.double(), a64, rtol=1e-4, atol=1e-4)
+
+
+def test_interaction_takes_the_pooled_rows_as_its_inputs() -> None:
+    """The kernel's node hangs on the pooled rows (no pass of the pooling's backward), and
+    on the plain vectors; without autograd it takes every vector as it is."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(8, 4, generator=g, requires_grad=True)
+    first = torch.randn(6, 4, generator=g, requires_grad=True)
+    pooled = pool(rows, *_bags(g, 2, 6, 8), "sum", parts=2)
+    z = dot_interaction([first, *pooled], keep_first=True)
+    inputs = [fn.variable for fn, _ in z.grad_fn.next_functions if fn is not None]
+    assert len(inputs) == 2 and inputs[0] is first and inputs[1] is rows
+    with torch.no_grad():
+        torch.testing.assert_close(dot_interaction([first, *pooled], keep_first=True), z)
 
 
 def test_fm_second_order_matches_pairwise_sum() -> None:
