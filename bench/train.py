@@ -34,7 +34,7 @@ puts Persimmon's dense compute on the CPU or a GPU, ``--hot-staleness`` sets the
 bound; ``machine`` in the JSON names the CPU (and its widest vector ISA) and the device.
 
 Each Persimmon run reports its compute thread's mean ``step_wall_ms`` and ``step_cpu_ms``,
-``batch_wait_ms``, its event loop's thread's CPU per step (``loop_cpu_ms``: the plans, lookups
+where its step goes (``step_phases``: the wall and CPU ms of each phase), ``batch_wait_ms``, its event loop's thread's CPU per step (``loop_cpu_ms``: the plans, lookups
 and pushes that feed the steps), the CPU per training step (``cpu_ms_per_step``: worker with
 its children, the PS processes) and the peak RSS of the PS processes (``ps_peak_rss_mb``); the
 embedded runs report ``bytes_per_row`` (rows, optimizer state, index and slack of every table
@@ -170,7 +170,8 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
 
 def _summary_figures(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in ("samples_per_s", "auc", "staleness_max", "step_wall_ms",
-                                    "step_cpu_ms", "batch_wait_ms", "loop_cpu_ms")}
+                                    "step_cpu_ms", "step_phases", "batch_wait_ms",
+                                    "loop_cpu_ms")}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -370,6 +371,9 @@ def print_table(result: dict[str, Any]) -> None:
                       f"for a batch; CPU per step: worker {cpu['worker']:.2f} ms (its event "
                       f"loop {r['loop_cpu_ms']:.2f}), PS {ps} ms"
                       + extra)
+        console.print("  its step, wall / CPU ms: " + ", ".join(
+            f"{phase} {t['wall_ms']:.2f} / {t['cpu_ms']:.2f}"
+            for phase, t in r["step_phases"].items()))
     figures = "   ".join(f"{key} {result[key]:.2f}" for key in (
         "vs_torchrec", "default_vs_torchrec", "sync_vs_torchrec", "vs_torch", "vs_local",
         "embedded_vs_processes", "hybrid_vs_sync", "hot_vs_sync", "replica_vs_sync",

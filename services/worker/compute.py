@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["DONE", "ComputeThread", "distributed", "every_rank_has_a_batch"]
+__all__ = ["DONE", "ComputeThread", "StepPhases", "distributed", "every_rank_has_a_batch"]
 
 Item = TypeVar("Item")
 DONE = object()  # the end of the results
@@ -35,6 +35,35 @@ def every_rank_has_a_batch(has_batch: bool) -> bool:
     flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+class StepPhases:
+    """Where a thread's steps go: the wall and thread-CPU seconds of each named phase, summed
+    over the steps. :meth:`start` begins a step; :meth:`mark` ends the phase that began at the
+    last mark (or the start) and names it."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, list[float]] = {}
+        self._wall = self._cpu = 0.0
+
+    def reset(self) -> None:
+        self._sums.clear()
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def mark(self, phase: str) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        sums = self._sums.setdefault(phase, [0.0, 0.0])
+        sums[0] += wall - self._wall
+        sums[1] += cpu - self._cpu
+        self._wall, self._cpu = wall, cpu
+
+    def per_step(self, steps: int) -> dict[str, dict[str, float]]:
+        """Mean ``wall_ms`` and ``cpu_ms`` per step of each phase, in the order first marked."""
+        n = max(steps, 1)
+        return {phase: {"wall_ms": 1e3 * wall / n, "cpu_ms": 1e3 * cpu / n}
+                for phase, (wall, cpu) in self._sums.items()}
 
 
 class ComputeThread(Generic[Item]):

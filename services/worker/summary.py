@@ -99,7 +99,9 @@ class FitSummary:
     evaluation. With validation data, ``validation`` holds its evaluations, ``best_step`` and
     ``best_validation_auc`` the best of them, and ``restored_best`` whether the final state
     (and ``auc``) is that step's (keep_best, :mod:`services.worker.best`).
-    Timings are mean milliseconds per step; byte counts are per stream (and codec).
+    Timings are mean milliseconds per step; ``step_phases`` splits a training step's wall and
+    CPU time into its phases (reading the hot rows, pooling, forward, backward, the dense
+    update, applying the hot rows' gradients); byte counts are per stream (and codec).
     """
 
     mode: str
@@ -117,6 +119,7 @@ class FitSummary:
     step_wall_ms: float = 0.0
     step_cpu_ms: float = 0.0
     batch_wait_ms: float = 0.0
+    step_phases: dict[str, dict[str, float]] = field(default_factory=dict)
     worker_cpu_ms_per_step: float = 0.0
     loop_cpu_ms: float = 0.0
     train_auc: float = math.nan

@@ -64,17 +64,14 @@ from services.worker.compression import (
     ActivationSparsifier,
     CodecAverager,
     CommStats,
-    Lamb,
-    OnebitAdam,
-    OnebitLamb,
     make_comm_hook,
-    sqrt_scaled_lr,
 )
-from services.worker.compute import DONE, ComputeThread, distributed
+from services.worker.compute import DONE, ComputeThread, StepPhases, distributed
 from services.worker.config import TrainerConfig
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
 from services.worker.exchange import embedding_path
 from services.worker.models import ModelConfig, pick_device
+from services.worker.optimizers import ONEBIT_OPTIMIZERS, make_optimizer
 from services.worker.pipeline import EmbeddingPipeline, Prepared
 from services.worker.pooling import BatchPlan
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve, StalenessStats
@@ -82,31 +79,10 @@ from services.worker.sync import SyncStrategy
 
 __all__ = ["Trainer"]
 
-ONEBIT_OPTIMIZERS: dict[str, type[OnebitAdam | OnebitLamb]] = {
-    "onebit_adam": OnebitAdam, "onebit_lamb": OnebitLamb}
 # loss, logits, row gradients, and the loss's mean over the ranks (NaN when no codec adapts)
 StepResult = tuple[float, np.ndarray, list[np.ndarray], float]
 
 
-def _make_optimizer(name: str, module: nn.Module, config: TrainerConfig, *,
-                    batch: int | None = None) -> torch.optim.Optimizer:
-    """The dense optimizer; ``batch``: rows per step over every rank (LAMB's lr scaling)."""
-    lr = config.lr
-    if name in ONEBIT_OPTIMIZERS:  # they refuse embedding modules (ConfigError) and sparse grads
-        return ONEBIT_OPTIMIZERS[name](module, lr=lr, freeze_step=config.onebit_freeze_step)
-    params = [p for p in module.parameters() if p.requires_grad]
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, fused=True)  # one kernel for every tensor
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr)
-    if name == "lamb":
-        if config.lamb_base_batch:
-            if batch is None:
-                raise ConfigError("lamb_base_batch scales the lr by the batch: give the batch")
-            lr = sqrt_scaled_lr(lr, batch, config.lamb_base_batch)
-        return Lamb(params, lr=lr, warmup_steps=config.lamb_warmup_steps,
-                    decay_steps=config.lamb_decay_steps)
-    return torch.optim.SGD(params, lr=lr, momentum=config.momentum)
 
 
 class Trainer:
@@ -180,6 +156,7 @@ class Trainer:
         self._admin: AdminServer | None = None
         self.admin_port: int | None = None
         self.step = 0
+        self.phases = StepPhases()  # where the steps of the last fit went (its summary's)
         self.recent_losses: collections.deque[float] = collections.deque(maxlen=RECENT_LOSSES)
         self.history: list[dict[str, float]] = []  # evaluations: step, auc, logloss, samples
 
@@ -299,7 +276,7 @@ class Trainer:
                 dist.broadcast(p.data, 0)
         self._forward = self._sync.prepare(self.module) if self._sync else self.module
         world = dist.get_world_size() if several else 1
-        self._optimizer = _make_optimizer(self.config.dense_optimizer, self.module, self.config,
+        self._optimizer = make_optimizer(self.config.dense_optimizer, self.module, self.config,
                                           batch=batch.size * world)
         if onebit:
             self._dense_stats = getattr(self._optimizer, "stats", None)
@@ -385,8 +362,12 @@ class Trainer:
         step. Returns the loss, the logits and the row gradients (one array per group)."""
         if self._forward is None or self._optimizer is None or self.module is None:
             raise FailedPrecondition("build the model first: await trainer.build(batch)")
+        phases = self.phases
+        phases.start()
         self.pipeline.read_hot(item)
+        phases.mark("read_hot")
         pooled, dense, labels = self._inputs(item)
+        phases.mark("pool")
         if not self.module.training:  # after an evaluation (a walk over every submodule)
             self.module.train()
         logits = self._forward(pooled.pooled, dense)
@@ -394,15 +375,19 @@ class Trainer:
         shared = self._mean_loss(loss) if self._shared_loss else math.nan
         if self._report_loss is not None:
             self.adaquant_levels["dense"].append(self._report_loss(shared))
+        phases.mark("forward")
         self._optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        phases.mark("backward")
         if self._sync is not None:
             self._sync.after_backward(self.step)
         self._optimizer.step()
         if self._sync is not None:
             self._sync.after_step(self.step)
+        phases.mark("dense_update")
         grads = pooled.row_grads()
         self.pipeline.apply_hot(item, grads)
+        phases.mark("apply_hot")
         return float(loss.item()), logits.detach().cpu().numpy(), grads, shared
 
     @staticmethod
@@ -463,6 +448,7 @@ class Trainer:
             pause_each_step=self.on_step is not None or self.after_step is not None)
         self.pipeline.begin(acknowledge=batches.ack if isinstance(batches, LoaderClient) else None)
         compute.mark_started(await self._cpu_seconds())  # again if this fit builds the model
+        self.phases.reset()
 
         async def first(batch: Batch) -> None:  # the model's one-time cost is not training time
             await self._ensure_model(batch)
@@ -527,6 +513,7 @@ class Trainer:
             hot_tables=list(self.pipeline.hot_tables), head_ids=self.pipeline.head_count(),
             step_wall_ms=timing["step_wall_ms"], step_cpu_ms=timing["step_cpu_ms"],
             batch_wait_ms=timing["batch_wait_ms"], loss_curve=curve.points(),
+            step_phases=self.phases.per_step(steps_done),
             worker_cpu_ms_per_step=1e3 * cpu_seconds / steps_done if steps_done else 0.0,
             loop_cpu_ms=1e3 * loop_cpu_seconds / steps_done if steps_done else 0.0,
             recent_losses=recent[len(recent) - min(steps_done, len(recent)):],

@@ -33,6 +33,12 @@ def test_bench_train_reports_every_ratio_from_its_own_runs() -> None:
                 "hybrid_replica", "sync"):
         assert 0 < runs[key]["step_cpu_ms"] <= 1.2 * runs[key]["step_wall_ms"]
         assert runs[key]["batch_wait_ms"] >= 0
+        phases = runs[key]["step_phases"]  # the step, split: its phases add up to it
+        assert list(phases) == ["read_hot", "pool", "forward", "backward", "dense_update",
+                                "apply_hot"]
+        walls = [t["wall_ms"] for t in phases.values()]
+        assert min(walls) >= 0 and 0.8 * runs[key]["step_wall_ms"] <= sum(walls) \
+            <= runs[key]["step_wall_ms"]
         cpu = runs[key]["cpu_ms_per_step"]
         assert cpu["worker"] >= runs[key]["step_cpu_ms"] * 0.9
         # the loop's thread planned every batch (its CPU is the worker's, measured in it)

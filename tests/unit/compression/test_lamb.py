@@ -102,15 +102,15 @@ def test_trainer_settings_of_lamb_are_checked() -> None:
 
 
 def test_the_trainer_scales_lamb_lr_with_the_square_root_of_the_batch() -> None:
-    from services.worker.trainer import _make_optimizer
+    from services.worker.optimizers import make_optimizer
 
     config = TrainerConfig(dense_optimizer="lamb", lr=0.01, lamb_warmup_steps=3,
                            lamb_base_batch=128)
-    opt = _make_optimizer("lamb", nn.Linear(3, 1), config, batch=512)  # 4x: 2x the lr
+    opt = make_optimizer("lamb", nn.Linear(3, 1), config, batch=512)  # 4x: 2x the lr
     assert isinstance(opt, Lamb) and opt.param_groups[0]["lr"] == pytest.approx(0.02)
     assert opt.warmup_steps == 3
     with pytest.raises(ConfigError, match="give the batch"):
-        _make_optimizer("lamb", nn.Linear(3, 1), config)
+        make_optimizer("lamb", nn.Linear(3, 1), config)
 
 
 def test_a_sparse_gradient_is_refused_and_changes_nothing() -> None:

@@ -218,10 +218,10 @@ def test_persimmon_commands_take_the_sync_flags(command: str) -> None:
 def test_momentum_sgd_for_dmsgd_and_bad_momentum() -> None:
     from torch import nn
 
-    from services.worker.trainer import _make_optimizer
+    from services.worker.optimizers import make_optimizer
 
     config = TrainerConfig(dense_optimizer="sgd", momentum=0.9, lr=0.1, sync="gossip")
-    optimizer = _make_optimizer("sgd", nn.Linear(3, 1), config)
+    optimizer = make_optimizer("sgd", nn.Linear(3, 1), config)
     assert isinstance(optimizer, torch.optim.SGD)
     assert optimizer.param_groups[0]["momentum"] == 0.9
     with pytest.raises(ConfigError, match="momentum must be in"):
