@@ -34,8 +34,9 @@ puts Persimmon's dense compute on the CPU or a GPU, ``--hot-staleness`` sets the
 bound; ``machine`` in the JSON names the CPU (and its widest vector ISA) and the device.
 
 Each Persimmon run reports its compute thread's mean ``step_wall_ms`` and ``step_cpu_ms``,
-where its step goes (``step_phases``: the wall and CPU ms of each phase), ``batch_wait_ms``, its event loop's thread's CPU per step (``loop_cpu_ms``: the plans, lookups
-and pushes that feed the steps), the CPU per training step (``cpu_ms_per_step``: worker with
+where its step goes (``step_phases``: the wall and CPU ms of each phase), ``batch_wait_ms``,
+its event loop's thread's CPU per step (``loop_cpu_ms``: the plans, lookups and pushes that
+feed the steps), the CPU per training step (``cpu_ms_per_step``: worker with
 its children, the PS processes) and the peak RSS of the PS processes (``ps_peak_rss_mb``); the
 embedded runs report ``bytes_per_row`` (rows, optimizer state, index and slack of every table
 over its live rows). ``peak_rss_mb`` is this process's peak over the whole run.
