@@ -66,7 +66,13 @@ from services.worker.compression import (
     CommStats,
     make_comm_hook,
 )
-from services.worker.compute import DONE, ComputeThread, StepPhases, distributed
+from services.worker.compute import (
+    CPU_SWITCH_INTERVAL,
+    DONE,
+    ComputeThread,
+    StepPhases,
+    distributed,
+)
 from services.worker.config import TrainerConfig
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
 from services.worker.exchange import embedding_path
@@ -445,7 +451,8 @@ class Trainer:
         compute: ComputeThread[Prepared] = ComputeThread(
             self.train_step, room=None if self.config.window is not None else self.config.prefetch,
             eval_every=every,
-            pause_each_step=self.on_step is not None or self.after_step is not None)
+            pause_each_step=self.on_step is not None or self.after_step is not None,
+            switch_interval=CPU_SWITCH_INTERVAL if self.device.type == "cpu" else None)
         self.pipeline.begin(acknowledge=batches.ack if isinstance(batches, LoaderClient) else None)
         compute.mark_started(await self._cpu_seconds())  # again if this fit builds the model
         self.phases.reset()

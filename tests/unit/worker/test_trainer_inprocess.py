@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from clients.rows import RowsClient
 from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
+from services.worker.compute import CPU_SWITCH_INTERVAL
 from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve
@@ -85,6 +87,17 @@ def test_loss_curve_stays_bounded_and_keeps_the_mean() -> None:
     assert points[-1][1] == pytest.approx(np.mean(losses[896:]))
     with pytest.raises(ValueError, match="points"):
         LossCurve(points=1)
+
+
+async def test_a_cpu_fit_lowers_the_gil_switch_interval_while_it_trains() -> None:
+    """Between steps (on_step runs on the loop while the compute thread waits) the interval
+    is the compute thread's; after the fit it is the one before."""
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+    async with trainer(shards(), mode="hybrid", staleness=2, device="cpu",
+                       on_step=lambda info: seen.append(sys.getswitchinterval())) as t:
+        await t.fit(SyntheticDataset(DATA).batches(128, 128 * 3))
+    assert seen == [CPU_SWITCH_INTERVAL] * 3 and sys.getswitchinterval() == before
 
 
 async def test_recent_losses_are_bounded() -> None:
