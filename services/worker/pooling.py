@@ -230,7 +230,10 @@ def _rows_tensor(group: int, arr: np.ndarray | Tensor, n_unique: int,
         a = np.asarray(arr)
         if not np.issubdtype(a.dtype, np.floating):
             raise InvalidArgument(f"rows of group {group} must be floats, got {a.dtype}")
-        t = torch.tensor(a).to(device=device, dtype=dtype)
+        if device.type == "cpu" and dtype == torch.float32:  # numpy's copy keeps the GIL
+            t = torch.from_numpy(np.array(a, dtype=np.float32))
+        else:
+            t = torch.tensor(a).to(device=device, dtype=dtype)
     if t.dim() != 2 or t.shape[0] != n_unique:
         raise InvalidArgument(f"rows of group {group} must be ({n_unique}, dim), "
                               f"got {tuple(t.shape)}")

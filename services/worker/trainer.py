@@ -359,8 +359,9 @@ class Trainer:
         pooled = self.pipeline.path.pool(item.plan, item.rows, device=self.device)
         if self._activations is not None:  # DCT-MP: gradients reach kept positions only
             pooled.pooled = self._activations(pooled.pooled)
-        dense = torch.tensor(item.batch.dense).to(self.device)
-        labels = torch.tensor(item.batch.labels).to(self.device)
+        # numpy's copies keep the GIL (torch.tensor's release it: another thread may take it)
+        dense = torch.from_numpy(item.batch.dense.copy()).to(self.device)
+        labels = torch.from_numpy(item.batch.labels.copy()).to(self.device)
         return pooled, dense, labels
 
     def train_step(self, item: Prepared) -> StepResult:
