@@ -14,12 +14,19 @@ MIX = GOLDEN  # spreads a table's index over the bits of its ids' keys
 NO_MEMBERS = np.zeros(2, dtype=np.uint64)  # an empty set (:func:`hash_set`)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _bits(n):  # pragma: no cover - numba
+    """The fewest bits (at least 1) whose table of ``1 << bits`` slots holds ``n``."""
+    bits = 1
+    while (1 << bits) < n:
+        bits += 1
+    return bits
+
+
 @njit(cache=True, nogil=True)
 def hash_set(keys):  # pragma: no cover - numba
     """An open-addressing set of ``keys`` (0 marks a free slot: a key 0 is never a member)."""
-    bits = 1
-    while (1 << bits) < 2 * keys.size:
-        bits += 1
+    bits = _bits(2 * keys.size)
     table = np.zeros(1 << bits, dtype=np.uint64)
     mask = np.uint64(table.size - 1)
     for key in keys:
@@ -33,10 +40,7 @@ def hash_set(keys):  # pragma: no cover - numba
 @njit(cache=True, nogil=True, inline="always")
 def _shift_mask(table):  # pragma: no cover - numba
     """The set ``table``'s hash shift and slot mask (:func:`hash_set`)."""
-    bits = 1
-    while (1 << bits) < table.size:
-        bits += 1
-    return np.uint64(64 - bits), np.uint64(table.size - 1)
+    return np.uint64(64 - _bits(table.size)), np.uint64(table.size - 1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -92,9 +96,7 @@ def partition(table, keys, cells, is_head):  # pragma: no cover - numba
 def totals(keys, occurs, first, total):  # pragma: no cover - numba
     """Per distinct key of ``keys`` (in first-appearance order): the position of its first
     occurrence and its summed ``occurs``; returns how many keys are distinct."""
-    bits = 1
-    while (1 << bits) < 2 * keys.size:
-        bits += 1
+    bits = _bits(2 * keys.size)
     table = np.full(1 << bits, -1, dtype=np.int64)  # -> its distinct key's number
     mask = np.uint64(table.size - 1)
     n = 0

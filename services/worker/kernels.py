@@ -269,7 +269,9 @@ class _Sources:
     means: np.ndarray
 
 
+# numba takes no empty tuple: a call with no pooling source passes these, never read
 _NO_IDS = np.empty(0, dtype=np.int64)
+_NO_ROWS = np.empty((0, 1), dtype=np.float32)
 
 
 def _saved(node: Any) -> tuple[Tensor, ...] | None:
@@ -366,6 +368,5 @@ class DotInteraction(torch.autograd.Function):
         _interaction_backward(grad_t.numpy(), blocks, ctx.keep_first, sources.plain,
                               grads.numpy(), sources.source, sources.part, sources.inverses,
                               sources.offsets, sources.means,
-                              tuple(g.numpy() for g in grad_rows)
-                              or (np.empty((0, blocks.shape[2]), dtype=np.float32),))
+                              tuple(g.numpy() for g in grad_rows) or (_NO_ROWS,))
         return (None, None, None, *grads.unbind(0), *grad_rows)
