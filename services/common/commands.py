@@ -15,6 +15,7 @@ printed too only with ``--debug`` or ``PERSIMMON_DEBUG=1`` (which child processe
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import math
 import os
@@ -39,11 +40,52 @@ DEBUG_ENV = "PERSIMMON_DEBUG"
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors are one line (the usage is in ``--help``); its
-    subcommands' parsers are of this class too."""
+    subcommands' parsers are of this class too. Flags are not abbreviated (``--data`` is not
+    taken for ``--data-seed``); an unknown one is reported by the subcommand it was given to,
+    with the flags it may have meant."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         message = " ".join(message.splitlines())  # a value may hold a line break
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._chosen(parsed)
+            meant = list(dict.fromkeys(o for flag in extras if flag.startswith("--")
+                                       for o in parser._meant(flag)))
+            hint = f"; did you mean {_either(meant)}?" if meant else ""
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed
+
+    def _chosen(self, parsed: argparse.Namespace) -> _Parser:
+        """The innermost subcommand's parser that ``parsed`` went through."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                sub = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(sub, _Parser):
+                    return sub._chosen(parsed)
+        return self
+
+    def _meant(self, flag: str) -> list[str]:
+        """Up to three of this parser's flags that ``flag`` (unknown) may stand for: those
+        with its word among theirs (``--data``: ``--train-data``), else the closest."""
+        typed = flag.split("=", 1)[0]
+        flags = [o for action in self._actions for o in action.option_strings
+                 if o.startswith("--")]
+        word = typed.lstrip("-")
+        return ([o for o in flags if word in o.lstrip("-").split("-")][:3]
+                or difflib.get_close_matches(typed, flags, n=3, cutoff=0.75))
+
+
+def _either(words: Sequence[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return " or ".join(filter(None, (", ".join(words[:-1]), words[-1])))
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

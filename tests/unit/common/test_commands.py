@@ -92,6 +92,36 @@ def test_a_usage_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
         assert exited.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
 
 
+def test_flags_are_not_abbreviated_and_an_unknown_one_names_what_it_may_mean(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--data`` once read as ``--data-seed`` (its only prefix match) and failed as a bad
+    int; now the subcommand it was given to reports it, with the flags it may mean."""
+    parser, sub = command_parser("tool", "a test tool")
+    ran: list[argparse.Namespace] = []
+    train = sub.add_parser("train")
+    train.add_argument("--train-data")
+    train.add_argument("--data-seed", type=int, default=0)
+    train.add_argument("--rows", type=int, default=1)
+    train.set_defaults(func=ran.append)
+    deeper = sub.add_parser("bench").add_subparsers(dest="target", required=True)
+    deeper.add_parser("plan").add_argument("--batch-size", type=int)
+    for argv, says in (
+            (["train", "--data", "x.csv"], "tool train: error: unrecognized arguments: "
+             "--data x.csv; did you mean --train-data or --data-seed? (see tool train --help)"),
+            (["train", "--row", "5"], "unrecognized arguments: --row 5; did you mean --rows?"),
+            (["train", "--train-data=x", "extra"], "tool train: error: unrecognized "
+             "arguments: extra (see tool train --help)"),
+            (["bench", "plan", "--batch", "8"], "tool bench plan: error: unrecognized "
+             "arguments: --batch 8; did you mean --batch-size?")):
+        with pytest.raises(SystemExit) as exited:
+            run_parsed(parser, argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
+    assert not ran  # nothing ran on bad flags
+    assert run_parsed(parser, ["train", "--train-data", "x.csv", "--data-seed", "3"]) == 0
+    assert ran[0].train_data == "x.csv" and ran[0].data_seed == 3
+
+
 def test_the_argument_types(tmp_path: Path) -> None:
     assert int_at_least(0)("0") == 0 and float_at_least(0, inclusive=False)("1e-3") == 1e-3
     assert ints_at_least(1)(" 2, 16384,") == (2, 16384)
