@@ -251,11 +251,13 @@ def failure_summary(path: str | None) -> Iterator[None]:
 
 
 def report_summary(summary: Mapping[str, Any], path: str | None) -> int:
-    """Print the summary's headline keys as JSON and write all of it to ``path`` when given;
+    """Print the summary's headline keys as strict JSON (a NaN, such as the best validation
+    AUC of a run without validation data, as null) and write all of it to ``path`` when given;
     returns 0 (the exit status). A summary without a result is a :class:`TrainingFailed`
     (:func:`check_result`)."""
     summary = summary_dict(summary)
     check_result(summary, path)
-    print(json.dumps({k: summary[k] for k in SUMMARY_KEYS if k in summary}, indent=2))
+    print(json.dumps(_json_ready({k: summary[k] for k in SUMMARY_KEYS if k in summary}),
+                     indent=2))
     write_summary(summary, path)
     return 0

@@ -46,6 +46,11 @@ def test_the_summary_json_says_why(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "error" in json.loads(path.read_text())
     assert report_summary(GOOD, str(path)) == 0
     assert json.loads(path.read_text()) == GOOD and '"auc": 0.7' in capsys.readouterr().out
+    # a run without validation data has no best validation AUC: null, printed and written
+    assert report_summary({**GOOD, "best_validation_auc": math.nan}, str(path)) == 0
+    printed = json.loads(capsys.readouterr().out, parse_constant=pytest.fail)
+    assert printed["best_validation_auc"] is None and printed["auc"] == 0.7
+    assert json.loads(path.read_text(), parse_constant=pytest.fail)["best_validation_auc"] is None
 
 
 def test_a_failure_during_training_leaves_its_reason(tmp_path: Path) -> None:
