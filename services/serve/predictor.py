@@ -139,10 +139,13 @@ class Predictor:
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"'dense' must be a list of {self.num_dense} numbers per "
                                   f"record: {exc}") from exc
-        if values.shape != (size, self.num_dense) or not np.isfinite(values).all() \
-                or _has_bool(dense):
+        if values.shape != (size, self.num_dense) or _has_bool(dense):
             raise InvalidArgument(f"'dense' must be ({size}, {self.num_dense}) finite numbers,"
                                   f" got shape {values.shape}")
+        if not np.isfinite(values).all():
+            bad = np.argwhere(~np.isfinite(values))[0]
+            raise InvalidArgument(f"'dense' must be finite numbers, got {values[tuple(bad)]} "
+                                  f"at record {bad[0]}, value {bad[1]}")
         return Features(sparse=sparse, dense=values)
 
     # ---- forward ---------------------------------------------------------------------------

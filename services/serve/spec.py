@@ -11,14 +11,15 @@ values its training twin got.
 
 JSON records are checked strictly before hashing: a field that is not a feature (nor the
 label) is an error, a missing feature is an error (send ``null`` for a missing value, which
-is what an omitted key meant in training), a dense value must be a number or null, a sparse
-value a string, an integer, a list of them, or null.
+is what an omitted key meant in training), a dense value must be a finite number or null, a
+sparse value a string, an integer, a list of them, or null.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +206,9 @@ def _dense_value(value: Any, i: int, name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(f"record {i}: dense field {name!r} must be a number or null, "
                               f"got {type(value).__name__}")
+    if not math.isfinite(value):  # JSON has no NaN or infinity; Python's parser reads them
+        raise InvalidArgument(f"record {i}: dense field {name!r} must be a finite number or "
+                              f"null, got {value}")
     return float(value)
 
 

@@ -4,6 +4,8 @@ bad input, readiness and metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -185,6 +187,15 @@ async def test_bad_input_gets_a_clear_error_and_changes_nothing(tmp_path: Path) 
         malformed = await http.post("/v1/predict", content=b"{not json",
                                     headers={"content-type": "application/json"})
         assert malformed.status_code == 422
+        # JSON has no infinity or NaN, but Python's parser reads Infinity, NaN and 1e400
+        for body, message in (
+                ({"records": [{**PROBE[0], "I1": math.inf}]}, "'I1' must be a finite number"),
+                ({"ids": {"C1": [[1]], "C2": [[2]], "C3": [[]]}, "dense": [[0.0, math.nan]]},
+                 "'dense' must be finite numbers, got nan at record 0, value 1")):
+            response = await http.post("/v1/predict", content=json.dumps(body).encode(),
+                                       headers={"content-type": "application/json"})
+            assert response.status_code == 400 and message in response.json()["message"], \
+                response.text
         # a bad request batched with good ones fails alone
         good_and_bad = await asyncio.gather(*(
             http.post("/v1/predict", json=body) for body in
