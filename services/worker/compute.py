@@ -19,8 +19,10 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from services.common.errors import InvalidArgument
+
 __all__ = ["CPU_SWITCH_INTERVAL", "DONE", "ComputeThread", "StepPhases", "distributed",
-           "every_rank_has_a_batch", "gil_switch_interval"]
+           "every_rank_has_a_batch", "every_rank_has_a_first_batch", "gil_switch_interval"]
 
 Item = TypeVar("Item")
 DONE = object()  # the end of the results
@@ -44,6 +46,16 @@ def every_rank_has_a_batch(has_batch: bool) -> bool:
     flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def every_rank_has_a_first_batch() -> None:
+    """Collective, before a rank builds its model from its first batch (the build's
+    collectives): InvalidArgument where another rank has no batch at all. That rank's compute
+    thread meets this call with :func:`every_rank_has_a_batch` False (the same collective) and
+    ends its run, instead of both waiting forever in different collectives."""
+    if distributed() and not every_rank_has_a_batch(True):
+        raise InvalidArgument("another rank got no batch: the training data holds fewer "
+                              "batches than ranks (use fewer workers or smaller batches)")
 
 
 @contextlib.contextmanager

@@ -72,6 +72,7 @@ from services.worker.compute import (
     ComputeThread,
     StepPhases,
     distributed,
+    every_rank_has_a_first_batch,
 )
 from services.worker.config import TrainerConfig
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
@@ -459,6 +460,7 @@ class Trainer:
         self.phases.reset()
 
         async def first(batch: Batch) -> None:  # the model's one-time cost is not training time
+            every_rank_has_a_first_batch()
             await self._ensure_model(batch)
             compute.mark_started(await self._cpu_seconds())
 

@@ -94,6 +94,19 @@ def test_train_on_a_truncated_gzip_without_a_valid_record_fails(tmp_path: Path) 
     assert summary["error"].startswith("training consumed no valid record")
 
 
+def test_train_with_fewer_batches_than_workers_fails_at_once(tmp_path: Path) -> None:
+    """One batch for two workers: the rank with it used to build its model (collectives)
+    while the other waited in the end-of-batches collective, both forever; now the ranks
+    agree first that each has a batch, and the run stops with a usage error."""
+    proc = _persimmon("train", "--train-data", "synthetic:1000", "--batch-size", "2048",
+                      "--workers", "2", "--eval-rows", "4096", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1].endswith(
+        "another rank got no batch: the training data holds fewer batches than ranks (use "
+        "fewer workers or smaller batches)")
+
+
 def test_train_on_remote_shards_keeps_a_replica_of_the_head_rows(tmp_path: Path) -> None:
     """One worker, its shards as processes over gRPC: the head ids' rows live in a replica on
     the worker (``head_replica``, the default), copied once each, and the run trains."""
