@@ -136,7 +136,7 @@ class Predictor:
             dense = [[] for _ in range(size)]
         try:
             values = np.array(dense, dtype=np.float32)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # overflow: a huge integer
             raise InvalidArgument(f"'dense' must be a list of {self.num_dense} numbers per "
                                   f"record: {exc}") from exc
         if values.shape != (size, self.num_dense) or _has_bool(dense):

@@ -206,10 +206,15 @@ def _dense_value(value: Any, i: int, name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(f"record {i}: dense field {name!r} must be a number or null, "
                               f"got {type(value).__name__}")
-    if not math.isfinite(value):  # JSON has no NaN or infinity; Python's parser reads them
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past float's range
         raise InvalidArgument(f"record {i}: dense field {name!r} must be a finite number or "
-                              f"null, got {value}")
-    return float(value)
+                              f"null, got an integer of {len(str(abs(value)))} digits") from None
+    if not math.isfinite(number):  # JSON has no NaN or infinity; Python's parser reads them
+        raise InvalidArgument(f"record {i}: dense field {name!r} must be a finite number or "
+                              f"null, got {number}")
+    return number
 
 
 def _sparse_scalar(value: Any, i: int, name: str) -> str:

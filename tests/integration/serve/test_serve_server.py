@@ -187,11 +187,15 @@ async def test_bad_input_gets_a_clear_error_and_changes_nothing(tmp_path: Path) 
         malformed = await http.post("/v1/predict", content=b"{not json",
                                     headers={"content-type": "application/json"})
         assert malformed.status_code == 422
-        # JSON has no infinity or NaN, but Python's parser reads Infinity, NaN and 1e400
+        # JSON has no infinity or NaN, but Python's parser reads Infinity, NaN and 1e400;
+        # an integer past float's range is bad input too, not a failure of the server
         for body, message in (
                 ({"records": [{**PROBE[0], "I1": math.inf}]}, "'I1' must be a finite number"),
                 ({"ids": {"C1": [[1]], "C2": [[2]], "C3": [[]]}, "dense": [[0.0, math.nan]]},
-                 "'dense' must be finite numbers, got nan at record 0, value 1")):
+                 "'dense' must be finite numbers, got nan at record 0, value 1"),
+                ({"records": [{**PROBE[0], "I1": 10 ** 400}]}, "an integer of 401 digits"),
+                ({"ids": {"C1": [[1]], "C2": [[2]], "C3": [[]]}, "dense": [[0.0, 10 ** 400]]},
+                 "'dense' must be a list of 2 numbers per record")):
             response = await http.post("/v1/predict", content=json.dumps(body).encode(),
                                        headers={"content-type": "application/json"})
             assert response.status_code == 400 and message in response.json()["message"], \

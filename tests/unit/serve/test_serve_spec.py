@@ -63,6 +63,8 @@ def test_spec_round_trips_through_json() -> None:
     ([{**RECORDS[0], "I1": True}], "must be a number"),
     ([{**RECORDS[0], "I1": float("inf")}], "'I1' must be a finite number or null, got inf"),
     ([{**RECORDS[0], "I1": float("nan")}], "must be a finite number"),
+    ([{**RECORDS[0], "I1": 10 ** 400}], "must be a finite number or null, got an integer of "
+                                        "401 digits"),
     ([{**RECORDS[0], "C1": 1.5}], "must be a string"),
     ([{**RECORDS[0], "C1": {"a": 1}}], "must be a string"),
     ([{**RECORDS[0], "C2": ["a", None]}], "must be a string"),
