@@ -21,6 +21,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.lifecycle import raise_if_cancelled
 from services.loader.batching import Settled
 from services.loader.config import LoaderConfig, SourceSpec
@@ -66,9 +67,14 @@ class RedisStreamSource:
         self._redis = aioredis.Redis.from_url(self.url)
         try:
             await self._redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except ResponseError as exc:
+        except ResponseError as exc:  # the group exists (fine), or the key is no stream
             if "BUSYGROUP" not in str(exc):
-                raise
+                await self.close()
+                raise InvalidArgument(f"cannot read {self.stream!r} at {self.spec.target} as "
+                                      f"a stream: {exc}") from exc
+        except RedisError as exc:  # refused, timed out, refused auth
+            await self.close()
+            raise Unavailable(f"cannot reach Redis at {self.spec.target}: {exc}") from exc
         await self._refresh_info()
         log.info("redis %s: reading stream %s as %s/%s", self.url, self.stream, self.group,
                  self.consumer)

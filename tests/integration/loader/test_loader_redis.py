@@ -11,9 +11,10 @@ from urllib.parse import urlsplit
 import pytest
 import redis.asyncio as aioredis
 
+from services.common.errors import InvalidArgument, Unavailable
 from services.loader.config import LoaderConfig
 from services.loader.sources import make_source
-from tests.conftest import eventually, swallowing_first_cancel
+from tests.conftest import eventually, free_port, swallowing_first_cancel
 from tests.integration.loader.loader_support import consume_until, drain, until
 
 pytestmark = pytest.mark.service
@@ -91,6 +92,23 @@ async def test_the_read_loop_stops_when_redis_py_swallows_its_cancel(stream):
         await asyncio.wait([task], timeout=5)
     await source.close()
     assert done, "the read loop ran on past its cancel"
+
+
+async def test_an_unreachable_redis_or_a_key_that_is_no_stream_is_a_clear_error(stream):
+    """Not "internal error: ConnectionError" (the loader's first line to a person): Redis
+    unreachable is Unavailable naming its address, a key of another type InvalidArgument;
+    the key is left as it was."""
+    client, name, prefix = stream
+    dead = f"127.0.0.1:{free_port()}"
+    source = make_source(LoaderConfig(source=f"redis://{dead}/{name}?group=g&dense=2&sparse=2"))
+    with pytest.raises(Unavailable, match=f"cannot reach Redis at {dead}: "):
+        await source.start()
+    await client.set(name, "a string, not a stream")
+    source = make_source(LoaderConfig(source=f"{prefix}?group=g&dense=2&sparse=2"))
+    with pytest.raises(InvalidArgument, match=f"cannot read '{name}' at .* as a stream: "
+                                              "WRONGTYPE"):
+        await source.start()
+    assert await client.get(name) == b"a string, not a stream"
 
 
 async def test_entries_of_a_dead_consumer_are_claimed(stream, start_loader):
