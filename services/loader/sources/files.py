@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from services.common.batch import Jagged
@@ -136,6 +137,14 @@ def read_text_blocks(path: str, block_bytes: int, start: int = 0,
         yield "lines", bytes(buf), base + len(buf)
 
 
+def _parquet(path: str) -> pq.ParquetFile:
+    """``path`` opened as a Parquet file, or ConfigError saying it is not one."""
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError(f"{path} is not a Parquet file: {exc}") from exc
+
+
 def _count_lines(data: bytes) -> int:
     return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
 
@@ -200,7 +209,7 @@ class FileSource:
             self.schema = self._schema_file.feature_schema()
             label = self._schema_file.label
         else:
-            self.schema = infer_schema(pq.read_schema(self.files[0]), label, buckets)
+            self.schema = infer_schema(_parquet(self.files[0]).schema_arrow, label, buckets)
         self._converter = ArrowConverter(self.schema, label, self.transform)
 
     # ---- reading ----------------------------------------------------------------------------
@@ -263,7 +272,7 @@ class FileSource:
                         ) -> Iterator[SourceBlock]:
         assert self._converter is not None
         start = int(saved.get("line", 0))
-        pf = pq.ParquetFile(path)
+        pf = _parquet(path)
         total = pf.metadata.num_rows
         row = 0
         emitted = False

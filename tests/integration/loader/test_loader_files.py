@@ -185,6 +185,9 @@ async def test_file_source_errors(tmp_path, start_loader):
     with pytest.raises(ConfigError, match="belongs to source"):
         await start_loader(source=f"criteo:{tmp_path}/a.txt{SPEC}",
                            state_file=str(tmp_path / "s.json"))
+    # a file that is not Parquet names itself (was "internal error: ArrowInvalid")
+    with pytest.raises(ConfigError, match=r"a\.txt is not a Parquet file: .*magic bytes"):
+        await start_loader(source=f"parquet:{tmp_path}/a.txt")
 
 
 async def test_a_failing_source_ends_worker_streams_with_its_error(tmp_path, start_loader):
