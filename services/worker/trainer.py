@@ -90,8 +90,6 @@ __all__ = ["Trainer"]
 StepResult = tuple[float, np.ndarray, list[np.ndarray], float]
 
 
-
-
 class Trainer:
     """Trains ``model`` on batches with embeddings on the PS at ``ps_addresses``.
 
@@ -284,7 +282,7 @@ class Trainer:
         self._forward = self._sync.prepare(self.module) if self._sync else self.module
         world = dist.get_world_size() if several else 1
         self._optimizer = make_optimizer(self.config.dense_optimizer, self.module, self.config,
-                                          batch=batch.size * world)
+                                         batch=batch.size * world)
         if onebit:
             self._dense_stats = getattr(self._optimizer, "stats", None)
 
