@@ -23,7 +23,8 @@ __all__ = ["BENCHES", "latency_quantiles", "main_of", "register_benches", "save_
 # Modules exposing ``register_bench(subparsers)``: ``python -m bench <name>`` for each.
 BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",
            "bench.staleness", "bench.load", "bench.recovery", "bench.chaos", "bench.push_cost",
-           "bench.quality", "bench.serve", "bench.dashboard", "bench.scale", "bench.plan"]
+           "bench.quality", "bench.serve", "bench.dashboard", "bench.scale", "bench.plan",
+           "bench.e2e"]
 
 
 def register_benches(subparsers: argparse._SubParsersAction) -> None:

@@ -51,23 +51,25 @@ def _rows_and_offsets(batch: Batch, features: list[str], vocab: dict[str, np.nda
     return out
 
 
-def _dense_model(features: list[str], dim: int, num_dense: int, seed: int) -> torch.nn.Module:
+def _dense_model(features: list[str], dim: int, num_dense: int, seed: int,
+                 dense_norm: bool = False) -> torch.nn.Module:
     from services.worker.models import ModelConfig
 
     torch.manual_seed(seed)
-    return ModelConfig(name="dlrm").build(sparse_dims=dict.fromkeys(features, dim),
-                                          num_dense=num_dense)
+    return ModelConfig(name="dlrm", dense_norm=dense_norm).build(
+        sparse_dims=dict.fromkeys(features, dim), num_dense=num_dense)
 
 
 def torch_baseline(train: Sequence[Batch], test: Sequence[Batch], features: list[str], *,
-                   dim: int, seed: int, ps_lr: float, dense_lr: float, threads: int
-                   ) -> PeerRun:
-    """Samples/s and test AUC of plain torch: EmbeddingBag (mean, sparse) + Adagrad."""
+                   dim: int, seed: int, ps_lr: float, dense_lr: float, threads: int,
+                   dense_norm: bool = False) -> PeerRun:
+    """Samples/s and test AUC of plain torch: EmbeddingBag (mean, sparse) + Adagrad
+    (``dense_norm``: the DLRM standardises its dense input, as ``persimmon train``'s does)."""
     torch.set_num_threads(threads)
     vocab = _vocabularies([*train, *test], features)
     train_in = [(_rows_and_offsets(b, features, vocab), torch.tensor(b.dense),
                  torch.tensor(b.labels)) for b in train]
-    model = _dense_model(features, dim, train[0].num_dense, seed)
+    model = _dense_model(features, dim, train[0].num_dense, seed, dense_norm)
     tables = torch.nn.ModuleDict({f: torch.nn.EmbeddingBag(vocab[f].size, dim, mode="mean",
                                                            sparse=True) for f in features})
     for t in tables.values():
@@ -136,9 +138,10 @@ def _init_single_rank_group() -> bool:
 
 
 def torchrec_baseline(train: Sequence[Batch], test: Sequence[Batch], features: list[str], *,
-                      dim: int, seed: int, ps_lr: float, dense_lr: float, threads: int
-                      ) -> PeerRun:
-    """Samples/s and test AUC of TorchRec DMP with the fused kernel and row-wise Adagrad."""
+                      dim: int, seed: int, ps_lr: float, dense_lr: float, threads: int,
+                      dense_norm: bool = False) -> PeerRun:
+    """Samples/s and test AUC of TorchRec DMP with the fused kernel and row-wise Adagrad
+    (``dense_norm`` as for :func:`torch_baseline`)."""
     import torch.distributed as dist
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
     from torchrec.distributed import DistributedModelParallel
@@ -164,7 +167,8 @@ def torchrec_baseline(train: Sequence[Batch], test: Sequence[Batch], features: l
         for p in ebc.parameters():
             torch.nn.init.uniform_(p, -0.01, 0.01)
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": ps_lr})
-        model = _TorchRecModel(ebc, _dense_model(features, dim, train[0].num_dense, seed))
+        model = _TorchRecModel(ebc, _dense_model(features, dim, train[0].num_dense, seed,
+                                                 dense_norm))
         constraints = {c.name: ParameterConstraints(
             sharding_types=[ShardingType.TABLE_WISE.value],
             compute_kernels=[EmbeddingComputeKernel.FUSED.value]) for c in configs}

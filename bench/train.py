@@ -82,7 +82,7 @@ RUNS = {  # key: what the table calls it
     "local": "plain torch, 1 thread: nn.EmbeddingBag + sparse Adagrad",
     "torch": "plain torch with every core's thread",
     "torchrec": "TorchRec DMP, fused kernel, row-wise Adagrad, every core's thread",
-    "default": "Persimmon as `persimmon train` runs: shard embedded, hybrid, head ids sync",
+    "default": "Persimmon as `persimmon train` runs: shard embedded, staleness auto (S = 1)",
     "sync_embedded": "Persimmon, shard embedded, sync",
     "hybrid_embedded": "Persimmon, shard embedded, hybrid S=8 on every row",
     "hybrid": "Persimmon, 2 shard processes over gRPC, hybrid S=8 on every row",
@@ -91,16 +91,18 @@ RUNS = {  # key: what the table calls it
     "sync": "Persimmon, 2 shard processes over gRPC, sync",
 }
 _PERSIMMON_RUNS = {  # key: placement, mode, hot tables and head ids as by default (else none),
-    # a replica of the head rows on the worker
-    "default": ("embedded", "hybrid", True, False),
-    "sync_embedded": ("embedded", "sync", False, False),
-    "hybrid_embedded": ("embedded", "hybrid", False, False),
-    "hybrid": ("processes", "hybrid", False, False),
-    "hybrid_hot": ("processes", "hybrid", True, False),
-    "hybrid_replica": ("processes", "hybrid", True, True),
-    "sync": ("processes", "sync", False, False)}
+    # a replica of the head rows on the worker, the staleness
+    "default": ("embedded", "hybrid", True, False, "auto"),
+    "sync_embedded": ("embedded", "sync", False, False, 8),
+    "hybrid_embedded": ("embedded", "hybrid", False, False, 8),
+    "hybrid": ("processes", "hybrid", False, False, 8),
+    "hybrid_hot": ("processes", "hybrid", True, False, 8),
+    "hybrid_replica": ("processes", "hybrid", True, True, 8),
+    "hybrid_auto": ("processes", "hybrid", True, True, "auto"),  # behind the proxy only
+    "sync": ("processes", "sync", False, False, 8)}
 # the ways behind the proxy (each paired with sync) and their names in the rtt rows' keys
-_RTT_NAMES = {"hybrid": "hybrid", "hybrid_hot": "hot", "hybrid_replica": "replica"}
+_RTT_NAMES = {"hybrid": "hybrid", "hybrid_hot": "hot", "hybrid_replica": "replica",
+              "hybrid_auto": "auto"}
 _RTT_RUNS = (*_RTT_NAMES, "sync")
 
 
@@ -118,10 +120,11 @@ def _warm_up_torch() -> None:
 
 def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str], dim: int,
                seed: int, placement: str, mode: str, hot: bool, replica: bool = False,
-               rtt_ms: float | None = None, device: str | None = None,
-               hot_staleness: int = 1) -> dict[str, Any]:
+               staleness: int | str = 8, rtt_ms: float | None = None,
+               device: str | None = None, hot_staleness: int = 1) -> dict[str, Any]:
     """One Persimmon run; ``replica``: the worker keeps a replica of its head rows
-    (``persimmon train``'s default for remote shards); ``rtt_ms``: the shard processes behind a
+    (``persimmon train``'s default for remote shards); ``staleness``: S, or ``auto`` (the
+    window sized from the measured round trip); ``rtt_ms``: the shard processes behind a
     :class:`LatencyProxy`;
     ``device``: the worker's torch device (None: CUDA where there is one); ``hot_staleness``:
     the bound of the head ids (1: synchronous, the default)."""
@@ -133,7 +136,7 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
     from services.worker.models import ModelConfig
 
     tables = ps_table_configs(dict.fromkeys(features, dim), lr=_PS_LR)
-    config = TrainerConfig(mode=mode, staleness=8, lr=_DENSE_LR, pooling="mean", seed=seed,
+    config = TrainerConfig(mode=mode, staleness=staleness, lr=_DENSE_LR, pooling="mean", seed=seed,
                            ps_process=placement == "processes", device=device,
                            hot_staleness=hot_staleness)
     if not hot:
@@ -170,9 +173,9 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
 
 
 def _summary_figures(summary: dict[str, Any]) -> dict[str, Any]:
-    return {k: summary[k] for k in ("samples_per_s", "auc", "staleness_max", "step_wall_ms",
-                                    "step_cpu_ms", "step_phases", "batch_wait_ms",
-                                    "loop_cpu_ms")}
+    return {k: summary[k] for k in ("samples_per_s", "auc", "staleness", "staleness_max",
+                                    "step_wall_ms", "step_cpu_ms", "step_phases",
+                                    "batch_wait_ms", "loop_cpu_ms")}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -328,7 +331,7 @@ def paired_ratios(every: dict[str, list[dict[str, Any]]], batch_size: int, cores
     for i, hybrid in enumerate(speed["hybrid"]):
         sync = speed["sync"][i]
         out["vs_local"].append(hybrid / speed["local"][i])
-        best = max(speed[k][i] for k in _PERSIMMON_RUNS)
+        best = max(speed[k][i] for k in _PERSIMMON_RUNS if k in speed)
         for peer in ("torch", "torchrec"):  # Persimmon's fastest way against the peer
             if peer in speed:
                 out[f"vs_{peer}"].append(best / speed[peer][i])

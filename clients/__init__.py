@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         RowsReplica,
         RowsSnapshots,
         StatefulRows,
+        WarmRows,
     )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "StatefulRows",
     "SyncLoaderClient",
     "SyncPSClient",
+    "WarmRows",
 ]
 
 _HOME = {
@@ -57,6 +59,7 @@ _HOME = {
     "StatefulRows": "rows",
     "SyncLoaderClient": "loader_client",
     "SyncPSClient": "ps_client",
+    "WarmRows": "rows",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _HOME)

@@ -18,6 +18,7 @@ implementation does not subclass them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -26,7 +27,7 @@ from services.common.codecs import WireStats
 from services.common.sharding import ShardedIds
 
 __all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsClient", "RowsReplica",
-           "RowsSnapshots", "StatefulRows"]
+           "RowsSnapshots", "StatefulRows", "WarmRows"]
 
 
 class PushCounts(Protocol):
@@ -132,6 +133,17 @@ class DirectRows(Protocol):
 
     def push_now(self, layout: ShardedIds, grads: np.ndarray) -> PushCounts:
         """:meth:`RowsClient.push_sharded`, applied before it returns, in the calling thread."""
+        ...
+
+
+@runtime_checkable
+class WarmRows(Protocol):
+    """A rows client whose kernels run in this process (numba's, each compiled at the first
+    call of a signature; a request's take one array per table) loads or compiles them ahead:
+    the worker warms the requests of its groups of tables before its first step."""
+
+    def warm_up(self, groups: Sequence[Sequence[str]]) -> object:
+        """Load or compile the kernels that requests of each of ``groups`` of tables run."""
         ...
 
 

@@ -50,7 +50,7 @@ _SERVICES: list[Register] = [_PS, _LOADER, _worker, _serve, _hook("services.loca
                              _hook("services.local.demo")]
 # Commands whose module is registered alone, so that a PS or loader process starts quickly
 # (without importing torch): what a supervisor's restart waits for.
-_LIGHT = {"ps": _PS, "loader": _LOADER, "synth": _LOADER}
+_LIGHT = {"ps": _PS, "loader": _LOADER, "synth": _LOADER, "prepare": _LOADER}
 
 
 def _command_of(argv: list[str]) -> str | None:

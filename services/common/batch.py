@@ -23,14 +23,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 from services.common.codecs.registry import decode_array, raw_array
 from services.common.errors import MalformedMessage
 
-__all__ = ["Batch", "Batches", "Jagged", "iterate"]
+__all__ = ["Batch", "Batches", "Jagged", "RankBatches", "iterate"]
 
 
 class Jagged(NamedTuple):
@@ -140,6 +140,14 @@ def _check(arr: Any, dtype: type, ndim: int, what: str) -> None:
 
 
 Batches = AsyncIterable[Batch] | Iterable[Batch]
+
+
+@runtime_checkable
+class RankBatches(Protocol):
+    """Batches each rank of a job reads on its own (a cache of parsed columns, say): rank
+    ``rank`` of ``world`` reads :meth:`for_rank`. It pickles, to reach the ranks' processes."""
+
+    def for_rank(self, rank: int, world: int) -> Batches: ...
 
 
 async def iterate(batches: Batches) -> AsyncIterator[Batch]:

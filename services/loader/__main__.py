@@ -15,6 +15,7 @@ import json
 
 from services.common.commands import (
     add_service_command,
+    float_at_least,
     input_file,
     int_at_least,
     run_commands,
@@ -50,9 +51,10 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+    from services.loader.synthetic import SyntheticDataset, synthetic_profile
 
-    dataset = SyntheticDataset(SyntheticConfig(seed=args.seed))
+    dataset = SyntheticDataset(synthetic_profile(args.profile, seed=args.seed,
+                                                 max_vocab=args.max_vocab, zipf=args.zipf))
     meta = dataset.write(args.out, args.rows, args.test_rows)
     print(json.dumps({k: meta[k] for k in ("train_rows", "test_rows", "oracle", "source",
                                              "test_source")}, indent=2))
@@ -90,7 +92,18 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument("--out", required=True, help="output directory")
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--test-rows", type=int_at_least(1), default=50_000, help="test rows")
+    synth.add_argument("--profile", default="toy",
+                       help="toy: 8 small vocabularies; criteo: Criteo Kaggle's 26 "
+                            "vocabularies (capped at --max-vocab), Zipf 1.1, 13 counts")
+    synth.add_argument("--max-vocab", type=int_at_least(2), default=1_000_000,
+                       help="criteo profile: the largest vocabulary")
+    synth.add_argument("--zipf", type=float_at_least(0, inclusive=False), default=None,
+                       help="the ids' Zipf exponent (default: the profile's)")
     synth.set_defaults(func=_synth)
+
+    from services.loader.prepare import register_prepare
+
+    register_prepare(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import urllib.request
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode
@@ -29,6 +31,7 @@ import numpy as np
 from services.common.commands import float_at_least, int_at_least
 from services.common.config import print_config
 from services.common.errors import ConfigError
+from services.loader.prepare import cacheable, prepare_sources
 from services.worker.__main__ import add_training_flags, load_trainer_config
 from services.worker.best import keeps_best
 from services.worker.config import TrainerConfig, ps_table_configs
@@ -147,6 +150,55 @@ def _sparse_features(admin_url: str) -> list[str]:
     return list(sources[0]["sparse_features"])
 
 
+@dataclass(frozen=True, slots=True)
+class _Data:
+    """Where the workers' data comes from: ``sources`` are run_local_training's arguments
+    (loader addresses, or cached data each rank reads), ``cache`` what the summary says of
+    the column cache (None without it), ``admin_url`` the training loader's (exports)."""
+
+    features: list[str]
+    sources: dict[str, Any]
+    cache: dict[str, Any] | None = None
+    admin_url: str = ""
+
+
+def _cached_data(specs: tuple[str, str | None, str | None], cache_dir: str | None, *,
+                 batch_size: int, epochs: int, seed: int | None) -> _Data:
+    """The (train, eval, validation) file sources parsed once into the column cache, each
+    rank reading its share there: no loader process, no stream, no parse after the first."""
+    names = ("train", "eval", "validation")
+    given = [(name, spec) for name, spec in zip(names, specs, strict=True) if spec is not None]
+    cached = dict(zip([name for name, _ in given], prepare_sources(
+        [spec for _, spec in given], cache_dir=cache_dir, show=sys.stderr.isatty()),
+        strict=True))
+    train = cached["train"]
+    sources: dict[str, Any] = {"train_batches": train.share(batch_size, epochs=epochs,
+                                                            seed=seed)}
+    if "eval" in cached:
+        sources["eval_batches"] = cached["eval"].share(4096, seed=None)
+    if "validation" in cached:
+        sources["validation_loader"] = cached["validation"].share(4096, seed=None)
+    return _Data(features=train.features, sources=sources,
+                 cache={name: data.describe() for name, data in cached.items()})
+
+
+def _loaders(stack: ExitStack, specs: tuple[str, str | None, str | None], *, batch_size: int,
+             workers: int, epochs: int, seed: int, shuffle_buffer: int) -> _Data:
+    """Loader processes for the (train, eval, validation) specs, on loopback ports."""
+    from services.local.processes import LocalLoader
+
+    train, evaluation, validation = specs
+    loader = stack.enter_context(LocalLoader(train, batch_size=batch_size, world_size=workers,
+                                             seed=seed, epochs=epochs,
+                                             shuffle_buffer=shuffle_buffer))
+    held_out = {name: stack.enter_context(LocalLoader(spec, batch_size=4096,
+                                                      world_size=workers, seed=seed)).address
+                for name, spec in (("eval_loader", evaluation),
+                                   ("validation_loader", validation)) if spec}
+    return _Data(features=_sparse_features(loader.admin_url),
+                 sources={"loader": loader.address, **held_out}, admin_url=loader.admin_url)
+
+
 def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: TrainerConfig,
                            validation_data: str | None = None,
                            model: ModelConfig, workers: int = 1, shards: int | None = None,
@@ -155,7 +207,8 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                            ps_initial_accumulator: float | None = None,
                            ps_table_lr: dict[str, float] | None = None,
                            batch_size: int = 512, shuffle_buffer: int = 0,
-                           epochs: int = 1, data_seed: int = 0, ps: str = "auto"
+                           epochs: int = 1, data_seed: int = 0, ps: str = "auto",
+                           cache: bool = True, cache_dir: str | None = None
                            ) -> dict[str, Any]:
     """Start loaders on loopback ports and the PS shards where ``ps`` places them
     (:func:`ps_placement`), train ``workers`` gloo ranks, stop everything; return the
@@ -164,25 +217,27 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
     for in one process), two shard processes.
     ``validation_data``: the loader spec the best state is selected on. ``ps_lr`` and
     ``ps_initial_accumulator`` default to the model's
-    (:meth:`ModelConfig.ps_optimizer_defaults`)."""
-    from services.local.processes import LocalLoader, LocalPS
+    (:meth:`ModelConfig.ps_optimizer_defaults`). With ``cache`` and file sources only, the
+    data is parsed once into the column cache (``cache_dir``) and every worker reads it
+    there (:func:`_cached_data`); else loader processes stream it."""
+    from services.local.processes import LocalPS
     from services.ps.inprocess import InProcessShards
     from services.worker.local import run_local_training
 
     keep_best = keeps_best(config, validation=validation_data is not None)
     placement = ps_placement(ps, workers, config, keep_best=keep_best)
+    specs = (train_data, eval_data, validation_data)
+    cached = cache and not config.export_dir and all(
+        cacheable(s) for s in specs if s is not None)
 
     with ExitStack() as stack:
-        loader = stack.enter_context(LocalLoader(train_data, batch_size=batch_size,
-                                                 world_size=workers, seed=data_seed,
-                                                 epochs=epochs, shuffle_buffer=shuffle_buffer))
-        eval_loader = (stack.enter_context(LocalLoader(eval_data, batch_size=4096,
-                                                       world_size=workers, seed=data_seed))
-                       if eval_data else None)
-        checks = (stack.enter_context(LocalLoader(validation_data, batch_size=4096,
-                                                  world_size=workers, seed=data_seed))
-                  if validation_data else None)
-        features = _sparse_features(loader.admin_url)
+        if cached:
+            data = _cached_data(specs, cache_dir, batch_size=batch_size, epochs=epochs,
+                                seed=data_seed if shuffle_buffer else None)
+        else:
+            data = _loaders(stack, specs, batch_size=batch_size, workers=workers,
+                            epochs=epochs, seed=data_seed, shuffle_buffer=shuffle_buffer)
+        features = data.features
         lr, accumulator = model.ps_optimizer_defaults(ps_optimizer)
         tables = ps_table_configs({f: model.table_dim(dim) for f in features},
                                   lr=lr if ps_lr is None else ps_lr,
@@ -204,15 +259,14 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
                                                   registry=config.registry))
             where = {"ps_addresses": cluster.addresses}
             attach = _online_export(config, model, exports, cluster.admin_urls,
-                                    loader.admin_url)
+                                    data.admin_url)
             if workers == 1 and config.mode == "hybrid" and config.head_replica:
                 attach = with_head_replica(attach)
         summary = summary_dict(run_local_training(
-            **where, loader=loader.address,
-            eval_loader=eval_loader.address if eval_loader else None,
-            validation_loader=checks.address if checks else None, model=model,
-            config=config, num_workers=workers, attach=attach))
+            **where, **data.sources, model=model, config=config, num_workers=workers,
+            attach=attach))
     summary["ps"] = placement
+    summary["cache"] = data.cache
     summary["ps_optimizer"] = tables[0]["optimizer"]  # every table's, but --ps-table-lr's lr
     oracle = _oracle(train_data, eval_data, data_seed)
     if oracle is not None:
@@ -309,7 +363,8 @@ def _run_train(args: argparse.Namespace) -> int:
             ps_weight_decay=args.ps_weight_decay, ps_table_lr=args.ps_table_lr,
             ps_initial_accumulator=args.ps_initial_accumulator,
             batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer,
-            epochs=args.epochs, data_seed=args.data_seed, ps=args.ps)
+            epochs=args.epochs, data_seed=args.data_seed, ps=args.ps, cache=args.cache,
+            cache_dir=args.cache_dir)
     return report_summary(summary, args.summary_json)
 
 
@@ -358,6 +413,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                             f"{acc:g})")
     train.add_argument("--ps-table-lr", type=_table_lrs, default=None,
                        help="PS lr of some features' tables: FEATURE=LR[,FEATURE=LR...]")
+    train.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
+                       help="file sources: parse them once into the column cache and read "
+                            "it in every later epoch and run (docs/loader.md#the-column-cache);"
+                            " --no-cache streams them from loader processes")
+    train.add_argument("--cache-dir", default=None,
+                       help="the column cache's directory (default: $PERSIMMON_CACHE_DIR, "
+                            "else ~/.cache/persimmon/columns)")
     train.add_argument("--dense-norm", action=argparse.BooleanOptionalAction, default=True,
                        help="standardise the dense features with statistics of the first "
                             "training samples, kept in the model (models.DenseNorm)")

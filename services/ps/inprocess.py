@@ -116,16 +116,23 @@ class InProcessShards:
         self.gate = gate
         self.codec_stats = WireStats()  # nothing is encoded: stays empty
         self.dims: dict[str, int] = {t.name: t.dim for t in configs}
+        self._warmed: set[tuple[str, ...]] = set()  # groups of tables warm_up ran
 
     @property
     def num_shards(self) -> int:
         return len(self.shards)
 
-    def warm_up(self) -> InProcessShards:
-        """Compile every table's kernels now (numba), as a PS process does before it serves,
-        so that the first training steps are not charged for it."""
-        for shard in self.shards:
-            shard.warm_up()
+    def warm_up(self, groups: Sequence[Sequence[str]] | None = None) -> InProcessShards:
+        """Compile now (numba) the kernels of every table's kind and of requests of each of
+        ``groups`` of tables (default: each dim's tables, as a worker sends them), as a PS
+        process does before it serves, so that the first training steps are not charged for
+        it. The kernels are the process's: one shard runs them for all; a group warmed
+        before is skipped (the Trainer warms its own groups, often these)."""
+        todo = [tuple(g) for g in (self.shards[0].dim_groups() if groups is None else groups)]
+        todo = [g for g in dict.fromkeys(todo) if g not in self._warmed]
+        if todo:
+            self.shards[0].warm_up(todo)
+            self._warmed.update(todo)
         return self
 
     async def connect(self) -> InProcessShards:

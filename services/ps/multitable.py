@@ -184,15 +184,25 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
     return results
 
 
-def warm_up(config: TableConfig) -> None:
-    """Look up and push a few ids on a scratch table of ``config``, twice, alone and as a
-    request of one table here, so that numba loads (or compiles) every kernel a table of this
-    kind runs now, not during the first training steps; the scratch table is dropped."""
-    table = EmbeddingTable(replace(config, initial_capacity=16))
-    ids = np.arange(4, dtype=np.uint64)
-    grads = np.zeros((ids.size, config.dim), dtype=np.float32)
+def warm_up(configs: Sequence[TableConfig]) -> None:
+    """Look up and push ids on scratch tables of ``configs`` (of one dim), twice, each table
+    alone and all of them as one request, so that numba loads (or compiles) now, not during
+    the first training steps, every kernel tables of these kinds run: a request's kernels
+    take one array per table, so each number of tables in a request is a signature of its
+    own. More ids than a scratch table first holds make it grow (its index rehashed). The
+    scratch tables are dropped."""
+    dims = {config.dim for config in configs}
+    if len(dims) != 1:
+        raise ValueError(f"warm_up needs tables of one dim, got dims {sorted(dims)}")
+    tables = [EmbeddingTable(replace(config, initial_capacity=16)) for config in configs]
+    ids = np.arange(64, dtype=np.uint64)
+    grads = np.zeros((ids.size, dims.pop()), dtype=np.float32)
     for _ in range(2):
-        table.lookup(ids)
-        table.push(ids, grads)
-        lookup_plain([table], [ids], config.dim)
-        push_plain([table], [ids], [grads])
+        for table in tables:
+            table.lookup(ids)
+            table.push(ids, grads)
+            lookup_plain([table], [ids], table.dim)
+            push_plain([table], [ids], [grads])
+        if len(tables) > 1:
+            lookup_plain(tables, [ids] * len(tables), tables[0].dim)
+            push_plain(tables, [ids] * len(tables), [grads] * len(tables))

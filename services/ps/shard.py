@@ -102,12 +102,27 @@ class Shard:
             raise NotFound(f"table {name!r} does not exist on shard {self.config.shard_id}; "
                            f"tables: {sorted(self.tables)}") from None
 
-    def warm_up(self) -> None:
-        """Load the compiled kernels of every table's kind, and of the id check, before the
-        first request."""
+    def dim_groups(self) -> list[list[str]]:
+        """The tables' names by dim, in creation order: the requests a worker sends by
+        default (its tables of one dim together)."""
+        groups: dict[int, list[str]] = {}
+        for name, table in self.tables.items():
+            groups.setdefault(table.dim, []).append(name)
+        return list(groups.values())
+
+    def warm_up(self, groups: Sequence[Sequence[str]] | None = None) -> None:
+        """Load the compiled kernels of the id check, of each table's kind and of requests of
+        each of ``groups`` of tables (default: :meth:`dim_groups`), before the first
+        request."""
+        requests = [[self.table(name).config for name in group]
+                    for group in (self.dim_groups() if groups is None else groups)]
+        for configs in requests:
+            if len({config.dim for config in configs}) != 1:
+                raise InvalidArgument("the tables of one request must have one dim, got "
+                                      f"{ {config.name: config.dim for config in configs} }")
         shard_of(np.arange(4, dtype=np.uint64), 2)
-        for table in self.tables.values():
-            warm_up(table.config)
+        for configs in requests:
+            warm_up(configs)
 
     def create_table(self, table_config: TableConfig | dict[str, Any]) -> EmbeddingTable:
         if isinstance(table_config, dict):

@@ -137,6 +137,7 @@ class ComputeThread(Generic[Item]):
         # the run's clocks at its start (:meth:`mark_started`): wall, the worker's CPU seconds
         # and the event loop's thread's
         self.started = self.started_cpu = self.started_loop_cpu = 0.0
+        self.first_step_at: float | None = None  # perf_counter() as the first step began
         self._room = asyncio.Semaphore(room) if room is not None else None
         self._eval_every = eval_every
         self._pause_each_step = pause_each_step
@@ -204,6 +205,8 @@ class ComputeThread(Generic[Item]):
             if self._room is not None:
                 self.loop.call_soon_threadsafe(self._room.release)
             wall, cpu = time.perf_counter(), time.thread_time()
+            if self.first_step_at is None:
+                self.first_step_at = wall
             result = self._step(item)
             self._wall += time.perf_counter() - wall
             self._cpu += time.thread_time() - cpu

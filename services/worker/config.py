@@ -15,6 +15,7 @@ from services.worker.compression import HOOK_NAMES
 from services.worker.exchange import EMBEDDING_PATHS
 from services.worker.pooling import POOLING_MODES
 from services.worker.sync import STRATEGIES, SyncConfig
+from services.worker.window import MAX_AUTO_WINDOW
 
 __all__ = ["DENSE_OPTIMIZERS", "MODES", "SYNC_FIELDS", "TrainerConfig", "ps_table_configs"]
 
@@ -31,7 +32,9 @@ SYNC_FIELDS = ("sync", "sync_period", "sync_group_size", "sync_schedule", "sync_
 class TrainerConfig:
     """How one worker trains.
 
-    ``staleness`` S bounds the batches in flight in ``hybrid`` mode: a batch takes one of
+    ``staleness`` S bounds the batches in flight in ``hybrid`` mode (``auto``, the default:
+    sized at the start from the measured round trip to the PS, :mod:`services.worker.window`;
+    1 with the shards in the worker's process): a batch takes one of
     ``max(S, 1)`` semaphore slots before its lookup and frees it when its push is
     acknowledged, so a lookup sees at most ``S - 1`` earlier pushes still unacknowledged
     (never more than S). ``sync`` is S = 0 (one batch at a time, bit-reproducible);
@@ -48,7 +51,9 @@ class TrainerConfig:
 
     mode: str = field(default="hybrid", metadata={
         "help": "sync, global_sync (sync across the workers), hybrid or async"})
-    staleness: int = field(default=8, metadata={"help": "hybrid: batches in flight (S)"})
+    staleness: int | str = field(default="auto", metadata={
+        "help": "hybrid: batches in flight (S), or auto: the smallest window that hides the "
+                "measured round trip to the PS (1, none, with the shards in this process)"})
     prefetch: int = field(default=8, metadata={"help": "async: lookups ahead of compute"})
     hot_ratio: float = field(default=0.0, metadata={
         "help": "hybrid: tables whose first batch has at most this many distinct ids per "
@@ -144,9 +149,12 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) \
-                or self.staleness < 0:
-            raise ConfigError(f"staleness must be an int >= 0, got {self.staleness!r}")
+        if isinstance(self.staleness, str) and self.staleness.strip().isdigit():
+            self.staleness = int(self.staleness)  # from a flag or the environment
+        if self.staleness != "auto" and (isinstance(self.staleness, bool) or not isinstance(
+                self.staleness, int) or self.staleness < 0):
+            raise ConfigError(f"staleness must be 'auto' or an int >= 0, got "
+                              f"{self.staleness!r}")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, got {self.prefetch}")
         self._check_hot()
@@ -273,12 +281,19 @@ class TrainerConfig:
             raise ConfigError(f"activation_keep must be in (0, 1], got {self.activation_keep}")
 
     @property
+    def auto_window(self) -> bool:
+        """Whether the window is sized at the job's start (hybrid, staleness ``auto``:
+        :mod:`services.worker.window`)."""
+        return self.mode == "hybrid" and self.staleness == "auto"
+
+    @property
     def window(self) -> int | None:
-        """Batches allowed in flight (lookup taken, push not acknowledged); None: unbounded."""
+        """Batches allowed in flight (lookup taken, push not acknowledged); None: unbounded.
+        With staleness ``auto``, the most the job's start may choose."""
         if self.mode in ("sync", "global_sync"):
             return 1
         if self.mode == "hybrid":
-            return max(self.staleness, 1)
+            return MAX_AUTO_WINDOW if self.staleness == "auto" else max(int(self.staleness), 1)
         return None
 
 

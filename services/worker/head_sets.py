@@ -8,7 +8,8 @@ from numba import njit
 
 from services.common.sharding import GOLDEN
 
-__all__ = ["MIX", "NO_MEMBERS", "hash_set", "members", "partition", "place_rows", "totals"]
+__all__ = ["MIX", "NO_MEMBERS", "hash_set", "members", "partition", "place_rows", "totals",
+           "warm_up"]
 
 MIX = GOLDEN  # spreads a table's index over the bits of its ids' keys
 NO_MEMBERS = np.zeros(2, dtype=np.uint64)  # an empty set (:func:`hash_set`)
@@ -117,3 +118,17 @@ def place_rows(out, at, rows):  # pragma: no cover - numba
     for j in range(at.size):
         for c in range(out.shape[1]):
             out[at[j], c] = rows[j, c]
+
+
+def warm_up() -> None:
+    """Run every kernel here once, on a few values of the types the head ids pass them, so
+    that numba loads (or compiles) them before the first training step."""
+    keys = np.arange(1, 5, dtype=np.uint64)
+    table = hash_set(keys)
+    members(table, keys, np.empty(keys.size, dtype=np.bool_))
+    partition(table, keys, np.array([keys.size], dtype=np.int64),
+              np.empty(keys.size, dtype=np.bool_))
+    totals(keys, np.ones(keys.size, dtype=np.int64), np.empty(keys.size, dtype=np.int64),
+           np.empty(keys.size, dtype=np.int64))
+    rows = np.zeros((keys.size, 2), dtype=np.float32)
+    place_rows(rows, np.arange(keys.size, dtype=np.int64), rows.copy())

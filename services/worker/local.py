@@ -17,7 +17,7 @@ from typing import Any
 
 from clients.loader_client import LoaderClient
 from clients.rows import RowsClient
-from services.common.batch import Batch
+from services.common.batch import Batch, RankBatches, iterate
 from services.common.errors import ConfigError
 from services.worker.config import TrainerConfig
 from services.worker.distributed import run_local_ranks
@@ -37,18 +37,32 @@ async def read_loader(address: str, rank: int, world: int) -> list[Batch]:
     return out
 
 
+Source = Sequence[Batch] | str | RankBatches  # batches, a loader's address, or read by rank
+
+
+async def _held_out(source: Source | None, rank: int, world: int) -> list[Batch] | None:
+    """This rank's share of held-out batches, read once."""
+    if source is None:
+        return None
+    if isinstance(source, str):
+        return await read_loader(source, rank, world)
+    if isinstance(source, RankBatches):
+        return [b async for b in iterate(source.for_rank(rank, world))]
+    return list(source)
+
+
 async def _train(rank: int, world: int, ps_addresses: Sequence[str],
                  tables: Mapping[str, str] | None, model: ModelConfig, config: TrainerConfig,
-                 train: Sequence[Batch] | str, test: Sequence[Batch] | str | None,
+                 train: Source, test: Source | None,
                  on_step: Callable[[dict[str, Any]], None] | None,
                  attach: Callable[[Trainer], object] | None = None,
-                 rows_client: RowsClient | None = None, validation: str | None = None
+                 rows_client: RowsClient | None = None, validation: Source | None = None
                  ) -> dict[str, Any]:
-    """One rank: ``train``/``test`` are this rank's batches or a loader address,
-    ``validation`` a loader address; ``attach(trainer)`` runs on rank 0 before training."""
-    if isinstance(test, str):
-        test = await read_loader(test, rank, world)
-    checks = await read_loader(validation, rank, world) if validation else None
+    """One rank: ``train``/``test``/``validation`` are this rank's batches, a loader
+    address, or a :class:`RankBatches` this rank reads its share of; ``attach(trainer)``
+    runs on rank 0 before training."""
+    held_out = await _held_out(test, rank, world)
+    checks = await _held_out(validation, rank, world)
     async with Trainer(model=model, ps_addresses=ps_addresses, tables=tables, config=config,
                        on_step=on_step, rows_client=rows_client) as trainer:
         if attach is not None and rank == 0:
@@ -57,24 +71,25 @@ async def _train(rank: int, world: int, ps_addresses: Sequence[str],
             credits = (config.window or config.prefetch) + 2
             async with LoaderClient(train, rank=rank, world_size=world,
                                     credits=credits) as loader:
-                summary = await trainer.fit(loader, eval_batches=test,
+                summary = await trainer.fit(loader, eval_batches=held_out,
                                             validation_batches=checks)
         else:
-            summary = await trainer.fit(train, eval_batches=test, validation_batches=checks)
+            batches = train.for_rank(rank, world) if isinstance(train, RankBatches) else train
+            summary = await trainer.fit(batches, eval_batches=held_out,
+                                        validation_batches=checks)
         return summary.as_dict()
 
 
-def _share(batches: Sequence[Batch] | str | None, rank: int, world: int
-           ) -> list[Batch] | str | None:
-    if batches is None or isinstance(batches, str):
+def _share(batches: Source | None, rank: int, world: int) -> Source | None:
+    if batches is None or isinstance(batches, str | RankBatches):
         return batches
     return list(batches[rank::world])
 
 
 def _rank(rank: int, world: int, ps_addresses: Sequence[str], tables: Mapping[str, str] | None,
-          model: ModelConfig, config: TrainerConfig, train: Sequence[Batch] | str,
-          test: Sequence[Batch] | str | None, attach: Callable[[Trainer], object] | None,
-          validation: str | None) -> dict[str, Any]:
+          model: ModelConfig, config: TrainerConfig, train: Source, test: Source | None,
+          attach: Callable[[Trainer], object] | None, validation: Source | None
+          ) -> dict[str, Any]:
     return asyncio.run(_train(rank, world, ps_addresses, tables, model, config,
                               _share(train, rank, world) or [], _share(test, rank, world), None,
                               attach, validation=validation))
@@ -82,9 +97,11 @@ def _rank(rank: int, world: int, ps_addresses: Sequence[str], tables: Mapping[st
 
 def run_local_training(*, ps_addresses: Sequence[str] = (),
                        rows_client: RowsClient | None = None,
-                       train_batches: Sequence[Batch] | None = None, loader: str | None = None,
-                       eval_batches: Sequence[Batch] | None = None,
-                       eval_loader: str | None = None, validation_loader: str | None = None,
+                       train_batches: Sequence[Batch] | RankBatches | None = None,
+                       loader: str | None = None,
+                       eval_batches: Sequence[Batch] | RankBatches | None = None,
+                       eval_loader: str | None = None,
+                       validation_loader: str | RankBatches | None = None,
                        tables: Mapping[str, str] | None = None,
                        model: ModelConfig | None = None, config: TrainerConfig | None = None,
                        num_workers: int = 1, timeout_s: float = 600.0,
@@ -92,8 +109,10 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
                        attach: Callable[[Trainer], object] | None = None
                        ) -> dict[str, Any]:
     """Train and return rank 0's summary (:meth:`FitSummary.as_dict`), with ``samples_per_s`` and ``wire_bytes`` summed over
-    the workers and ``num_workers`` added. Give ``train_batches`` or ``loader`` (an address),
-    and optionally ``eval_batches`` or ``eval_loader``, and ``validation_loader``.
+    the workers and ``num_workers`` added. Give ``train_batches`` (a list, or
+    :class:`RankBatches` each rank reads its share of) or ``loader`` (an address), and
+    optionally ``eval_batches`` or ``eval_loader``, and ``validation_loader`` (an address or
+    RankBatches).
     ``on_step`` runs only with one worker (in this process); with more, workers are forked
     processes joined by a gloo group.
     ``attach(trainer)`` runs on rank 0 before training (it must pickle: model exports).
@@ -108,13 +127,14 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
         raise ConfigError("give either train_batches or a loader address")
     if eval_batches is not None and eval_loader is not None:
         raise ConfigError("give eval_batches or an eval_loader address, not both")
-    if train_batches is not None and len(train_batches) < num_workers:
+    if isinstance(train_batches, Sequence) and len(train_batches) < num_workers:
         raise ConfigError(f"{len(train_batches)} training batches cannot feed "
                           f"{num_workers} workers")
     model = model or ModelConfig()
     config = config or TrainerConfig()
-    train: Sequence[Batch] | str = loader if loader is not None else list(train_batches or [])
-    test: Sequence[Batch] | str | None = eval_loader if eval_loader is not None else eval_batches
+    train: Source = loader if loader is not None else (
+        train_batches if isinstance(train_batches, RankBatches) else list(train_batches or []))
+    test: Source | None = eval_loader if eval_loader is not None else eval_batches
     if num_workers == 1:
         summary = asyncio.run(_train(0, 1, ps_addresses, tables, model, config, train, test,
                                      on_step, attach, rows_client, validation_loader))

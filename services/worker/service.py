@@ -44,7 +44,8 @@ log = logging.getLogger("persimmon.worker")
 
 # What the summary line printed at the end holds (the JSON file of --summary-json has it all).
 SUMMARY_KEYS = ("mode", "steps", "auc", "oracle_auc", "logloss", "best_step",
-                "best_validation_auc", "samples_per_s", "staleness_max", "wire_bytes")
+                "best_validation_auc", "samples_per_s", "time_to_first_step_s", "staleness_max",
+                "wire_bytes")
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,9 @@ class FitSummary:
     ``auc``/``logloss`` are the final held-out figures when ``fit`` evaluated (then
     ``eval_samples`` is set), else the progressive (pre-update) training figures
     (``train_auc``/``train_logloss``). ``loss`` is the mean of the latest 50 training losses,
-    ``staleness_max``/``staleness_mean`` are those of the windowed rows; ``hot_tables`` and
+    ``staleness`` is the window (S) the run had, ``window_choice`` what ``staleness auto``
+    measured and chose (None when S was given); ``staleness_max``/``staleness_mean`` are
+    those of the windowed rows; ``hot_tables`` and
     ``head_ids`` (how many, at the end) are looked up under ``hot_staleness``;
     ``replicated_rows`` are the rows of those the worker's replica held at the end (0: none).
     ``recent_losses`` this fit's latest ones (at most ``RECENT_LOSSES``), ``loss_curve`` the
@@ -102,6 +104,10 @@ class FitSummary:
     Timings are mean milliseconds per step; ``step_phases`` splits a training step's wall and
     CPU time into its phases (reading the hot rows, pooling, forward, backward, the dense
     update, applying the hot rows' gradients); byte counts are per stream (and codec).
+    ``time_to_first_step_s``: seconds from the call of ``fit`` to the start of its first
+    training step (the compute thread's), spent on connecting, building the model from the
+    first batch, loading or compiling the step's kernels (:mod:`services.worker.warmup`),
+    and planning and looking up the first batch; NaN without a step.
     """
 
     mode: str
@@ -113,6 +119,7 @@ class FitSummary:
     loss: float = math.nan
     staleness_max: int = 0
     staleness_mean: float = 0.0
+    window_choice: dict[str, Any] | None = None
     hot_tables: list[str] = field(default_factory=list)
     head_ids: int = 0
     replicated_rows: int = 0
@@ -120,6 +127,7 @@ class FitSummary:
     step_cpu_ms: float = 0.0
     batch_wait_ms: float = 0.0
     step_phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    time_to_first_step_s: float = math.nan
     worker_cpu_ms_per_step: float = 0.0
     loop_cpu_ms: float = 0.0
     train_auc: float = math.nan

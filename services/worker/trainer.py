@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -83,8 +84,12 @@ from services.worker.pipeline import EmbeddingPipeline, Prepared
 from services.worker.pooling import BatchPlan
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve, StalenessStats
 from services.worker.sync import SyncStrategy
+from services.worker.warmup import warm_up_step
+from services.worker.window import WindowChoice, choose_window
 
 __all__ = ["Trainer"]
+
+log = logging.getLogger("persimmon.worker.trainer")
 
 # loss, logits, row gradients, and the loss's mean over the ranks (NaN when no codec adapts)
 StepResult = tuple[float, np.ndarray, list[np.ndarray], float]
@@ -127,15 +132,12 @@ class Trainer:
         self.ps = self._ps_client(ps_addresses, rows_client)
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
         self.progress = WorkerProgress(rank=rank, world_size=world)
-        cfg = self.config  # the rows and gradients of steps and evaluations: its rows client
-        self.pipeline = EmbeddingPipeline(
+        cfg = self.config
+        self._tables = tables  # the rows and gradients of steps and evaluations: its rows client
+        self.window_choice: WindowChoice | None = None  # what staleness auto chose (start)
+        self.pipeline = self._embedding_pipeline(
             rows_client if rows_client is not None else self._connected_ps(),
-            window=cfg.window, prefetch=cfg.prefetch, tables=tables, timers=self.progress,
-            hot_ratio=cfg.hot_ratio or None, hot_window=cfg.hot_staleness, worker=rank,
-            workers=world, barrier=self._global_barrier() if cfg.mode == "global_sync" else None,
-            path=embedding_path(cfg.embedding_path, cfg.pooling), head_rate=cfg.head_rate or None,
-            hot_barrier=self._global_barrier() if cfg.mode == "hybrid" and cfg.global_hot
-            else None)
+            window=1 if self.config.auto_window else self.config.window)
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -157,6 +159,7 @@ class Trainer:
         self.on_step = on_step
         self.after_step: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self._connected = False
+        self._warm = False  # the step's kernels loaded (warmup.py), at the first fit's batch
         self.progress.registry.register(WireStatsCollector(self.codec_rows))
         self._admin: AdminServer | None = None
         self.admin_port: int | None = None
@@ -217,8 +220,35 @@ class Trainer:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
+    def _embedding_pipeline(self, rows: RowsClient, *, window: int | None
+                            ) -> EmbeddingPipeline:
+        cfg, rank, world = self.config, self.progress.rank, self.progress.world_size
+        return EmbeddingPipeline(
+            rows, window=window, prefetch=cfg.prefetch, tables=self._tables,
+            timers=self.progress, hot_ratio=cfg.hot_ratio or None, hot_window=cfg.hot_staleness,
+            worker=rank, workers=world,
+            barrier=self._global_barrier() if cfg.mode == "global_sync" else None,
+            path=embedding_path(cfg.embedding_path, cfg.pooling), head_rate=cfg.head_rate or None,
+            hot_barrier=self._global_barrier() if cfg.mode == "hybrid" and cfg.global_hot
+            else None)
+
+    async def _size_window(self) -> None:
+        """``staleness auto``: the window that hides the measured round trip to the rows
+        (:mod:`services.worker.window`), the same on every rank (rank 0's choice)."""
+        choice = await choose_window(self.pipeline.rows)
+        if distributed():
+            shared = [choice]
+            dist.broadcast_object_list(shared, src=0)
+            choice = shared[0]
+        self.window_choice = choice
+        if choice.window != self.pipeline.window:
+            rows, chain_rows = self.pipeline.rows, self.pipeline.chain_rows
+            self.pipeline = self._embedding_pipeline(rows, window=choice.window)
+            self.pipeline.chain_rows = chain_rows
+        log.info("staleness auto: window %d (%s)", choice.window, choice.reason)
+
     async def start(self) -> Trainer:
-        """Connect to the PS (idempotent)."""
+        """Connect to the PS (idempotent); with staleness ``auto``, size the window."""
         if not self._connected:
             if self.ps is not None:
                 await self.ps.connect()
@@ -227,6 +257,8 @@ class Trainer:
                         self.ps.addresses, registry=self.config.registry,
                         **self._ps_options()).connect()
                     self.pipeline.chain_rows = self.ps  # the hot chain's lane of its own
+            if self.config.auto_window and self.window_choice is None:
+                await self._size_window()
             self._connected = True
             self.pipeline.check_tables()
         if self.config.admin_port is not None and self._admin is None:
@@ -441,9 +473,13 @@ class Trainer:
         final held-out figures, else the progressive (pre-update) training figures.
         ``validation_batches`` (same forms), when given, are the periodic evaluations, and
         ``keep_best`` restores the best state before the held-out one (:mod:`services.worker.best`).
+        At the first batch of the Trainer's first fit, the step's kernels are loaded or
+        compiled before any step (:mod:`services.worker.warmup`); the summary's
+        ``time_to_first_step_s`` includes that.
         """
         if steps is not None and steps < 1:
             raise InvalidArgument(f"steps must be >= 1 or None, got {steps}")
+        called = time.perf_counter()
         best = BestState.of(self, validation_batches)
         await self.start()
         periodic = eval_batches if best is None else validation_batches
@@ -457,15 +493,13 @@ class Trainer:
         compute.mark_started(await self._cpu_seconds())  # again if this fit builds the model
         self.phases.reset()
 
-        async def first(batch: Batch) -> None:  # the model's one-time cost is not training time
-            every_rank_has_a_first_batch()
-            await self._ensure_model(batch)
-            compute.mark_started(await self._cpu_seconds())
+        async def first(batch: Batch) -> None:
+            await self._first_batch(batch, compute)
 
         source: Batches = batches.batches() if isinstance(batches, LoaderClient) else batches
         producer = asyncio.create_task(self.pipeline.feed(
             source, compute.put, compute.fail, steps=steps,
-            first=first if self._forward is None else None))
+            first=first if self._forward is None or not self._warm else None))
         runner = asyncio.create_task(asyncio.to_thread(compute.run, self.step))
         train_acc = EvalAccumulator("the training data")
         staleness, curve = StalenessStats(), LossCurve()
@@ -513,15 +547,18 @@ class Trainer:
         steps_done = self.step - first_step
         recent, timing = list(self.recent_losses), compute.timing()
         summary = FitSummary(
-            mode=self.config.mode, staleness=self.config.staleness, steps=steps_done,
+            mode=self.config.mode, staleness=self.pipeline.window or 0, steps=steps_done,
             samples=samples, seconds=seconds,
             samples_per_s=samples / seconds if seconds > 0 else 0.0,
             loss=float(np.mean(recent[-50:])) if steps_done else math.nan,
             staleness_max=staleness.max, staleness_mean=staleness.mean,
+            window_choice=self.window_choice.as_dict() if self.window_choice else None,
             hot_tables=list(self.pipeline.hot_tables), head_ids=self.pipeline.head_count(),
             step_wall_ms=timing["step_wall_ms"], step_cpu_ms=timing["step_cpu_ms"],
             batch_wait_ms=timing["batch_wait_ms"], loss_curve=curve.points(),
             step_phases=self.phases.per_step(steps_done),
+            time_to_first_step_s=(compute.first_step_at - called
+                                  if compute.first_step_at is not None else math.nan),
             worker_cpu_ms_per_step=1e3 * cpu_seconds / steps_done if steps_done else 0.0,
             loop_cpu_ms=1e3 * loop_cpu_seconds / steps_done if steps_done else 0.0,
             recent_losses=recent[len(recent) - min(steps_done, len(recent)):],
@@ -541,6 +578,19 @@ class Trainer:
                                     if self._activations is not None else {})
         summary.history = list(self.history)
         return summary
+
+    async def _first_batch(self, batch: Batch, compute: ComputeThread[Prepared]) -> None:
+        """Before a fit's first step, once planned its first batch (none of it training
+        time, the run's clocks start after): the model built from it, and the step's
+        kernels loaded or compiled (:func:`~services.worker.warmup.warm_up_step`)."""
+        if self._forward is None:
+            every_rank_has_a_first_batch()
+            await self._ensure_model(batch)
+        if not self._warm:
+            assert self.module is not None  # built above
+            await warm_up_step(self.pipeline, self.module, batch, self.device)
+            self._warm = True
+        compute.mark_started(await self._cpu_seconds())
 
     async def _held_out(self, summary: FitSummary, eval_batches: Callable[[], Batches]
                         | Sequence[Batch] | None, *, averaged: bool) -> None:

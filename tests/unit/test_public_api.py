@@ -14,7 +14,7 @@ EXPORTED = {
     "clients": {
         "AdminClient", "DirectRows", "LoaderClient", "PSClient", "PSClientProcess", "ProcessCPU", "PushAck",
         "PushCounts", "RowsClient", "RowsReplica", "RowsSnapshots", "StatefulRows", "SyncLoaderClient",
-        "SyncPSClient",
+        "SyncPSClient", "WarmRows",
     },
     "services.worker": {
         "BatchPlan", "EmbeddingPipeline", "FitSummary", "LossCurve", "ModelConfig", "Prepared",
@@ -55,6 +55,7 @@ def test_every_rows_client_implementation_is_one() -> None:
         RowsReplica,
         RowsSnapshots,
         StatefulRows,
+        WarmRows,
     )
     from services.ps.inprocess import InProcessShards
 
@@ -66,6 +67,8 @@ def test_every_rows_client_implementation_is_one() -> None:
     assert not isinstance(in_process, ProcessCPU) and not isinstance(object(), RowsClient)
     assert isinstance(in_process, DirectRows) and in_process.direct  # rows in this process
     assert not any(isinstance(client, DirectRows) for client in remote)
+    assert isinstance(in_process, WarmRows)  # its kernels run in this process
+    assert not any(isinstance(client, WarmRows) for client in remote)
     assert isinstance(in_process, RowsSnapshots)  # keep_best's snapshots of the rows
     assert not any(isinstance(client, RowsSnapshots) for client in remote)
     for client in (*remote, in_process):  # a replica of the head rows can start from each

@@ -13,10 +13,14 @@ goes on with the next file.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import glob
+import json
 import logging
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,7 @@ from services.common.errors import ConfigError
 from services.loader.arrow import ArrowConverter, infer_schema
 from services.loader.batching import Settled
 from services.loader.config import LoaderConfig, SourceKind, SourceSpec
-from services.loader.parsers import BadRecord, TextParser
+from services.loader.parsers import BadRecord, Parsed, TextParser
 from services.loader.schema import (
     FeatureSchema,
     SchemaFile,
@@ -46,6 +50,7 @@ log = logging.getLogger("persimmon.loader.files")
 
 GZIP_MAGIC = b"\x1f\x8b"
 ROWS_PER_BLOCK = 65536
+PARSE_AHEAD = 4  # text blocks in a parser pool at once (file_blocks with a pool)
 _END = object()
 
 
@@ -145,6 +150,15 @@ def _parquet(path: str) -> pq.ParquetFile:
         raise ConfigError(f"{path} is not a Parquet file: {exc}") from exc
 
 
+def _plain(value: Any) -> Any:
+    """A dataclass or array as JSON-able values (for :meth:`FileSource.parse_settings`)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
 def _count_lines(data: bytes) -> int:
     return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
 
@@ -173,7 +187,7 @@ class FileSource:
     # ---- set-up -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._resolve_schema)
+        await asyncio.to_thread(self.resolve)
 
     def _header_of(self, path: str) -> list[str]:
         for kind, data, _ in read_text_blocks(path, 1 << 16, 0, header=True):
@@ -183,7 +197,8 @@ class FileSource:
                 return data.decode("utf-8", "replace").split(delim)
         raise ConfigError(f"{path} is empty: no header line")
 
-    def _resolve_schema(self) -> None:
+    def resolve(self) -> None:
+        """Find the files' layout and parser (reading a header where the format has one)."""
         kind = self.spec.kind
         buckets = self.spec.int_param("buckets", 0)
         if kind is SourceKind.CRITEO:
@@ -236,14 +251,14 @@ class FileSource:
                     self._read[partition] = {"line": block.last + 1, "done": block.meta["done"]}
                     yield block
 
-    def _text_blocks(self, path: str, partition: str, saved: dict[str, Any]
-                     ) -> Iterator[SourceBlock]:
-        assert self._parser is not None and self.layout is not None
+    def _text_blocks(self, path: str, partition: str, saved: dict[str, Any],
+                     pool: Executor | None = None) -> Iterator[SourceBlock]:
+        assert self.layout is not None
         line = int(saved.get("line", 0))
         pending: SourceBlock | None = None
-        for kind, data, end in read_text_blocks(path, self.config.block_bytes,
-                                                int(saved.get("byte", 0)), self.layout.header):
+        for kind, data, end in self._parsed_text(path, int(saved.get("byte", 0)), pool):
             if kind == "header":
+                assert isinstance(data, bytes)
                 if data.decode("utf-8", "replace").split(self.layout.delimiter) \
                         != self.layout.columns:
                     bad = BadRecord(line, "header_mismatch", data)
@@ -254,11 +269,12 @@ class FileSource:
             if pending is not None:
                 yield pending
             if kind.startswith("bad:"):
+                assert isinstance(data, bytes)
                 pending = self._empty(partition, line, line, [BadRecord(line, kind[4:], data)],
                                       end, done=True)
                 break
-            nlines = _count_lines(data)
-            parsed = self._parser.parse(data)
+            assert isinstance(data, tuple)
+            parsed, nlines = data
             positions = np.arange(line, line + nlines, dtype=np.int64)
             pending = parsed_block(partition, parsed, positions, line, line + nlines - 1,
                                    {"byte": end, "line": line + nlines, "done": False})
@@ -267,6 +283,52 @@ class FileSource:
             pending = self._empty(partition, line, line - 1, [], None, done=True)
         pending.meta["done"] = True
         yield pending
+
+    def _parsed_text(self, path: str, start: int, pool: Executor | None
+                     ) -> Iterator[tuple[str, bytes | tuple[Parsed, int], int]]:
+        """:func:`read_text_blocks` with each ``lines`` block parsed, as (Parsed, lines);
+        by ``pool``'s threads a few blocks ahead, in order, when one is given."""
+        assert self._parser is not None and self.layout is not None
+        parse = self._parser.parse
+        blocks = read_text_blocks(path, self.config.block_bytes, start, self.layout.header)
+        ahead: deque[tuple[str, Future[Parsed] | bytes, bytes, int]] = deque()
+        for kind, data, end in blocks:
+            if pool is None:
+                yield kind, ((parse(data), _count_lines(data)) if kind == "lines" else data), end
+                continue
+            ahead.append((kind, pool.submit(parse, data) if kind == "lines" else data, data, end))
+            while len(ahead) > PARSE_AHEAD or (ahead and not isinstance(ahead[0][1], Future)):
+                yield self._done(*ahead.popleft())
+        while ahead:
+            yield self._done(*ahead.popleft())
+
+    @staticmethod
+    def _done(kind: str, work: Future[Parsed] | bytes, data: bytes, end: int
+              ) -> tuple[str, bytes | tuple[Parsed, int], int]:
+        if isinstance(work, Future):
+            return kind, (work.result(), _count_lines(data)), end
+        return kind, work, end
+
+    def file_blocks(self, path: str, pool: Executor | None = None
+                    ) -> Iterator[tuple[SourceBlock, int]]:
+        """Every block of one file from its start, in order, with the bytes read so far
+        (uncompressed, for text); text blocks parsed by ``pool`` when given. Call
+        :meth:`resolve` first."""
+        partition = f"file:{path}"
+        if self._converter is not None:
+            for block in self._parquet_blocks(path, partition, {}):
+                yield block, 0
+            return
+        for block in self._text_blocks(path, partition, {}, pool):
+            yield block, int(block.meta.get("byte") or 0)
+
+    def parse_settings(self) -> dict[str, Any]:
+        """What the parse of these files depends on, as plain values: the layout (or the
+        Parquet schema and label) and the dense transform."""
+        how: Any = self.layout if self.layout is not None else {
+            "schema": self.schema, "label": self.spec.params.get("label", "label")}
+        return json.loads(json.dumps({"layout": how, "dense": self.transform},
+                                     default=_plain, sort_keys=True))
 
     def _parquet_blocks(self, path: str, partition: str, saved: dict[str, Any]
                         ) -> Iterator[SourceBlock]:

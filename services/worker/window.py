@@ -1,0 +1,80 @@
+"""The embedding window sized from what it hides: ``--staleness auto``.
+
+A window of S batches lets a lookup start while the S - 1 batches before it are still being
+computed and pushed: it hides a PS round trip behind their compute, and costs accuracy
+(every windowed row read may miss up to S - 1 pushes). So ``auto`` measures the round trip
+to the rows at the start of a job (:func:`probe_round_trip_ms`: the median of a few
+requests) and picks the smallest window that hides it behind the compute of a step
+(:func:`auto_window`): 1 — no staleness — where the shards are embedded in the worker's
+process or answer within :data:`NO_ROUND_TRIP_MS`, else one batch in flight
+per :data:`STEP_FLOOR_MS` of round trip, at most :data:`MAX_AUTO_WINDOW`. A number given
+for the staleness pins the window instead.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+from clients.rows import DirectRows, RowsClient
+
+__all__ = ["MAX_AUTO_WINDOW", "NO_ROUND_TRIP_MS", "STEP_FLOOR_MS", "WindowChoice",
+           "auto_window", "choose_window", "probe_round_trip_ms"]
+
+# a round trip this short is a call in this process: there is nothing to hide
+NO_ROUND_TRIP_MS = 0.05
+# the least compute of a step the window is sized against: a round trip of k times this is
+# hidden by k batches in flight (steps of the bench's models take 5-30 ms on 2 cores, so a
+# longer step hides more and the window is then larger than it needs to be, never smaller)
+STEP_FLOOR_MS = 2.0
+MAX_AUTO_WINDOW = 8
+PROBES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class WindowChoice:
+    """What ``auto`` measured and chose: the summary's ``window_choice``."""
+
+    window: int
+    round_trip_ms: float
+    reason: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {"window": self.window, "round_trip_ms": round(self.round_trip_ms, 4),
+                "reason": self.reason}
+
+
+def auto_window(round_trip_ms: float) -> int:
+    """The smallest window that hides a round trip of ``round_trip_ms`` behind steps of at
+    least :data:`STEP_FLOOR_MS` (1 where there is no round trip)."""
+    if not round_trip_ms >= 0:
+        raise ValueError(f"round_trip_ms must be >= 0, got {round_trip_ms!r}")
+    if round_trip_ms < NO_ROUND_TRIP_MS:
+        return 1
+    return min(MAX_AUTO_WINDOW, 1 + math.ceil(round_trip_ms / STEP_FLOOR_MS))
+
+
+async def probe_round_trip_ms(rows: RowsClient, probes: int = PROBES) -> float:
+    """The median wall time of ``probes`` small requests to the rows (their tables'
+    description: one round trip to every shard)."""
+    took = []
+    for _ in range(probes):
+        started = time.perf_counter()
+        await rows.tables()
+        took.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(took)
+
+
+async def choose_window(rows: RowsClient) -> WindowChoice:
+    """:func:`auto_window` of the measured round trip to ``rows``, with the reason; no round
+    trip (window 1) for rows in this process (a :class:`DirectRows`, e.g. embedded shards)."""
+    if isinstance(rows, DirectRows) and rows.direct:
+        return WindowChoice(window=1, round_trip_ms=0.0,
+                            reason="the shards are in this process: no round trip to hide")
+    rtt = await probe_round_trip_ms(rows)
+    window = auto_window(rtt)
+    reason = ("the rows answer at once: no round trip to hide" if window == 1 else
+              f"a {rtt:.2f} ms round trip hidden behind {window - 1} step(s) of compute")
+    return WindowChoice(window=window, round_trip_ms=rtt, reason=reason)
