@@ -1,5 +1,5 @@
-"""Shared fixtures: a private redis-server per session, free ports, polling with a deadline,
-a call that loses a cancel the way redis-py can."""
+"""Shared fixtures: a private redis-server per session, a column cache per session, free
+ports, polling with a deadline, a call that loses a cancel the way redis-py can."""
 
 from __future__ import annotations
 
@@ -98,6 +98,18 @@ def _start_redis(binary: str, workdir: str) -> tuple[subprocess.Popen[bytes], in
         proc.kill()
         proc.wait()
     raise RuntimeError("redis-server did not start on any of 5 free ports")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def column_cache_dir() -> Iterator[str]:
+    """The column cache of every ``persimmon train`` the tests run (their children inherit
+    it): a directory of the session's, never the user's ``~/.cache``."""
+    root = tempfile.mkdtemp(prefix="persimmon-columns-")
+    os.environ["PERSIMMON_CACHE_DIR"] = root
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

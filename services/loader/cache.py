@@ -68,7 +68,7 @@ def _mapped(path: Path, array: dict[str, Any]) -> np.ndarray:
     """A column file as a read-only array (a plain ndarray over the mapping: indexing a
     ``np.memmap`` costs a subclass's bookkeeping on every call)."""
     shape, dtype = tuple(array["shape"]), np.dtype(array["dtype"])
-    if not shape[0]:
+    if not int(np.prod(shape)):
         return np.zeros(shape, dtype)
     return np.asarray(np.memmap(path, dtype=dtype, mode="r", shape=shape))
 
@@ -91,6 +91,9 @@ class _ArrayWriter:
         self.length = 0
 
     def write(self, array: np.ndarray) -> None:
+        if not array.size:  # no bytes (no rows, or rows of no columns)
+            self.length += array.shape[0]
+            return
         data = np.ascontiguousarray(array, dtype=self.dtype.newbyteorder("<")).data.cast("B")
         self.file.write(data)
         self.crc = zlib.crc32(data, self.crc)
@@ -204,7 +207,11 @@ class ColumnCache:
             log.info("column cache %s: %s changed since it was cached: rebuilding", entry,
                      identity["path"])
             return None
-        return manifest if self._intact(entry, manifest) else None
+        try:
+            return manifest if self._intact(entry, manifest) else None
+        except (KeyError, TypeError, ValueError) as exc:  # a manifest of the wrong shape
+            log.warning("column cache %s: malformed manifest (%s): rebuilding", entry, exc)
+            return None
 
     @staticmethod
     def _intact(entry: Path, manifest: dict[str, Any]) -> bool:

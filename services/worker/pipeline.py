@@ -75,6 +75,7 @@ from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath, RowsPath
 from services.worker.heads import HeadIds, HotChain, ReplicaSeeds, Seeds, SplitBatch
 from services.worker.pooling import BatchPlan, plan_batch
+from services.worker.readahead import READ_AHEAD, ReadAhead
 
 __all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]
 
@@ -134,6 +135,13 @@ class _Push:
 
     rider: _Rider | None = None
     rows: Rows | None = field(default=None)
+
+
+def _step_of(plan: BatchPlan) -> int:
+    """The step a tagged plan was fed at."""
+    tag = plan.groups[0].layout.tag
+    assert tag is not None  # tagged by EmbeddingPipeline._tagged
+    return tag[1]
 
 
 class EmbeddingPipeline:
@@ -198,6 +206,7 @@ class EmbeddingPipeline:
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._windowed: list[int] = []  # the groups under the staleness window (not hot)
         self._slots: asyncio.Semaphore | None = None
+        self._read_ahead: ReadAhead | None = None  # one worker, window 1, rows in process
         self._riders: collections.deque[_Rider] = collections.deque()
         self._unacked = 0  # batches whose lookup started and whose push is not acknowledged
         self._carried = 0  # riders whose lookup travels with a push not yet acknowledged
@@ -273,6 +282,12 @@ class EmbeddingPipeline:
                     and isinstance(self.rows, StatefulRows):
                 direct = self.replica
                 self._seeding = ReplicaSeeds(self.replica, self._steps)
+            if self.window == 1 and self.workers == 1 and direct is not None \
+                    and self._barrier is None:  # every group read ahead, then patched
+                every = list(range(len(self._groups)))
+                self._direct_hot, self._direct_rows, self._windowed, hot = every, direct, [], []
+                self._read_ahead = ReadAhead(direct, every)
+                self._slots = asyncio.Semaphore(READ_AHEAD)
             if hot and self._hot_window == 1 and direct is not None:
                 self._direct_hot, self._direct_rows, hot = hot, direct, []
             if self._head_rate and self._windowed and isinstance(self.path, RowsPath):
@@ -354,7 +369,9 @@ class EmbeddingPipeline:
     def read_hot(self, item: Prepared) -> None:
         """Fill ``item``'s direct hot groups' rows and its head ids' now (from the compute
         thread, just before its step): they include every earlier step's :meth:`apply_hot`."""
-        if self._direct_rows is not None:
+        if self._read_ahead is not None:  # read ahead: only what pushes since changed
+            self._read_ahead.patch(item.plan, _step_of(item.plan), item.rows)
+        elif self._direct_rows is not None:
             for i in self._direct_hot:
                 item.rows[i] = self._direct_rows.lookup_now(item.plan.groups[i].layout)
             for i, layout, _ in self._direct_heads(item):
@@ -376,6 +393,8 @@ class EmbeddingPipeline:
                 self._direct_rows.push_now(item.plan.groups[i].layout, grads[i])
             for i, layout, head_at in self._direct_heads(item):
                 self._direct_rows.push_now(layout, grads[i][head_at])
+        if self._read_ahead is not None:
+            self._read_ahead.pushed(item.plan)
 
     # ---- one run: lookups ahead of compute ----------------------------------------------
 
@@ -384,7 +403,8 @@ class EmbeddingPipeline:
         is acknowledged, before its slot is freed (a loader's ack)."""
         if self._pushes:
             raise InvalidArgument("a run is still pushing; await settle() first")
-        self._slots = asyncio.Semaphore(self.window) if self.window is not None else None
+        self._slots = (asyncio.Semaphore(READ_AHEAD if self._read_ahead else self.window)
+                       if self.window is not None else None)
         self._riders.clear()
         self._unacked = self._carried = self._spare = 0
         self._acknowledge = acknowledge
@@ -406,7 +426,6 @@ class EmbeddingPipeline:
         ahead: asyncio.Queue[_Ahead | None] = asyncio.Queue(
             maxsize=self.window or self.prefetch)
         feeder = asyncio.create_task(self._hand_over(ahead, put, fail))
-        slots = self._slots
         try:
             taken = 0
             async for batch in iterate(batches):
@@ -422,7 +441,13 @@ class EmbeddingPipeline:
                          self._seeding.layouts(plan, split, self._direct_hot, self.heads))
                 hot = (self._chain.request(split.head if split is not None else plan)
                        if self._chain is not None else None)
-                if slots is not None and slots.locked():  # ride on the push that frees one
+                slots = self._slots  # (the first plan may choose the read-ahead's)
+                if self._read_ahead is not None and slots is not None:
+                    await slots.acquire()
+                    looked_up = asyncio.create_task(self._read_ahead.read(plan,
+                                                                          _step_of(plan)))
+                    self._unacked += 1
+                elif slots is not None and slots.locked():  # ride on the push that frees one
                     rider = _Rider(wire, asyncio.get_running_loop().create_future())
                     self._riders.append(rider)
                     looked_up = asyncio.create_task(self._ride(rider, seeds))
@@ -478,7 +503,8 @@ class EmbeddingPipeline:
                 hot = await item.hot if item.hot is not None else None
                 if not self._windowed:
                     staleness = 0  # every table is hot: each lookup saw every earlier push
-                rows = self._merge(item.plan, rows, hot, item.split)
+                if self._read_ahead is None:  # (read ahead: every group's rows already)
+                    rows = self._merge(item.plan, rows, hot, item.split)
                 await put(Prepared(item.batch, item.plan, rows, staleness, item.split))
             await put(None)
         except Exception as exc:  # a failed lookup: the consumer raises it

@@ -39,7 +39,8 @@ def test_train_whose_loader_fails_exits_1_with_one_line(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PERSIMMON_DEBUG", "")  # restored after the test (--debug sets it)
     (tmp_path / "empty.csv").write_bytes(b"")
-    argv = ["train", "--train-data", f"avazu:{tmp_path}/empty.csv", "--ps", "embedded"]
+    argv = ["train", "--train-data", f"avazu:{tmp_path}/empty.csv", "--ps", "embedded",
+            "--no-cache"]  # a loader process reads it (the column cache: the test below)
     assert main(argv) == 1
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -50,6 +51,14 @@ def test_train_whose_loader_fails_exits_1_with_one_line(
     err = capfd.readouterr().err
     assert err.count("Traceback (most recent call last)") == 2, err  # the child's and ours
     assert err.rstrip().endswith(EMPTY_AVAZU)
+
+
+def test_train_on_an_empty_file_through_the_cache_is_bad_input(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty.csv").write_bytes(b"")
+    assert main(["train", "--train-data", f"avazu:{tmp_path}/empty.csv"]) == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert lines[-1] == f"persimmon: error: {tmp_path}/empty.csv {EMPTY_AVAZU}"
 
 
 def _children(pid: int) -> set[int]:

@@ -210,8 +210,8 @@ async def test_without_a_gate_pushes_apply_at_once_and_async_mode_is_unbounded()
 
 
 async def test_a_failed_push_raises_its_error_and_fails_the_batch_riding_on_it() -> None:
-    shards = InProcessShards([table()])
-    pipeline = EmbeddingPipeline(shards, window=1, tables={"f": "t"})
+    shards = InProcessShards([table()])  # one of two workers: riders (no read-ahead)
+    pipeline = EmbeddingPipeline(shards, window=1, tables={"f": "t"}, workers=2)
     pipeline.begin()
     prepared: asyncio.Queue[Prepared | BaseException | None] = asyncio.Queue()
     feeding = asyncio.create_task(pipeline.feed([batch(0), batch(1)], prepared.put,
