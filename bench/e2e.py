@@ -104,7 +104,7 @@ _RATIOS = {  # name: (way, figure) / (way, figure), within one repeat
 _GAPS = {"e2e_default_auc_gap": ("sync", "default"),  # name: AUC of one way - the other's
          "e2e_2w_default_auc_gap": ("sync_2w", "default_2w")}
 _SUMMARY_KEYS = ("batch_wait_ms", "step_wall_ms", "worker_cpu_ms_per_step", "steps", "seconds",
-                 "time_to_first_step_s", "staleness", "cache")
+                 "time_to_first_step_s", "staleness", "window_choice", "cache", "step_phases")
 _FIGURES = ("samples_per_s", "wall_s", "wall_samples_per_s", "time_to_first_step_s",
             "batch_wait_ms", "cpu_s", "auc", "step_wall_ms", "worker_cpu_ms_per_step")
 

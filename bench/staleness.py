@@ -60,10 +60,13 @@ def default_row(hot_staleness: int) -> str:
         else f"{DEFAULT_ROW}{hot_staleness}"
 
 
+DEFAULT_S = 8  # the S of the "8+hot" rows
+
+
 def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> TrainerConfig:
     """S = 0: sync mode; S >= 1: hybrid with bound S on every row; None: async
-    (unbounded); :data:`DEFAULT_ROW`: hybrid as configured by default (S = 8, head ids at
-    ``hot_staleness``), ``"8+hotK"`` the same with ``hot_staleness=K``; :data:`GLOBAL_ROW`:
+    (unbounded); :data:`DEFAULT_ROW`: hybrid with S = 8 and head ids at ``hot_staleness``
+    (the default before ``staleness auto``, which gives one worker on embedded shards S = 1), ``"8+hotK"`` the same with ``hot_staleness=K``; :data:`GLOBAL_ROW`:
     global_sync mode."""
     base = replace(base, sync="allreduce")
     if s == GLOBAL_ROW:
@@ -73,7 +76,7 @@ def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> Tra
     if isinstance(s, str) and s.startswith(DEFAULT_ROW):
         defaults = TrainerConfig()
         hot = int(s[len(DEFAULT_ROW):] or defaults.hot_staleness)
-        return replace(base, mode="hybrid", staleness=defaults.staleness,
+        return replace(base, mode="hybrid", staleness=DEFAULT_S,
                        hot_ratio=defaults.hot_ratio, hot_staleness=hot,
                        head_rate=defaults.head_rate, global_hot=defaults.global_hot)
     if s == 0:
