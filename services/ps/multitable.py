@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
 from numba import njit
 
+from services.common.errors import InvalidArgument
+from services.common.sharding import shard_of
 from services.ps.hashtable import (
     dedup_slots,
     gather_rows,
@@ -37,7 +39,7 @@ from services.ps.store import EmbeddingTable
 from services.ps.table_io import PlainTable, PushResult
 from services.ps.tables import TableConfig
 
-__all__ = ["lookup_plain", "push_plain", "warm_up"]
+__all__ = ["dim_groups", "lookup_plain", "push_plain", "warm_up", "warm_up_groups"]
 
 _SET = np.ones(1, dtype=bool)  # the one flag value _mark sets
 
@@ -206,3 +208,25 @@ def warm_up(configs: Sequence[TableConfig]) -> None:
         if len(tables) > 1:
             lookup_plain(tables, [ids] * len(tables), tables[0].dim)
             push_plain(tables, [ids] * len(tables), [grads] * len(tables))
+
+
+def dim_groups(tables: Mapping[str, EmbeddingTable]) -> list[list[str]]:
+    """The tables' names by dim, in creation order: the requests a worker sends by default
+    (its tables of one dim together)."""
+    groups: dict[int, list[str]] = {}
+    for name, table in tables.items():
+        groups.setdefault(table.dim, []).append(name)
+    return list(groups.values())
+
+
+def warm_up_groups(requests: Sequence[Sequence[TableConfig]]) -> None:
+    """Load the compiled kernels of the id check, of each table's kind and of each request
+    of tables (:func:`warm_up`), before the first request; an InvalidArgument for a request
+    of tables of several dims."""
+    for configs in requests:
+        if len({config.dim for config in configs}) != 1:
+            raise InvalidArgument("the tables of one request must have one dim, got "
+                                  f"{ {config.name: config.dim for config in configs} }")
+    shard_of(np.arange(4, dtype=np.uint64), 2)
+    for configs in requests:
+        warm_up(configs)

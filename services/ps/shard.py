@@ -56,7 +56,7 @@ from services.ps.checkpoint import (
 from services.ps.config import PSConfig
 from services.ps.dedup import PushOrigin, PushWindow, fingerprint
 from services.ps.locks import hold
-from services.ps.multitable import lookup_plain, push_plain, warm_up
+from services.ps.multitable import dim_groups, lookup_plain, push_plain, warm_up_groups
 from services.ps.optimizers import state_layout
 from services.ps.pooled import check_lengths, segment_sum
 from services.ps.staleness import GlobalStaleness
@@ -103,26 +103,14 @@ class Shard:
                            f"tables: {sorted(self.tables)}") from None
 
     def dim_groups(self) -> list[list[str]]:
-        """The tables' names by dim, in creation order: the requests a worker sends by
-        default (its tables of one dim together)."""
-        groups: dict[int, list[str]] = {}
-        for name, table in self.tables.items():
-            groups.setdefault(table.dim, []).append(name)
-        return list(groups.values())
+        """The tables' names by dim (:func:`services.ps.multitable.dim_groups`)."""
+        return dim_groups(self.tables)
 
     def warm_up(self, groups: Sequence[Sequence[str]] | None = None) -> None:
-        """Load the compiled kernels of the id check, of each table's kind and of requests of
-        each of ``groups`` of tables (default: :meth:`dim_groups`), before the first
-        request."""
-        requests = [[self.table(name).config for name in group]
-                    for group in (self.dim_groups() if groups is None else groups)]
-        for configs in requests:
-            if len({config.dim for config in configs}) != 1:
-                raise InvalidArgument("the tables of one request must have one dim, got "
-                                      f"{ {config.name: config.dim for config in configs} }")
-        shard_of(np.arange(4, dtype=np.uint64), 2)
-        for configs in requests:
-            warm_up(configs)
+        """Load, before the first request, the kernels of requests of each of ``groups`` of
+        tables (default: :meth:`dim_groups`; :func:`services.ps.multitable.warm_up_groups`)."""
+        warm_up_groups([[self.table(name).config for name in group]
+                        for group in (self.dim_groups() if groups is None else groups)])
 
     def create_table(self, table_config: TableConfig | dict[str, Any]) -> EmbeddingTable:
         if isinstance(table_config, dict):
