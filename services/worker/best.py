@@ -43,8 +43,10 @@ class Trained(Protocol):
     """What a BestState uses of its :class:`~services.worker.trainer.Trainer`."""
 
     config: TrainerConfig
-    pipeline: EmbeddingPipeline
     step: int
+
+    @property
+    def pipeline(self) -> EmbeddingPipeline: ...
 
     @property
     def rows(self) -> RowsClient: ...

@@ -32,13 +32,10 @@ lookup, the earlier pushes of every worker it did not see (``services.ps.stalene
 ids* of the others (their most frequent ids, ``head_rate``, :mod:`services.worker.heads`) are rows
 nearly every batch touches, which stale updates hurt most. They have a window of their own,
 ``hot_window`` (1: synchronous): batch t gets them only once the push of batch t - hot_window to
-them is acknowledged, in the same message (:class:`HotChain`). Where the rows live in this process
-(a :class:`clients.rows.DirectRows`, e.g. embedded shards), or where this is the only worker and a
-:class:`clients.rows.RowsReplica` holds a copy of them (``replica``: their gradients then go on to
-the PS in step order, :class:`~services.worker.heads.ReplicaSeeds`), the compute thread itself
-reads them just before its step (:meth:`EmbeddingPipeline.read_hot`) and applies their gradients
-just after (:meth:`EmbeddingPipeline.apply_hot`): synchronous, with no round trip to wait for (hot
-tables so only with ``hot_window`` 1).
+them is acknowledged, in the same message (:class:`HotChain`), or, where the rows are in this
+process, the compute thread reads them just before its step (:meth:`EmbeddingPipeline.read_hot`)
+and applies their gradients just after (:meth:`EmbeddingPipeline.apply_hot`). Which group goes
+which way is decided at the first plan (:mod:`services.worker.routes`).
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
@@ -67,15 +64,15 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from clients.rows import DirectRows, RowsClient, RowsReplica, StatefulRows
+from clients.rows import RowsClient, RowsReplica
 from services.common.batch import Batch, Batches, iterate
 from services.common.codecs import WireStats
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
-from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath, RowsPath
 from services.worker.heads import HeadIds, HotChain, ReplicaSeeds, Seeds, SplitBatch
 from services.worker.pooling import BatchPlan, plan_batch
 from services.worker.readahead import READ_AHEAD, ReadAhead
+from services.worker.routes import DirectHot, route_groups
 
 __all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]
 
@@ -197,8 +194,7 @@ class EmbeddingPipeline:
         self._hot_window = hot_window
         self.hot_tables: list[str] = []  # decided at the first plan
         self._chain: HotChain | None = None
-        self._direct_hot: list[int] = []  # hot groups the compute thread reads and updates
-        self._direct_rows: DirectRows | None = None  # the rows client they are read from
+        self._direct: DirectHot | None = None  # groups the compute thread reads and updates
         self.replica: RowsReplica | None = None  # injected by the worker's builder: see plan()
         self._seeding: ReplicaSeeds | None = None  # where the replica is used (the first plan)
         self._head_rate = head_rate if window != 1 else None
@@ -206,7 +202,6 @@ class EmbeddingPipeline:
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._windowed: list[int] = []  # the groups under the staleness window (not hot)
         self._slots: asyncio.Semaphore | None = None
-        self._read_ahead: ReadAhead | None = None  # one worker, window 1, rows in process
         self._riders: collections.deque[_Rider] = collections.deque()
         self._unacked = 0  # batches whose lookup started and whose push is not acknowledged
         self._carried = 0  # riders whose lookup travels with a push not yet acknowledged
@@ -273,33 +268,16 @@ class EmbeddingPipeline:
                 self.hot_tables = [t for t, ids in first.unique.items() if ids.size <= limit]
                 self._groups = self._table_groups(self.hot_tables)
                 hot = [i for i, g in enumerate(self._groups) if g[0] in self.hot_tables]
-            self._windowed = [i for i in range(len(self._groups)) if i not in hot]
-            direct: DirectRows | None = self.rows if (
-                isinstance(self.rows, DirectRows) and self.rows.direct
-                and isinstance(self.path, RowsPath)) else None
-            if direct is None and self._hot_window == 1 and self.workers == 1 \
-                    and self.replica is not None and isinstance(self.path, RowsPath) \
-                    and isinstance(self.rows, StatefulRows):
-                direct = self.replica
-                self._seeding = ReplicaSeeds(self.replica, self._steps)
-            if self.window == 1 and self.workers == 1 and direct is not None \
-                    and self._barrier is None:  # every group read ahead, then patched
-                every = list(range(len(self._groups)))
-                self._direct_hot, self._direct_rows, self._windowed, hot = every, direct, [], []
-                self._read_ahead = ReadAhead(direct, every)
+            routes = route_groups(
+                len(self._groups), hot, rows=self.rows, path=self.path, replica=self.replica,
+                window=self.window, hot_window=self._hot_window, workers=self.workers,
+                barrier=self._barrier is not None, head_rate=self._head_rate, step=self._steps)
+            self._windowed, self._direct = routes.windowed, routes.direct
+            self._seeding, self.heads = routes.seeding, routes.heads
+            if self._read_ahead is not None:
                 self._slots = asyncio.Semaphore(READ_AHEAD)
-            if hot and self._hot_window == 1 and direct is not None:
-                self._direct_hot, self._direct_rows, hot = hot, direct, []
-            if self._head_rate and self._windowed and isinstance(self.path, RowsPath):
-                replicated = self._seeding is not None
-                self.heads = HeadIds(self._windowed, self._head_rate, sticky=replicated,
-                                     defer=(self.window or 1) if replicated else 0)
-                if direct is not None:
-                    self._direct_rows = direct
-                else:  # the head ids ride the hot chain
-                    hot = sorted(hot + self._windowed)
-            if hot:
-                self._chain = HotChain(self, hot, self._hot_window, self._hot_barrier)
+            if routes.chain:
+                self._chain = HotChain(self, routes.chain, self._hot_window, self._hot_barrier)
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
 
@@ -323,7 +301,7 @@ class EmbeddingPipeline:
         """Every group's rows in group order (a windowed group's head ids from the hot chain
         where they ride it); a direct hot group's are empty, and direct head ids' rows unset
         (the rest's spread around them), until :meth:`read_hot` (the compute thread)."""
-        heads = split.groups if split is not None and self._direct_rows is not None else {}
+        heads = split.groups if split is not None and self._direct is not None else {}
         if hot is None and not self._direct_hot and not heads:
             return windowed
         out = [_NOT_READ] * len(plan.groups)
@@ -366,35 +344,26 @@ class EmbeddingPipeline:
         """Head ids now (0 without head ids)."""
         return self.heads.head_count() if self.heads is not None else 0
 
-    def read_hot(self, item: Prepared) -> None:
-        """Fill ``item``'s direct hot groups' rows and its head ids' now (from the compute
-        thread, just before its step): they include every earlier step's :meth:`apply_hot`."""
-        if self._read_ahead is not None:  # read ahead: only what pushes since changed
-            self._read_ahead.patch(item.plan, _step_of(item.plan), item.rows)
-        elif self._direct_rows is not None:
-            for i in self._direct_hot:
-                item.rows[i] = self._direct_rows.lookup_now(item.plan.groups[i].layout)
-            for i, layout, _ in self._direct_heads(item):
-                assert item.split is not None  # the rest's rows spread by _merge
-                item.split.place_head(i, item.rows[i], self._direct_rows.lookup_now(layout))
+    @property
+    def _read_ahead(self) -> ReadAhead | None:
+        """Every group's rows read ahead (one worker, window 1, rows in process)."""
+        return self._direct.read_ahead if self._direct is not None else None
 
-    @staticmethod
-    def _direct_heads(item: Prepared) -> list[tuple[int, ShardedIds, np.ndarray]]:
-        """(group, layout, positions) of ``item``'s head ids, per windowed group with some."""
-        split = item.split
-        return [] if split is None else [(i, split.head.groups[i].layout, at) for i, (at, _)
-                                         in split.groups.items() if at.size]
+    @property
+    def _direct_hot(self) -> list[int]:
+        return self._direct.groups if self._direct is not None else []
+
+    def read_hot(self, item: Prepared) -> None:
+        """Fill ``item``'s direct groups' rows and its head ids' now (from the compute thread,
+        just before its step): they include every earlier step's :meth:`apply_hot`."""
+        if self._direct is not None:
+            self._direct.read(item.plan, _step_of(item.plan), item.rows, item.split)
 
     def apply_hot(self, item: Prepared, grads: Rows) -> None:
-        """Apply ``item``'s direct hot groups' and head ids' gradients now (from the compute
+        """Apply ``item``'s direct groups' and head ids' gradients now (from the compute
         thread, just after its step); :meth:`push` sends the rest."""
-        if self._direct_rows is not None:
-            for i in self._direct_hot:
-                self._direct_rows.push_now(item.plan.groups[i].layout, grads[i])
-            for i, layout, head_at in self._direct_heads(item):
-                self._direct_rows.push_now(layout, grads[i][head_at])
-        if self._read_ahead is not None:
-            self._read_ahead.pushed(item.plan)
+        if self._direct is not None:
+            self._direct.apply(item.plan, grads, item.split)
 
     # ---- one run: lookups ahead of compute ----------------------------------------------
 

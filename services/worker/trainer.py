@@ -8,10 +8,9 @@ One step of one batch::
     per-unique-row gradients (in the background; ``des``: :mod:`services.worker.exchange`)
 
 The embedding side (staleness slots, riders, lookahead, pushes) is the
-:class:`~services.worker.pipeline.EmbeddingPipeline`; it reaches the rows through a
-:class:`clients.rows.RowsClient`: a :class:`PSClient` to ``ps_addresses`` (or the shards of a
-registry), with ``ps_process`` a :class:`PSClientProcess` (bulk PS traffic in a child process,
-the hot chain on the PSClient), or any ``rows_client`` (e.g. the PS's shards in this process).
+:class:`~services.worker.pipeline.EmbeddingPipeline`, over the rows client of a
+:class:`~services.worker.rows_link.RowsLink` (a PS client, a PS client process, or any
+``rows_client``, e.g. the PS's shards in this process).
 Compute runs in a :class:`~services.worker.compute.ComputeThread` so the event loop keeps serving
 lookups and pushes meanwhile. The Trainer keeps the dense replica: the model, its optimizer, the
 dense sync, ``fit`` and ``evaluate``.
@@ -51,7 +50,6 @@ from torch import nn
 
 from clients.loader_client import LoaderClient
 from clients.ps_client import PSClient
-from clients.ps_process import PSClientProcess
 from clients.rows import ProcessCPU, RowsClient
 from services.common.admin import AdminServer
 from services.common.batch import Batch, Batches, iterate
@@ -77,15 +75,15 @@ from services.worker.compute import (
 )
 from services.worker.config import TrainerConfig
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
-from services.worker.exchange import embedding_path
 from services.worker.models import ModelConfig, pick_device
 from services.worker.optimizers import ONEBIT_OPTIMIZERS, make_optimizer
 from services.worker.pipeline import EmbeddingPipeline, Prepared
 from services.worker.pooling import BatchPlan
+from services.worker.rows_link import RowsLink
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve, StalenessStats
 from services.worker.sync import SyncStrategy
 from services.worker.warmup import warm_up_step
-from services.worker.window import WindowChoice, choose_window
+from services.worker.window import WindowChoice
 
 __all__ = ["Trainer"]
 
@@ -129,15 +127,11 @@ class Trainer:
             model = ModelConfig(name=model)
         if not isinstance(model, nn.Module | ModelConfig):
             raise ConfigError(f"model must be an nn.Module or a ModelConfig, got {type(model)}")
-        self.ps = self._ps_client(ps_addresses, rows_client)
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
         self.progress = WorkerProgress(rank=rank, world_size=world)
         cfg = self.config
-        self._tables = tables  # the rows and gradients of steps and evaluations: its rows client
-        self.window_choice: WindowChoice | None = None  # what staleness auto chose (start)
-        self.pipeline = self._embedding_pipeline(
-            rows_client if rows_client is not None else self._connected_ps(),
-            window=1 if self.config.auto_window else self.config.window)
+        self.link = RowsLink(cfg, ps_addresses=ps_addresses, rows_client=rows_client,
+                             tables=tables, timers=self.progress, worker=rank, workers=world)
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -158,7 +152,6 @@ class Trainer:
                              if self.config.activation_keep < 1 else None)
         self.on_step = on_step
         self.after_step: Callable[[dict[str, Any]], Awaitable[None]] | None = None
-        self._connected = False
         self._warm = False  # the step's kernels loaded (warmup.py), at the first fit's batch
         self.progress.registry.register(WireStatsCollector(self.codec_rows))
         self._admin: AdminServer | None = None
@@ -168,45 +161,20 @@ class Trainer:
         self.recent_losses: collections.deque[float] = collections.deque(maxlen=RECENT_LOSSES)
         self.history: list[dict[str, float]] = []  # evaluations: step, auc, logloss, samples
 
-    @staticmethod
-    def _global_barrier() -> Callable[[], Awaitable[None]] | None:
-        """global_sync: a wait for every rank, on a gloo group of its own (so that it never
-        interleaves with the dense all-reduce); None with one rank."""
-        if not distributed():
-            return None
-        group = dist.new_group(backend="gloo")
+    @property
+    def ps(self) -> PSClient | None:
+        """The gRPC client of the PS (None when the rows come through a rows_client)."""
+        return self.link.ps
 
-        async def barrier() -> None:
-            await asyncio.to_thread(dist.barrier, group=group)
-        return barrier
+    @property
+    def pipeline(self) -> EmbeddingPipeline:
+        """The embedding side of the steps (:class:`~services.worker.rows_link.RowsLink`)."""
+        return self.link.pipeline
 
-    def _ps_client(self, ps_addresses: Sequence[str], rows_client: RowsClient | None
-                   ) -> PSClient | None:
-        """The gRPC client of the PS (None when the rows come through ``rows_client``)."""
-        cfg = self.config
-        if rows_client is not None:
-            if not isinstance(rows_client, RowsClient):
-                raise ConfigError(f"rows_client must be a RowsClient, got {type(rows_client)}")
-            if ps_addresses or cfg.registry or cfg.ps_process:
-                raise ConfigError("give a rows_client or PS addresses (registry, ps_process), "
-                                  "not both")
-            return None
-        if not ps_addresses and not cfg.registry:
-            raise ConfigError("ps_addresses must list at least one PS shard "
-                              "(or set a registry, or give a rows_client)")
-        options = self._ps_options()
-        return (PSClient.from_registry(cfg.registry, **options) if cfg.registry
-                else PSClient(list(ps_addresses), **options))
-
-    def _ps_options(self) -> dict[str, Any]:
-        cfg = self.config
-        return dict(rows_codec=cfg.rows_codec, timeout=cfg.timeout_s,
-                    grads_codec=cfg.grads_codec, retry_s=cfg.ps_retry_s)
-
-    def _connected_ps(self) -> PSClient:
-        if self.ps is None:
-            raise FailedPrecondition("this trainer reaches the rows through its rows_client")
-        return self.ps
+    @property
+    def window_choice(self) -> WindowChoice | None:
+        """What ``staleness auto`` chose (None before :meth:`start`, or with a set window)."""
+        return self.link.window_choice
 
     @property
     def rows(self) -> RowsClient:
@@ -220,51 +188,13 @@ class Trainer:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def _embedding_pipeline(self, rows: RowsClient, *, window: int | None
-                            ) -> EmbeddingPipeline:
-        cfg, rank, world = self.config, self.progress.rank, self.progress.world_size
-        return EmbeddingPipeline(
-            rows, window=window, prefetch=cfg.prefetch, tables=self._tables,
-            timers=self.progress, hot_ratio=cfg.hot_ratio or None, hot_window=cfg.hot_staleness,
-            worker=rank, workers=world,
-            barrier=self._global_barrier() if cfg.mode == "global_sync" else None,
-            path=embedding_path(cfg.embedding_path, cfg.pooling), head_rate=cfg.head_rate or None,
-            hot_barrier=self._global_barrier() if cfg.mode == "hybrid" and cfg.global_hot
-            else None)
-
-    async def _size_window(self) -> None:
-        """``staleness auto``: the window that hides the measured round trip to the rows
-        (:mod:`services.worker.window`), the same on every rank (rank 0's choice)."""
-        choice = await choose_window(self.pipeline.rows)
-        if distributed():
-            shared = [choice]
-            dist.broadcast_object_list(shared, src=0)
-            choice = shared[0]
-        self.window_choice = choice
-        if choice.window != self.pipeline.window:
-            rows, chain_rows = self.pipeline.rows, self.pipeline.chain_rows
-            self.pipeline = self._embedding_pipeline(rows, window=choice.window)
-            self.pipeline.chain_rows = chain_rows
-        log.info("staleness auto: window %d (%s)", choice.window, choice.reason)
-
     async def start(self) -> Trainer:
         """Connect to the PS (idempotent); with staleness ``auto``, size the window."""
-        if not self._connected:
-            if self.ps is not None:
-                await self.ps.connect()
-                if self.config.ps_process:
-                    self.pipeline.rows = await PSClientProcess(
-                        self.ps.addresses, registry=self.config.registry,
-                        **self._ps_options()).connect()
-                    self.pipeline.chain_rows = self.ps  # the hot chain's lane of its own
-            if self.config.auto_window and self.window_choice is None:
-                await self._size_window()
-            self._connected = True
-            self.pipeline.check_tables()
+        await self.link.connect()
         if self.config.admin_port is not None and self._admin is None:
             stats = getattr(self.ps if self.ps is not None else self.pipeline.rows, "stats", None)
             app = make_worker_admin(self.progress, config=lambda: config_to_dict(self.config),
-                                    ready=lambda: self._connected, shards=stats)
+                                    ready=lambda: self.link.connected, shards=stats)
             port = self.config.admin_port  # ranks on one host: rank r serves port + r
             port = port + self.progress.rank if port else 0
             self._admin = AdminServer(app, self.config.admin_host, port)
@@ -275,14 +205,7 @@ class Trainer:
         if self._admin is not None:
             await self._admin.close()
             self._admin = None
-        if self._connected:
-            if self.ps is not None:
-                if self.pipeline.rows is not self.ps:
-                    await self.pipeline.rows.close()
-                    self.pipeline.rows = self.ps
-                    self.pipeline.chain_rows = None
-                await self.ps.close()
-            self._connected = False
+        await self.link.close()
         if self._sync is not None and self._forward is not None:
             self._sync.close()
 

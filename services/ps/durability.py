@@ -1,0 +1,194 @@
+"""A shard's durability: checkpoints, restores, and recovery from the write-ahead log.
+
+:class:`Durable` is the part of :class:`services.ps.shard.Shard` that writes its tables and its
+window of applied pushes to disk and brings them back. A checkpoint holds every table's lock
+(taken in name order) while it writes, so it is a consistent cut; a restore swaps the tables
+and the window in under the same locks, so a push comes wholly before it (rolled back) or
+after it (validated again). With a write-ahead log, a checkpoint or a restore starts a new
+segment, and :meth:`Durable.recover` replays the log over its base checkpoint, each push
+through the window (a push the state already holds is not applied again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.common.errors import FailedPrecondition, NotFound
+from services.ps.checkpoint import (
+    check_checkpoint_id,
+    list_checkpoints,
+    read_checkpoint,
+    read_push_window,
+    write_checkpoint,
+)
+from services.ps.config import PSConfig
+from services.ps.dedup import PushOrigin, PushWindow
+from services.ps.store import EmbeddingTable, PushResult
+from services.ps.tables import OptimizerConfig, TableConfig
+from services.ps.wal import PushPart, WriteAheadLog, read_push
+
+__all__ = ["Durable"]
+
+
+class Durable:
+    """Checkpoint, restore and recover the tables of a shard (mixed into ``Shard``)."""
+
+    # What the shard owns and this part reads and swaps (set by Shard.__init__).
+    config: PSConfig
+    tables: dict[str, EmbeddingTable]
+    pushes: PushWindow
+    wal: WriteAheadLog | None
+    _locks: dict[str, threading.RLock]
+    _layout: threading.Lock
+    _ckpt_lock: asyncio.Lock
+    _last_checkpoint: str | None
+
+    if TYPE_CHECKING:  # what the shard provides
+        def _holding(self, names: Sequence[str]) -> contextlib.AbstractContextManager[bool]: ...
+        def _once(self, origin: PushOrigin | None, content: Callable[[], int],
+                  parts: Sequence[PushPart]) -> PushResult: ...
+        def create_table(self, table_config: TableConfig | dict[str, Any]
+                         ) -> EmbeddingTable: ...
+        def drop_table(self, name: str) -> None: ...
+        def set_optimizer(self, name: str, changes: dict[str, Any]) -> OptimizerConfig: ...
+
+    def _checkpoint_root(self) -> Path:
+        if not self.config.checkpoint_dir:
+            raise FailedPrecondition("no checkpoint directory configured (--checkpoint-dir)")
+        return Path(self.config.checkpoint_dir)
+
+    async def checkpoint(self, checkpoint_id: str | None = None, *,
+                         incremental: bool = False) -> dict[str, Any]:
+        """Write all tables atomically; incremental checkpoints chain to the last one."""
+        root = self._checkpoint_root()
+        checkpoint_id = checkpoint_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        check_checkpoint_id(checkpoint_id)
+        async with self._ckpt_lock:
+            if incremental and self._last_checkpoint is None:
+                raise FailedPrecondition("an incremental checkpoint needs an earlier checkpoint "
+                                         "of this process as its parent")
+            parent = self._last_checkpoint if incremental else None
+            manifest = await asyncio.to_thread(self._write_checkpoint, root, checkpoint_id,
+                                               incremental, parent)
+            self._last_checkpoint = checkpoint_id
+        return manifest
+
+    def _write_checkpoint(self, root: Path, checkpoint_id: str, incremental: bool,
+                          parent: str | None) -> dict[str, Any]:
+        with self._layout, self._holding(list(self.tables)):
+            manifest = write_checkpoint(root, checkpoint_id, self.config.shard_id,
+                                        self.config.num_shards, self.tables,
+                                        incremental=incremental, parent=parent,
+                                        pushes=self.pushes.snapshot())
+            if self.wal is not None:  # the log restarts from this state
+                self.wal.start(checkpoint_id)
+            return manifest
+
+    def checkpoints(self) -> list[dict[str, Any]]:
+        if not self.config.checkpoint_dir:
+            return []
+        return list_checkpoints(self._checkpoint_root())
+
+    async def restore(self, checkpoint_id: str) -> dict[str, int]:
+        """Replace every table and the window of applied pushes by the checkpoint's
+        (resharding when the shard count differs; the window then starts empty, as the
+        clients' sequence numbers were per old shard); the write-ahead log restarts from it
+        (the pushes it held after its base are dropped: a restore is a rollback)."""
+        await self._restore(checkpoint_id, restart_log=True)
+        return {name: table.num_rows for name, table in self.tables.items()}
+
+    async def recover(self) -> dict[str, int]:
+        """Come back from the write-ahead log: restore its base checkpoint (none: the
+        configured tables), then apply its records in order, each push through the window
+        of applied pushes; go on appending to it. Returns counts: ``pushes`` applied,
+        ``skipped`` (already held), ``changes`` (table changes), ``dropped_bytes`` (a torn
+        tail)."""
+        if self.wal is None:
+            raise FailedPrecondition("no write-ahead log configured (--wal-dir)")
+        wal = self.wal
+        base, records = await asyncio.to_thread(wal.read)
+        if base is not None:
+            await self._restore(base, restart_log=False)
+        self.wal = None  # the records replayed are in the log already
+        try:
+            counts = await asyncio.to_thread(self._replay, records)
+        finally:
+            self.wal = wal
+        if records or base is not None:
+            await asyncio.to_thread(wal.resume)
+        else:
+            await asyncio.to_thread(wal.start, None)
+        return {**counts, "dropped_bytes": wal.dropped_bytes}
+
+    def _replay(self, records: Sequence[dict[str, Any]]) -> dict[str, int]:
+        counts = {"pushes": 0, "skipped": 0, "changes": 0}
+        for record in records:
+            op = record.get("op")
+            if op == "push":
+                counts["pushes" if self._replay_push(record) else "skipped"] += 1
+                continue
+            if op == "create":
+                self.create_table(record["config"])
+            elif op == "drop":
+                self.drop_table(record["table"])
+            elif op == "optimizer":
+                self.set_optimizer(record["table"], record["changes"])
+            else:
+                raise FailedPrecondition(f"write-ahead log record of unknown kind {op!r}")
+            counts["changes"] += 1
+        return counts
+
+    def _replay_push(self, record: dict[str, Any]) -> bool:
+        """Apply a logged push unless the window says it is held already (False)."""
+        origin, fp, parts = read_push(record)
+        retries = self.pushes.retries
+        try:
+            with self._holding([name for name, _, _ in parts]):
+                self._once(None if origin is None else PushOrigin(*origin), lambda: fp, parts)
+        except FailedPrecondition:  # below the window: older than pushes the state holds
+            return False
+        return self.pushes.retries == retries
+
+    async def _restore(self, checkpoint_id: str, *, restart_log: bool) -> None:
+        root = self._checkpoint_root()
+        if checkpoint_id == "latest":
+            known = self.checkpoints()
+            if not known:
+                raise NotFound(f"no checkpoints under {root}")
+            checkpoint_id = known[-1]["checkpoint_id"]
+        check_checkpoint_id(checkpoint_id)
+        async with self._ckpt_lock:
+            snapshots = await asyncio.to_thread(
+                read_checkpoint, root, checkpoint_id,
+                shard_id=self.config.shard_id, num_shards=self.config.num_shards)
+            pushes = PushWindow(self.pushes.window, self.pushes.max_clients)
+            pushes.restore(await asyncio.to_thread(
+                read_push_window, root, checkpoint_id,
+                shard_id=self.config.shard_id, num_shards=self.config.num_shards))
+            fresh: dict[str, EmbeddingTable] = {}
+            for name, chain in snapshots.items():
+                table = EmbeddingTable(chain[0].config)
+                for snap in chain:
+                    table.restore(snap)
+                fresh[name] = table
+            await asyncio.to_thread(self._replace, fresh, pushes,
+                                    checkpoint_id if restart_log else None)
+            self._last_checkpoint = checkpoint_id
+
+    def _replace(self, tables: dict[str, EmbeddingTable], pushes: PushWindow,
+                 base: str | None) -> None:
+        """Swap in restored ``tables`` and window holding every table's lock, so that no push
+        comes between; the log restarts from checkpoint ``base`` first (None: goes on)."""
+        with self._layout, self._holding(list(self._locks)):
+            if base is not None and self.wal is not None:
+                self.wal.start(base)
+            self.pushes = pushes  # before the tables: a push that sees them uses it
+            self._locks = {name: self._locks.get(name) or threading.RLock() for name in tables}
+            self.tables = tables
