@@ -24,7 +24,7 @@ __all__ = ["BENCHES", "latency_quantiles", "main_of", "register_benches", "save_
 BENCHES = ["bench.ps", "bench.loader", "bench.train", "bench.compression", "bench.sync",
            "bench.staleness", "bench.load", "bench.recovery", "bench.chaos", "bench.push_cost",
            "bench.quality", "bench.serve", "bench.dashboard", "bench.scale", "bench.plan",
-           "bench.e2e"]
+           "bench.e2e", "bench.abuse"]
 
 
 def register_benches(subparsers: argparse._SubParsersAction) -> None:
