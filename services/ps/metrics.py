@@ -22,6 +22,8 @@ _COUNTERS = {"lookups": "Lookup requests", "pushes": "Push requests",
              "ids_looked_up": "Ids looked up", "misses": "Rows created on first sight",
              "evictions": "Rows evicted by capacity", "expired": "Rows dropped by TTL",
              "dropped_nonfinite": "Gradients dropped for NaN/Inf",
+             "refused_nonfinite": "Row updates refused: the row or its optimizer state "
+                                  "would have become NaN/Inf",
              "not_admitted": "Ids not (yet) admitted"}
 _STALENESS = {  # services.ps.staleness
     "global_staleness_max": "Most earlier pushes, of every worker, a tagged lookup missed",

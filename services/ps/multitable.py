@@ -169,20 +169,25 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
                 bounds, uslots, summed, kept, dropped):
             return None
         first = views[0].optimizer  # one config object in every table, or equal ones
-        if not (all(v.optimizer is first or v.optimizer == first for v in views)
-                and apply_updates(first, [v.rows for v in views], [v.state for v in views],
-                                  uslots, summed, bounds[:-1], kept)):
-            for t, view in enumerate(views):  # each table's optimizer in turn
-                lo, k = int(bounds[t]), int(kept[t])
-                view.apply(uslots[lo:lo + k], summed[lo:lo + k])
+        refused = None
+        if all(v.optimizer is first or v.optimizer == first for v in views):
+            refused = apply_updates(first, [v.rows for v in views], [v.state for v in views],
+                                    uslots, summed, bounds[:-1], kept)
+            if refused is not None:
+                for view, count in zip(views, refused.tolist(), strict=True):
+                    view.counters["refused_nonfinite"] += count
+        if refused is None:  # each table's optimizer in turn (it counts what it refuses)
+            refused = np.array([view.apply(uslots[lo:lo + k], summed[lo:lo + k])
+                                for view, lo, k in zip(views, bounds.tolist(), kept.tolist(),
+                                                       strict=False)], dtype=np.int64)
         _mark(tuple(v.dirty.data for v in views), uslots, bounds, kept, _SET)
         results = []
         for t, view in enumerate(views):
-            k, bad = int(kept[t]), int(dropped[t])
+            k, bad, no = int(kept[t]), int(dropped[t]), int(refused[t])
             view.counters["pushes"] += 1
             view.counters["ids_pushed"] += ids[t].shape[0]
             view.counters["dropped_nonfinite"] += bad
-            results.append(PushResult(applied=k, dropped_nonfinite=bad))
+            results.append(PushResult(applied=k - no, dropped_nonfinite=bad + no))
     return results
 
 

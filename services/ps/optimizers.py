@@ -23,7 +23,12 @@ FTRL-Proximal (McMahan et al. 2013), with ``alpha = lr``::
 
 ``weight_decay`` (SGD, both Adagrads, Adam) adds ``weight_decay·w`` to a pushed row's gradient
 before its update (L2 as TorchRec/FBGEMM apply it: lazily, only rows a push touches).
-``weight_bound`` clips every updated weight of every kind to ``[-bound, bound]``.
+``weight_bound`` clips every updated weight of every kind to ``[-bound, bound]``; rows
+stored as float16 saturate at its largest finite value the same way. An update that would
+leave a row's weights or optimizer state NaN or ±Inf (a finite but huge gradient: FTRL or
+Adagrad with 1e20, SGD past float32's range) is refused for that row inside the kernel,
+after the new values are computed and before any is written: the row and its state keep
+their values, and the caller counts it (``refused_nonfinite``).
 """
 
 from __future__ import annotations
@@ -71,42 +76,67 @@ def init_state(config: OptimizerConfig, state: dict[str, np.ndarray], slots: np.
         state["z"][slots] = -(rows * c + np.sign(rows) * _F32(config.ftrl_l1))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, inline="always")
 def _clip(w, bound):  # pragma: no cover - numba
     return min(max(w, -bound), bound)
 
 
 @njit(cache=True, nogil=True)
 def _sgd(W, wi, G, lr, wd, bound):  # pragma: no cover - numba
-    n = G.shape[0]
+    """Returns the rows refused (their new values would not all be finite)."""
+    n, dim = G.shape[0], G.shape[1]
+    new = np.empty(dim, dtype=np.float32)
+    refused = 0
     for k in range(n):
         if k + AHEAD < n:
             prefetch_row(W, wi[k + AHEAD])
         r = wi[k]
-        for c in range(G.shape[1]):
-            W[r, c] = _clip(W[r, c] - lr * (G[k, c] + wd * W[r, c]), bound)
+        ok = True
+        for c in range(dim):
+            w = W[r, c] - lr * (G[k, c] + wd * W[r, c])
+            ok &= np.isfinite(w)
+            new[c] = _clip(w, bound)
+        if not ok:
+            refused += 1
+            continue
+        for c in range(dim):
+            W[r, c] = new[c]
+    return refused
 
 
 @njit(cache=True, nogil=True)
 def _adagrad(W, wi, A, si, G, lr, eps, wd, bound):  # pragma: no cover - numba
-    n = G.shape[0]
+    n, dim = G.shape[0], G.shape[1]
+    new = np.empty((2, dim), dtype=np.float32)
+    refused = 0
     for k in range(n):
         if k + AHEAD < n:
             prefetch_row(W, wi[k + AHEAD])
             prefetch_row(A, si[k + AHEAD])
         r = wi[k]
         s = si[k]
-        for c in range(G.shape[1]):
+        ok = True
+        for c in range(dim):
             g = G[k, c] + wd * W[r, c]
             a = A[s, c] + g * g
-            A[s, c] = a
-            W[r, c] = _clip(W[r, c] - lr * g / (np.sqrt(a) + eps), bound)
+            w = W[r, c] - lr * g / (np.sqrt(a) + eps)
+            ok &= np.isfinite(a) & np.isfinite(w)
+            new[0, c] = a
+            new[1, c] = _clip(w, bound)
+        if not ok:
+            refused += 1
+            continue
+        for c in range(dim):
+            A[s, c] = new[0, c]
+            W[r, c] = new[1, c]
+    return refused
 
 
 @njit(cache=True, nogil=True)
 def _rowwise_adagrad(W, wi, A, si, G, lr, eps, wd, bound):  # pragma: no cover - numba
-    n = G.shape[0]
-    dim = G.shape[1]
+    n, dim = G.shape[0], G.shape[1]
+    new = np.empty(dim, dtype=np.float32)
+    refused = 0
     for k in range(n):
         if k + AHEAD < n:
             prefetch_row(W, wi[k + AHEAD])
@@ -118,10 +148,19 @@ def _rowwise_adagrad(W, wi, A, si, G, lr, eps, wd, bound):  # pragma: no cover -
             g = G[k, c] + wd * W[r, c]
             sq += g * g
         a = A[s] + sq / np.float32(dim)
-        A[s] = a
         scale = lr / (np.sqrt(a) + eps)
+        ok = np.isfinite(a)
         for c in range(dim):
-            W[r, c] = _clip(W[r, c] - scale * (G[k, c] + wd * W[r, c]), bound)
+            w = W[r, c] - scale * (G[k, c] + wd * W[r, c])
+            ok &= np.isfinite(w)
+            new[c] = _clip(w, bound)
+        if not ok:
+            refused += 1
+            continue
+        A[s] = a
+        for c in range(dim):
+            W[r, c] = new[c]
+    return refused
 
 
 @njit(cache=True, nogil=True)
@@ -129,7 +168,9 @@ def _adam(W, wi, M, V, T, si, G, lr, b1, b2, eps, wd, bound):  # pragma: no cove
     one = np.float32(1.0)
     b1d = np.float64(b1)
     b2d = np.float64(b2)
-    n = G.shape[0]
+    n, dim = G.shape[0], G.shape[1]
+    new = np.empty((3, dim), dtype=np.float32)
+    refused = 0
     for k in range(n):
         if k + AHEAD < n:
             prefetch_row(W, wi[k + AHEAD])
@@ -139,22 +180,35 @@ def _adam(W, wi, M, V, T, si, G, lr, b1, b2, eps, wd, bound):  # pragma: no cove
         r = wi[k]
         s = si[k]
         t = T[s] + 1
-        T[s] = t
         bc1 = np.float32(1.0 - b1d ** t)
         bc2 = np.float32(1.0 - b2d ** t)
-        for c in range(G.shape[1]):
+        ok = True
+        for c in range(dim):
             g = G[k, c] + wd * W[r, c]
             m = b1 * M[s, c] + (one - b1) * g
             v = b2 * V[s, c] + (one - b2) * g * g
-            M[s, c] = m
-            V[s, c] = v
-            W[r, c] = _clip(W[r, c] - lr * (m / bc1) / (np.sqrt(v / bc2) + eps), bound)
+            w = W[r, c] - lr * (m / bc1) / (np.sqrt(v / bc2) + eps)
+            ok &= np.isfinite(m) & np.isfinite(v) & np.isfinite(w)
+            new[0, c] = m
+            new[1, c] = v
+            new[2, c] = _clip(w, bound)
+        if not ok:
+            refused += 1
+            continue
+        T[s] = t
+        for c in range(dim):
+            M[s, c] = new[0, c]
+            V[s, c] = new[1, c]
+            W[r, c] = new[2, c]
+    return refused
 
 
 @njit(cache=True, nogil=True)
 def _ftrl(W, wi, Z, N, si, G, alpha, beta, l1, l2, bound):  # pragma: no cover - numba
     zero = np.float32(0.0)
-    n = G.shape[0]
+    n, dim = G.shape[0], G.shape[1]
+    new = np.empty((3, dim), dtype=np.float32)
+    refused = 0
     for k in range(n):
         if k + AHEAD < n:
             prefetch_row(W, wi[k + AHEAD])
@@ -162,88 +216,111 @@ def _ftrl(W, wi, Z, N, si, G, alpha, beta, l1, l2, bound):  # pragma: no cover -
             prefetch_row(N, si[k + AHEAD])
         r = wi[k]
         s = si[k]
-        for c in range(G.shape[1]):
+        ok = True
+        for c in range(dim):
             g = G[k, c]
             n_old = N[s, c]
             n_new = n_old + g * g
             sigma = (np.sqrt(n_new) - np.sqrt(n_old)) / alpha
             z = Z[s, c] + g - sigma * W[r, c]
-            Z[s, c] = z
-            N[s, c] = n_new
             if abs(z) <= l1:
                 w = zero
             else:
                 w = -(z - np.sign(z) * l1) / ((beta + np.sqrt(n_new)) / alpha + l2)
-            W[r, c] = _clip(w, bound)
+            ok &= np.isfinite(z) & np.isfinite(n_new) & np.isfinite(w)
+            new[0, c] = z
+            new[1, c] = n_new
+            new[2, c] = _clip(w, bound)
+        if not ok:
+            refused += 1
+            continue
+        for c in range(dim):
+            Z[s, c] = new[0, c]
+            N[s, c] = new[1, c]
+            W[r, c] = new[2, c]
+    return refused
 
 
 @njit(cache=True, nogil=True)
-def _adagrad_tables(Ws, As, slots, G, starts, counts, lr, eps, wd, bound):  # pragma: no cover
-    """:func:`_adagrad` for each table ``t``: its rows ``slots[starts[t]:][:counts[t]]``."""
+def _adagrad_tables(Ws, As, slots, G, starts, counts, lr, eps, wd, bound,
+                    refused):  # pragma: no cover - numba
+    """:func:`_adagrad` for each table ``t``: its rows ``slots[starts[t]:][:counts[t]]``
+    (``refused[t]``: the rows it refused)."""
     for t in range(len(Ws)):
         lo, hi = starts[t], starts[t] + counts[t]
-        _adagrad(Ws[t], slots[lo:hi], As[t], slots[lo:hi], G[lo:hi], lr, eps, wd, bound)
+        refused[t] = _adagrad(Ws[t], slots[lo:hi], As[t], slots[lo:hi], G[lo:hi], lr, eps, wd,
+                              bound)
 
 
 @njit(cache=True, nogil=True)
-def _rowwise_adagrad_tables(Ws, As, slots, G, starts, counts, lr, eps, wd,
-                            bound):  # pragma: no cover - numba
-    """:func:`_rowwise_adagrad` for each table ``t``: its rows ``slots[starts[t]:][:counts[t]]``."""
+def _rowwise_adagrad_tables(Ws, As, slots, G, starts, counts, lr, eps, wd, bound,
+                            refused):  # pragma: no cover - numba
+    """:func:`_rowwise_adagrad` for each table ``t``: its rows ``slots[starts[t]:][:counts[t]]``
+    (``refused[t]``: the rows it refused)."""
     for t in range(len(Ws)):
         lo, hi = starts[t], starts[t] + counts[t]
-        _rowwise_adagrad(Ws[t], slots[lo:hi], As[t], slots[lo:hi], G[lo:hi], lr, eps, wd,
-                         bound)
+        refused[t] = _rowwise_adagrad(Ws[t], slots[lo:hi], As[t], slots[lo:hi], G[lo:hi], lr,
+                                      eps, wd, bound)
 
 
 _TABLES_KERNELS = {OptimizerKind.ADAGRAD: _adagrad_tables,  # the kinds apply_updates serves
                    OptimizerKind.ROWWISE_ADAGRAD: _rowwise_adagrad_tables}
 
 
-def _bound(config: OptimizerConfig) -> np.float32:
-    """The weight bound as the kernels take it (inf: none)."""
-    return _F32(np.inf if config.weight_bound is None else config.weight_bound)
+def _bound(config: OptimizerConfig, storage: np.dtype) -> np.float32:
+    """The weight bound as the kernels take it: the configured one, within the largest
+    finite value of the storage dtype (so float16 rows saturate instead of overflowing)."""
+    top = float(np.finfo(storage).max)
+    return _F32(top if config.weight_bound is None else min(config.weight_bound, top))
 
 
 def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.ndarray,
-                 state: dict[str, np.ndarray], slots: np.ndarray, grads: np.ndarray) -> None:
-    """Update ``weights[weight_index[k]]`` with ``grads[k]`` in place, state rows ``slots[k]``.
+                 state: dict[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, *,
+                 storage: np.dtype | type = np.float32) -> int:
+    """Update ``weights[weight_index[k]]`` with ``grads[k]`` in place, state rows ``slots[k]``;
+    returns how many rows it refused: a row whose new weights or state would not all be
+    finite keeps its weights and state (the check runs per row inside the kernel).
 
-    ``weights`` is float32 (the arena itself, or a widened copy of float16 rows);
-    ``weight_index`` and ``slots`` must hold no duplicates; ``grads`` is float32 (k, dim).
+    ``weights`` is float32 (the arena itself, or a widened copy of rows stored as
+    ``storage``, whose finite range bounds every new weight); ``weight_index`` and ``slots``
+    must hold no duplicates; ``grads`` is float32 (k, dim).
     """
     wi = np.ascontiguousarray(weight_index, dtype=np.int64)
     si = np.ascontiguousarray(slots, dtype=np.int64)
     grads = np.ascontiguousarray(grads, dtype=np.float32)
-    bound = _bound(config)
+    bound = _bound(config, np.dtype(storage))
     lr, wd = _F32(config.lr), _F32(config.weight_decay)
     if config.kind is OptimizerKind.SGD:
-        _sgd(weights, wi, grads, lr, wd, bound)
-    elif config.kind is OptimizerKind.ADAGRAD:
-        _adagrad(weights, wi, state["accum"], si, grads, lr, _F32(config.eps), wd, bound)
-    elif config.kind is OptimizerKind.ROWWISE_ADAGRAD:
-        _rowwise_adagrad(weights, wi, state["accum"], si, grads, lr, _F32(config.eps), wd,
-                         bound)
-    elif config.kind is OptimizerKind.ADAM:
-        _adam(weights, wi, state["m"], state["v"], state["step"], si, grads, lr,
-              _F32(config.beta1), _F32(config.beta2), _F32(config.eps), wd, bound)
-    else:
-        _ftrl(weights, wi, state["z"], state["n"], si, grads, lr, _F32(config.ftrl_beta),
-              _F32(config.ftrl_l1), _F32(config.ftrl_l2), bound)
+        return int(_sgd(weights, wi, grads, lr, wd, bound))
+    if config.kind is OptimizerKind.ADAGRAD:
+        return int(_adagrad(weights, wi, state["accum"], si, grads, lr, _F32(config.eps), wd,
+                            bound))
+    if config.kind is OptimizerKind.ROWWISE_ADAGRAD:
+        return int(_rowwise_adagrad(weights, wi, state["accum"], si, grads, lr,
+                                    _F32(config.eps), wd, bound))
+    if config.kind is OptimizerKind.ADAM:
+        return int(_adam(weights, wi, state["m"], state["v"], state["step"], si, grads, lr,
+                         _F32(config.beta1), _F32(config.beta2), _F32(config.eps), wd, bound))
+    return int(_ftrl(weights, wi, state["z"], state["n"], si, grads, lr, _F32(config.ftrl_beta),
+                     _F32(config.ftrl_l1), _F32(config.ftrl_l2), bound))
 
 
 def apply_updates(config: OptimizerConfig, weights: Sequence[np.ndarray],
                   states: Sequence[dict[str, np.ndarray]], slots: np.ndarray, grads: np.ndarray,
-                  starts: np.ndarray, counts: np.ndarray) -> bool:
+                  starts: np.ndarray, counts: np.ndarray) -> np.ndarray | None:
     """:func:`apply_update` for several float32 tables of one optimizer config in one call
     (a call a table costs more than the update of a few ids): table ``t`` updates its rows
     and state rows ``slots[starts[t]:][:counts[t]]`` (distinct) with the ``grads`` there.
-    False, nothing done, for the kinds without such a call (all but the two Adagrads)."""
+    Returns the rows each table refused; None, nothing done, for the kinds without such a
+    call (all but the two Adagrads)."""
     if (kernel := _TABLES_KERNELS.get(config.kind)) is None or not weights:
-        return False
+        return None
+    refused = np.zeros(len(weights), dtype=np.int64)
     kernel(tuple(weights), tuple(state["accum"] for state in states),
            np.ascontiguousarray(slots, dtype=np.int64),
            np.ascontiguousarray(grads, dtype=np.float32),
            np.ascontiguousarray(starts, dtype=np.int64),
            np.ascontiguousarray(counts, dtype=np.int64),
-           _F32(config.lr), _F32(config.eps), _F32(config.weight_decay), _bound(config))
-    return True
+           _F32(config.lr), _F32(config.eps), _F32(config.weight_decay),
+           _bound(config, np.dtype(np.float32)), refused)
+    return refused

@@ -97,18 +97,20 @@ class _Arena:
         return out
 
     def apply(self, slots: np.ndarray, grads: np.ndarray) -> PushResult:
-        """As a PS table applies a push of distinct held ids: non-finite rows dropped."""
+        """As a PS table applies a push of distinct held ids: non-finite rows dropped, and
+        rows whose update would not be finite refused."""
         bad = np.empty(slots.shape[0], dtype=bool)
         if dropped := int(nonfinite_rows(grads, bad)):
             slots, grads = slots[~bad], grads[~bad]
         if self.dtype == np.float32:
-            apply_update(self.optimizer, self.rows, slots, self.state, slots, grads)
+            refused = apply_update(self.optimizer, self.rows, slots, self.state, slots, grads)
         else:
             wide = self.rows[slots].astype(np.float32)
-            apply_update(self.optimizer, wide, np.arange(slots.shape[0]), self.state, slots,
-                         grads)
+            refused = apply_update(self.optimizer, wide, np.arange(slots.shape[0]), self.state,
+                                   slots, grads, storage=self.dtype)
             self.rows[slots] = wide.astype(self.dtype)
-        return PushResult(applied=int(slots.shape[0]), dropped_nonfinite=dropped)
+        return PushResult(applied=int(slots.shape[0]) - refused,
+                          dropped_nonfinite=dropped + refused)
 
 
 def _warm_up(arenas: Sequence[_Arena]) -> None:

@@ -65,7 +65,8 @@ from services.ps.tables import (
 __all__ = ["EmbeddingTable", "PushResult", "TableSnapshot"]
 
 _COUNTERS = ("lookups", "pushes", "ids_looked_up", "ids_pushed", "misses", "evictions",
-             "expired", "deleted", "dropped_nonfinite", "not_admitted", "promoted", "demoted")
+             "expired", "deleted", "dropped_nonfinite", "refused_nonfinite", "not_admitted",
+             "promoted", "demoted")
 
 
 class EmbeddingTable:
@@ -208,7 +209,9 @@ class EmbeddingTable:
     # ----------------------------------------------------------------- writes
 
     def push(self, ids: Any, grads: Any) -> PushResult:
-        """Apply gradients (duplicates summed first); non-finite ones are dropped and counted."""
+        """Apply gradients (duplicates summed first); non-finite ones are dropped and counted,
+        and so are rows whose update would not be finite (refused: counted in the result's
+        ``dropped_nonfinite`` too)."""
         ids, grads = self.validate_push(ids, grads)
         with self.lock:
             self._counters["pushes"] += 1
@@ -226,12 +229,12 @@ class EmbeddingTable:
                 uslots, summed = uslots[~bad], summed[~bad]
             self._counters["dropped_nonfinite"] += dropped
             self._counters["not_admitted"] += not_admitted
-            self._apply(uslots, summed)
+            refused = self._apply(uslots, summed)
             self._dirty[uslots] = True
             self._mark_used(uslots)
             self._spill()
-            return PushResult(applied=int(uslots.shape[0]), dropped_nonfinite=dropped,
-                              not_admitted=not_admitted)
+            return PushResult(applied=int(uslots.shape[0]) - refused,
+                              dropped_nonfinite=dropped + refused, not_admitted=not_admitted)
 
     def _push_missing(self, ids: np.ndarray, grads: np.ndarray, slots: np.ndarray,
                       missing: np.ndarray) -> tuple[int, int]:
@@ -265,14 +268,19 @@ class EmbeddingTable:
             sum_rows_by_inverse(inv, grads, summed)
         return uslots, summed
 
-    def _apply(self, slots: np.ndarray, grads: np.ndarray) -> None:
+    def _apply(self, slots: np.ndarray, grads: np.ndarray) -> int:
+        """The optimizer's update of distinct ``slots``; returns (and counts) the rows it
+        refused because their new values would not all be finite."""
         opt = self.config.optimizer
         if self._dtype == np.float32:
-            apply_update(opt, self._rows, slots, self._state, slots, grads)
-            return
-        wide = self._rows[slots].astype(np.float32)
-        apply_update(opt, wide, np.arange(slots.shape[0]), self._state, slots, grads)
-        self._rows[slots] = wide.astype(self._dtype)
+            refused = apply_update(opt, self._rows, slots, self._state, slots, grads)
+        else:
+            wide = self._rows[slots].astype(np.float32)
+            refused = apply_update(opt, wide, np.arange(slots.shape[0]), self._state, slots,
+                                   grads, storage=self._dtype)
+            self._rows[slots] = wide.astype(self._dtype)
+        self._counters["refused_nonfinite"] += refused
+        return refused
 
     def set_optimizer(self, **changes: Any) -> OptimizerConfig:
         """Change optimizer settings (not its kind: :meth:`TableConfig.optimizer_with`

@@ -31,7 +31,7 @@ class PlainTable(NamedTuple):
     seen: SlotBits
     dirty: SlotBits
     counters: dict[str, int]
-    apply: Callable[[np.ndarray, np.ndarray], None]
+    apply: Callable[[np.ndarray, np.ndarray], int]  # returns the rows it refused
     optimizer: OptimizerConfig
     state: dict[str, np.ndarray]
 
