@@ -12,7 +12,7 @@ The bound on staleness is a semaphore of ``window`` slots: a batch takes one bef
 its push task's completion frees it (a done-callback, as arq's worker releases its semaphore). The
 staleness of a batch is the number of earlier batches whose push is not yet acknowledged when its
 lookup starts, so it is at most ``window - 1``; ``window=None`` (async mode) has no bound, only
-``prefetch`` lookups ahead of compute.
+``prefetch`` lookups ahead of compute, and no hot tables or head ids (nothing synchronous).
 
 Once the slots are taken, the next batches wait as *riders*: the push that frees a slot carries the
 rider's lookup in the same message per shard (the rows include that push) and hands the slot
@@ -197,7 +197,8 @@ class EmbeddingPipeline:
         self._direct: DirectHot | None = None  # groups the compute thread reads and updates
         self.replica: RowsReplica | None = None  # injected by the worker's builder: see plan()
         self._seeding: ReplicaSeeds | None = None  # where the replica is used (the first plan)
-        self._head_rate = head_rate if window != 1 else None
+        # head ids only under a window: async mode has no bound and no head ids
+        self._head_rate = head_rate if window is not None and window > 1 else None
         self.heads: HeadIds | None = None  # the windowed groups' head ids, once decided
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._windowed: list[int] = []  # the groups under the staleness window (not hot)

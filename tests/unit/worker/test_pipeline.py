@@ -381,6 +381,19 @@ async def test_head_ids_of_a_windowed_table_are_synchronous(direct: bool) -> Non
     assert np.array_equal(final[0], np.ones(N, np.float32))
 
 
+async def test_async_mode_has_no_head_ids_and_no_hot_chain() -> None:
+    """``window=None`` (async mode) bounds nothing: a head_rate given with it makes no head
+    ids, so no id is looked up synchronously (a ``window != 1`` test took None for a window)."""
+    pipeline = EmbeddingPipeline(InProcessShards([table()]), window=None, tables={"f": "t"},
+                                 head_rate=1.0, hot_ratio=1.0)
+    await pipeline.plan(batch(0))
+    assert pipeline.heads is None and pipeline.hot_tables == []
+    bounded = EmbeddingPipeline(InProcessShards([table()]), window=4, tables={"f": "t"},
+                                head_rate=1.0)
+    await bounded.plan(batch(0))
+    assert bounded.heads is not None  # the same settings under a window do make head ids
+
+
 def test_hot_settings_are_checked() -> None:
     for bad in (-0.1, 1.5):
         with pytest.raises(ConfigError, match="hot_ratio"):
