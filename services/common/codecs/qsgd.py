@@ -9,9 +9,11 @@ code of ``ceil(log2(s + 1)) + 1`` bits per element, packed back to back (:mod:`.
 codes from different senders must be decoded before they are summed.
 
 AdaQuantFL (Jhunjhunwala et al. 2021): ``s_k = ceil(sqrt(F_0 / F_k) · s_0)`` clipped to
-``[s_min, s_max]``, where ``F_0`` is the first reported training loss and ``F_k`` the mean
-of the last ``window`` reports (:meth:`AdaQuantCodec.report_loss`): few levels early,
-more as the loss falls. The Trainer reports the mean of each step's loss over every rank to
+``[s_min, s_max]``, where ``F_0`` is the mean of the first ``f0_steps`` (8) reported training
+losses (the mean of those so far until then; the paper's one initial loss would let an
+outlying first minibatch pin s at a bound for the whole run) and ``F_k`` the mean of the last
+``window`` reports (:meth:`AdaQuantCodec.report_loss`): few levels early, more as the loss
+falls. The Trainer reports the mean of each step's loss over every rank to
 every adaquant codec it drives (dense hook, averager, PS pushes), so all ranks use the same s.
 """
 
@@ -132,20 +134,25 @@ class AdaQuantCodec(QSGDCodec):
     """QSGD whose s follows the training loss: ``s_k = ceil(sqrt(F_0/F_k) · s_0)`` in [s_min, s_max].
 
     Call :meth:`report_loss` once per step with the (ideally all-worker mean) training loss.
+    ``F_0`` is the mean of the first ``f0_steps`` losses (of those so far before then);
+    ``F_k`` the mean of the last ``window``.
     """
 
     name = "adaquant"
     stateful = True
 
     def __init__(self, *, s0: int = 2, s_min: int = 2, s_max: int = 255, window: int = 10,
-                 bucket: int = 256, seed: int | None = None) -> None:
+                 f0_steps: int = 8, bucket: int = 256, seed: int | None = None) -> None:
         self.s_min = _check_int("adaquant s_min", s_min, 1, MAX_LEVELS)
         self.s_max = _check_int("adaquant s_max", s_max, self.s_min, MAX_LEVELS)
         self.s0 = _check_int("adaquant s0", s0, 1, MAX_LEVELS)
         self.window = _check_int("adaquant window", window, 1, 1 << 20)
+        self.f0_steps = _check_int("adaquant f0_steps", f0_steps, 1, 1 << 20)
         super().__init__(levels=min(max(self.s0, self.s_min), self.s_max), bucket=bucket,
                          seed=seed)
-        self.initial_loss: float | None = None
+        self.initial_loss: float | None = None   # F_0: the mean of the first f0_steps losses
+        self._initial_sum = 0.0
+        self._initial_count = 0
         self._recent: deque[float] = deque(maxlen=self.window)
 
     def report_loss(self, loss: float) -> int:
@@ -156,15 +163,18 @@ class AdaQuantCodec(QSGDCodec):
             raise InvalidArgument(f"adaquant loss must be a number, got {loss!r}") from exc
         if not math.isfinite(value) or value < 0:
             raise InvalidArgument(f"adaquant loss must be finite and ≥ 0, got {loss!r}")
-        if self.initial_loss is None:
-            self.initial_loss = value
+        if self._initial_count < self.f0_steps:
+            self._initial_sum += value
+            self._initial_count += 1
+            self.initial_loss = self._initial_sum / self._initial_count
         self._recent.append(value)
         current = sum(self._recent) / len(self._recent)
+        initial = self._initial_sum / self._initial_count
         if current <= 0:
             s = self.s_max
-        elif self.initial_loss == 0:
+        elif initial == 0:
             s = self.s_min
         else:
-            s = math.ceil(math.sqrt(self.initial_loss / current) * self.s0)
+            s = math.ceil(math.sqrt(initial / current) * self.s0)
         self._levels = min(max(s, self.s_min), self.s_max)
         return self._levels

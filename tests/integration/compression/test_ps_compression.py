@@ -84,12 +84,13 @@ async def test_quantized_grads_are_decoded_on_the_ps_before_its_optimizer(cluste
 
 
 async def test_adaquant_pushes_use_more_levels_as_the_reported_loss_falls(cluster):
-    """s = ceil(sqrt(F_0/F_k)·s_0): 2, 4, 8 as the loss falls 1 → 1/4 → 1/16, and the PS
-    decodes each push with the s its message carries (a codec stuck at s = 2 sends only
-    even multiples of ‖bucket‖/8 and misses the error bound ‖bucket‖/8)."""
+    """s = ceil(sqrt(F_0/F_k)·s_0), F_0 the first loss (f0_steps=1): 2, 4, 8 as the loss falls
+    1 → 1/4 → 1/16, and the PS decodes each push with the s its message carries (a codec
+    stuck at s = 2 sends only even multiples of ‖bucket‖/8 and misses the error bound
+    ‖bucket‖/8)."""
     ids = np.arange(64, dtype=np.uint64)
     rng = np.random.default_rng(1)
-    async with PSClient(_addresses(cluster), grads_codec="adaquant:window=1") as ps:
+    async with PSClient(_addresses(cluster), grads_codec="adaquant:window=1,f0_steps=1") as ps:
         for loss, levels in ((1.0, 2), (0.25, 4), (0.0625, 8)):
             assert await ps.report_loss(loss) == levels
             grads = rng.standard_normal((64, 4)).astype(np.float32)

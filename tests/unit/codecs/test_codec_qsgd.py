@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from services.common.codecs import decoder, get_codec
-from services.common.errors import InvalidArgument
+from services.common.errors import ConfigError, InvalidArgument
 
 
 @pytest.mark.parametrize(("levels", "bucket"), [(1, 0), (4, 8), (15, 0)])
@@ -50,7 +52,7 @@ def test_adaquant_levels_rise_as_loss_falls():
 
 
 def test_adaquant_formula_and_clipping():
-    codec = get_codec("adaquant", s0=2, s_min=3, s_max=10, window=1)
+    codec = get_codec("adaquant", s0=2, s_min=3, s_max=10, window=1, f0_steps=1)
     assert codec.levels == 3  # s0 clipped up to s_min before any loss
     assert codec.report_loss(4.0) == 3  # ceil(sqrt(1)·2) = 2 → clipped to 3
     assert codec.report_loss(1.0) == 4  # ceil(sqrt(4)·2)
@@ -59,8 +61,24 @@ def test_adaquant_formula_and_clipping():
     assert codec.report_loss(0.0) == 10
 
 
+def test_adaquant_outlier_first_loss_does_not_pin_s():
+    """F_0 is the mean of the first 8 losses: one outlying first minibatch (40 where the
+    others are 1) must not pin s at s_max, as F_0 = that one loss did (sqrt(40)·2 → 13)."""
+    codec = get_codec("adaquant", s0=2, s_min=2, s_max=8, window=4)
+    losses = [40.0] + [1.0] * 30
+    levels = [codec.report_loss(loss) for loss in losses]
+    f0 = sum(losses[:8]) / 8                                   # 47 / 8
+    assert codec.initial_loss == pytest.approx(f0)
+    assert levels[-1] == math.ceil(math.sqrt(f0 / 1.0) * 2) == 5
+    assert max(levels[8:]) < 8
+    steady = get_codec("adaquant", s0=2, s_max=8, window=4)
+    assert [steady.report_loss(1.0) for _ in range(12)] == [2] * 12   # no fall, no new levels
+    with pytest.raises(ConfigError):
+        get_codec("adaquant", f0_steps=0)
+
+
 def test_adaquant_levels_travel_in_meta():
-    codec = get_codec("adaquant", s0=2, s_max=32, window=1, seed=0)
+    codec = get_codec("adaquant", s0=2, s_max=32, window=1, f0_steps=1, seed=0)
     x = np.random.default_rng(1).standard_normal(256).astype(np.float32)
     codec.report_loss(1.0)
     coarse = codec.to_wire(x)
