@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from services.common.codecs import codec_without_feedback, get_codec
 from services.common.errors import ConfigError, PersimmonError
-from services.worker.compression import HOOK_NAMES
+from services.worker.compression import HOOK_NAMES, lossy_codec
 from services.worker.exchange import EMBEDDING_PATHS
 from services.worker.pooling import POOLING_MODES
 from services.worker.sync import STRATEGIES, SyncConfig
@@ -237,6 +237,10 @@ class TrainerConfig:
             raise ConfigError(f"sync {self.sync!r} averages parameters through a codec; "
                               f"dense_codec {self.dense_codec!r} is not one: "
                               f"{exc.message}") from exc
+        if self.sync == "ds_sync" and lossy_codec(self.dense_codec):
+            raise ConfigError(f"sync 'ds_sync' cannot average through the lossy dense_codec "
+                              f"{self.dense_codec!r} (its groups share no reference to send "
+                              "changes against): use none, fp16 or bf16, or sync local_sgd")
 
     def _check_service(self) -> None:
         if not 0.0 <= self.momentum < 1.0:

@@ -13,11 +13,13 @@ from services.worker.compression.activations import (
     threshold_activations,
 )
 from services.worker.compression.collectives import (
+    NEAR_LOSSLESS,
     CodecAverager,
     CommStats,
     OnebitReducer,
     allgather_bytes,
     compressed_allreduce,
+    lossy_codec,
     padded_size,
 )
 from services.worker.compression.hooks import HOOK_NAMES, make_comm_hook
@@ -26,6 +28,7 @@ from services.worker.compression.optim import OnebitAdam, OnebitLamb, dense_para
 
 __all__ = [
     "HOOK_NAMES",
+    "NEAR_LOSSLESS",
     "ActivationSparsifier",
     "CodecAverager",
     "CommStats",
@@ -37,6 +40,7 @@ __all__ = [
     "compressed_allreduce",
     "dense_parameters",
     "kept_per_sample",
+    "lossy_codec",
     "lr_factor",
     "make_comm_hook",
     "padded_size",

@@ -9,7 +9,9 @@
   gets the same result bit for bit.
 
 Both are :class:`~services.worker.sync.base.Averager` callables (``averager(flat, group,
-size)``) with a cumulative ``wire_bytes``. Byte accounting (:class:`CommStats`): ``raw_bytes``
+size)``) with a cumulative ``wire_bytes``; both are ``lossy`` (except CodecAverager over none,
+fp16 or bf16) and then average parameters as changes with error feedback
+(``average_change``, see :mod:`services.worker.sync.base`). Byte accounting (:class:`CommStats`): ``raw_bytes``
 is what an fp32 all-reduce would hand to the collective (4 bytes per element), ``wire_bytes``
 what this rank hands to the collectives instead. Gather-based schemes deliver every rank's
 payload to every rank, so their per-link traffic grows with the world size; all-reduce-based
@@ -30,15 +32,18 @@ from torch import Tensor
 
 from services.common.codecs import Codec, decode_array, get_codec
 from services.common.codecs.bits import pack_signs, unpack_signs
+from services.common.codecs.qsgd import QSGDCodec
 from services.common.errors import InvalidArgument
 from services.common.wire import decode_message, encode_message
 
 __all__ = [
+    "NEAR_LOSSLESS",
     "CodecAverager",
     "CommStats",
     "OnebitReducer",
     "allgather_bytes",
     "compressed_allreduce",
+    "lossy_codec",
     "padded_size",
     "world_of",
 ]
@@ -211,8 +216,15 @@ class OnebitReducer:
         self.stats.add(4 * x.numel(), onebit_wire_bytes(x.numel(), world))
         return out
 
+    lossy = True
+
     def __call__(self, flat: Tensor, group: Any, size: int) -> Tensor:
         return self.allreduce(flat, key=("flat", id(group), flat.numel()), group=group)
+
+    def average_change(self, change: Tensor, group: Any, size: int) -> Tensor:
+        """The mean of each rank's ``change`` (its worker and server errors are the error
+        feedback on it)."""
+        return self.allreduce(change, key=("change", id(group), change.numel()), group=group)
 
     def reset(self) -> None:
         self._errors.clear()
@@ -231,12 +243,38 @@ def allgather_bytes(payload: bytes, group: Any = None) -> list[bytes]:
     return [bytes(t[:m].numpy()) for t, m in zip(_gather(buf, group, world), lengths, strict=True)]
 
 
+# codecs whose round trip is exact or within half-precision rounding: averaging the
+# parameters themselves through them is fine; any other codec must send changes
+NEAR_LOSSLESS = ("none", "fp16", "bf16")
+
+
+def lossy_codec(spec: str | Codec) -> bool:
+    """Whether codec ``spec`` (a name such as ``"dct:keep=0.05+zstd"``, or an instance) loses
+    more than half-precision rounding (lossless wrappers do not count)."""
+    name = spec.name if isinstance(spec, Codec) else str(spec)
+    return name.split("+")[0].partition(":")[0] not in NEAR_LOSSLESS
+
+
+def _keeps_residual(codec: Codec) -> bool:
+    """Whether ``codec`` keeps its own error-feedback residual per key (dct, topk, onebit)."""
+    return bool(getattr(getattr(codec, "inner", codec), "error_feedback", False))
+
+
+def _unbiased(codec: Codec) -> bool:
+    """Whether ``codec`` is a stochastic unbiased quantizer (qsgd, adaquant)."""
+    return isinstance(getattr(codec, "inner", codec), QSGDCodec)
+
+
 class CodecAverager:
     """Mean over ranks through any codec: all-gather the encoded arrays, decode, then sum.
 
     ``codec`` is a registry name (``"dct"``, ``"qsgd+zstd"``) with ``params``, or an instance;
     its state (error feedback, thresholds) is kept per ``key``. Codes from different ranks are
     never summed in compressed form (QSGD/AdaQuant levels cannot be added).
+
+    ``averager(flat, group, size)`` averages ``flat`` as it is; :meth:`average_change` averages
+    each rank's change since the last sync with error feedback (what parameter averaging
+    sends through a :attr:`lossy` codec).
     """
 
     def __init__(self, codec: str | Codec = "dct", *, group: Any = None, **params: Any) -> None:
@@ -245,28 +283,74 @@ class CodecAverager:
             raise InvalidArgument("pass params with a codec name, not with a codec instance")
         self.group = group
         self.stats = CommStats()
+        self._residuals: dict[Any, Tensor] = {}
 
     @property
     def wire_bytes(self) -> int:
         return self.stats.wire_bytes
 
+    @property
+    def lossy(self) -> bool:
+        """True unless the codec is none, fp16 or bf16 (see :func:`lossy_codec`)."""
+        return lossy_codec(self.codec)
+
     @torch.no_grad()
-    def allreduce(self, x: Tensor, key: Any = None, *, group: Any = None) -> Tensor:
-        group = self.group if group is None else group
-        _, world = world_of(group)
+    def _exchange(self, x: Tensor, key: Any, group: Any) -> tuple[Tensor, Tensor]:
+        """(mean over the ranks, this rank's own decoded payload) of ``x``, as float32 CPU."""
+        rank, world = world_of(group)
         local = x.detach().reshape(-1).to("cpu", torch.float32).numpy()
         payload = encode_message({"a": self.codec.to_wire(local, key=key)})
         parts = allgather_bytes(payload, group)
         total = np.zeros(local.size, dtype=np.float64)
-        for part in parts:
-            total += decode_array(decode_message(part)["a"])
+        own = total
+        for i, part in enumerate(parts):
+            decoded = decode_array(decode_message(part)["a"])
+            total += decoded
+            if i == rank:
+                own = decoded
         # every rank hands the longest payload (all_gather pads) plus its 8-byte length
         self.stats.add(4 * x.numel(), max(len(p) for p in parts) + (8 if world > 1 else 0))
         mean = torch.from_numpy((total / world).astype(np.float32))
+        return mean, torch.from_numpy(np.asarray(own, dtype=np.float32).reshape(-1))
+
+    def allreduce(self, x: Tensor, key: Any = None, *, group: Any = None) -> Tensor:
+        group = self.group if group is None else group
+        mean, _ = self._exchange(x, key, group)
         return mean.reshape(x.shape).to(x.device, x.dtype)
 
     def __call__(self, flat: Tensor, group: Any, size: int) -> Tensor:
         return self.allreduce(flat, key=("flat", id(group), flat.numel()), group=group)
+
+    @torch.no_grad()
+    def average_change(self, change: Tensor, group: Any, size: int) -> Tensor:
+        """The mean over ``group`` of each rank's ``change``, with error feedback on it.
+
+        What a rank's codec did not send stays in a residual kept on this rank and goes out
+        with its next change, so Σ sent = Σ change − residual: the codec's own residual where
+        it keeps one (dct, topk, onebit), else one kept here (int8, uniform, fp16, …). The
+        unbiased quantizers (qsgd, adaquant) send the change as it is: E[sent] = change, and
+        error feedback would grow without bound wherever their variance factor
+        ω = min(b/s², √b/s) exceeds 1 (ω = 8 at s = 2, bucket 256).
+        """
+        key = ("change", id(group), change.numel())
+        if _keeps_residual(self.codec) or _unbiased(self.codec):
+            return self.allreduce(change, key=key, group=group)
+        corrected = change.detach().reshape(-1).to("cpu", torch.float32)
+        residual = self._residuals.get(key)
+        if residual is not None:
+            corrected = corrected + residual
+        mean, own = self._exchange(corrected, key, group)
+        self._residuals[key] = corrected - own
+        return mean.reshape(change.shape).to(change.device, change.dtype)
+
+    def residual(self, group: Any, numel: int) -> Tensor | None:
+        """What :meth:`average_change` still owes for ``group`` and length ``numel`` (None
+        before the first call and for the unbiased quantizers, which keep none)."""
+        key = ("change", id(group), numel)
+        if _keeps_residual(self.codec):
+            owed = getattr(getattr(self.codec, "inner", self.codec), "residual")(key)  # noqa: B009
+            return None if owed is None else torch.from_numpy(np.asarray(owed).reshape(-1))
+        return self._residuals.get(key)
 
     def report_loss(self, loss: float) -> int | None:
         """Forward the training loss to an adaptive codec (adaquant); returns its new s."""
@@ -274,6 +358,7 @@ class CodecAverager:
         return report(loss) if callable(report) else None
 
     def reset(self) -> None:
+        self._residuals.clear()
         reset = getattr(self.codec, "reset", None)
         if callable(reset):
             reset()

@@ -16,6 +16,10 @@ schedule every rank computes alike, so information still mixes across the cluste
 Every group is created once in ``prepare`` with ``new_group``, in the same order on every
 rank. Averaging inside groups keeps the global mean and never increases the consensus
 distance.
+
+``local_sgd`` through a lossy codec sends changes since the last sync (with error feedback,
+:mod:`services.worker.sync.base`); ``ds_sync`` refuses a lossy codec (a ConfigError): its
+members come from different groups, so they share no reference to send changes against.
 """
 
 from __future__ import annotations
@@ -101,6 +105,11 @@ class DSSync(BaseSync):
     def __init__(self, *, group_size: int = 2, schedule: str = "hypercube", every: int = 1,
                  period: int = 8, seed: int = 0, averager: Averager | None = None) -> None:
         super().__init__(averager=averager)
+        if self._lossy:
+            codec = getattr(getattr(averager, "codec", None), "name", type(averager).__name__)
+            raise ConfigError(f"ds_sync cannot average through the lossy codec {codec!r}: its "
+                              "groups change every round, so no reference copy is shared to "
+                              "send changes against; use none, fp16 or bf16, or local_sgd")
         if not isinstance(group_size, int) or group_size < 2:
             raise ConfigError(f"ds_sync: group_size must be an int >= 2, got {group_size!r}")
         if schedule not in DS_SCHEDULES:

@@ -17,6 +17,14 @@ Training may go on after it. ``step`` is the 0-based index of the step just take
 acts after steps ``every - 1, 2 * every - 1, ...``. Without a process group, or with one
 rank, every strategy is a no-op. Only parameters with ``requires_grad`` take part (the dense
 network: embeddings live on the PS); they must share one dtype and device.
+
+Parameter averaging through a ``lossy`` averager (a codec other than none/fp16/bf16) sends
+changes, never the parameters: every rank keeps the reference copy of the last sync (equal on
+every rank), and a sync makes the parameters ``reference + mean_i C(x_i − reference + e_i)``,
+which becomes the new reference; ``e_i``, the part of rank i's change its codec did not send,
+is kept on rank i and goes out with its next change (the averager's ``average_change``;
+zero for the unbiased qsgd and adaquant).
+Compressing the parameters themselves would zero 99 % of them under a 1 % top-k.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ __all__ = [
     "consensus_distance",
     "copy_flat_",
     "flatten",
+    "lossy_averager",
     "mean_allreduce",
 ]
 
@@ -94,7 +103,9 @@ class Averager(Protocol):
 
     Called as ``averager(flat, group, size)`` and returns the mean over the group's ranks; it
     may compress. An optional int attribute ``wire_bytes`` (cumulative) is reported instead
-    of the uncompressed payload.
+    of the uncompressed payload. An averager with ``lossy = True`` must also have
+    ``average_change(change, group, size)``: the mean of the ranks' changes, with error
+    feedback kept per rank (parameter averaging then sends changes, see the module docstring).
     """
 
     def __call__(self, flat: Tensor, group: Any, size: int) -> Tensor: ...
@@ -104,6 +115,11 @@ def mean_allreduce(flat: Tensor, group: Any, size: int) -> Tensor:
     """The default :class:`Averager`: SUM all-reduce in place, divided by ``size``."""
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     return flat.div_(size)
+
+
+def lossy_averager(averager: Any) -> bool:
+    """Whether ``averager`` says it is lossy (``lossy = True``); absent means exact."""
+    return bool(getattr(averager, "lossy", False))
 
 
 def dense_grads(params: Sequence[Tensor]) -> list[Tensor]:
@@ -175,6 +191,10 @@ class BaseSync:
         self.world_size = 1
         self.rank = 0
         self._averager: Averager | Callable[..., Tensor] = averager or mean_allreduce
+        self._lossy = lossy_averager(averager)
+        if self._lossy and not callable(getattr(averager, "average_change", None)):
+            raise ConfigError(f"{self.name}: a lossy averager must have average_change()")
+        self._reference: Tensor | None = None   # lossy averaging: the last sync's average
         self._prepared = False
 
     @property
@@ -197,6 +217,8 @@ class BaseSync:
             flat = flatten(self.params)
             dist.broadcast(flat, src=0)
             copy_flat_(self.params, flat)
+            if self._lossy:
+                self._reference = flat
         self._setup()
         return model
 
@@ -240,10 +262,26 @@ class BaseSync:
         """Replace the parameters by their mean over ``group`` (``size`` ranks), timed."""
         t0 = time.perf_counter()
         flat = flatten(self.params)
-        copy_flat_(self.params, self._averager(flat, group, size))
+        copy_flat_(self.params, self._mean(flat, group, size))
         self._count_bytes(flat)
         self.stats.sync_seconds += time.perf_counter() - t0
         self.stats.syncs += 1
+
+    def _mean(self, flat: Tensor, group: Any, size: int) -> Tensor:
+        """The mean of the replicas' ``flat`` over ``group``: through an exact averager as
+        it is; through a lossy one, the reference plus the mean of the changes since it,
+        which becomes the new reference (``group`` must be the one the reference is shared
+        over)."""
+        if self._reference is None:
+            return self._averager(flat, group, size)
+        self._reference += self._average_change(flat - self._reference, group, size)
+        return self._reference.clone()
+
+    def _average_change(self, change: Tensor, group: Any, size: int) -> Tensor:
+        """The mean of the ranks' ``change``; with error feedback where the averager is lossy."""
+        if self._lossy:
+            return getattr(self._averager, "average_change")(change, group, size)  # noqa: B009
+        return self._averager(change, group, size)
 
     def _count_bytes(self, flat: Tensor, copies: int = 1) -> None:
         wire = getattr(self._averager, "wire_bytes", None)

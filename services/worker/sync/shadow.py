@@ -12,6 +12,10 @@
 The training thread never waits for communication: it only copies and adds. Writing back
 on the training thread (not from the shadow thread) keeps the update race-free.
 
+Through a lossy codec a round sends each snapshot's change since the last round's average
+(the shared reference, error feedback per rank: :mod:`services.worker.sync.base`); the
+elastic rounds send ``s − c``, with error feedback too.
+
 Elastic averaging (``elastic_alpha=α``, EASGD-style): the ranks share a centre variable
 ``c`` (equal on every rank; the first round sets it to the mean); a round moves each replica
 ``x += α(c - s)`` and the centre ``c += α Σ_i (s_i - c)``. Σ x_i + c is conserved, and with a
@@ -106,14 +110,14 @@ class ShadowSync(BaseSync):
         all_stopping = int(round(flag.item())) == n
         alpha = self.elastic_alpha
         if alpha is None or self._center is None:
-            mean = self._averager(snapshot.clone(), self._group, n)
+            mean = self._mean(snapshot.clone(), self._group, n)
             if alpha is None:
                 delta = mean - snapshot
             else:  # first elastic round: the centre starts at the mean
                 self._center = mean
                 delta = alpha * (mean - snapshot)
         else:
-            diff_sum = self._averager(snapshot - self._center, self._group, n) * n
+            diff_sum = self._average_change(snapshot - self._center, self._group, n) * n
             delta = alpha * (self._center - snapshot)
             self._center = self._center + alpha * diff_sum
         self._count_bytes(snapshot)
