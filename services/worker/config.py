@@ -91,7 +91,8 @@ class TrainerConfig:
     dense_codec: str = field(default="none", metadata={
         "help": "dense all-reduce hook: none, fp16, dct, topk, qsgd, adaquant, onebit, powersgd"})
     activation_keep: float = field(default=1.0, metadata={
-        "help": "DCT-MP: fraction of each sample's pooled activations kept (1: all)"})
+        "help": "DCT-MP: fraction of the pooled activations kept in training, above a "
+                "threshold reused for 32 steps (1: all; evaluation keeps all)"})
     lr: float = field(default=1e-3, metadata={"help": "dense learning rate"})
     momentum: float = field(default=0.0, metadata={
         "help": "sgd: momentum (with --sync gossip: decentralised momentum SGD, DmSGD)"})

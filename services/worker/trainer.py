@@ -309,9 +309,10 @@ class Trainer:
 
     # ---- compute (runs in a thread) ------------------------------------------------------
 
-    def _inputs(self, item: Prepared) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def _inputs(self, item: Prepared, *, training: bool = True
+                ) -> tuple[Any, torch.Tensor, torch.Tensor]:
         pooled = self.pipeline.path.pool(item.plan, item.rows, device=self.device)
-        if self._activations is not None:  # DCT-MP: gradients reach kept positions only
+        if self._activations is not None and training:  # DCT-MP: kept positions only
             pooled.pooled = self._activations(pooled.pooled)
         # numpy's copies keep the GIL (torch.tensor's release it: another thread may take it)
         dense = torch.from_numpy(item.batch.dense.copy()).to(self.device)
@@ -373,7 +374,7 @@ class Trainer:
 
     def _eval_step(self, item: Prepared) -> np.ndarray:
         assert self.module is not None
-        pooled, dense, _ = self._inputs(item)
+        pooled, dense, _ = self._inputs(item, training=False)  # as served: unthresholded
         self.module.eval()
         with torch.no_grad():
             return self.module(pooled.pooled, dense).cpu().numpy()
