@@ -22,7 +22,7 @@ from services.common import messages as msg
 from services.common.auth import ClientSecurity
 from services.common.codecs import Codec, RowEncoder, codec_without_feedback
 from services.common.errors import error_from_grpc
-from services.common.rpc import open_channel
+from services.common.rpc import CLIENT_ID_KEY, open_channel
 from services.common.wire import decode_message, encode_message
 
 __all__ = ["PushNumbers", "ShardConnection", "ShardOwner"]
@@ -98,9 +98,10 @@ class ShardConnection:
         return open_channel(self.address, self.client.security, self.client.max_message_bytes)
 
     def _stream(self, method: str) -> MultiplexedStream:
+        identity = ((CLIENT_ID_KEY, str(self.client.push_numbers.client_id)),)
         return MultiplexedStream(self.channel, SERVICE + method, reconnect=self.reconnect,
                                  retry_s=self.client.retry_s,
-                                 metadata=self.client.security.metadata())
+                                 metadata=(self.client.security.metadata() or ()) + identity)
 
     async def reconnect(self, failed: grpc.aio.Channel) -> grpc.aio.Channel:
         """A fresh channel to this shard's (re-resolved) address, once per failed channel."""

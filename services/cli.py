@@ -46,11 +46,12 @@ def _hook(module: str) -> Register:
 
 
 _PS, _LOADER = _hook("services.ps.__main__"), _hook("services.loader.__main__")
+_TOKEN = _hook("services.common.token_command")
 _SERVICES: list[Register] = [_PS, _LOADER, _worker, _serve, _hook("services.local.train"),
-                             _hook("services.local.demo")]
+                             _hook("services.local.demo"), _TOKEN]
 # Commands whose module is registered alone, so that a PS or loader process starts quickly
 # (without importing torch): what a supervisor's restart waits for.
-_LIGHT = {"ps": _PS, "loader": _LOADER, "synth": _LOADER, "prepare": _LOADER}
+_LIGHT = {"ps": _PS, "loader": _LOADER, "synth": _LOADER, "prepare": _LOADER, "token": _TOKEN}
 
 
 def _command_of(argv: list[str]) -> str | None:

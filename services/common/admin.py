@@ -3,10 +3,13 @@
 A service builds its app with :func:`make_admin_app` (adding its own ``/v1`` routes) and
 serves it in-process with :class:`AdminServer`, which binds port 0 and reports the port.
 
-Every app is guarded once, here: when a token is configured, each mutating request (any
-method but GET/HEAD/OPTIONS) needs ``Authorization: Bearer <token>`` (401 missing, 403
-wrong) before any route code runs, and a body over ``max_body_bytes`` is a 413; the
-OpenAPI document lists those responses on every mutating route. Reads stay open.
+Every app is guarded once, here (worker, loader, PS, serve and job apps alike): when a token
+is configured, every request but ``/healthz``, ``/readyz`` and ``/metrics`` needs
+``Authorization: Bearer <token>`` (401 missing, 403 wrong) before any route code runs (with
+``admin_open_reads``, GET/HEAD/OPTIONS stay open too); a body over ``max_body_bytes`` is a 413
+whether it declares its length or comes chunked: the guard counts the bytes as they arrive and
+answers 413 (closing the connection) at the first chunk past the cap, without reading the
+rest. The OpenAPI document lists those responses on every route that needs them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.auth import ServerSecurity, check_authorization, is_loopback
 from services.common.errors import PersimmonError, ResourceExhausted
@@ -37,62 +40,112 @@ ErrorBody = {"description": "Error", "content": {"application/json": {"example":
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 _READS = frozenset({"GET", "HEAD", "OPTIONS"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # never need the token
 
 
-def _error_response(exc: PersimmonError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
+def _error_response(exc: PersimmonError, *, close: bool = False) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else {}
+    if close:  # the rest of the request is never read: the connection cannot be reused
+        headers["Connection"] = "close"
     return JSONResponse(status_code=exc.http_status, headers=headers,
                         content={"error": type(exc).__name__, "message": exc.message})
 
 
-class _Guard:
-    """ASGI middleware: bearer token on mutating requests, a cap on declared body size."""
+class _BodyTooLarge(ResourceExhausted):
+    """A body past the cap (declared or counted): answered 413 on a closed connection."""
 
-    def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int) -> None:
+
+class _Guard:
+    """ASGI middleware: the bearer token, then the body read here, counted against the cap,
+    and handed to the app whole (the app never reads past the cap)."""
+
+    def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int,
+                 open_reads: bool) -> None:
         self.app = app
         self.token = token
         self.max_body_bytes = max_body_bytes
+        self.open_reads = open_reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] not in _READS:
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                       for k, v in scope["headers"]}
-            try:
-                self._check(headers)
-            except PersimmonError as exc:
-                await _error_response(exc)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope["headers"]}
+        try:
+            self._authorize(scope, headers)
+            body = await self._read_body(headers, receive)
+        except PersimmonError as exc:
+            await _error_response(exc, close=isinstance(exc, _BodyTooLarge))(
+                scope, receive, send)
+            return
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
 
-    def _check(self, headers: dict[str, str]) -> None:
-        if self.token is not None:
-            check_authorization(headers.get("authorization"), self.token)
-        length = headers.get("content-length", "0")
-        if not length.isdigit() or int(length) > self.max_body_bytes:
-            raise ResourceExhausted(f"request body of {length} bytes exceeds the limit of "
-                                    f"{self.max_body_bytes} bytes")
+    def _authorize(self, scope: Scope, headers: dict[str, str]) -> None:
+        if self.token is None or scope["path"] in OPEN_PATHS:
+            return
+        if self.open_reads and scope["method"] in _READS:
+            return
+        check_authorization(headers.get("authorization"), self.token)
+
+    async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes | None:
+        """The whole body (None: the client left); _BodyTooLarge as soon as the declared
+        length or the bytes received pass the cap."""
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            raise _BodyTooLarge(f"request body of {length} bytes exceeds the limit of "
+                                f"{self.max_body_bytes} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _BodyTooLarge(f"request body of more than {self.max_body_bytes} bytes "
+                                    f"exceeds the limit of {self.max_body_bytes} bytes")
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``body`` once, then what the connection sends (disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+    return replay
 
 
 class _Route(APIRoute):
-    """Documents the guard's 401/403/413 on every mutating route."""
+    """Documents the guard's 401/403 on every guarded route, its 413 on every mutating one."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        guard: dict[int | str, Any] = {} if path in OPEN_PATHS else {401: ErrorBody,
+                                                                     403: ErrorBody}
         if set(kwargs.get("methods") or ()) - _READS:
-            kwargs["responses"] = {401: ErrorBody, 403: ErrorBody, 413: ErrorBody,
-                                   **(kwargs.get("responses") or {})}
+            guard[413] = ErrorBody
+        kwargs["responses"] = {**guard, **(kwargs.get("responses") or {})}
         super().__init__(path, endpoint, **kwargs)
 
 
 def make_admin_app(*, title: str, registry: CollectorRegistry, config: Callable[[], dict[str, Any]],
                    ready: Callable[[], bool], lifespan: Any = None,
                    security: ServerSecurity | None = None,
-                   max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+                   max_body_bytes: int = MAX_BODY_BYTES, open_reads: bool = False) -> FastAPI:
     """A guarded FastAPI app with /healthz, /readyz, /metrics, /v1/config and JSON error
-    bodies; ``security`` None reads ``PERSIMMON_TOKEN``/``PERSIMMON_TOKEN_FILE``."""
+    bodies; ``security`` None reads ``PERSIMMON_TOKEN``/``PERSIMMON_TOKEN_FILE`` and
+    ``PERSIMMON_ADMIN_OPEN_READS``; ``open_reads`` opens the GETs as that does."""
     security = ServerSecurity.from_env() if security is None else security
     app = FastAPI(title=title, version="1", lifespan=lifespan)
     app.router.route_class = _Route
-    app.add_middleware(_Guard, token=security.token, max_body_bytes=max_body_bytes)
+    app.add_middleware(_Guard, token=security.token, max_body_bytes=max_body_bytes,
+                       open_reads=open_reads or security.admin_open_reads)
 
     @app.exception_handler(PersimmonError)
     async def _persimmon_error(_: Request, exc: PersimmonError) -> JSONResponse:

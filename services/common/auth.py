@@ -2,9 +2,10 @@
 
 A deployment turns authentication on by giving every process the same token, either in
 ``PERSIMMON_TOKEN`` or in a file named by ``PERSIMMON_TOKEN_FILE``. Servers then require
-``authorization: Bearer <token>`` on every gRPC call and on every mutating admin route
-(health, readiness, metrics and other reads stay open); clients send it. Tokens are
-compared in constant time. TLS settings come from :mod:`services.common.tls`.
+``authorization: Bearer <token>`` on every gRPC call and on every admin route but
+``/healthz``, ``/readyz`` and ``/metrics`` (``PERSIMMON_ADMIN_OPEN_READS=1`` opens the admin
+GETs too); clients send it. Tokens are compared in constant time. TLS settings come from
+:mod:`services.common.tls`.
 
     missing or not a bearer token  →  Unauthenticated   (gRPC UNAUTHENTICATED, HTTP 401)
     a token that does not match    →  PermissionDenied  (gRPC PERMISSION_DENIED, HTTP 403)
@@ -23,6 +24,7 @@ from services.common.errors import ConfigError, PermissionDenied, Unauthenticate
 from services.common.tls import ClientTLS, ServerTLS
 
 __all__ = [
+    "OPEN_READS_ENV",
     "TOKEN_ENV",
     "TOKEN_FILE_ENV",
     "ClientSecurity",
@@ -34,6 +36,8 @@ __all__ = [
 
 TOKEN_ENV = "PERSIMMON_TOKEN"
 TOKEN_FILE_ENV = "PERSIMMON_TOKEN_FILE"
+OPEN_READS_ENV = "PERSIMMON_ADMIN_OPEN_READS"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def _valid(token: str, where: str) -> str:
@@ -85,14 +89,26 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServerSecurity:
-    """What a server demands: a token (None: no authentication) and TLS (None: plaintext)."""
+    """What a server demands: a token (None: no authentication), TLS (None: plaintext), and
+    whether its admin GETs stay open with a token set (``admin_open_reads``)."""
 
     token: str | None = None
     tls: ServerTLS | None = None
+    admin_open_reads: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerSecurity:
-        return cls(token=load_token(environ=environ), tls=ServerTLS.from_env(environ))
+        return cls(token=load_token(environ=environ), tls=ServerTLS.from_env(environ),
+                   admin_open_reads=_flag(os.environ if environ is None else environ,
+                                          OPEN_READS_ENV))
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    value = env.get(name, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ConfigError(f"{name} must be one of 1/true/yes/on or 0/false/no/off, "
+                          f"got {env[name]!r}")
+    return value in _TRUE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

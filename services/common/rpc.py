@@ -6,8 +6,9 @@ clear INVALID_ARGUMENT (a deserializer exception would surface as INTERNAL).
 
 Every server made by :func:`make_server` is guarded by one interceptor: the bearer token
 when one is configured (UNAUTHENTICATED / PERMISSION_DENIED before any handler runs), a
-limit of concurrent streams per client host (RESOURCE_EXHAUSTED), and a deadline on unary
-calls (DEADLINE_EXCEEDED). Clients open channels with :func:`open_channel`.
+limit of concurrent streams per client host and a smaller one per client id (the
+``persimmon-client`` call metadata Persimmon's clients send; RESOURCE_EXHAUSTED), and a
+deadline on unary calls (DEADLINE_EXCEEDED). Clients open channels with :func:`open_channel`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from services.common.errors import (
 from services.common.wire import MAX_MESSAGE_BYTES
 
 __all__ = [
+    "CLIENT_ID_KEY",
     "abort_with",
     "channel_options",
     "generic_service",
@@ -49,6 +51,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_STREAMS_PER_CLIENT = 256
+MAX_STREAMS_PER_CLIENT_ID = 64
+CLIENT_ID_KEY = "persimmon-client"  # call metadata: the client's id, for its stream limit
 MAX_UNARY_S = 60.0
 
 
@@ -85,11 +89,13 @@ def make_server(handlers: list[grpc.GenericRpcHandler], host: str, port: int,
                 max_message_bytes: int = MAX_MESSAGE_BYTES, *,
                 security: ServerSecurity | None = None,
                 max_streams_per_client: int = MAX_STREAMS_PER_CLIENT,
+                max_streams_per_client_id: int = MAX_STREAMS_PER_CLIENT_ID,
                 max_unary_s: float = MAX_UNARY_S) -> tuple[grpc.aio.Server, int]:
     """A guarded grpc.aio server bound to ``host:port`` (0 picks a free port); returns it and
     the port. ``security`` None reads ``PERSIMMON_TOKEN``/``PERSIMMON_TLS_*``."""
     security = ServerSecurity.from_env() if security is None else security
-    guard = _Guard(security.token, max_streams_per_client, max_unary_s)
+    guard = _Guard(security.token, (max_streams_per_client, max_streams_per_client_id),
+                   max_unary_s)
     server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=[guard])
     server.add_generic_rpc_handlers(handlers)
     address = f"{host}:{port}"
@@ -140,15 +146,18 @@ def _replace(handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]) -> gr
 
 
 class _Guard(grpc.aio.ServerInterceptor):
-    """Token check, per-client stream limit and unary deadline around every handler."""
+    """Token check, stream limits per client host and per client id, and unary deadline
+    around every handler."""
 
-    def __init__(self, token: str | None, max_streams: int, max_unary_s: float) -> None:
-        if max_streams < 1 or max_unary_s <= 0:
-            raise ValueError("max_streams_per_client must be >= 1 and max_unary_s > 0")
+    def __init__(self, token: str | None, max_streams: tuple[int, int],
+                 max_unary_s: float) -> None:
+        if min(max_streams) < 1 or max_unary_s <= 0:
+            raise ValueError("max_streams_per_client and max_streams_per_client_id must be "
+                             ">= 1 and max_unary_s > 0")
         self._token = token
-        self._max_streams = max_streams
+        self._max_streams, self._max_streams_per_id = max_streams
         self._max_unary_s = max_unary_s
-        self._open: Counter[str] = Counter()
+        self._open: Counter[str] = Counter()  # per host ("host") and per id ("id:...")
 
     async def intercept_service(self, continuation: Callable[..., Any],
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -167,38 +176,52 @@ class _Guard(grpc.aio.ServerInterceptor):
             return _replace(handler, self._limited(behavior))
         return _replace(handler, self._bounded(behavior))
 
-    async def _enter(self, context: grpc.aio.ServicerContext) -> str:
-        client = _client_host(context.peer())
-        if self._open[client] >= self._max_streams:
+    async def _enter(self, context: grpc.aio.ServicerContext) -> list[str]:
+        """The counters this stream holds (its host's, its client id's), or an abort."""
+        host = _client_host(context.peer())
+        client_id = next((v for k, v in context.invocation_metadata() or ()
+                          if k == CLIENT_ID_KEY and isinstance(v, str)), None)
+        keys = [host]
+        if self._open[host] >= self._max_streams:
             await abort_with(context, ResourceExhausted(
-                f"client {client} already has {self._open[client]} streams open on this "
+                f"client {host} already has {self._open[host]} streams open on this "
                 f"server, the limit (max_streams_per_client) is {self._max_streams}"))
-        self._open[client] += 1
-        return client
+        if client_id is not None:
+            key = f"id:{client_id[:64]}"
+            if self._open[key] >= self._max_streams_per_id:
+                await abort_with(context, ResourceExhausted(
+                    f"client id {client_id[:64]!r} already has {self._open[key]} streams open "
+                    "on this server, the limit (max_streams_per_client_id) is "
+                    f"{self._max_streams_per_id}"))
+            keys.append(key)
+        for key in keys:
+            self._open[key] += 1
+        return keys
 
-    def _leave(self, client: str) -> None:
-        self._open[client] -= 1
-        if self._open[client] <= 0:
-            del self._open[client]
+    def _leave(self, keys: list[str]) -> None:
+        for key in keys:
+            self._open[key] -= 1
+            if self._open[key] <= 0:
+                del self._open[key]
 
     def _limited(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behavior):
             async def limited_stream(request: Any, context: grpc.aio.ServicerContext
                                      ) -> AsyncIterator[Any]:
-                client = await self._enter(context)
+                held = await self._enter(context)
                 try:
                     async for item in behavior(request, context):
                         yield item
                 finally:
-                    self._leave(client)
+                    self._leave(held)
             return limited_stream
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            client = await self._enter(context)
+            held = await self._enter(context)
             try:
                 return await behavior(request, context)
             finally:
-                self._leave(client)
+                self._leave(held)
         return limited
 
     def _bounded(self, behavior: Callable[..., Any]) -> Callable[..., Any]:

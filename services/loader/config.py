@@ -153,6 +153,9 @@ class LoaderConfig:
         "help": "loader replicas; files and Kafka partitions are split among them"})
     dead_letter: str | None = field(default=None, metadata={
         "help": "JSON-lines file that receives malformed records"})
+    dead_letter_max_bytes: int = field(default=64 << 20, metadata={
+        "help": "the dead-letter file grows to at most this many bytes; later malformed "
+                "records are counted, not kept"})
     state_file: str | None = field(default=None, metadata={
         "help": "where file/synthetic sources keep committed positions (resume on restart)"})
     checkpoint_dir: str | None = field(default=None, metadata={
@@ -179,7 +182,7 @@ class LoaderConfig:
         _port("grpc_port", self.grpc_port)
         _port("admin_port", self.admin_port)
         positive = ("batch_size", "epochs", "prefetch_batches", "replicas", "block_bytes",
-                    "poll_records", "poll_timeout_ms", "claim_idle_ms")
+                    "poll_records", "poll_timeout_ms", "claim_idle_ms", "dead_letter_max_bytes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -170,6 +170,7 @@ class Pipeline:
     def stats(self) -> dict[str, Any]:
         return {"records": self.records, "records_per_second": round(self.rate.rate(), 1),
                 "batches": self.next_batch_id, "malformed": dict(self.dead_letters.counts),
-                "malformed_total": self.dead_letters.total, "paused": self.paused,
+                "malformed_total": self.dead_letters.total,
+                "malformed_not_kept": self.dead_letters.dropped, "paused": self.paused,
                 "exhausted": self.exhausted, "open_chunks": self.tracker.open_chunks,
                 "buffered_rows": self.batcher.held, "dispatch": self.dispatcher.stats()}

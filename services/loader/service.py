@@ -35,7 +35,7 @@ class LoaderService(ServingService):
         self.source = source or make_source(config)
         self.dispatcher = Dispatcher(config.prefetch_batches, config.world_size)
         self.pipeline = Pipeline(self.source, config, self.dispatcher,
-                                 DeadLetters(config.dead_letter))
+                                 DeadLetters(config.dead_letter, config.dead_letter_max_bytes))
         self._grpc: grpc.aio.Server | None = None
         self._source_started = False
         self._heartbeat: Heartbeat | None = None

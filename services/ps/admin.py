@@ -1,7 +1,16 @@
-"""Admin REST API of a PS shard (FastAPI): tables, rows, optimizer settings, checkpoints."""
+"""Admin REST API of a PS shard (FastAPI): tables, rows, optimizer settings, checkpoints.
+
+Every handler that touches a table runs in a worker thread, so a request that waits for a
+table's lock (held by a checkpoint, a restore or a big push) leaves the event loop serving
+gRPC and the other routes. A table created here is bounded first
+(:func:`services.ps.table_limits.new_table`); after each checkpoint the shard's oldest are
+pruned down to ``keep_checkpoints`` (:mod:`services.ps.retention`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path as FilePath
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Path, Response
@@ -10,7 +19,9 @@ from services.common.admin import ErrorBody, make_admin_app
 from services.common.config import config_to_dict
 from services.common.errors import InvalidArgument
 from services.ps.metrics import PSMetrics
+from services.ps.retention import prune_checkpoints
 from services.ps.shard import Shard
+from services.ps.table_limits import new_table
 
 __all__ = ["make_ps_admin"]
 
@@ -34,46 +45,51 @@ def _summary(shard: Shard, name: str) -> dict[str, Any]:
 def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any = None) -> FastAPI:
     app = make_admin_app(title=f"Persimmon PS shard {shard.config.shard_id}",
                          registry=metrics.registry, config=lambda: config_to_dict(shard.config),
-                         ready=ready, lifespan=lifespan)
+                         ready=ready, lifespan=lifespan, open_reads=shard.config.admin_open_reads)
 
     @app.get("/v1/tables", tags=["tables"])
     async def list_tables() -> list[dict[str, Any]]:
         """Every table of this shard with its row count."""
-        return [_summary(shard, name) for name in sorted(shard.tables)]
+        return await asyncio.to_thread(
+            lambda: [_summary(shard, name) for name in sorted(shard.tables)])
 
     @app.post("/v1/tables", tags=["tables"], status_code=201, responses=_ERRORS)
     async def create_table(body: Annotated[dict[str, Any], Body(examples=[_TABLE_EXAMPLE])]
                            ) -> dict[str, Any]:
-        """Create a table; unknown keys and bad values are a 400, an existing name a 409."""
-        table = shard.create_table(body)
-        return _summary(shard, table.config.name)
+        """Create a table; unknown keys and bad values are a 400 naming the field (so are a
+        ``dim`` or ``initial_capacity`` past the shard's bounds and a ``storage.path``
+        outside its ``data_dir``), an existing name a 409."""
+        def create() -> dict[str, Any]:
+            table = shard.create_table(new_table(body, shard.config))
+            return _summary(shard, table.config.name)
+        return await asyncio.to_thread(create)
 
     @app.get("/v1/tables/{name}", tags=["tables"], responses=_ERRORS)
     async def get_table(name: TableName) -> dict[str, Any]:
         """The table's full configuration and statistics."""
-        return shard.describe(name)
+        return await asyncio.to_thread(shard.describe, name)
 
     @app.delete("/v1/tables/{name}", tags=["tables"], status_code=204, responses=_ERRORS)
     async def delete_table(name: TableName) -> Response:
         """Drop the table and all its rows."""
-        shard.drop_table(name)
+        await asyncio.to_thread(shard.drop_table, name)
         return Response(status_code=204)
 
     @app.get("/v1/tables/{name}/stats", tags=["tables"], responses=_ERRORS)
     async def table_stats(name: TableName) -> dict[str, Any]:
         """Rows, bytes, lookups, pushes, misses, evictions, dropped gradients."""
-        return shard.table(name).stats()
+        return await asyncio.to_thread(lambda: shard.table(name).stats())
 
     @app.get("/v1/tables/{name}/rows/{row_id}", tags=["tables"], responses=_ERRORS)
     async def get_row(name: TableName, row_id: RowId) -> dict[str, Any]:
         """One row without creating or touching it (absent rows show their initial value)."""
-        return shard.peek(name, row_id)
+        return await asyncio.to_thread(shard.peek, name, row_id)
 
     @app.patch("/v1/tables/{name}/optimizer", tags=["tables"], responses=_ERRORS)
     async def patch_optimizer(name: TableName, body: Annotated[
             dict[str, Any], Body(examples=[{"lr": 0.05}])]) -> dict[str, Any]:
         """Change optimizer hyper-parameters (e.g. the learning rate); state is kept."""
-        return config_to_dict(shard.set_optimizer(name, body))
+        return config_to_dict(await asyncio.to_thread(shard.set_optimizer, name, body))
 
     _checkpoint_routes(app, shard)
     return app
@@ -94,14 +110,20 @@ def _checkpoint_routes(app: FastAPI, shard: Shard) -> None:
             raise InvalidArgument("id must be a string")
         if not isinstance(incremental, bool):
             raise InvalidArgument("incremental must be true or false")
-        return await shard.checkpoint(checkpoint_id, incremental=incremental)
+        manifest = await shard.checkpoint(checkpoint_id, incremental=incremental)
+        config = shard.config
+        if config.checkpoint_dir and config.keep_checkpoints:
+            await asyncio.to_thread(prune_checkpoints, FilePath(config.checkpoint_dir),
+                                    config.shard_id, config.num_shards, config.keep_checkpoints)
+        return manifest
 
     @app.get("/v1/checkpoints", tags=["checkpoints"])
     async def list_checkpoints() -> list[dict[str, Any]]:
         """Manifests of the checkpoints of this shard, oldest first."""
-        return shard.checkpoints()
+        return await asyncio.to_thread(shard.checkpoints)
 
     @app.post("/v1/checkpoints/{checkpoint_id}/restore", tags=["checkpoints"], responses=_ERRORS)
     async def restore_checkpoint(checkpoint_id: CheckpointId) -> dict[str, Any]:
         """Replace every table with the checkpoint's rows (resharded if the shard count changed)."""
-        return {"checkpoint_id": checkpoint_id, "rows": await shard.restore(checkpoint_id)}
+        rows = await shard.restore(checkpoint_id)  # in a new epoch: older pushes are refused
+        return {"checkpoint_id": checkpoint_id, "rows": rows, "epoch": shard.epoch}

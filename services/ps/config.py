@@ -51,6 +51,28 @@ class PSConfig:
     max_tables: int = field(default=1024, metadata={"help": "most tables one shard holds"})
     max_streams_per_client: int = field(default=256, metadata={
         "help": "most gRPC streams one client host may hold open at once"})
+    max_streams_per_client_id: int = field(default=64, metadata={
+        "help": "most gRPC streams one client id (the persimmon-client metadata its "
+                "clients send) may hold open at once"})
+    data_dir: str | None = field(default=None, metadata={
+        "help": "directory under which tables created over the admin API keep their "
+                "disk-tier files (their storage.path must lie under it; unset: such tables "
+                "are refused)"})
+    max_table_dim: int = field(default=1024, metadata={
+        "help": "largest dim of a table created over the admin API"})
+    max_initial_capacity: int = field(default=131_072, metadata={
+        "help": "largest initial_capacity (rows allocated up front) of a table created "
+                "over the admin API"})
+    default_max_rows: int = field(default=1 << 26, metadata={
+        "help": "max_rows of every table of this shard that sets none (the least recently "
+                "used rows are evicted past it; 0: unbounded)"})
+    keep_checkpoints: int = field(default=0, metadata={
+        "help": "checkpoints of this shard kept in checkpoint_dir: after each checkpoint, "
+                "the oldest beyond this many are removed (never one a kept incremental "
+                "chains to, nor a job checkpoint's part; 0: keep all)"})
+    admin_open_reads: bool = field(default=False, metadata={
+        "help": "with a token set, serve the admin API's GETs without it (as "
+                "PERSIMMON_ADMIN_OPEN_READS=1 does)"})
     ttl_sweep_s: float = field(default=10.0, metadata={
         "help": "seconds between sweeps that drop rows past their table's TTL"})
 
@@ -65,9 +87,7 @@ class PSConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if self.max_message_bytes < 1024:
             raise ValueError("max_message_bytes must be at least 1024")
-        if min(self.max_ids_per_request, self.max_tables, self.max_streams_per_client) < 1:
-            raise ValueError("max_ids_per_request, max_tables and max_streams_per_client "
-                             "must be >= 1")
+        _check_bounds(self)
         if self.heartbeat_ttl_s <= 0:
             raise ValueError("heartbeat_ttl_s must be > 0")
         if self.ttl_sweep_s <= 0:
@@ -77,3 +97,13 @@ class PSConfig:
         names = [t.name for t in self.tables]
         if len(names) != len(set(names)):
             raise ValueError(f"table names must be unique, got {names}")
+
+
+def _check_bounds(config: PSConfig) -> None:
+    for name in ("max_ids_per_request", "max_tables", "max_streams_per_client",
+                 "max_streams_per_client_id", "max_table_dim", "max_initial_capacity"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+    for name in ("default_max_rows", "keep_checkpoints"):
+        if getattr(config, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")

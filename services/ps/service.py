@@ -1,4 +1,9 @@
-"""A PS shard process: the gRPC server, the admin server and the TTL sweeper, owned together."""
+"""A PS shard process: the gRPC server, the admin server and the TTL sweeper, owned together.
+
+Its tables are bounded (:func:`services.ps.table_limits.bounded`); at start, before restoring
+or recovering, it removes the staging directories a crash left in its checkpoint directory
+(:func:`services.ps.retention.clean_temp`).
+"""
 
 from __future__ import annotations
 
@@ -16,8 +21,10 @@ from services.common.rpc import make_server
 from services.ps.admin import make_ps_admin
 from services.ps.config import PSConfig
 from services.ps.metrics import PSMetrics
+from services.ps.retention import clean_temp
 from services.ps.server import PSServicer
 from services.ps.shard import Shard
+from services.ps.table_limits import bounded
 
 __all__ = ["PSService"]
 
@@ -28,6 +35,7 @@ class PSService(ServingService):
     """Start with ``await service.start()``; ``grpc_port``/``admin_port`` hold the bound ports."""
 
     def __init__(self, config: PSConfig) -> None:
+        config = bounded(config)
         super().__init__(config)
         self.shard = Shard(config)
         self.metrics = PSMetrics(self.shard)
@@ -36,6 +44,7 @@ class PSService(ServingService):
         self._heartbeat: Heartbeat | None = None
 
     async def on_start(self) -> None:
+        await asyncio.to_thread(self._tidy_checkpoints)
         restore = self.config.restore
         if restore == "job":  # the newest complete job checkpoint, if there is one yet
             if not self.config.checkpoint_dir:
@@ -57,7 +66,8 @@ class PSService(ServingService):
         self._grpc, self.grpc_port = make_server(
             [servicer.handlers()], self.config.host, self.config.grpc_port,
             max_message_bytes=2 * self.config.max_message_bytes,
-            max_streams_per_client=self.config.max_streams_per_client)
+            max_streams_per_client=self.config.max_streams_per_client,
+            max_streams_per_client_id=self.config.max_streams_per_client_id)
         await self._grpc.start()
         app = make_ps_admin(self.shard, self.metrics, ready=lambda: self._ready)
         self._admin = AdminServer(app, self.config.host, self.config.admin_port)
@@ -81,6 +91,12 @@ class PSService(ServingService):
         if self._admin is not None:
             await self._admin.close()
         await asyncio.to_thread(self.shard.close)
+
+    def _tidy_checkpoints(self) -> None:
+        """Remove what a crash left half-written in the checkpoint directory."""
+        cfg = self.config
+        if cfg.checkpoint_dir:
+            clean_temp(cfg.checkpoint_dir, cfg.shard_id, cfg.num_shards)
 
     async def _sweep_ttl(self) -> None:
         while True:

@@ -72,6 +72,9 @@ def register_cli(subparsers: argparse._SubParsersAction, *,
     job.add_argument("--checkpoint-dir", help="job checkpoints go here (the PS shards' dir)")
     job.add_argument("--checkpoint-every-steps", type=int_at_least(0), default=0, help="0: never")
     job.add_argument("--checkpoint-every-s", type=float_at_least(0), default=0.0, help="0: never")
+    job.add_argument("--keep-checkpoints", type=int_at_least(0), default=0,
+                     help="complete job checkpoints kept: after each, older ones are removed "
+                          "(0: keep all)")
     job.add_argument("--ps-admin", help="PS admin URLs http://host:port,... (or --registry)")
     job.add_argument("--job-admin-port", type=int_at_least(0), default=None,
                      help="serve POST/GET /v1/job/checkpoints on this port")

@@ -47,8 +47,10 @@ import httpx
 from clients.admin_client import AdminClient
 from services.common.checkpoints import (
     JOB_MANIFEST,
+    clean_job_temp,
     latest_complete,
     list_job_checkpoints,
+    prune_job_checkpoints,
     read_job_manifest,
     read_part,
     write_job_manifest,
@@ -122,16 +124,20 @@ class JobCheckpointer:
     :meth:`due` is true every ``every_steps`` steps or ``every_s`` seconds (0: never).
     ``retry_s``: a shard that cannot be reached (restarting, e.g. from its write-ahead log) is
     asked again, with backoff, for up to that long; on a retry, a part it already wrote (its
-    answer lost in its crash) counts as written.
+    answer lost in its crash) counts as written. ``keep``: after each checkpoint, complete
+    job checkpoints but the newest ``keep`` are removed (0: keep all). Made, it removes the
+    temp files a crash of the coordinator left under ``root``.
     """
 
     def __init__(self, root: Path | str, *, admin_urls: Sequence[str] | None = None,
                  registry: Registry | None = None, parts: Mapping[str, PartSource] | None = None,
-                 every_steps: int = 0, every_s: float = 0.0, retry_s: float = 0.0) -> None:
+                 every_steps: int = 0, every_s: float = 0.0, retry_s: float = 0.0,
+                 keep: int = 0) -> None:
         if admin_urls is None and registry is None:
             raise InvalidArgument("a JobCheckpointer needs PS admin URLs or a registry")
-        if every_steps < 0 or every_s < 0 or retry_s < 0:
-            raise InvalidArgument("every_steps, every_s and retry_s must be >= 0")
+        if every_steps < 0 or every_s < 0 or retry_s < 0 or keep < 0:
+            raise InvalidArgument("every_steps, every_s, retry_s and keep must be >= 0")
+        self.keep = keep
         self.root = Path(root)
         self.admin_urls = list(admin_urls) if admin_urls is not None else None
         self.registry = registry
@@ -142,6 +148,7 @@ class JobCheckpointer:
         self._last_step = 0
         self._last_time = time.monotonic()
         self._lock = asyncio.Lock()
+        clean_job_temp(self.root)
 
     def due(self, step: int) -> bool:
         """True when a periodic checkpoint is due at ``step``."""
@@ -185,6 +192,7 @@ class JobCheckpointer:
             if self.registry is not None:
                 await self.registry.update_state(step=step, checkpoint=manifest,
                                                  dense_version=step)
+            await asyncio.to_thread(prune_job_checkpoints, self.root, self.keep)
             self._last_step, self._last_time = step, time.monotonic()
         return manifest
 

@@ -193,7 +193,7 @@ async def _fit(trainer: Any, batches: Any, test: Any, args: argparse.Namespace,
     checkpointer = JobCheckpointer(
         args.checkpoint_dir, admin_urls=args.ps_admin.split(",") if args.ps_admin else None,
         registry=registry, parts=parts, every_steps=args.checkpoint_every_steps,
-        every_s=args.checkpoint_every_s)
+        every_s=args.checkpoint_every_s, keep=args.keep_checkpoints)
     try:
         summary, manifest = await fit_with_checkpoints(
             trainer, batches, JobControl(checkpointer, trainer.dense_state), eval_batches=test,

@@ -9,6 +9,8 @@ Layout (``root`` is shared by the PS shards and the coordinator)::
 A job checkpoint is *complete* only when ``job.json`` exists, and ``job.json`` is written
 (temp file, fsync, rename) only after every PS part and every job part is in place, so a crash
 at any moment leaves either a complete checkpoint or one that :func:`latest_complete` skips.
+:func:`prune_job_checkpoints` keeps the newest complete ones (and what a kept checkpoint's PS
+part chains to); :func:`clean_job_temp` removes the temp files a crash left.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +26,9 @@ from typing import Any
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.files import atomic_write, read_json
 
-__all__ = ["JOB_MANIFEST", "is_complete", "latest_complete", "list_job_checkpoints",
-           "read_job_manifest", "read_part", "write_job_manifest", "write_part"]
+__all__ = ["JOB_MANIFEST", "clean_job_temp", "is_complete", "latest_complete",
+           "list_job_checkpoints", "prune_job_checkpoints", "read_job_manifest", "read_part",
+           "write_job_manifest", "write_part"]
 
 JOB_MANIFEST = "job.json"
 _ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
@@ -132,3 +136,46 @@ def latest_complete(root: Path | str) -> dict[str, Any] | None:
     """The newest complete job checkpoint's manifest, or None."""
     known = list_job_checkpoints(root)
     return known[-1] if known else None
+
+
+def _parents(root: Path) -> set[str]:
+    """Every checkpoint id some PS part under ``root`` chains to (an incremental's parent)."""
+    found = set()
+    for manifest in root.glob("*/shard-*-of-*/manifest.json"):
+        try:
+            parent = json.loads(manifest.read_text()).get("parent")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(parent, str):
+            found.add(parent)
+    return found
+
+
+def prune_job_checkpoints(root: Path | str, keep: int) -> list[str]:
+    """Remove whole complete job checkpoints but the ``keep`` newest (0: keep all), never one
+    that a remaining PS part chains to; returns the ids removed."""
+    if keep <= 0:
+        return []
+    root = Path(root)
+    old = [m["checkpoint_id"] for m in list_job_checkpoints(root)[:-keep]]
+    needed = _parents(root)
+    removed = []
+    for checkpoint_id in old:
+        if checkpoint_id in needed:
+            continue
+        (root / checkpoint_id / JOB_MANIFEST).unlink()  # incomplete first: never half-read
+        shutil.rmtree(root / checkpoint_id, ignore_errors=True)
+        removed.append(checkpoint_id)
+    return removed
+
+
+def clean_job_temp(root: Path | str) -> list[Path]:
+    """Remove the temp files of manifests and job parts a crash left under ``root``
+    (``<id>/.tmp-*`` files and ``<id>/parts/.tmp-*``); PS staging directories are their
+    shards' to clean."""
+    root = Path(root)
+    removed = [p for pattern in ("*/.tmp-*", "*/parts/.tmp-*") for p in root.glob(pattern)
+               if p.is_file()]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed

@@ -1,5 +1,6 @@
-"""Bearer-token authentication on real servers: every gRPC call and every mutating admin
-route of the PS and the loader; reads stay open; a rejected call changes nothing."""
+"""Bearer-token authentication on real servers: every gRPC call and every admin route of the
+PS and the loader but /healthz, /readyz and /metrics (admin_open_reads opens the GETs); a
+rejected call changes nothing."""
 
 from __future__ import annotations
 
@@ -64,13 +65,43 @@ async def test_grpc_calls_with_the_token_work(start_ps, tmp_path):
     assert digest([ps]) != before
 
 
-async def test_admin_reads_stay_open_and_writes_need_the_token(start_ps):
+READS = ("/v1/config", "/v1/tables", "/v1/tables/user", "/v1/tables/user/stats",
+         "/v1/tables/user/rows/3", "/v1/checkpoints", "/openapi.json", "/docs")
+
+
+async def test_admin_gets_need_the_token_but_health_stays_open(start_ps):
+    ps = await start_ps(env={"PERSIMMON_TOKEN": TOKEN})
+    async with httpx.AsyncClient(base_url=ps.admin_url, timeout=10) as http:
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert (await http.get(path)).status_code == 200, path
+        for path in READS:
+            refused = await http.get(path)
+            assert refused.status_code == 401, path
+            assert refused.json()["error"] == "Unauthenticated", path
+            wrong = await http.get(path, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 403, path
+            ok = await http.get(path, headers={"Authorization": f"Bearer {TOKEN}"})
+            assert ok.status_code == 200, path
+    assert ps.shard.table("user").num_rows == 0  # the refused peek touched nothing
+
+
+@pytest.mark.parametrize("how", ["config", "env"])
+async def test_admin_open_reads_opens_the_gets_only(start_ps, how):
+    if how == "config":
+        ps = await start_ps(env={"PERSIMMON_TOKEN": TOKEN}, admin_open_reads=True)
+    else:
+        ps = await start_ps(env={"PERSIMMON_TOKEN": TOKEN, "PERSIMMON_ADMIN_OPEN_READS": "1"})
+    async with httpx.AsyncClient(base_url=ps.admin_url, timeout=10) as http:
+        for path in READS:
+            assert (await http.get(path)).status_code == 200, path
+        assert (await http.delete("/v1/tables/user")).status_code == 401
+    assert sorted(ps.shard.tables) == ["item", "user"]
+
+
+async def test_admin_writes_need_the_token(start_ps):
     ps = await start_ps(env={"PERSIMMON_TOKEN": TOKEN})
     table = {"name": "extra", "dim": 4}
     async with httpx.AsyncClient(base_url=ps.admin_url, timeout=10) as http:
-        for path in ("/healthz", "/readyz", "/metrics", "/v1/config", "/v1/tables",
-                     "/v1/tables/user/rows/3"):
-            assert (await http.get(path)).status_code == 200, path
         missing = await http.post("/v1/tables", json=table)
         assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
         assert missing.json()["error"] == "Unauthenticated"
@@ -101,7 +132,10 @@ async def test_the_loader_admin_and_grpc_are_guarded_too(monkeypatch):
     monkeypatch.delenv("PERSIMMON_TOKEN")
     try:
         async with httpx.AsyncClient(base_url=loader.admin_url, timeout=10) as http:
-            assert (await http.get("/v1/stats")).status_code == 200
+            assert (await http.get("/healthz")).status_code == 200
+            assert (await http.get("/v1/stats")).status_code == 401
+            assert (await http.get("/v1/stats", headers={
+                "Authorization": f"Bearer {TOKEN}"})).status_code == 200
             assert (await http.post("/v1/pause")).status_code == 401
             assert not loader.pipeline.paused
             ok = await http.post("/v1/pause", headers={"Authorization": f"Bearer {TOKEN}"})
