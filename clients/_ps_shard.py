@@ -4,7 +4,8 @@ method, codec state, and the numbering that makes pushes idempotent.
 Every push message carries ``(client, seq)``: the client's random id (drawn once per
 ``PSClient``) and a sequence number per shard, raised by one per message and never reused,
 also across reconnects. A retry resends the very same message (``MultiplexedStream`` encodes
-a request once), so the shard applies it once and answers the first ack.
+a request once), so the shard applies it once and answers the first ack. A push also carries
+the shard's epoch as the connection last learned it (Tables, at connect and re-sync).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class ShardConnection:
         self.client = client
         self.index = index
         self.address = client.addresses[index]
+        self.epoch = 0  # the shard's epoch as last learned (0: a shard without epochs)
         self.channel = self._open()
         self._reconnecting = asyncio.Lock()
         self.lookup = self._stream("Lookup")

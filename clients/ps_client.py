@@ -9,9 +9,16 @@ backoff on a fresh channel for up to ``retry_s`` seconds, the address re-resolve
 ``resolver`` (e.g. :meth:`PSClient.from_registry`) first, so a restarted shard on another
 address is found. Every push message carries the client's random id and a per-shard sequence
 number (:class:`~clients._ps_shard.PushNumbers`); a retry resends the same message, which the
-shard applies once and answers with the first ack, also after it restarted from a checkpoint
-(the window of applied pushes is in it). A push the shard had not checkpointed when it died
-is lost with it unless the retry brings it back.
+shard applies once and answers with the first ack, also after it recovered from its
+write-ahead log (the window of applied pushes is in it and in checkpoints).
+
+Epochs: the client learns each shard's epoch at :meth:`PSClient.connect` and every push
+carries it. A shard restored from a checkpoint since (a REST restore, a restart with
+``--restore``) is in a newer epoch and refuses the push, retries included, with
+:class:`~services.common.errors.StaleEpoch`: the client does not retry it but raises it, as
+the rows it was computed from were rolled back. The trainer fails on it (restart the job from
+its checkpoint; the new workers learn the new epoch); a caller that can redo its work from the
+restored state calls :meth:`PSClient.resync` and goes on.
 """
 
 from __future__ import annotations
@@ -207,7 +214,20 @@ class PSClient:
                     "addresses in shard order")
             for table in info.tables:
                 self.dims[table["name"]] = int(table["dim"])
+            self._shards[i].epoch = info.epoch or 0
         return self
+
+    @property
+    def epochs(self) -> list[int]:
+        """Each shard's epoch as this client last learned it (0: a shard without epochs)."""
+        return [s.epoch for s in self._shards]
+
+    async def resync(self) -> list[int]:
+        """Learn every shard's epoch anew (after a :class:`StaleEpoch`): later pushes go to
+        the restored state. Returns the epochs."""
+        for shard, info in zip(self._shards, await self._tables_of_every_shard(), strict=True):
+            shard.epoch = info.epoch or 0
+        return self.epochs
 
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self._shards))
@@ -333,7 +353,7 @@ class PSClient:
                                counts=layout.counts[k].tolist(),
                                ids=raw_array(layout.ids[lo:hi]),
                                grads=self._grads_body(k, layout, lo, grads),
-                               tag=_tag(layout))
+                               tag=_tag(layout), epoch=self._shards[k].epoch or None)
 
     async def _rows_of(self, replies: Sequence[msg.LookupReply], layout: ShardedIds) -> np.ndarray:
         """The rows of the replies (in shard order) as one writable float32 array."""
@@ -477,7 +497,8 @@ class PSClient:
             self._sent("pooled_grads_up", body, grads[held])
             requests.append(shard.pooled_push.request(msg.PooledPushRequest(
                 client=self.push_numbers.client_id, seq=shard.next_seq(), table=table,
-                ids=raw_array(ids_k), lengths=raw_array(counts), grads=body),
+                ids=raw_array(ids_k), lengths=raw_array(counts), grads=body,
+                epoch=shard.epoch or None),
                 msg.PooledPushReply))
         return _sum_acks(await self._within(asyncio.gather(*requests)))
 
@@ -569,6 +590,9 @@ class SyncPSClient:
 
     def stats(self, table: str | None = None) -> list[dict[str, Any]]:
         return self._run(self._client.stats(table))
+
+    def resync(self) -> list[int]:
+        return self._run(self._client.resync())
 
     def close(self) -> None:
         self._run(self._client.close())

@@ -9,6 +9,7 @@
     ├── AlreadyExists            ALREADY_EXISTS       409
     ├── FailedPrecondition       FAILED_PRECONDITION  412
     │   ├── ProtocolMismatch     FAILED_PRECONDITION  412
+    │   ├── StaleEpoch           FAILED_PRECONDITION  412
     │   └── TrainingFailed       FAILED_PRECONDITION  412
     ├── ResourceExhausted        RESOURCE_EXHAUSTED   413
     ├── DeadlineExceeded         DEADLINE_EXCEEDED    504
@@ -40,6 +41,7 @@ __all__ = [
     "PersimmonError",
     "ProtocolMismatch",
     "ResourceExhausted",
+    "StaleEpoch",
     "TrainingFailed",
     "Unauthenticated",
     "Unavailable",
@@ -96,6 +98,11 @@ class FailedPrecondition(PersimmonError):
 
 class ProtocolMismatch(FailedPrecondition):
     """The peer speaks another protocol version."""
+
+
+class StaleEpoch(FailedPrecondition):
+    """A push of another epoch than its shard's: sent before the shard's last restore (or a
+    restart from a checkpoint); nothing was applied. Not retried: re-sync or restart."""
 
 
 class TrainingFailed(FailedPrecondition):

@@ -16,15 +16,16 @@ Protocol 2 (``A`` = array ``{dtype, shape, codec, meta, data}``; ``?`` = optiona
       Lookup          {tables, counts, ids: A uint64, codec,      → {rows: A (len(ids), dim),
                        read_only?, with_state?}                      state?: {name: A}}
       Push            {client, seq, tables, counts, ids: A uint64, → {applied, dropped_nonfinite,
-                       grads: [A (len(ids), dim)] | [A per table]}    not_admitted}
+                       grads: [A (len(ids), dim)] | [A per table],    not_admitted}
+                       epoch?}
       PushThenLookup  {push: Push request, lookup: Lookup request} → {push: Push reply,
                                                                       lookup: Lookup reply}
       PooledLookup    {table, ids: A uint64, lengths: A int, codec} → {pooled: A (samples, dim)}
       PooledPush      {client, seq, table, ids, lengths,       → as Push
-                       grads: A (samples, dim)}
+                       grads: A (samples, dim), epoch?}
     persimmon.PS (unary)
-      Tables          {}                                → {shard_id, num_shards, tables: [config]}
-      Stats           {table?}                          → {shard_id, tables: {name: stats}}
+      Tables          {}                         → {shard_id, num_shards, tables: [config], epoch?}
+      Stats           {table?}                   → {shard_id, tables: {name: stats}, epoch?}
     persimmon.Loader
       Batches (server stream) {rank, world_size, credits} → {kind: "batch", batch} ... then
                                                             {kind: "end", rank}
@@ -37,6 +38,9 @@ Protocol 2 (``A`` = array ``{dtype, shape, codec, meta, data}``; ``?`` = optiona
 ids one table after the other (``counts[i]`` of table ``i``). ``client``/``seq`` (required on
 every push): the pushing client's random id and the push's sequence number on this shard,
 from 1 up; a retry resends the same pair and is applied once (:mod:`services.ps.dedup`).
+``epoch`` (optional on a push; absent or 0: none given, an older client): the shard's epoch as
+the client learned it from Tables or Stats; a shard in another epoch (it was restored since)
+refuses the push with FAILED_PRECONDITION (``StaleEpoch``) and applies nothing.
 """
 
 from __future__ import annotations
@@ -359,6 +363,7 @@ class PushRequest(Message):
 @dataclass(kw_only=True, slots=True)
 class PushReply(Message):
     """Unique ids applied, dropped for NaN/Inf, and not admitted (yet) by the filter."""
+    epoch: int | None = None  # the shard's epoch the client knows (None, 0: not given)
 
     applied: int
     dropped_nonfinite: int
@@ -425,7 +430,8 @@ class TablesRequest(Message):
 
 @dataclass(kw_only=True, slots=True)
 class TablesReply(Message):
-    """The shard's place and its table configs."""
+    """The shard's place, its table configs and its epoch (None: a shard without epochs)."""
+    epoch: int | None = None  # as PushRequest.epoch
 
     shard_id: int
     num_shards: int
@@ -451,6 +457,7 @@ class StatsReply(Message):
 class BatchesRequest(Message):
     """Open rank ``rank``'s batch stream with ``credits`` batches allowed unacknowledged."""
 
+    epoch: int | None = None
     rank: int
     world_size: int
     credits: int
@@ -464,6 +471,7 @@ class BatchesReply(Message):
     batch: Batch | None = None
     rank: int | None = None
 
+    epoch: int | None = None
     def __post_init__(self) -> None:
         if self.kind == "batch" and self.batch is None:
             raise MalformedMessage("a Batches item of kind 'batch' needs a batch")

@@ -48,8 +48,8 @@ from services.common.sharding import shard_of
 from services.ps.store import EmbeddingTable, TableSnapshot
 from services.ps.tables import TableConfig
 
-__all__ = ["check_checkpoint_id", "list_checkpoints", "read_checkpoint", "read_push_window",
-           "restore_tables", "write_checkpoint"]
+__all__ = ["check_checkpoint_id", "list_checkpoints", "read_checkpoint", "read_epoch",
+           "read_push_window", "restore_tables", "write_checkpoint"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -117,11 +117,12 @@ def _write_table(directory: Path, index: int, snap: TableSnapshot) -> dict[str, 
 def write_checkpoint(root: Path | str, checkpoint_id: str, shard_id: int, num_shards: int,
                      tables: dict[str, EmbeddingTable], *, incremental: bool = False,
                      parent: str | None = None,
-                     pushes: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+                     pushes: dict[str, np.ndarray] | None = None,
+                     epoch: int = 0) -> dict[str, Any]:
     """Write this shard's part of a checkpoint atomically; returns its manifest.
 
     ``pushes``: the shard's window of applied pushes (``PushWindow.snapshot()``), taken
-    under the same locks as the tables.
+    under the same locks as the tables. ``epoch``: the shard's (services.ps.durability).
 
     An incremental checkpoint holds the rows changed since the tables' previous snapshot and
     needs ``parent`` (the checkpoint it builds on). If writing fails, the tables' dirty rows
@@ -154,6 +155,7 @@ def write_checkpoint(root: Path | str, checkpoint_id: str, shard_id: int, num_sh
             "incremental": incremental,
             "parent": parent if incremental else None,
             "created": time.time(),
+            "epoch": epoch,
             "tables": {name: _write_table(tmp, i, snap)
                        for i, (name, snap) in enumerate(snaps.items())},
         }
@@ -337,6 +339,18 @@ def read_push_window(root: Path | str, checkpoint_id: str, *, shard_id: int,
                                          "'pushes' entry")
             return {key: _read_array(path, entry) for key, entry in files.items()}
     return None
+
+
+def read_epoch(root: Path | str, checkpoint_id: str) -> int:
+    """The highest epoch a part of checkpoint ``checkpoint_id`` was written in (0: none
+    recorded, an older checkpoint)."""
+    root = Path(root)
+    check_checkpoint_id(checkpoint_id)
+    epochs = [_read_manifest(path).get("epoch", 0) for path, _, _ in _parts(root, checkpoint_id)]
+    if not all(type(e) is int and e >= 0 for e in epochs):
+        raise FailedPrecondition(f"checkpoint {checkpoint_id!r} has a part whose epoch is not "
+                                 f"a non-negative int: {epochs}")
+    return max(epochs, default=0)
 
 
 def restore_tables(root: Path | str, checkpoint_id: str, *, shard_id: int, num_shards: int,

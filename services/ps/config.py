@@ -43,6 +43,9 @@ class PSConfig:
                 "policy, so a killed process loses none"})
     wal_fsync_interval_ms: float = field(default=100.0, metadata={
         "help": "milliseconds between fsyncs of the write-ahead log under wal_fsync=batch"})
+    wal_segment_bytes: int = field(default=64 * 1024 * 1024, metadata={
+        "help": "the write-ahead log starts a new segment past this many bytes (a checkpoint "
+                "starts one too, and deletes the older)"})
     tables: list[TableConfig] = field(default_factory=list)
     max_message_bytes: int = field(default=128 * 1024 * 1024, metadata={
         "help": "largest request accepted, in bytes"})
@@ -92,8 +95,7 @@ class PSConfig:
             raise ValueError("heartbeat_ttl_s must be > 0")
         if self.ttl_sweep_s <= 0:
             raise ValueError("ttl_sweep_s must be > 0")
-        if not self.wal_fsync_interval_ms > 0:
-            raise ValueError(f"wal_fsync_interval_ms must be > 0, got {self.wal_fsync_interval_ms}")
+        _check_wal(self)
         names = [t.name for t in self.tables]
         if len(names) != len(set(names)):
             raise ValueError(f"table names must be unique, got {names}")
@@ -107,3 +109,10 @@ def _check_bounds(config: PSConfig) -> None:
     for name in ("default_max_rows", "keep_checkpoints"):
         if getattr(config, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
+
+
+def _check_wal(config: PSConfig) -> None:
+    if not config.wal_fsync_interval_ms > 0:
+        raise ValueError(f"wal_fsync_interval_ms must be > 0, got {config.wal_fsync_interval_ms}")
+    if config.wal_segment_bytes < 4096:
+        raise ValueError(f"wal_segment_bytes must be >= 4096, got {config.wal_segment_bytes}")

@@ -1,9 +1,10 @@
 """Idempotent pushes: a shard's bounded memory of the pushes it applied, per client.
 
-Every push over the wire carries its origin ``(client, seq)``: a client id drawn at random by
-the client and a sequence number the client raises by one per push message to this shard (a
-retry resends the same message, so the same number). :class:`PushWindow` remembers, per
-client, the highest number applied and every number applied within the last ``window`` below
+Every push over the wire carries its origin ``(client, seq, epoch)``: a client id drawn at
+random by the client, a sequence number the client raises by one per push message to this
+shard (a retry resends the same message, so the same number) and the shard's epoch the client
+knows (0: none given, an older client; :mod:`services.ps.durability`). :class:`PushWindow`
+remembers, per (epoch, client), the highest number applied and every number applied within the last ``window`` below
 it, each with a fingerprint of the message and the ack the shard answered. A push is then:
 
 - new (above the highest, or inside the window and not applied yet): applied, remembered;
@@ -48,10 +49,12 @@ _MAX = 2**63  # client ids and sequence numbers are non-negative int64 (msgpack 
 
 
 class PushOrigin(NamedTuple):
-    """Who sent a push: the client's id and the push's sequence number on this shard."""
+    """Who sent a push: the client's id, the push's sequence number on this shard and the
+    shard's epoch the client knew (0: none given)."""
 
     client: int
     seq: int
+    epoch: int = 0
 
 
 def fingerprint(meta: tuple[Any, ...], whole: Sequence[np.ndarray],
@@ -91,7 +94,8 @@ class PushWindow:
             raise ValueError(f"window and max_clients must be >= 1, got {window}, {max_clients}")
         self.window = window
         self.max_clients = max_clients
-        self._clients: OrderedDict[int, _Client] = OrderedDict()  # least recently seen first
+        # (epoch, client) → window, least recently seen first
+        self._clients: OrderedDict[tuple[int, int], _Client] = OrderedDict()
         self._lock = threading.Lock()
         self.evicted = 0
         self.retries = 0  # pushes answered from the window instead of applied
@@ -99,7 +103,9 @@ class PushWindow:
     @staticmethod
     def check_origin(origin: PushOrigin) -> PushOrigin:
         """``origin`` if well formed, else :class:`InvalidArgument`."""
-        client, seq = origin
+        client, seq, epoch = origin
+        if type(epoch) is not int or not 0 <= epoch < _MAX:
+            raise InvalidArgument(f"push epoch must be an int in [0, 2**63), got {epoch!r}")
         if type(client) is not int or not 0 <= client < _MAX:
             raise InvalidArgument(f"push client id must be an int in [0, 2**63), got {client!r}")
         if type(seq) is not int or not 1 <= seq < _MAX:
@@ -110,9 +116,9 @@ class PushWindow:
     def claim(self, origin: PushOrigin, fp: int) -> PushResult | None:
         """The ack of an already applied push (a retry), or None when the caller must apply it
         and then :meth:`commit` (or :meth:`abandon`); raises when it must not be applied."""
-        client, seq = self.check_origin(origin)
+        client, seq, epoch = self.check_origin(origin)
         with self._lock:
-            state = self._touch(client)
+            state = self._touch((epoch, client))
             done = state.applied.get(seq)
             if done is not None:
                 if done[0] != fp:
@@ -136,9 +142,9 @@ class PushWindow:
 
     def commit(self, origin: PushOrigin, result: PushResult) -> None:
         """Remember that the claimed push ``origin`` was applied and answered ``result``."""
-        client, seq = origin
+        client, seq, epoch = origin
         with self._lock:
-            state = self._clients[client]  # a client with a claim in flight is never evicted
+            state = self._clients[epoch, client]  # one with a claim in flight is never evicted
             fp = state.pending.pop(seq)
             state.applied[seq] = (fp, result.applied, result.dropped_nonfinite,
                                   result.not_admitted)
@@ -150,13 +156,13 @@ class PushWindow:
 
     def abandon(self, origin: PushOrigin) -> None:
         """Forget a claim whose push failed before it changed anything."""
-        client, seq = origin
+        client, seq, epoch = origin
         with self._lock:
-            state = self._clients.get(client)
+            state = self._clients.get((epoch, client))
             if state is not None:
                 state.pending.pop(seq, None)
 
-    def _touch(self, client: int) -> _Client:
+    def _touch(self, client: tuple[int, int]) -> _Client:
         state = self._clients.get(client)
         if state is None:
             while len(self._clients) >= self.max_clients and self._evict_one():
@@ -190,7 +196,8 @@ class PushWindow:
             entries = [(i, seq, done) for i, (_, state) in enumerate(clients)
                        for seq, done in state.applied.items()]
         return {
-            "clients": np.array([c for c, _ in clients], dtype=np.uint64),
+            "clients": np.array([c for (_, c), _ in clients], dtype=np.uint64),
+            "client_epochs": np.array([e for (e, _), _ in clients], dtype=np.int64),
             "highest": np.array([s.highest for _, s in clients], dtype=np.int64),
             "entry_client": np.array([e[0] for e in entries], dtype=np.int64),
             "entry_seq": np.array([e[1] for e in entries], dtype=np.int64),
@@ -199,13 +206,17 @@ class PushWindow:
         }
 
     def restore(self, arrays: dict[str, np.ndarray] | None) -> None:
-        """Replace the window by a :meth:`snapshot`'s (None: empty)."""
-        clients: OrderedDict[int, _Client] = OrderedDict()
+        """Replace the window by a :meth:`snapshot`'s (None: empty; one without
+        ``client_epochs``, an older checkpoint's: epoch 0)."""
+        clients: OrderedDict[tuple[int, int], _Client] = OrderedDict()
         if arrays is not None:
             _check_snapshot(arrays)
-            for client, highest in zip(arrays["clients"].tolist(), arrays["highest"].tolist(),
-                                       strict=True):
-                clients[int(client)] = _Client(highest=int(highest))
+            epochs = arrays.get("client_epochs", np.zeros(arrays["clients"].shape, np.int64))
+            if epochs.shape != arrays["clients"].shape:
+                raise FailedPrecondition("push window snapshot arrays do not fit together")
+            for client, epoch, highest in zip(arrays["clients"].tolist(), epochs.tolist(),
+                                              arrays["highest"].tolist(), strict=True):
+                clients[int(epoch), int(client)] = _Client(highest=int(highest))
             order = list(clients.values())
             for i, seq, fp, ack in zip(arrays["entry_client"].tolist(),
                                        arrays["entry_seq"].tolist(),

@@ -7,6 +7,14 @@ and the window in under the same locks, so a push comes wholly before it (rolled
 after it (validated again). With a write-ahead log, a checkpoint or a restore starts a new
 segment, and :meth:`Durable.recover` replays the log over its base checkpoint, each push
 through the window (a push the state already holds is not applied again).
+
+**Epochs.** A shard's state has an epoch (1 for a fresh shard); each restore moves it past
+every epoch the shard, the checkpoint or its checkpoint directory (``.epoch-shard-<k>-of-<n>``,
+written before the swap) has known, so a restart from the same checkpoint still gets a new one.
+Checkpoints and the log's segment headers hold it, so a recovered shard keeps it. A push carries
+the epoch its client learned (Tables, Stats); one received for another epoch, or waiting for its
+tables' locks while a restore moved the epoch on, is refused with :class:`StaleEpoch`
+(FAILED_PRECONDITION, naming both) and nothing is applied.
 """
 
 from __future__ import annotations
@@ -16,15 +24,17 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import FailedPrecondition, NotFound, StaleEpoch
+from services.common.files import atomic_write
 from services.ps.checkpoint import (
     check_checkpoint_id,
     list_checkpoints,
     read_checkpoint,
+    read_epoch,
     read_push_window,
     write_checkpoint,
 )
@@ -44,6 +54,7 @@ class Durable:
     config: PSConfig
     tables: dict[str, EmbeddingTable]
     pushes: PushWindow
+    epoch: int
     wal: WriteAheadLog | None
     _locks: dict[str, threading.RLock]
     _layout: threading.Lock
@@ -53,7 +64,7 @@ class Durable:
     if TYPE_CHECKING:  # what the shard provides
         def _holding(self, names: Sequence[str]) -> contextlib.AbstractContextManager[bool]: ...
         def _once(self, origin: PushOrigin | None, content: Callable[[], int],
-                  parts: Sequence[PushPart]) -> PushResult: ...
+                  parts: Sequence[PushPart], fence: int | None) -> PushResult: ...
         def create_table(self, table_config: TableConfig | dict[str, Any]
                          ) -> EmbeddingTable: ...
         def drop_table(self, name: str) -> None: ...
@@ -86,9 +97,9 @@ class Durable:
             manifest = write_checkpoint(root, checkpoint_id, self.config.shard_id,
                                         self.config.num_shards, self.tables,
                                         incremental=incremental, parent=parent,
-                                        pushes=self.pushes.snapshot())
+                                        pushes=self.pushes.snapshot(), epoch=self.epoch)
             if self.wal is not None:  # the log restarts from this state
-                self.wal.start(checkpoint_id)
+                self.wal.start(checkpoint_id, self.epoch)
             return manifest
 
     def checkpoints(self) -> list[dict[str, Any]]:
@@ -99,10 +110,42 @@ class Durable:
     async def restore(self, checkpoint_id: str) -> dict[str, int]:
         """Replace every table and the window of applied pushes by the checkpoint's
         (resharding when the shard count differs; the window then starts empty, as the
-        clients' sequence numbers were per old shard); the write-ahead log restarts from it
-        (the pushes it held after its base are dropped: a restore is a rollback)."""
+        clients' sequence numbers were per old shard) in a new epoch; the write-ahead log
+        restarts from it (the pushes it held after its base are dropped: a rollback)."""
         await self._restore(checkpoint_id, restart_log=True)
         return {name: table.num_rows for name, table in self.tables.items()}
+
+    def check_epoch(self, epoch: int | None) -> None:
+        """Refuse a push of ``epoch`` unless it is this shard's (None: not fenced). Called
+        under the pushed tables' locks, which a restore takes all of to move the epoch."""
+        if epoch is not None and epoch != self.epoch:
+            when = "before" if epoch < self.epoch else "after"
+            raise StaleEpoch(
+                f"push of epoch {epoch} refused by shard {self.config.shard_id}, now in epoch "
+                f"{self.epoch}: it was sent {when} the shard's last restore; nothing applied "
+                "(re-sync the client with PSClient.resync(), or restart the job from its "
+                "checkpoint)")
+
+    def start_log(self) -> None:
+        """Begin the write-ahead log afresh from the shard's configured (empty) tables."""
+        if self.wal is not None:
+            self.wal.start(None, self.epoch)
+
+    def _epoch_file(self) -> Path:
+        cfg = self.config
+        return self._checkpoint_root() / f".epoch-shard-{cfg.shard_id}-of-{cfg.num_shards}"
+
+    def _next_epoch(self, checkpoint_epoch: int) -> int:
+        """An epoch past every one this shard may have served: written durably first."""
+        path = self._epoch_file()
+        try:
+            stored = int(path.read_text()) if path.exists() else 0
+        except (OSError, ValueError) as exc:
+            raise FailedPrecondition(f"the shard's epoch file {path} is unreadable ({exc}); "
+                                     "write the highest epoch it served into it") from exc
+        epoch = max(self.epoch, checkpoint_epoch, stored) + 1
+        atomic_write(path, str(epoch).encode())
+        return epoch
 
     async def recover(self) -> dict[str, int]:
         """Come back from the write-ahead log: restore its base checkpoint (none: the
@@ -118,16 +161,17 @@ class Durable:
             await self._restore(base, restart_log=False)
         self.wal = None  # the records replayed are in the log already
         try:
-            counts = await asyncio.to_thread(self._replay, records)
+            counts = await asyncio.to_thread(self._replay, records)  # streamed
         finally:
             self.wal = wal
-        if records or base is not None:
+        if wal.segments():
+            self.epoch = max(wal.epoch, 1)
             await asyncio.to_thread(wal.resume)
         else:
-            await asyncio.to_thread(wal.start, None)
+            await asyncio.to_thread(wal.start, None, self.epoch)
         return {**counts, "dropped_bytes": wal.dropped_bytes}
 
-    def _replay(self, records: Sequence[dict[str, Any]]) -> dict[str, int]:
+    def _replay(self, records: Iterable[dict[str, Any]]) -> dict[str, int]:
         counts = {"pushes": 0, "skipped": 0, "changes": 0}
         for record in records:
             op = record.get("op")
@@ -151,12 +195,15 @@ class Durable:
         retries = self.pushes.retries
         try:
             with self._holding([name for name, _, _ in parts]):
-                self._once(None if origin is None else PushOrigin(*origin), lambda: fp, parts)
+                self._once(None if origin is None else PushOrigin(*origin), lambda: fp, parts,
+                           None)
         except FailedPrecondition:  # below the window: older than pushes the state holds
             return False
         return self.pushes.retries == retries
 
     async def _restore(self, checkpoint_id: str, *, restart_log: bool) -> None:
+        """Swap in the checkpoint's state; ``restart_log``: a restore (a new epoch, the log
+        restarts from it), else a recovery's base (the log's epoch, set after)."""
         root = self._checkpoint_root()
         if checkpoint_id == "latest":
             known = self.checkpoints()
@@ -178,17 +225,23 @@ class Durable:
                 for snap in chain:
                     table.restore(snap)
                 fresh[name] = table
+            epoch = self.epoch
+            if restart_log:
+                epoch = await asyncio.to_thread(self._next_epoch, await asyncio.to_thread(
+                    read_epoch, root, checkpoint_id))
             await asyncio.to_thread(self._replace, fresh, pushes,
-                                    checkpoint_id if restart_log else None)
+                                    checkpoint_id if restart_log else None, epoch)
             self._last_checkpoint = checkpoint_id
 
     def _replace(self, tables: dict[str, EmbeddingTable], pushes: PushWindow,
-                 base: str | None) -> None:
-        """Swap in restored ``tables`` and window holding every table's lock, so that no push
-        comes between; the log restarts from checkpoint ``base`` first (None: goes on)."""
+                 base: str | None, epoch: int) -> None:
+        """Swap in restored ``tables``, window and ``epoch`` holding every table's lock, so
+        that no push comes between (one that waited is refused for its old epoch); the log
+        restarts from checkpoint ``base`` first (None: goes on)."""
         with self._layout, self._holding(list(self._locks)):
             if base is not None and self.wal is not None:
-                self.wal.start(base)
+                self.wal.start(base, epoch)
+            self.epoch = epoch
             self.pushes = pushes  # before the tables: a push that sees them uses it
             self._locks = {name: self._locks.get(name) or threading.RLock() for name in tables}
             self.tables = tables

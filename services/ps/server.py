@@ -7,7 +7,9 @@ with INVALID_ARGUMENT (FAILED_PRECONDITION for another protocol version); a deco
 invalid request gets an in-band ``error`` for its ``rid`` and the stream goes on. Every part
 of a request is checked before any is served or applied. Every push names its origin
 (``client``, ``seq``) and is applied at most once: a retry gets the first ack
-(:mod:`services.ps.dedup`). A lookup or push may carry a step ``tag`` (worker, step, workers): the shard
+(:mod:`services.ps.dedup`); a push of another ``epoch`` than the shard's (it was restored since)
+is refused with FAILED_PRECONDITION (:mod:`services.ps.durability`); Tables and Stats answer the
+shard's epoch. A lookup or push may carry a step ``tag`` (worker, step, workers): the shard
 counts the staleness of tagged lookups over every worker's pushes (:mod:`services.ps.staleness`,
 reported by Stats).
 
@@ -29,6 +31,7 @@ from services.common.codecs import Codec, decode_array, encode_array, get_codec,
 from services.common.config import config_to_dict
 from services.common.errors import InvalidArgument, PersimmonError, error_to_wire
 from services.common.messages import (
+    PS_REQUEST_OBJECTS,
     LookupReply,
     LookupRequest,
     Message,
@@ -47,10 +50,11 @@ from services.common.messages import (
 )
 from services.common.rpc import abort_with, generic_service, unary_handler
 from services.common.wire import decode_message, encode_message
+from services.ps.bounds import check_lookup, check_pooled, check_push
 from services.ps.dedup import PushOrigin
 from services.ps.metrics import PSMetrics
 from services.ps.shard import Shard
-from services.ps.staleness import StepTag, step_tags
+from services.ps.staleness import step_tags
 from services.ps.store import PushResult
 
 __all__ = ["SERVICE_NAME", "PSServicer"]
@@ -104,7 +108,7 @@ class PSServicer:
             started = time.perf_counter()
             wire.labels(method, "in").inc(len(raw))
             try:
-                body = decode_message(raw, max_bytes=limit)
+                body = decode_message(raw, max_bytes=limit, max_objects=PS_REQUEST_OBJECTS)
             except PersimmonError as exc:
                 self.metrics.errors.labels(method, exc.grpc_code.name).inc()
                 await abort_with(context, exc)
@@ -124,7 +128,7 @@ class PSServicer:
     async def _lookup(self, req: LookupRequest, codecs: dict[str, Codec]) -> LookupReply:
         codec = _codec(req.codec, codecs)
         state: dict[str, np.ndarray] | None = {} if req.with_state else None
-        with step_tags(lookup=_tag(req.tag)):
+        with step_tags(lookup=check_lookup(self.shard, req)):
             rows = await self.shard.lookup_many(req.tables, req.counts,
                                                 decode_array(req.ids, "ids"),
                                                 read_only=bool(req.read_only), state=state)
@@ -132,7 +136,7 @@ class PSServicer:
                            {k: raw_array(v) for k, v in state.items()})
 
     async def _push(self, req: PushRequest, codecs: dict[str, Codec]) -> PushReply:
-        with step_tags(push=_tag(req.tag)):
+        with step_tags(push=check_push(self.shard, req)):
             return _ack(await self.shard.push_many(*_push_parts(req), origin=_origin(req)),
                         PushReply)
 
@@ -143,7 +147,9 @@ class PSServicer:
             raise InvalidArgument("the lookup of a PushThenLookup reads rows only: look the "
                                   "optimizer state up with Lookup")
         codec = _codec(ask.codec, codecs)
-        with step_tags(push=_tag(req.push.tag), lookup=_tag(ask.tag)):
+        tags = (check_push(self.shard, req.push, "PushThenLookupRequest.push"),
+                check_lookup(self.shard, ask, "PushThenLookupRequest.lookup"))
+        with step_tags(*tags):
             result, rows = await self.shard.push_then_lookup(
                 _push_parts(req.push),
                 (ask.tables, ask.counts, decode_array(ask.ids, "lookup.ids")),
@@ -154,12 +160,14 @@ class PSServicer:
     async def _pooled_lookup(self, req: PooledLookupRequest, codecs: dict[str, Codec]
                              ) -> PooledLookupReply:
         codec = _codec(req.codec, codecs)
+        check_pooled(self.shard, req, "PooledLookupRequest")
         pooled = await self.shard.pooled_lookup(req.table, decode_array(req.ids, "ids"),
                                                 decode_array(req.lengths, "lengths"))
         return PooledLookupReply(pooled=encode_array(pooled, codec, key=req.table))
 
     async def _pooled_push(self, req: PooledPushRequest, codecs: dict[str, Codec]
                            ) -> PooledPushReply:
+        check_pooled(self.shard, req, "PooledPushRequest")
         result = await self.shard.pooled_push(
             req.table, decode_array(req.ids, "ids"), decode_array(req.lengths, "lengths"),
             _float32(decode_array(req.grads, "grads")), origin=_origin(req))
@@ -171,7 +179,7 @@ class PSServicer:
         TablesRequest.from_wire(decode_message(raw, max_bytes=self.shard.config.max_message_bytes))
         cfg = self.shard.config
         return encode_message(TablesReply(
-            shard_id=cfg.shard_id, num_shards=cfg.num_shards,
+            shard_id=cfg.shard_id, num_shards=cfg.num_shards, epoch=self.shard.epoch,
             tables=[config_to_dict(t.config) for t in self.shard.tables.values()]).to_wire())
 
     async def _stats(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -200,12 +208,8 @@ def _push_parts(req: PushRequest) -> tuple[list[str], list[int], np.ndarray,
             grads[0] if len(grads) == 1 else grads)
 
 
-def _tag(tag: list[int] | None) -> StepTag | None:
-    return None if tag is None else (tag[0], tag[1], tag[2])
-
-
 def _origin(req: PushRequest | PooledPushRequest) -> PushOrigin:
-    return PushOrigin(req.client, req.seq)
+    return PushOrigin(req.client, req.seq, req.epoch or 0)
 
 
 R = TypeVar("R", PushReply, PooledPushReply)

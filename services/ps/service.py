@@ -60,7 +60,7 @@ class PSService(ServingService):
             log.info("recovered from the write-ahead log (checkpoint %s, then %s)", wal.base,
                      counts)
         elif wal is not None:  # --restore job before the job's first checkpoint: empty
-            await asyncio.to_thread(wal.start, None)
+            await asyncio.to_thread(self.shard.start_log)
         await asyncio.to_thread(self.shard.warm_up)
         servicer = PSServicer(self.shard, self.metrics)
         self._grpc, self.grpc_port = make_server(

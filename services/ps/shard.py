@@ -15,8 +15,11 @@ tables. In-process callers, which cannot retry over a wire, may leave it out.
 
 With ``wal_dir`` configured, every push and table change is appended to the shard's
 write-ahead log (:mod:`services.ps.wal`) after it is validated and before it is applied and
-acknowledged. Checkpoints, restores and recovery from the log are the shard's
-:class:`services.ps.durability.Durable` part.
+acknowledged (a table create after the table is built: a create that fails is never logged);
+a log that fails refuses pushes (UNAVAILABLE) until it is cut back. Checkpoints, restores,
+epochs and recovery from the log are the shard's :class:`services.ps.durability.Durable` part.
+A push is fenced by its epoch: the one it carries, else the shard's when it was received; it
+is checked under its tables' locks, so one received before a restore is never applied after.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from services.ps.locks import hold
 from services.ps.multitable import dim_groups, lookup_plain, push_plain, warm_up_groups
 from services.ps.optimizers import state_layout
 from services.ps.pooled import check_lengths, segment_sum
+from services.ps.segments import OsSegmentFile, SegmentOpener
 from services.ps.staleness import GlobalStaleness
 from services.ps.store import EmbeddingTable, PushResult
 from services.ps.tables import OptimizerConfig, TableConfig
@@ -64,8 +68,10 @@ INLINE_IDS = 16_384  # requests up to this many ids: served on the event loop (~
 class Shard(Durable):
     """The tables of shard ``config.shard_id`` of ``config.num_shards``."""
 
-    def __init__(self, config: PSConfig) -> None:
+    def __init__(self, config: PSConfig, *, open_segment: SegmentOpener = OsSegmentFile) -> None:
+        """``open_segment`` opens the log's segment files for appending."""
         self.config = config
+        self.epoch = 1  # a restore moves it on (services.ps.durability)
         self.tables: dict[str, EmbeddingTable] = {}
         self._locks: dict[str, threading.RLock] = {}  # re-entered by work served inline
         self._layout = threading.Lock()  # which tables there are: create, drop, restore
@@ -79,7 +85,8 @@ class Shard(Durable):
         if config.wal_dir is not None:
             self.wal = WriteAheadLog(
                 config.wal_dir, shard_id=config.shard_id, num_shards=config.num_shards,
-                fsync=config.wal_fsync, fsync_interval_s=config.wal_fsync_interval_ms / 1000)
+                fsync=config.wal_fsync, fsync_interval_s=config.wal_fsync_interval_ms / 1000,
+                segment_bytes=config.wal_segment_bytes, open_file=open_segment)
 
     # ---- tables -------------------------------------------------------------------------
 
@@ -109,8 +116,8 @@ class Shard(Durable):
             if len(self.tables) >= self.config.max_tables:
                 raise ResourceExhausted(
                     f"shard holds the maximum of {self.config.max_tables} tables")
+            table = EmbeddingTable(table_config)  # built, then logged: a failed one never is
             self._log({"op": "create", "config": config_to_dict(table_config)})
-            table = EmbeddingTable(table_config)
             self._locks[table_config.name] = threading.RLock()
             self.tables[table_config.name] = table
         return table
@@ -122,16 +129,17 @@ class Shard(Durable):
             del self._locks[name]
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
-        """``{shard_id, tables: {name: counters, sizes and staleness}}`` of ``table`` or of
-        every table (what Stats answers)."""
+        """``{shard_id, epoch, tables: {name: counters, sizes and staleness}}`` of ``table``
+        or of every table (what Stats answers)."""
         names = [table] if table is not None else list(self.tables)
-        return {"shard_id": self.config.shard_id,
+        return {"shard_id": self.config.shard_id, "epoch": self.epoch,
                 "tables": {n: {**self.table(n).stats(), **self.staleness.stats(n)}
                            for n in names}}
 
     def describe(self, name: str) -> dict[str, Any]:
         table = self.table(name)
-        return {"config": config_to_dict(table.config), "stats": table.stats()}
+        return {"config": config_to_dict(table.config), "stats": table.stats(),
+                "epoch": self.epoch}
 
     def set_optimizer(self, name: str, changes: dict[str, Any]) -> OptimizerConfig:
         if not isinstance(changes, dict) or not changes:
@@ -170,24 +178,26 @@ class Shard(Durable):
             return table.lookup(ids)
 
     def push_sync(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
-                  origin: PushOrigin | None = None) -> PushResult:
+                  origin: PushOrigin | None = None, fence: int | None = None) -> PushResult:
         def check() -> Checked:
             table = self.table(name)
             i, g = table.validate_push(self.check_ids(ids), grads)
             return lambda: fingerprint((name,), [i], [g]), [(name, i, g)], [table]
-        return self._push_once(check, origin)
+        return self._push_once(check, origin, fence)
 
-    def _push_once(self, check: Callable[[], Checked], origin: PushOrigin | None) -> PushResult:
+    def _push_once(self, check: Callable[[], Checked], origin: PushOrigin | None,
+                   fence: int | None) -> PushResult:
         """Apply the push that ``check()`` validates (its fingerprint, its parts and the
         tables it validated them against) at most once per ``origin``, under the pushed
-        tables' locks; validated again if a restore or a drop replaced a table meanwhile."""
+        tables' locks, if the shard is in epoch ``fence`` then (None: any); validated again
+        if a drop replaced a table meanwhile."""
         while True:
             content, parts, tables = check()
             names = [name for name, _, _ in parts]
             with self._holding(names) as held:
                 if held and all(self.tables.get(name) is table
                                 for name, table in zip(names, tables, strict=True)):
-                    return self._once(origin, content, parts)
+                    return self._once(origin, content, parts, fence)
 
     @contextlib.contextmanager
     def _locked(self, name: str) -> Iterator[EmbeddingTable]:
@@ -205,11 +215,12 @@ class Shard(Durable):
             yield None not in locks
 
     def _once(self, origin: PushOrigin | None, content: Callable[[], int],
-              parts: Sequence[PushPart]) -> PushResult:
-        """Apply the validated ``parts``, at most once per ``origin``: a retry (same
-        ``content()`` fingerprint) gets the first ack; logged first (no log while a replay
-        reads it). The caller holds the pushed tables' locks, so the window, the log and the
-        rows change together."""
+              parts: Sequence[PushPart], fence: int | None) -> PushResult:
+        """Apply the validated ``parts``, at most once per ``origin``, if the shard is in
+        epoch ``fence``: a retry (same ``content()`` fingerprint) gets the first ack; logged
+        first (no log while a replay reads it). The caller holds the pushed tables' locks, so
+        the epoch, the window, the log and the rows change together."""
+        self.check_epoch(fence)
         if origin is None or not self.config.idempotent_pushes:
             self._log(push_record, None, 0, parts)
             return self._apply(parts)
@@ -233,6 +244,10 @@ class Shard(Durable):
             or [t.push(ids, grads) for t, (_, ids, grads) in zip(tables, parts, strict=True)]
         self.staleness.pushed([name for name, _, _ in parts])
         return PushResult.total(results)
+
+    def _fence(self, origin: PushOrigin | None) -> int:
+        """The epoch of a push received now: the one it carries, else the shard's."""
+        return origin.epoch if origin is not None and origin.epoch else self.epoch
 
     def _log(self, record: dict[str, Any] | Callable[..., dict[str, Any]], *args: Any) -> None:
         if self.wal is not None:  # a push's record is built only when there is a log
@@ -334,9 +349,9 @@ class Shard(Durable):
 
     def push_many_sync(self, tables: Sequence[str], counts: Sequence[int], ids: np.ndarray,
                        grads: np.ndarray | Sequence[np.ndarray], *,
-                       origin: PushOrigin | None = None) -> PushResult:
+                       origin: PushOrigin | None = None, fence: int | None = None) -> PushResult:
         """Apply several tables' gradients: one ``(len(ids), dim)`` array, or one array per
-        table (all tables or none, at most once per ``origin``)."""
+        table (all tables or none, at most once per ``origin``, only in epoch ``fence``)."""
         sampled = [grads] if isinstance(grads, np.ndarray) else list(grads)
 
         def check() -> Checked:
@@ -356,23 +371,24 @@ class Shard(Durable):
                            in zip(parts, grads, held, strict=True)]
             return (lambda: fingerprint((tuple(tables), tuple(counts)), [ids], sampled),
                     checked, held)
-        return self._push_once(check, origin)
+        return self._push_once(check, origin, fence)
 
     def push_then_lookup_sync(self, push: PushParts, lookup: LookupParts, *,
-                              origin: PushOrigin | None = None
+                              origin: PushOrigin | None = None, fence: int | None = None
                               ) -> tuple[PushResult, np.ndarray]:
         """Apply a multi-table push (at most once per ``origin``), then serve a multi-table
         lookup (its rows include the push): both parts are checked before the push is
         applied."""
         parts, dim, _ = self._table_slices(*lookup)
-        return (self.push_many_sync(*push, origin=origin),
+        return (self.push_many_sync(*push, origin=origin, fence=fence),
                 self._lookup_slices(parts, dim, lookup[2].size))
 
     async def push_then_lookup(self, push: PushParts, lookup: LookupParts, *,
                                origin: PushOrigin | None = None
                                ) -> tuple[PushResult, np.ndarray]:
         return await self._serve([*push[0], *lookup[0]], np.size(push[2]) + np.size(lookup[2]),
-                                 functools.partial(self.push_then_lookup_sync, origin=origin),
+                                 functools.partial(self.push_then_lookup_sync, origin=origin,
+                                                   fence=self._fence(origin)),
                                  push, lookup, push=True)
 
     async def lookup_many(self, tables: Sequence[str], counts: Sequence[int],
@@ -385,7 +401,8 @@ class Shard(Durable):
                         grads: np.ndarray | Sequence[np.ndarray], *,
                         origin: PushOrigin | None = None) -> PushResult:
         return await self._serve(tables, np.size(ids),
-                                 functools.partial(self.push_many_sync, origin=origin),
+                                 functools.partial(self.push_many_sync, origin=origin,
+                                                   fence=self._fence(origin)),
                                  tables, counts, ids, grads, push=True)
 
     # DES-style partial pooling: the shard pools the rows it owns, per sample.
@@ -400,7 +417,8 @@ class Shard(Durable):
         return segment_sum(rows, lengths)
 
     def pooled_push_sync(self, name: str, ids: np.ndarray, lengths: np.ndarray,
-                         grads: np.ndarray, *, origin: PushOrigin | None = None) -> PushResult:
+                         grads: np.ndarray, *, origin: PushOrigin | None = None,
+                         fence: int | None = None) -> PushResult:
         """Apply the per-sample pooled gradients ``grads`` (``(len(lengths), dim)``): each id
         of sample ``b`` gets ``grads[b]`` (summed over its occurrences) — sum pooling's
         backward, done here (at most once per ``origin``)."""
@@ -416,7 +434,7 @@ class Shard(Durable):
             i, expanded = table.validate_push(ids, np.repeat(grads, counts, axis=0))
             return (lambda: fingerprint((name,), [i, counts], [grads]), [(name, i, expanded)],
                     [table])
-        return self._push_once(check, origin)
+        return self._push_once(check, origin, fence)
 
     async def pooled_lookup(self, name: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return await self._serve([name], np.size(ids), self.pooled_lookup_sync, name, ids, lengths)
@@ -424,14 +442,16 @@ class Shard(Durable):
     async def pooled_push(self, name: str, ids: np.ndarray, lengths: np.ndarray,
                           grads: np.ndarray, *, origin: PushOrigin | None = None) -> PushResult:
         return await self._serve([name], np.size(ids),
-                                 functools.partial(self.pooled_push_sync, origin=origin),
+                                 functools.partial(self.pooled_push_sync, origin=origin,
+                                                   fence=self._fence(origin)),
                                  name, ids, lengths, grads, push=True)
 
     async def push(self, name: str, ids: np.ndarray, grads: np.ndarray, *,
                    origin: PushOrigin | None = None) -> PushResult:
         return await self._serve([name], np.size(ids),
-                                 functools.partial(self.push_sync, origin=origin), name, ids, grads,
-                                 push=True)
+                                 functools.partial(self.push_sync, origin=origin,
+                                                   fence=self._fence(origin)),
+                                 name, ids, grads, push=True)
 
     def peek(self, name: str, row_id: int) -> dict[str, Any]:
         if not 0 <= row_id < 2**64:

@@ -1,35 +1,39 @@
 """A PS shard's write-ahead log: the pushes (and table changes) since its last checkpoint.
 
-Layout: ``<wal_dir>/shard-<k>-of-<n>/<serial>.wal``, one segment per checkpoint interval.
-A segment starts with a header record naming its *base*, the checkpoint whose state its
-records follow (None: the shard's configured tables, empty); then one record per push the
-shard applied, in the order it applied them per table. A record is ``u32 length | u32
-CRC-32 of the payload | payload`` (a msgpack map, :mod:`services.common.wire`).
+Layout: ``<wal_dir>/shard-<k>-of-<n>/<serial>.wal``, segments in serial order. A segment
+starts with a header record: the format, the shard's *epoch* (see :mod:`services.ps.durability`),
+and its *base*, the checkpoint whose state the records follow (None: the shard's configured
+tables, empty), or ``rotated``: it goes on from the segment before it. Then one record per
+push the shard applied, in the order it applied them per table. Records are framed and read
+as :mod:`services.ps.segments` says (a CRC over length and payload).
 
 - **Append before ack.** The shard appends a push (tables, ids, gradients, its origin
-  ``(client, seq)`` and fingerprint, :mod:`services.ps.dedup`) after validating it and
+  ``(client, seq, epoch)`` and fingerprint, :mod:`services.ps.dedup`) after validating it and
   before applying it, under the pushed tables' locks, with one ``write`` to the file: once
   a push is acknowledged its record is in the operating system's hands, so a killed shard
   process (SIGKILL, OOM) never loses an acknowledged push. What survives a *machine* crash
   (power, kernel) is the fsync policy's promise (:class:`WalFsync`).
-- **Rotation.** A checkpoint starts a new segment based on it, under the same table locks
-  as it took the rows, then deletes the older segments: a segment holds exactly the pushes
-  its base lacks. A restore of a checkpoint does the same (the log then follows it).
-- **Recovery** (:meth:`WriteAheadLog.read`): the newest segment's base and records. A torn
-  tail (a record cut short, or the file's last record failing its CRC, or zeros to the end:
-  a crash mid-write) is dropped and cut off the file, with a warning (never acknowledged,
-  unless a machine crash took writes the policy had not synced yet). A bad record followed by more data, or a bad header, is corruption: a
-  :class:`FailedPrecondition` that names the file.
+- **Fail stop.** A write or fsync error (disk full, I/O error; also a failed background
+  fsync under ``batch``) stops the log: that append raises :class:`Unavailable` (its push is
+  not applied, nor acknowledged), and so does every later one until the log is cut back to
+  its last good record and synced, which the next append tries first. A half-written record
+  never stays in front of later ones.
+- **Rotation.** A segment past ``segment_bytes`` is followed by a new (rotated) one. A
+  checkpoint starts a new segment based on it, under the same table locks as it took the
+  rows, then deletes the older segments: the segments from the newest base on hold exactly
+  the pushes their base lacks. A restore of a checkpoint does the same.
+- **Recovery** (:meth:`WriteAheadLog.read`): the newest base segment's base, then its
+  records and every later segment's, streamed. A torn tail of the newest segment is cut off;
+  anything else bad is a :class:`FailedPrecondition` naming the file and offset.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import struct
 import threading
-import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -37,9 +41,16 @@ from typing import Any
 import numpy as np
 
 from services.common.codecs import decode_array, raw_array
-from services.common.errors import ConfigError, FailedPrecondition, PersimmonError
+from services.common.errors import ConfigError, FailedPrecondition, Unavailable
 from services.common.files import fsync_dir
-from services.common.wire import decode_message, encode_message
+from services.ps.segments import (
+    FORMAT,
+    OsSegmentFile,
+    SegmentFile,
+    SegmentOpener,
+    SegmentRecords,
+    frame,
+)
 
 __all__ = ["PushPart", "WalFsync", "WriteAheadLog", "push_record", "read_push"]
 
@@ -47,9 +58,8 @@ PushPart = tuple[str, np.ndarray, np.ndarray]  # table, ids, float32 grads (one 
 
 log = logging.getLogger("persimmon.ps.wal")
 
-FORMAT = 1
-_FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _SUFFIX = ".wal"
+DEFAULT_SEGMENT_BYTES = 64 << 20
 
 
 class WalFsync(StrEnum):
@@ -70,14 +80,19 @@ class WalFsync(StrEnum):
 class WriteAheadLog:
     """The log of shard ``shard_id`` of ``num_shards`` under ``root`` (see the module).
 
-    Call :meth:`read` then :meth:`resume` to go on after the last segment, or :meth:`start`
-    to begin a new one; :meth:`append` takes records from any thread; :meth:`close` syncs.
+    Call :meth:`read` (and consume its records) then :meth:`resume` to go on after the last
+    segment, or :meth:`start` to begin from a checkpoint; :meth:`append` takes records from
+    any thread; :meth:`close` syncs. ``open_file`` opens a segment for appending.
     """
 
     def __init__(self, root: Path | str, *, shard_id: int, num_shards: int,
-                 fsync: WalFsync = WalFsync.BATCH, fsync_interval_s: float = 0.1) -> None:
+                 fsync: WalFsync = WalFsync.BATCH, fsync_interval_s: float = 0.1,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 open_file: SegmentOpener = OsSegmentFile) -> None:
         if fsync_interval_s <= 0:
             raise ConfigError(f"the WAL's fsync interval must be > 0 s, got {fsync_interval_s}")
+        if segment_bytes < 4096:
+            raise ConfigError(f"the WAL's segment size must be >= 4096 bytes, got {segment_bytes}")
         self.directory = Path(root) / f"shard-{shard_id}-of-{num_shards}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -87,108 +102,195 @@ class WriteAheadLog:
             raise ConfigError(f"wal_dir {root}: {self.directory} is not writable")
         self.fsync = WalFsync(fsync)
         self.fsync_interval_s = fsync_interval_s
-        self.base: str | None = None  # the checkpoint the current segment follows
+        self.segment_bytes = segment_bytes
+        self.base: str | None = None  # the checkpoint the current segments follow
+        self.epoch = 0  # the shard's epoch the current segments were written in
         self.dropped_bytes = 0  # of a torn tail cut off by read()
-        self._lock = threading.Lock()
-        self._fd: int | None = None
+        self._open_file = open_file
+        self._lock = threading.Lock()  # the current file, its size, the failure
+        self._sync_lock = threading.Lock()  # an fsync outside _lock against a close
+        self._file: SegmentFile | None = None
+        self._path: Path | None = None
+        self._size = 0  # bytes of good records in the current segment
+        self._failed: OSError | None = None  # stops appends until cut back and synced
         self._dirty = False
-        self._read: tuple[Path, str | None] | None = None  # the segment read() read
+        self._head = 0  # bytes of the current segment's header
+        self._read: tuple[Path, str | None, int] | None = None  # what read() found
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
 
     # ---- segments -----------------------------------------------------------------------
 
-    def _segments(self) -> list[Path]:
+    def segments(self) -> list[Path]:
+        """The segment files, oldest first."""
         return sorted(p for p in self.directory.iterdir()
                       if p.suffix == _SUFFIX and p.stem.isdigit())
 
-    def read(self) -> tuple[str | None, list[dict[str, Any]]]:
-        """The newest segment's base and records (none: ``(None, [])``); a torn tail is cut
-        off the file (``dropped_bytes``)."""
-        self._read = None
-        segments = self._segments()
+    def read(self) -> tuple[str | None, Iterator[dict[str, Any]]]:
+        """The log's base checkpoint and its records, streamed from the newest base segment
+        through every later one (none: ``(None, no records)``); sets ``epoch``; a torn tail
+        is cut off the newest segment (``dropped_bytes``) as the records are read."""
+        self._read, self.dropped_bytes = None, 0
+        segments = self.segments()
         if not segments:
-            return None, []
-        path = segments[-1]
-        data = path.read_bytes()
-        bodies, good = _split(data, path)
-        if good < len(data):
-            self.dropped_bytes = len(data) - good
-            log.warning("WAL %s: dropped a torn tail of %d bytes (a crash mid-write; never "
-                        "acknowledged)", path, self.dropped_bytes)
-            os.truncate(path, good)
-        if not bodies:
-            raise FailedPrecondition(f"WAL segment {path} has no header; move it aside")
-        header, *records = bodies
-        if header.get("op") != "header" or header.get("format") != FORMAT:
-            raise FailedPrecondition(f"WAL segment {path} has an unknown header {header}")
-        self._read = (path, header.get("base"))
-        return header.get("base"), records
+            return None, iter(())
+        heads = [(path, _header(path)) for path in segments]
+        start = max((i for i, (_, head) in enumerate(heads) if not head.get("rotated")),
+                    default=None)
+        if start is None:
+            raise FailedPrecondition(f"WAL {self.directory} has no base segment (only rotated "
+                                     "ones); move it aside")
+        head = heads[start][1]
+        self.epoch = int(head.get("epoch") or 0)
+        self._read = (segments[-1], head.get("base"), self.epoch)
+        return head.get("base"), self._records(segments[start:])
+
+    def _records(self, paths: Sequence[Path]) -> Iterator[dict[str, Any]]:
+        for path in paths:
+            reader = SegmentRecords(path, last=path == paths[-1])
+            records = iter(reader)
+            next(records, None)  # the header, read already
+            yield from records
+            self.dropped_bytes += reader.dropped
 
     def resume(self) -> None:
-        """Go on appending to the segment :meth:`read` read."""
+        """Go on appending to the newest segment :meth:`read` read (its records consumed)."""
         if self._read is None:
             raise FailedPrecondition(f"no WAL segment read under {self.directory} to resume")
         self._open(*self._read)
 
-    def start(self, base: str | None) -> None:
-        """Begin a new segment following checkpoint ``base`` (durably), then delete the older
-        ones: the log restarts from that state."""
-        old = self._segments()
-        serial = int(old[-1].stem) + 1 if old else 1
-        path = self.directory / f"{serial:012d}{_SUFFIX}"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        try:
-            _write(fd, _frame({"op": "header", "format": FORMAT, "base": base}))
-            os.fsync(fd)
-        except BaseException:  # no headless newest segment: the current one goes on
-            path.unlink()
-            raise
-        finally:
-            os.close(fd)
-        fsync_dir(self.directory)
-        self._open(path, base)
+    def start(self, base: str | None, epoch: int = 0) -> None:
+        """Begin a new segment following checkpoint ``base`` in ``epoch`` (durably), then
+        delete the older ones: the log restarts from that state."""
+        old = self.segments()
+        path = self._new_segment({"base": base, "epoch": epoch}, old)
+        self._open(path, base, epoch)
         for p in old:
             p.unlink()
         if old:
             fsync_dir(self.directory)
 
-    def _open(self, path: Path, base: str | None) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    def _new_segment(self, header: dict[str, Any], old: list[Path]) -> Path:
+        """A new newest segment holding ``header``, written and synced under a temporary name
+        and then renamed: a segment file never lacks its header."""
+        serial = int(old[-1].stem) + 1 if old else 1
+        path = self.directory / f"{serial:012d}{_SUFFIX}"
+        tmp = self.directory / f".{serial:012d}{_SUFFIX}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(functools.partial(os.write, fd),
+                           frame({"op": "header", "format": FORMAT, **header}))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(self.directory)
+        return path
+
+    def _open(self, path: Path, base: str | None, epoch: int) -> None:
+        file, head = self._open_file(path), _header_size(path)
         with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-            self._fd, self.base = fd, base
-            self._dirty = False
+            self._swap(file, path, path.stat().st_size, head)
+            self.base, self.epoch = base, epoch
+            self._failed = None
         if self.fsync is WalFsync.BATCH and self._syncer is None:
             self._syncer = threading.Thread(target=self._sync_loop, name="wal-sync", daemon=True)
             self._syncer.start()
+
+    def _swap(self, file: SegmentFile | None, path: Path | None, size: int, head: int) -> None:
+        """Make ``file`` the current segment (under ``_lock``), closing the old one."""
+        with self._sync_lock:
+            old, self._file, self._path, self._size = self._file, file, path, size
+            self._head = head
+            self._dirty = False
+            if old is not None:
+                old.close()
 
     # ---- appending ----------------------------------------------------------------------
 
     def append(self, record: dict[str, Any]) -> None:
         """Write ``record`` (a map of msgpack values and arrays) to the log before returning;
-        fsync it first under the ``always`` policy."""
-        frame = _frame(record)
+        fsync it first under the ``always`` policy. :class:`Unavailable` when the log has
+        failed (this or an earlier write or fsync) and cannot be cut back yet."""
+        data = frame(record)
         with self._lock:
-            if self._fd is None:
-                raise FailedPrecondition("the write-ahead log is not open (read and resume it, "
-                                         "or start a segment, first)")
-            _write(self._fd, frame)
-            if self.fsync is WalFsync.ALWAYS:
-                os.fsync(self._fd)
-            else:
-                self._dirty = True
+            file = self._writable()
+            if self._size + len(data) > self.segment_bytes and self._size > self._head:
+                file = self._rotate()
+            try:
+                _write_all(file.write, data)
+                if self.fsync is WalFsync.ALWAYS:
+                    file.fsync()
+            except OSError as exc:
+                raise self._fail(exc, "an append") from exc
+            self._size += len(data)
+            self._dirty = self.fsync is WalFsync.BATCH
+
+    def _writable(self) -> SegmentFile:
+        """The current segment, cut back to its last good record first after a failure."""
+        if self._file is None:
+            raise FailedPrecondition("the write-ahead log is not open (read and resume it, "
+                                     "or start a segment, first)")
+        if self._failed is not None:
+            try:
+                self._file.truncate(self._size)
+                self._file.fsync()
+            except OSError as exc:
+                raise self._fail(exc, "cutting the log back after an earlier failure") from exc
+            log.warning("WAL %s: cut back to its last good record (%d bytes) after %s; "
+                        "appending again", self._path, self._size, self._failed)
+            self._failed = None
+        return self._file
+
+    def _rotate(self) -> SegmentFile:
+        try:
+            assert self._file is not None
+            self._file.fsync()  # the records a rotated-away segment holds are durable
+            path = self._new_segment({"base": self.base, "epoch": self.epoch, "rotated": True},
+                                     self.segments())
+            file = self._open_file(path)
+        except OSError as exc:
+            raise self._fail(exc, "a rotation to a new segment") from exc
+        size = path.stat().st_size
+        self._swap(file, path, size, size)
+        return file
+
+    def _fail(self, exc: OSError, what: str) -> Unavailable:
+        self._failed = exc
+        log.error("WAL %s: %s failed (%s); no push is taken until the log is cut back to its "
+                  "last good record", self._path, what, exc)
+        return Unavailable(f"write-ahead log {self._path}: {what} failed ({exc}); the push is "
+                           "not applied, and the shard takes no push until the log is cut back "
+                           "to its last good record (tried on the next push)")
+
+    @property
+    def failed(self) -> str | None:
+        """Why the log refuses appends now (None: it takes them)."""
+        with self._lock:
+            return None if self._failed is None else str(self._failed)
 
     def sync(self) -> None:
-        """fsync what was appended since the last sync."""
+        """fsync what was appended since the last sync; a failure stops the log (the next
+        append cuts it back and syncs again before it takes a record)."""
         with self._lock:
-            fd, dirty, self._dirty = self._fd, self._dirty, False
-        if fd is not None and dirty:
+            file, dirty, self._dirty = self._file, self._dirty, False
+        if file is None or not dirty:
+            return
+        with self._sync_lock:
+            if file is not self._file:  # rotated or closed meanwhile: synced then
+                return
             try:
-                os.fsync(fd)
-            except OSError:  # closed by a rotation meanwhile: that segment was synced then
-                pass
+                file.fsync()
+                return
+            except OSError as exc:
+                error = exc
+        with self._lock:
+            if file is self._file and self._failed is None:
+                self._fail(error, "a background fsync")
 
     def _sync_loop(self) -> None:
         while not self._stop.wait(self.fsync_interval_s):
@@ -200,61 +302,47 @@ class WriteAheadLog:
         if self._syncer is not None:
             self._syncer.join()
         with self._lock:
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            if self.fsync is not WalFsync.NEVER:
-                os.fsync(fd)
-            os.close(fd)
+            file = self._file
+            try:
+                if file is not None and self.fsync is not WalFsync.NEVER:
+                    file.fsync()
+            except OSError as exc:
+                log.error("WAL %s: the last fsync failed: %s", self._path, exc)
+            finally:
+                self._swap(None, None, 0, 0)
 
 
-def push_record(origin: tuple[int, int] | None, fp: int,
+def push_record(origin: tuple[int, ...] | None, fp: int,
                 parts: Sequence[PushPart]) -> dict[str, Any]:
-    """The record of a push: its origin (None: an in-process push without one), its
-    fingerprint and what it applies to each table."""
+    """The record of a push: its origin (client, seq, epoch; None: an in-process push
+    without one), its fingerprint and what it applies to each table."""
     return {"op": "push", "origin": None if origin is None else list(origin), "fp": fp,
             "parts": [[name, raw_array(ids), raw_array(grads)] for name, ids, grads in parts]}
 
 
-def read_push(record: dict[str, Any]) -> tuple[tuple[int, int] | None, int, list[PushPart]]:
+def read_push(record: dict[str, Any]) -> tuple[tuple[int, ...] | None, int, list[PushPart]]:
     """``(origin, fingerprint, parts)`` of a :func:`push_record`."""
     origin = record["origin"]
-    return (None if origin is None else (origin[0], origin[1]), record["fp"],
+    return (None if origin is None else tuple(origin), record["fp"],
             [(name, decode_array(ids, "wal ids"), decode_array(grads, "wal grads"))
              for name, ids, grads in record["parts"]])
 
 
-def _frame(record: dict[str, Any]) -> bytes:
-    payload = encode_message(record)
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+def _header(path: Path) -> dict[str, Any]:
+    header = next(iter(SegmentRecords(path, last=False)), None)
+    if header is None or header.get("op") != "header" or header.get("format") != FORMAT:
+        raise FailedPrecondition(f"WAL segment {path} has no header of format {FORMAT}, got "
+                                 f"{header}; move it aside")
+    return header
 
 
-def _write(fd: int, data: bytes) -> None:
+def _header_size(path: Path) -> int:
+    reader = SegmentRecords(path, last=False)
+    next(iter(reader), None)
+    return reader.end
+
+
+def _write_all(write: Callable[[memoryview], int], data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
-
-
-def _split(data: bytes, path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The records of a segment's bytes and the length of their good prefix: a bad record
-    at the end (short, failing its CRC, or zeros to the end) is a torn tail; one followed by
-    more data is corruption."""
-    bodies: list[dict[str, Any]] = []
-    offset = 0
-    while offset < len(data):
-        end = offset + _FRAME.size
-        length, crc = _FRAME.unpack_from(data, offset) if end <= len(data) else (0, 0)
-        stop = end + length
-        ok = length > 0 and stop <= len(data) and zlib.crc32(data[end:stop]) == crc
-        if not ok:
-            if stop >= len(data) or not any(data[offset:]):
-                return bodies, offset
-            raise FailedPrecondition(
-                f"WAL segment {path} is corrupt at byte {offset} of {len(data)} (a bad record "
-                "followed by more records: not a torn tail); move it aside to start without it")
-        try:
-            bodies.append(decode_message(data[end:stop]))
-        except PersimmonError as exc:
-            raise FailedPrecondition(f"WAL segment {path}: record at byte {offset} passes its "
-                                     f"CRC but does not decode: {exc}") from exc
-        offset = stop
-    return bodies, offset
+        view = view[write(view):]

@@ -12,7 +12,7 @@ import pytest
 
 from clients.ps_client import PSClient
 from services.common.codecs import raw_array
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, StaleEpoch
 from services.common.messages import (
     LookupReply,
     LookupRequest,
@@ -155,8 +155,10 @@ async def test_the_window_survives_a_checkpoint_and_a_restore(tmp_path):
 async def _retry_across_a_restart(tmp_path, checkpoint_after_apply: bool
                                   ) -> tuple[list[int], list[int]]:
     """A PSClient pushes; the shard applies, (checkpoints,) and dies before it answers; a
-    new shard restored from the newest checkpoint takes its place and the client retries.
-    Returns the new shard's counts and the old shard's counts before it died."""
+    new shard restored from the newest checkpoint takes its place (a new epoch) and the
+    client retries: refused (StaleEpoch), surfaced, nothing applied. Re-synced, the client's
+    next push is applied. Returns the new shard's counts and the old shard's counts before
+    it died."""
     old = await start(tmp_path)
     await old.shard.checkpoint("before")
     addresses = [old.address]
@@ -181,10 +183,11 @@ async def _retry_across_a_restart(tmp_path, checkpoint_after_apply: bool
     new: PSService | None = None
     try:
         async with PSClient([], resolver=resolve, retry_s=30, timeout=10) as ps:
-            ack = await ps.push("count", IDS, count_grads(IDS.size))
-            assert ack.applied == IDS.size
+            with pytest.raises(StaleEpoch, match="epoch 1 .* epoch 2"):
+                await ps.push("count", IDS, count_grads(IDS.size))
             new = seen["new"]  # type: ignore[assignment]
             assert isinstance(new, PSService) and ps.addresses == [new.address]
+            assert await ps.resync() == [2]
             await ps.push("count", IDS[:2], count_grads(2))  # the next number: applied
             return counts(new), seen["old"]  # type: ignore[return-value]
     finally:
@@ -193,13 +196,16 @@ async def _retry_across_a_restart(tmp_path, checkpoint_after_apply: bool
             await new.close()
 
 
-async def test_a_client_retry_across_a_restart_is_not_applied_again(tmp_path):
+async def test_a_client_retry_across_a_restart_is_refused_by_its_epoch(tmp_path):
     new, old = await _retry_across_a_restart(tmp_path, checkpoint_after_apply=True)
     assert old == [1] * IDS.size
-    assert new == [2] * 2 + [1] * 10  # once, plus the next push
+    assert new == [2] * 2 + [1] * 10  # the checkpoint's once, plus the next push
 
 
-async def test_a_client_retry_after_a_restore_that_lost_the_push_is_applied(tmp_path):
+async def test_a_client_retry_after_a_restore_that_lost_the_push_is_refused(tmp_path):
+    """The restored state lacks the push, and its retry is refused all the same: the job
+    restarts from the checkpoint and replays what it lacks (applying the zombie as well
+    would count it twice)."""
     new, old = await _retry_across_a_restart(tmp_path, checkpoint_after_apply=False)
     assert old == [1] * IDS.size
-    assert new == [2] * 2 + [1] * 10  # the restored shard lost it: the retry brings it back
+    assert new == [1] * 2 + [0] * 10

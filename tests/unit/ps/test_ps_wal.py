@@ -57,6 +57,13 @@ def push(shard: Shard, seq: int, ids: np.ndarray = IDS, client: int = 7) -> None
                          origin=PushOrigin(client, seq))
 
 
+def logged(shard: Shard) -> tuple[str | None, list[dict]]:
+    """The base and records of the shard's log, read whole."""
+    assert shard.wal is not None
+    base, records = shard.wal.read()
+    return base, list(records)
+
+
 def segment(tmp_path):
     (path,) = (tmp_path / "wal" / "shard-0-of-1").glob("*.wal")
     return path
@@ -91,7 +98,7 @@ def test_replaying_the_log_twice_applies_each_push_once(tmp_path):
     assert counts(again) == [3] * 10
     assert again.wal is not None
     _, records = again.wal.read()
-    assert again._replay(records) == {"pushes": 0, "skipped": 3, "changes": 0}
+    assert again._replay(list(records)) == {"pushes": 0, "skipped": 3, "changes": 0}
     assert counts(again) == [3] * 10
 
 
@@ -127,10 +134,10 @@ def test_a_checkpoint_rotates_the_log_and_a_restore_restarts_it(tmp_path):
     asyncio.run(shard.recover())
     push(shard, 1)
     asyncio.run(shard.checkpoint("c1"))
-    assert shard.wal is not None and shard.wal.read() == ("c1", [])
+    assert shard.wal is not None and logged(shard) == ("c1", [])
     push(shard, 2)
     asyncio.run(shard.restore("c1"))  # a rollback: the push after c1 is gone, also later
-    assert shard.wal.read() == ("c1", [])
+    assert logged(shard) == ("c1", [])
     again, _ = recovered(tmp_path)
     assert counts(again) == [1] * 10
     assert len(list((tmp_path / "wal" / "shard-0-of-1").glob("*.wal"))) == 1
@@ -297,6 +304,7 @@ def test_appending_before_the_log_is_open_fails_and_applies_nothing(tmp_path):
     ({"wal_fsync_interval_ms": 0}, "wal_fsync_interval_ms must be > 0"),
     ({"wal_fsync_interval_ms": "soon"}, "expected float"),
     ({"wal_dirr": "x"}, "unknown keys"),
+    ({"wal_segment_bytes": 100}, "wal_segment_bytes must be >= 4096"),
 ])
 def test_bad_wal_settings_are_clear_errors(settings, message):
     with pytest.raises(ConfigError, match=message):
@@ -318,7 +326,73 @@ def test_every_policy_writes_before_append_returns(tmp_path, policy):
     wal.start(None)
     wal.append({"op": "create", "config": {"name": "x"}})
     try:
-        assert WriteAheadLog(tmp_path, shard_id=0, num_shards=1).read() == (
-            None, [{"op": "create", "config": {"name": "x"}}])
+        base, records = WriteAheadLog(tmp_path, shard_id=0, num_shards=1).read()
+        assert (base, list(records)) == (None, [{"op": "create", "config": {"name": "x"}}])
     finally:
         wal.close()
+
+
+@pytest.mark.parametrize("bit", [0, 13, 20, 30])
+def test_a_flipped_bit_in_a_length_is_corruption_naming_the_offset(tmp_path, bit):
+    """The CRC covers the length: a length bit flip in the middle of the log is an error at
+    that record's offset, never a 'torn tail' that silently cuts the acked pushes after it
+    (the old frame took a length pointing past the end for a torn tail: bits 13 and up)."""
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    path = segment(tmp_path)
+    first = path.stat().st_size  # the first push's record starts here
+    for seq in (1, 2, 3):
+        push(shard, seq)
+    data = bytearray(path.read_bytes())
+    data[first + bit // 8] ^= 1 << (bit % 8)
+    path.write_bytes(bytes(data))
+    with pytest.raises(FailedPrecondition, match=f"corrupt at byte {first} "):
+        recovered(tmp_path)
+    assert path.read_bytes() == bytes(data)  # nothing cut
+
+
+def test_a_create_that_fails_is_not_logged_and_the_log_replays(tmp_path):
+    """A table create that fails (here its disk tier cannot be made) leaves no record: the
+    next start replays cleanly (it used to be logged first, then fail at every restart)."""
+    shard = make_shard(tmp_path)
+    asyncio.run(shard.recover())
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="storage.path"):
+        shard.create_table({"name": "cold", "dim": 2, "storage": {
+            "tier": "disk", "path": str(tmp_path / "afile" / "rows"), "ram_rows": 4}})
+    assert "cold" not in shard.tables
+    push(shard, 1)
+    again, got = recovered(tmp_path)
+    assert "cold" not in again.tables and got["changes"] == 0
+    assert counts(again) == [1] * 10
+
+
+def test_the_log_rotates_by_size_and_recovery_reads_every_segment(tmp_path):
+    """Past wal_segment_bytes a new segment starts (no checkpoint needed); recovery reads them
+    all in order; a checkpoint then leaves one."""
+    shard = make_shard(tmp_path, wal_segment_bytes=4096)
+    asyncio.run(shard.recover())
+    for seq in range(1, 61):
+        push(shard, seq)
+    directory = tmp_path / "wal" / "shard-0-of-1"
+    assert len(list(directory.glob("*.wal"))) >= 3
+    assert all(p.stat().st_size <= 4096 for p in directory.glob("*.wal"))
+    again, got = recovered(tmp_path, wal_segment_bytes=4096)
+    assert counts(again) == [60] * 10 and got["pushes"] == 60
+    push(again, 61)  # goes on in the newest segment
+    asyncio.run(again.checkpoint("c1"))
+    assert len(list(directory.glob("*.wal"))) == 1
+    third, got = recovered(tmp_path, wal_segment_bytes=4096)
+    assert counts(third) == [61] * 10 and got["pushes"] == 0
+
+
+def test_a_bad_record_in_an_older_segment_is_corruption(tmp_path):
+    """Only the newest segment may end in a torn tail: a short older one is an error."""
+    shard = make_shard(tmp_path, wal_segment_bytes=4096)
+    asyncio.run(shard.recover())
+    for seq in range(1, 41):
+        push(shard, seq)
+    oldest = sorted((tmp_path / "wal" / "shard-0-of-1").glob("*.wal"))[0]
+    os.truncate(oldest, oldest.stat().st_size - 5)
+    with pytest.raises(FailedPrecondition, match=f"{oldest.name} is corrupt at byte"):
+        recovered(tmp_path, wal_segment_bytes=4096)
