@@ -31,9 +31,20 @@ def compose_binary() -> Path:
     return binary
 
 
-def compose(*args: str, file: Path = REPO / "compose.yaml") -> subprocess.CompletedProcess[str]:
+TOKEN = "compose-test-token"
+
+
+def compose(*args: str, file: Path = REPO / "compose.yaml", token: str | None = TOKEN,
+            env_file: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The compose binary on ``file`` with ``PERSIMMON_TOKEN`` set to ``token`` (None: unset)
+    and ``env_file`` instead of the checkout's ``.env`` when given."""
+    env = {k: v for k, v in os.environ.items() if k != "PERSIMMON_TOKEN"}
+    if token is not None:
+        env["PERSIMMON_TOKEN"] = token
+    extra = ["--env-file", str(env_file)] if env_file is not None else []
     return subprocess.run([str(compose_binary()), "-f", str(file), "--project-directory",
-                           str(REPO), *args], capture_output=True, text=True, timeout=60)
+                           str(REPO), *extra, *args], capture_output=True, text=True, timeout=60,
+                          env=env)
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +90,9 @@ def test_topology(model: dict[str, Any]) -> None:
         deps = services[name]["depends_on"]
         assert {k: v["condition"] for k, v in deps.items()} == {
             "ps-0": "service_healthy", "ps-1": "service_healthy", "loader": "service_healthy"}
-    published = sorted(p["published"] for n in ("ps-0", "ps-1", "loader", "worker-0",
-                                                 "prometheus", "grafana")
+    published = sorted(p["published"] for n in ("worker-0", "serve", "prometheus", "grafana")
                        for p in services[n]["ports"])
-    assert published == ["3000", "8071", "8075", "8081", "8082", "8091", "9090"]
+    assert published == ["3000", "50071", "8071", "8075", "8090", "9090"]
     mounted = {c["target"] for c in services["grafana"]["configs"]}
     assert {"/etc/grafana/provisioning/datasources/persimmon.yaml",
             "/var/lib/grafana/dashboards/persimmon.json"} <= mounted
