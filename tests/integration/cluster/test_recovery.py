@@ -13,7 +13,7 @@ import pytest
 
 from clients.ps_client import PSClient
 from services.common.checkpoints import latest_complete, list_job_checkpoints, read_part
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, StaleEpoch
 from services.common.registry import discover_shards, open_registry
 from services.common.sharding import shard_of
 from services.local.processes import LocalPS
@@ -65,7 +65,10 @@ async def test_killed_shard_restarts_from_latest_complete_checkpoint(tmp_path, r
             np.testing.assert_array_equal(after[mine], at_checkpoint[mine])
             np.testing.assert_array_equal(after[~mine], before_kill[~mine])  # shard 0 untouched
 
-            ack = await ps.push("emb", IDS, grads(3))                # training continues
+            with pytest.raises(StaleEpoch):    # the restored shard 1 is in a new epoch
+                await ps.push("emb", IDS, grads(3))
+            assert (await ps.resync())[1] > 1
+            ack = await ps.push("emb", IDS, grads(3))                # re-synced, it goes on
             assert ack.applied == IDS.size
             assert not np.array_equal(await ps.lookup("emb", IDS), after)
         shards = await discover_shards(registry, timeout_s=10)       # re-registered
