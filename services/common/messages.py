@@ -61,7 +61,10 @@ __all__ = [
     "LOADER_METHODS",
     "MAX_ACK_IDS",
     "MAX_ITEMS",
+    "MAX_STEP",
+    "MAX_WORKERS",
     "PS_METHODS",
+    "PS_REQUEST_OBJECTS",
     "AckReply",
     "AckRequest",
     "BatchesReply",
@@ -95,6 +98,12 @@ MAX_ITEMS = 1 << 20  # the longest list or map a message may hold unless a field
 MAX_TABLES = 4096
 MAX_ACK_IDS = 100_000
 MAX_TEXT = 4096
+MAX_WORKERS = 1 << 20  # the most workers a step tag may name (a shard's max_workers: fewer)
+MAX_STEP = 1 << 48  # training steps a step tag may name
+#: msgpack objects a PS request frame may hold: a push or lookup naming MAX_TABLES tables,
+#: with an array per table (decode_message refuses a frame declaring more before decoding it)
+PS_REQUEST_OBJECTS = 32 * MAX_TABLES + 1024
+_FLOATS = ("float16", "float32", "float64")
 
 
 # ---- the generic mechanism: field converters derived from the type hints ---------------------
@@ -264,10 +273,15 @@ def decode(cls: type[M], raw: bytes, **limits: Any) -> M:
 
 # ---- cross-field checks ---------------------------------------------------------------------
 
-def _check_ids(ids: WireArray, where: str) -> None:
-    if ids.dtype != "uint64" or ids.ndim != 1:
-        raise MalformedMessage(f"{where}.ids must be a 1-d uint64 array, got {ids.dtype} with "
-                               f"shape {list(ids.shape)}")
+def _check_ids(ids: WireArray, where: str, field: str = "ids") -> None:
+    """Ids (and pooled lengths) travel raw, so their count is bounded by the bytes that came
+    (:meth:`WireArray.from_wire` checks a raw array's bytes against its shape): every other
+    array of a request is sized by them."""
+    dtypes = ("uint64",) if field == "ids" else ("int32", "int64", "uint32", "uint64")
+    if ids.dtype not in dtypes or ids.ndim != 1 or ids.codec != "none":
+        raise MalformedMessage(f"{where}.{field} must be a 1-d {' or '.join(dtypes)} array "
+                               f"sent raw (codec none), got {ids.dtype} with shape "
+                               f"{list(ids.shape)} and codec {ids.codec!r}")
 
 
 def _check_parts(tables: list[str], counts: list[int], ids: WireArray, where: str) -> None:
@@ -287,15 +301,19 @@ def _check_seq(seq: int, where: str) -> None:
 
 
 def _check_tag(tag: list[int] | None, where: str) -> None:
-    """A step tag is [worker rank, training step, workers] (services.ps.staleness)."""
-    if tag is not None and (len(tag) != 3 or min(tag) < 0 or tag[0] >= tag[2]):
-        raise MalformedMessage(f"{where}.tag must be [worker, step, workers], worker and step "
-                               f">= 0, worker < workers, got {tag}")
+    """A step tag is [worker rank, training step, workers] (services.ps.staleness), each
+    within the protocol's bounds (a shard bounds ``workers`` further by its config)."""
+    if tag is not None and (len(tag) != 3 or min(tag) < 0 or tag[0] >= tag[2]
+                            or tag[2] > MAX_WORKERS or tag[1] >= MAX_STEP):
+        raise MalformedMessage(f"{where}.tag must be [worker, step, workers] with 0 <= worker "
+                               f"< workers <= {MAX_WORKERS} and 0 <= step < {MAX_STEP}, got "
+                               f"{_show(tag)}")
 
 
 def _check_rows(arr: WireArray, rows: int, what: str) -> None:
-    if arr.ndim != 2 or arr.shape[0] != rows:
-        raise MalformedMessage(f"{what} must be ({rows}, dim), got shape {list(arr.shape)}")
+    if arr.ndim != 2 or arr.shape[0] != rows or arr.dtype not in _FLOATS:
+        raise MalformedMessage(f"{what} must be ({rows}, dim) floats, got {arr.dtype} with "
+                               f"shape {list(arr.shape)}")
 
 
 _PARTS_MOVED = {"table": "name one table as tables=[name], counts=[len(ids)]"}
@@ -345,6 +363,7 @@ class PushRequest(Message):
     ids: WireArray
     grads: list[WireArray] = field(metadata={"max_items": MAX_TABLES})
     tag: list[int] | None = field(default=None, metadata={"max_items": 3})
+    epoch: int | None = None  # the shard's epoch the client knows (None, 0: not given)
 
     def __post_init__(self) -> None:
         _check_seq(self.seq, "PushRequest")
@@ -363,7 +382,6 @@ class PushRequest(Message):
 @dataclass(kw_only=True, slots=True)
 class PushReply(Message):
     """Unique ids applied, dropped for NaN/Inf, and not admitted (yet) by the filter."""
-    epoch: int | None = None  # the shard's epoch the client knows (None, 0: not given)
 
     applied: int
     dropped_nonfinite: int
@@ -395,6 +413,7 @@ class PooledLookupRequest(Message):
 
     def __post_init__(self) -> None:
         _check_ids(self.ids, "PooledLookupRequest")
+        _check_ids(self.lengths, "PooledLookupRequest", "lengths")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -412,10 +431,13 @@ class PooledPushRequest(Message):
     ids: WireArray
     lengths: WireArray
     grads: WireArray
+    epoch: int | None = None  # as PushRequest.epoch
 
     def __post_init__(self) -> None:
         _check_seq(self.seq, "PooledPushRequest")
         _check_ids(self.ids, "PooledPushRequest")
+        _check_ids(self.lengths, "PooledPushRequest", "lengths")
+        _check_rows(self.grads, self.lengths.shape[0], "PooledPushRequest.grads")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -431,11 +453,11 @@ class TablesRequest(Message):
 @dataclass(kw_only=True, slots=True)
 class TablesReply(Message):
     """The shard's place, its table configs and its epoch (None: a shard without epochs)."""
-    epoch: int | None = None  # as PushRequest.epoch
 
     shard_id: int
     num_shards: int
     tables: list[dict[str, Any]]
+    epoch: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -449,6 +471,7 @@ class StatsRequest(Message):
 class StatsReply(Message):
     shard_id: int
     tables: dict[str, dict[str, Any]]
+    epoch: int | None = None
 
 
 # ---- persimmon.Loader -----------------------------------------------------------------------
@@ -457,7 +480,6 @@ class StatsReply(Message):
 class BatchesRequest(Message):
     """Open rank ``rank``'s batch stream with ``credits`` batches allowed unacknowledged."""
 
-    epoch: int | None = None
     rank: int
     world_size: int
     credits: int
@@ -471,7 +493,6 @@ class BatchesReply(Message):
     batch: Batch | None = None
     rank: int | None = None
 
-    epoch: int | None = None
     def __post_init__(self) -> None:
         if self.kind == "batch" and self.batch is None:
             raise MalformedMessage("a Batches item of kind 'batch' needs a batch")

@@ -78,6 +78,15 @@ class PSConfig:
                 "PERSIMMON_ADMIN_OPEN_READS=1 does)"})
     ttl_sweep_s: float = field(default=10.0, metadata={
         "help": "seconds between sweeps that drop rows past their table's TTL"})
+    max_workers: int = field(default=4096, metadata={
+        "help": "most workers the job may have (set it to the job's world size where known): "
+                "a request's step tag naming more is refused (INVALID_ARGUMENT)"})
+    dedup_clients: int | None = field(default=None, metadata={
+        "help": "pushing clients whose recent pushes (acks and fingerprints, up to ~0.2 MB a "
+                "busy client) the shard keeps to answer retries (unset: 2 per worker of "
+                "max_workers, at least 1024); past it the least recently seen is evicted, and "
+                "a later push of it that may be a retry is refused (FAILED_PRECONDITION), "
+                "never applied twice"})
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -99,6 +108,26 @@ class PSConfig:
         names = [t.name for t in self.tables]
         if len(names) != len(set(names)):
             raise ValueError(f"table names must be unique, got {names}")
+        _check_clients(self)
+
+    @property
+    def push_clients(self) -> int:
+        """The clients a shard's push window keeps (``dedup_clients`` or its default)."""
+        return self.dedup_clients or max(1024, 2 * self.max_workers)
+
+
+def _check_wal(config: PSConfig) -> None:
+    if not config.wal_fsync_interval_ms > 0:
+        raise ValueError(f"wal_fsync_interval_ms must be > 0, got {config.wal_fsync_interval_ms}")
+    if config.wal_segment_bytes < 4096:
+        raise ValueError(f"wal_segment_bytes must be >= 4096, got {config.wal_segment_bytes}")
+
+
+def _check_clients(config: PSConfig) -> None:
+    if not 1 <= config.max_workers <= 1 << 20:
+        raise ValueError(f"max_workers must be in [1, 2**20], got {config.max_workers}")
+    if config.dedup_clients is not None and config.dedup_clients < 1:
+        raise ValueError(f"dedup_clients must be >= 1 (or unset), got {config.dedup_clients}")
 
 
 def _check_bounds(config: PSConfig) -> None:
@@ -109,10 +138,3 @@ def _check_bounds(config: PSConfig) -> None:
     for name in ("default_max_rows", "keep_checkpoints"):
         if getattr(config, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
-
-
-def _check_wal(config: PSConfig) -> None:
-    if not config.wal_fsync_interval_ms > 0:
-        raise ValueError(f"wal_fsync_interval_ms must be > 0, got {config.wal_fsync_interval_ms}")
-    if config.wal_segment_bytes < 4096:
-        raise ValueError(f"wal_segment_bytes must be >= 4096, got {config.wal_segment_bytes}")

@@ -91,16 +91,17 @@ class GlobalStaleness:
         if tag is None:
             return
         worker, step, workers = tag
-        with self._lock:
+        with self._lock:  # O(workers heard of), whatever number of workers the tag names
             last = self._last.get(table, {})
-            missed = {v: max(0, step - 1 - last.get(v, -1)) for v in range(workers)}
-            total = sum(missed.values())
+            heard = [max(0, step - 1 - s) for v, s in last.items() if v < workers]
+            total = sum(heard) + (workers - len(heard)) * step  # the unheard missed every step
+            own = max(0, step - 1 - last.get(worker, -1))
             sums = self._sums.setdefault(table, [0, 0, 0, 0, 0])
             sums[0] += 1
             sums[1] += total
             sums[2] = max(sums[2], total)
-            sums[3] += missed[worker]
-            sums[4] = max(sums[4], missed[worker])
+            sums[3] += own
+            sums[4] = max(sums[4], own)
 
     def stats(self, table: str) -> dict[str, Any]:
         """``tagged_lookups`` of ``table`` and the earlier pushes they missed, max and mean:

@@ -3,7 +3,8 @@
 On the wire an array is the map ``{"dtype", "shape", "codec", "meta", "data"}``: ``data`` is
 the codec's output buffer (for the ``none`` codec the raw little-endian bytes), ``meta`` the
 codec's parameters. :meth:`WireArray.from_wire` checks the header (dtype, shape, codec name,
-meta, buffer type) without decoding; decoding belongs to the codec the header names
+meta, buffer type; a raw array's bytes against its shape) without decoding or allocating
+anything; decoding belongs to the codec the header names
 (:func:`services.common.codecs.decode_array`). No copy is made either way: ``data`` stays the
 memoryview or received bytes it was given.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from services.common.errors import MalformedMessage
 
@@ -26,6 +29,7 @@ ALLOWED_DTYPES = frozenset(
 #: allocate a huge array from a tiny payload)
 MAX_ARRAY_ELEMENTS = 2**31
 MAX_DIMS = 8
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
 _KEYS = frozenset({"dtype", "shape", "codec", "meta", "data"})
 _BUFFERS = frozenset({bytes, bytearray, memoryview})
 _MAX_DIM = 2**63
@@ -85,6 +89,10 @@ class WireArray:
                                    f"more than the limit of {MAX_ARRAY_ELEMENTS}")
         if type(data) not in _BUFFERS:
             raise MalformedMessage(f"{where} data must be a binary buffer")
+        nbytes = memoryview(data).nbytes  # type: ignore[arg-type]  # a buffer: checked above
+        if codec == "none" and nbytes != count * _ITEMSIZE[dtype]:
+            raise MalformedMessage(f"{where} of shape {list(shape)} and dtype {dtype} needs "
+                                   f"{count * _ITEMSIZE[dtype]} bytes, got {nbytes}")
         if type(codec) is not str or not codec or ":" in codec:
             raise MalformedMessage(f"{where} codec {_show(codec)} must be a codec name "
                                    "(parameters travel in meta, never in the name)")
