@@ -15,9 +15,15 @@ it, each with a fingerprint of the message and the ack the shard answered. A pus
   :class:`FailedPrecondition`, nothing applied;
 - below the window (too old to tell): :class:`FailedPrecondition`, nothing applied.
 
-At most ``max_clients`` clients are remembered; a new one evicts the least recently seen
-(an evicted client's retries would be applied again: keep the cap far above the number of
-clients that push within a retry period). The window travels in the shard's checkpoints
+At most ``max_clients`` clients are remembered whole (:class:`~services.ps.config.PSConfig`
+``dedup_clients``, sized from the job's ``max_workers``); a new one evicts the least recently
+seen, which leaves only its highest number (a few bytes, up to ``max_evicted`` of them): if it
+comes back, a push above that number is new and applied, one at or below it may be a retry
+and is refused (FAILED_PRECONDITION, nothing applied), never applied twice. Past
+``max_evicted``, the oldest of those go too and the window has *forgotten* clients: from then
+on a push from a client it does not know whose number is above 1 (its first push to this
+shard would be 1) may be a retry of a forgotten one and is refused the same way; such a
+client starts over with a new client id. The window travels in the shard's checkpoints
 (:meth:`PushWindow.snapshot` / :meth:`PushWindow.restore`), taken under the same table locks
 as the rows, so a restored shard knows exactly the pushes its rows hold.
 
@@ -43,7 +49,8 @@ __all__ = ["DEFAULT_MAX_CLIENTS", "DEFAULT_WINDOW", "SAMPLED_BYTES", "PushOrigin
            "fingerprint"]
 
 DEFAULT_WINDOW = 1024
-DEFAULT_MAX_CLIENTS = 1024  # at ~0.3 MB per client with a full window: ~300 MB at the cap
+DEFAULT_MAX_CLIENTS = 1024  # at ~0.2 MB per client with a full window: ~200 MB at the cap
+EVICTED_PER_CLIENT = 16  # evicted clients' highest numbers kept per client kept whole
 SAMPLED_BYTES = 4096  # of each gradient array, in a push's fingerprint
 _MAX = 2**63  # client ids and sequence numbers are non-negative int64 (msgpack ints)
 
@@ -83,17 +90,22 @@ class _Client:
     # seq → (fingerprint, applied, dropped_nonfinite, not_admitted): the ack, packed
     applied: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)  # seq → fp, being applied
+    floor: int = 0  # numbers at or below it are refused: those of a client evicted earlier
 
 
 class PushWindow:
     """Per-client windows of applied sequence numbers with their acks (see the module)."""
 
     def __init__(self, window: int = DEFAULT_WINDOW,
-                 max_clients: int = DEFAULT_MAX_CLIENTS) -> None:
+                 max_clients: int = DEFAULT_MAX_CLIENTS, max_evicted: int | None = None) -> None:
         if window < 1 or max_clients < 1:
             raise ValueError(f"window and max_clients must be >= 1, got {window}, {max_clients}")
         self.window = window
         self.max_clients = max_clients
+        self.max_evicted = EVICTED_PER_CLIENT * max_clients if max_evicted is None \
+            else max_evicted
+        self._evicted: OrderedDict[tuple[int, int], int] = OrderedDict()  # key → highest
+        self.forgot = False  # whether an evicted client's highest number was dropped too
         # (epoch, client) → window, least recently seen first
         self._clients: OrderedDict[tuple[int, int], _Client] = OrderedDict()
         self._lock = threading.Lock()
@@ -118,7 +130,7 @@ class PushWindow:
         and then :meth:`commit` (or :meth:`abandon`); raises when it must not be applied."""
         client, seq, epoch = self.check_origin(origin)
         with self._lock:
-            state = self._touch((epoch, client))
+            state = self._touch((epoch, client), seq)
             done = state.applied.get(seq)
             if done is not None:
                 if done[0] != fp:
@@ -131,7 +143,7 @@ class PushWindow:
                 raise FailedPrecondition(
                     f"push sequence number {seq} of client {client:#x} is being applied by "
                     "another push; nothing applied")
-            low = state.highest - self.window
+            low = max(state.highest - self.window, state.floor)
             if seq <= low:
                 raise FailedPrecondition(
                     f"push sequence number {seq} of client {client:#x} is below this shard's "
@@ -162,14 +174,20 @@ class PushWindow:
             if state is not None:
                 state.pending.pop(seq, None)
 
-    def _touch(self, client: tuple[int, int]) -> _Client:
+    def _touch(self, client: tuple[int, int], seq: int) -> _Client:
         state = self._clients.get(client)
-        if state is None:
-            while len(self._clients) >= self.max_clients and self._evict_one():
-                pass
-            state = self._clients[client] = _Client()
-        else:
+        if state is not None:
             self._clients.move_to_end(client)
+            return state
+        highest = self._evicted.pop(client, 0)
+        if not highest and self.forgot and seq > 1:
+            raise FailedPrecondition(
+                f"push sequence number {seq} of client {client[1]:#x} may be a retry of a push "
+                f"this shard has forgotten (more than {self.max_evicted} clients were evicted "
+                "from its window since): nothing applied; start over with a new client id")
+        while len(self._clients) >= self.max_clients and self._evict_one():
+            pass
+        state = self._clients[client] = _Client(highest=highest, floor=highest)
         return state
 
     def _evict_one(self) -> bool:
@@ -177,12 +195,17 @@ class PushWindow:
             if not state.pending:
                 del self._clients[client]
                 self.evicted += 1
+                self._evicted[client] = max(state.highest, state.floor)
+                while len(self._evicted) > self.max_evicted:
+                    self._evicted.popitem(last=False)
+                    self.forgot = True
                 return True
         return False
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"clients": len(self._clients), "evicted": self.evicted,
+                    "evicted_kept": len(self._evicted), "forgot": int(self.forgot),
                     "retries": self.retries,
                     "entries": sum(len(s.applied) for s in self._clients.values())}
 
@@ -195,10 +218,13 @@ class PushWindow:
             clients = list(self._clients.items())
             entries = [(i, seq, done) for i, (_, state) in enumerate(clients)
                        for seq, done in state.applied.items()]
+            evicted = list(self._evicted.items())
+            forgot = self.forgot
         return {
+            **_evicted_arrays(evicted, forgot),
             "clients": np.array([c for (_, c), _ in clients], dtype=np.uint64),
             "client_epochs": np.array([e for (e, _), _ in clients], dtype=np.int64),
-            "highest": np.array([s.highest for _, s in clients], dtype=np.int64),
+            "highest": np.array([max(s.highest, s.floor) for _, s in clients], dtype=np.int64),
             "entry_client": np.array([e[0] for e in entries], dtype=np.int64),
             "entry_seq": np.array([e[1] for e in entries], dtype=np.int64),
             "entry_fp": np.array([e[2][0] for e in entries], dtype=np.uint64),
@@ -209,6 +235,7 @@ class PushWindow:
         """Replace the window by a :meth:`snapshot`'s (None: empty; one without
         ``client_epochs``, an older checkpoint's: epoch 0)."""
         clients: OrderedDict[tuple[int, int], _Client] = OrderedDict()
+        evicted, forgot = _evicted_of(arrays)
         if arrays is not None:
             _check_snapshot(arrays)
             epochs = arrays.get("client_epochs", np.zeros(arrays["clients"].shape, np.int64))
@@ -216,7 +243,8 @@ class PushWindow:
                 raise FailedPrecondition("push window snapshot arrays do not fit together")
             for client, epoch, highest in zip(arrays["clients"].tolist(), epochs.tolist(),
                                               arrays["highest"].tolist(), strict=True):
-                clients[int(epoch), int(client)] = _Client(highest=int(highest))
+                clients[int(epoch), int(client)] = _Client(highest=int(highest),
+                                                           floor=int(highest))
             order = list(clients.values())
             for i, seq, fp, ack in zip(arrays["entry_client"].tolist(),
                                        arrays["entry_seq"].tolist(),
@@ -225,6 +253,7 @@ class PushWindow:
                 order[i].applied[int(seq)] = (int(fp), *(int(x) for x in ack))
         with self._lock:
             self._clients = clients
+            self._evicted, self.forgot = evicted, forgot
 
 
 _SNAPSHOT_KEYS = ("clients", "highest", "entry_client", "entry_seq", "entry_fp", "entry_ack")
@@ -241,3 +270,27 @@ def _check_snapshot(arrays: dict[str, np.ndarray]) -> None:
             arrays["entry_client"].max()) < n)
     if not ok:
         raise FailedPrecondition("push window snapshot arrays do not fit together")
+
+
+def _evicted_arrays(evicted: list[tuple[tuple[int, int], int]], forgot: bool
+                    ) -> dict[str, np.ndarray]:
+    """The evicted clients' highest numbers (oldest first) and the forgot flag, as arrays."""
+    return {"evicted_epochs": np.array([e for (e, _), _ in evicted], dtype=np.int64),
+            "evicted_clients": np.array([c for (_, c), _ in evicted], dtype=np.uint64),
+            "evicted_highest": np.array([h for _, h in evicted], dtype=np.int64),
+            "forgot": np.array([int(forgot)], dtype=np.int64)}
+
+
+def _evicted_of(arrays: dict[str, np.ndarray] | None
+                ) -> tuple[OrderedDict[tuple[int, int], int], bool]:
+    """:func:`_evicted_arrays` read back (none in an older checkpoint's snapshot)."""
+    evicted: OrderedDict[tuple[int, int], int] = OrderedDict()
+    if arrays is None or "evicted_clients" not in arrays:
+        return evicted, False
+    keys = ("evicted_epochs", "evicted_clients", "evicted_highest")
+    parts = [np.asarray(arrays.get(k, np.zeros((0, 0)))) for k in keys]
+    if any(p.ndim != 1 or p.shape != parts[1].shape for p in parts):
+        raise FailedPrecondition("push window snapshot's evicted clients do not fit together")
+    for epoch, client, highest in zip(*(p.tolist() for p in parts), strict=True):
+        evicted[int(epoch), int(client)] = int(highest)
+    return evicted, bool(arrays.get("forgot", np.zeros(1, np.int64)).any())

@@ -77,7 +77,7 @@ class Shard(Durable):
         self._layout = threading.Lock()  # which tables there are: create, drop, restore
         self._ckpt_lock = asyncio.Lock()
         self._last_checkpoint: str | None = None
-        self.pushes = PushWindow()  # the pushes applied, per client (see services.ps.dedup)
+        self.pushes = PushWindow(max_clients=config.push_clients)  # see services.ps.dedup
         self.staleness = GlobalStaleness()  # of the tagged lookups (services.ps.staleness)
         self.wal: WriteAheadLog | None = None  # after the configured tables: not logged
         for table_config in config.tables:
