@@ -39,12 +39,13 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def every_rank_has_a_batch(has_batch: bool) -> bool:
-    """Collective: True while every rank still has a batch (ranks may get uneven counts from a
-    loader; DDP needs all of them to stop at the same step)."""
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+def every_rank_has_a_batch(has_batch: bool, group: Any = None) -> bool:
+    """Collective (of ``group``, default the world): True while every rank still has a batch
+    (ranks may get uneven counts from a loader; DDP needs all of them to stop at the same
+    step)."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 

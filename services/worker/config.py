@@ -38,7 +38,9 @@ class TrainerConfig:
     ``max(S, 1)`` semaphore slots before its lookup and frees it when its push is
     acknowledged, so a lookup sees at most ``S - 1`` earlier pushes still unacknowledged
     (never more than S). ``sync`` is S = 0 (one batch at a time, bit-reproducible);
-    ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead).
+    ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead) and no head
+    ids. With several workers ``global_bound`` makes S a bound across them: a lookup misses
+    at most S pushes of any worker.
     ``global_sync`` is ``sync`` across the workers: after each push is acknowledged every
     worker waits for the others, so every worker's push of step t is applied before any
     worker's lookup of step t + 1 (``sync`` bounds only a worker's own pushes). In ``hybrid``
@@ -67,6 +69,11 @@ class TrainerConfig:
         "help": "hybrid, several workers: every worker's push of a step to the hot tables and "
                 "head ids is applied before any worker looks them up for the next step (a "
                 "barrier per step)"})
+    global_bound: bool = field(default=True, metadata={
+        "help": "sync and hybrid, several workers: no worker starts a step before every worker "
+                "holds its slot of the step before, so no lookup misses more than S pushes of "
+                "any worker (stale synchronous parallel; false: S bounds each worker's own "
+                "pushes only, and workers that sync no gradients per step may drift apart)"})
     head_rate: float = field(default=2.0, metadata={
         "help": "hybrid: ids seen at least this often per batch are head ids, bound by "
                 "hot_staleness (the compute thread reads and updates them where the shards "

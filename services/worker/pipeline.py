@@ -8,22 +8,23 @@ What a lookup and a push carry is its embedding path's (:mod:`services.worker.ex
 rows, or DES's per-sample partial sums); the slots, riders and hot tables below are the same for
 both.
 
-The bound on staleness is a semaphore of ``window`` slots: a batch takes one before its lookup, and
-its push task's completion frees it (a done-callback, as arq's worker releases its semaphore). The
+The bound on staleness is ``window`` slots (:mod:`services.worker.slots`): a batch takes one
+before its lookup, and its push task's completion frees it (a done-callback, as arq's worker
+releases its semaphore), or hands it to a *rider*, a batch whose lookup that push carried. The
 staleness of a batch is the number of earlier batches whose push is not yet acknowledged when its
 lookup starts, so it is at most ``window - 1``; ``window=None`` (async mode) has no bound, only
 ``prefetch`` lookups ahead of compute, and no hot tables or head ids (nothing synchronous).
-
-Once the slots are taken, the next batches wait as *riders*: the push that frees a slot carries the
-rider's lookup in the same message per shard (the rows include that push) and hands the slot
-straight to it. A rider that came after that push had left gets the slot only and looks up on its
-own, but never before an earlier batch still carried by a push: lookups start in batch order, else
-a batch could miss the pushes of earlier batches not yet looked up, beyond the bound.
 
 With a ``barrier`` (a wait for every worker, e.g. across the gloo ranks), every push, once
 acknowledged, waits at the barrier before it frees its slot, and no batch rides on a push: with one
 slot that is the *globally synchronous* mode, where every worker's push of step t is applied at
 every shard before any worker's lookup of step t + 1 starts.
+
+With a ``step_gate`` (a collective of every worker: does every worker have a batch for this
+step?), each batch waits at it before it takes a slot or rides a push, and the next batch waits
+until it holds its slot: no worker starts step t before every worker holds its slot of step
+t - 1, so a lookup misses at most S pushes of any worker (stale synchronous parallel, with S
+the window), and every worker stops at the step where the first one runs out of batches.
 
 Every batch a run trains has its layouts tagged (worker rank, step, workers): the PS counts, per
 lookup, the earlier pushes of every worker it did not see (``services.ps.staleness``).
@@ -50,7 +51,6 @@ Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import time
 from collections.abc import (
@@ -73,6 +73,7 @@ from services.worker.heads import HeadIds, HotChain, ReplicaSeeds, Seeds, SplitB
 from services.worker.pooling import BatchPlan, plan_batch
 from services.worker.readahead import READ_AHEAD, ReadAhead
 from services.worker.routes import DirectHot, route_groups
+from services.worker.slots import Rider, Slots
 
 __all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]
 
@@ -107,14 +108,6 @@ class Prepared:
 
 
 @dataclass(slots=True)
-class _Rider:
-    """A planned batch waiting for a staleness slot: the push that frees one looks it up."""
-
-    plan: BatchPlan
-    future: asyncio.Future[tuple[Rows | None, int]]
-
-
-@dataclass(slots=True)
 class _Ahead:
     """A batch on its way to compute: its rows and staleness, once looked up (``hot``: the
     hot groups', from the synchronous chain)."""
@@ -130,7 +123,7 @@ class _Ahead:
 class _Push:
     """One push task's hand-off: the rider it carried and the rows it brought back."""
 
-    rider: _Rider | None = None
+    rider: Rider | None = None
     rows: Rows | None = field(default=None)
 
 
@@ -156,7 +149,9 @@ class EmbeddingPipeline:
     rides on a push; see the module doc). ``path``: what a lookup and a push send
     (:mod:`services.worker.exchange`; default unique rows). ``head_rate``: ids seen at least
     this often per batch are head ids (None: none); ``hot_barrier``: awaited by every
-    acknowledged push of the hot chain (hot rows synchronous across the workers)."""
+    acknowledged push of the hot chain (hot rows synchronous across the workers);
+    ``step_gate(has_batch)``: awaited before each batch takes a slot, True while every worker
+    has a batch for the step (the bound across workers; see the module doc)."""
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  tables: Mapping[str, str] | None = None,
@@ -164,7 +159,8 @@ class EmbeddingPipeline:
                  hot_window: int = 1, worker: int = 0, workers: int = 1,
                  barrier: Callable[[], Awaitable[Any]] | None = None,
                  path: EmbeddingPath | None = None, head_rate: float | None = None,
-                 hot_barrier: Callable[[], Awaitable[Any]] | None = None) -> None:
+                 hot_barrier: Callable[[], Awaitable[Any]] | None = None,
+                 step_gate: Callable[[bool], Awaitable[bool]] | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
@@ -185,10 +181,10 @@ class EmbeddingPipeline:
             raise ConfigError(f"hot_window must be an int >= 1, got {hot_window!r}")
         if not 0 <= worker < workers:
             raise ConfigError(f"worker must be in [0, workers), got {worker} of {workers}")
-        if barrier is not None and window is None:
+        if (barrier is not None or step_gate is not None) and window is None:
             raise ConfigError("a barrier needs a window: pushes are waited for")
         self._timers, self.worker, self.workers = timers, worker, workers
-        self._barrier, self._hot_barrier = barrier, hot_barrier
+        self._barrier, self._hot_barrier, self._step_gate = barrier, hot_barrier, step_gate
         self._steps = 0  # batches fed so far, over every run: the step of the next tag
         self._hot_ratio = hot_ratio if window is not None and window > hot_window else None
         self._hot_window = hot_window
@@ -202,11 +198,7 @@ class EmbeddingPipeline:
         self.heads: HeadIds | None = None  # the windowed groups' head ids, once decided
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._windowed: list[int] = []  # the groups under the staleness window (not hot)
-        self._slots: asyncio.Semaphore | None = None
-        self._riders: collections.deque[_Rider] = collections.deque()
-        self._unacked = 0  # batches whose lookup started and whose push is not acknowledged
-        self._carried = 0  # riders whose lookup travels with a push not yet acknowledged
-        self._spare = 0  # slots freed while a rider was carried: passed on once none is
+        self._slots = Slots(window)  # the staleness window (services.worker.slots)
         self._pushes: set[asyncio.Task[None]] = set()
         self._acknowledge: Callable[[Batch], Awaitable[Any]] | None = None
 
@@ -276,7 +268,7 @@ class EmbeddingPipeline:
             self._windowed, self._direct = routes.windowed, routes.direct
             self._seeding, self.heads = routes.seeding, routes.heads
             if self._read_ahead is not None:
-                self._slots = asyncio.Semaphore(READ_AHEAD)
+                self._slots.reset(READ_AHEAD)
             if routes.chain:
                 self._chain = HotChain(self, routes.chain, self._hot_window, self._hot_barrier)
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
@@ -373,10 +365,7 @@ class EmbeddingPipeline:
         is acknowledged, before its slot is freed (a loader's ack)."""
         if self._pushes:
             raise InvalidArgument("a run is still pushing; await settle() first")
-        self._slots = (asyncio.Semaphore(READ_AHEAD if self._read_ahead else self.window)
-                       if self.window is not None else None)
-        self._riders.clear()
-        self._unacked = self._carried = self._spare = 0
+        self._slots.reset(READ_AHEAD if self._read_ahead else self.window)
         self._acknowledge = acknowledge
         if self._chain is not None:
             self._chain.reset()
@@ -398,6 +387,7 @@ class EmbeddingPipeline:
         feeder = asyncio.create_task(self._hand_over(ahead, put, fail))
         try:
             taken = 0
+            gate_open = True  # False once a worker ran out (or, after the loop, this one)
             async for batch in iterate(batches):
                 if steps is not None and taken >= steps:
                     break
@@ -405,29 +395,15 @@ class EmbeddingPipeline:
                 if first is not None:
                     await first(batch)
                     first = None
-                split = self.heads.split(plan) if self.heads is not None else None
-                wire = split.remote if split is not None else plan  # what the window reads
-                seeds = (Seeds() if self._seeding is None else
-                         self._seeding.layouts(plan, split, self._direct_hot, self.heads))
-                hot = (self._chain.request(split.head if split is not None else plan)
-                       if self._chain is not None else None)
-                slots = self._slots  # (the first plan may choose the read-ahead's)
-                if self._read_ahead is not None and slots is not None:
-                    await slots.acquire()
-                    looked_up = asyncio.create_task(self._read_ahead.read(plan,
-                                                                          _step_of(plan)))
-                    self._unacked += 1
-                elif slots is not None and slots.locked():  # ride on the push that frees one
-                    rider = _Rider(wire, asyncio.get_running_loop().create_future())
-                    self._riders.append(rider)
-                    looked_up = asyncio.create_task(self._ride(rider, seeds))
-                else:
-                    if slots is not None:
-                        await slots.acquire()
-                    looked_up = asyncio.create_task(self._look_up(wire, self._unacked, seeds))
-                    self._unacked += 1
-                await ahead.put(_Ahead(batch, plan, looked_up, hot, split))
+                if self._step_gate is not None and not (gate_open := await self._step_gate(True)):
+                    break  # another worker has no batch for this step
+                await ahead.put(await self._start(batch, plan,
+                                                  hold=self._step_gate is not None))
                 taken += 1
+            else:  # this worker ran out (before ``steps``): the others stop at this step too
+                if self._step_gate is not None and gate_open and first is None \
+                        and (steps is None or taken < steps):  # (first: they fail at it)
+                    await self._step_gate(False)
             await ahead.put(None)
             await feeder
         except BaseException as exc:  # handed to the consumer, which raises it
@@ -442,6 +418,29 @@ class EmbeddingPipeline:
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
+    async def _start(self, batch: Batch, plan: BatchPlan, *, hold: bool) -> _Ahead:
+        """Start the lookups of a tagged plan: its hot groups' on the chain, the rest's once
+        it has a slot (read ahead, riding on the push that frees one, or its own). ``hold``:
+        return only once the batch holds its slot (a rider too: the step gate's bound)."""
+        split = self.heads.split(plan) if self.heads is not None else None
+        wire = split.remote if split is not None else plan  # what the window reads
+        seeds = (Seeds() if self._seeding is None else
+                 self._seeding.layouts(plan, split, self._direct_hot, self.heads))
+        hot = (self._chain.request(split.head if split is not None else plan)
+               if self._chain is not None else None)
+        slots = self._slots  # (the first plan may choose the read-ahead's)
+        if self._read_ahead is not None:
+            await slots.take()
+            looked_up = asyncio.create_task(self._read_ahead.read(plan, _step_of(plan)))
+        elif slots.full:  # ride on the push that frees one
+            rider = slots.wait_as_rider(wire)
+            looked_up = asyncio.create_task(self._ride(rider, seeds))
+            if hold:
+                await asyncio.wait([rider.future])  # its error is raised by _ride
+        else:
+            looked_up = asyncio.create_task(self._look_up(wire, await slots.take(), seeds))
+        return _Ahead(batch, plan, looked_up, hot, split)
+
     def _tagged(self, plan: BatchPlan) -> BatchPlan:
         """``plan`` with every layout tagged (worker, step, workers) for the PS's staleness."""
         tag = (self.worker, self._steps, self.workers)
@@ -454,7 +453,7 @@ class EmbeddingPipeline:
         done = await asyncio.gather(self.lookup(plan, self._windowed), self._copy(seeds))
         return cast(Rows, done[0]), staleness
 
-    async def _ride(self, rider: _Rider, seeds: Seeds) -> tuple[Rows, int]:
+    async def _ride(self, rider: Rider, seeds: Seeds) -> tuple[Rows, int]:
         """A rider's rows: from the push it rode on, or its own lookup when it was handed the
         slot only (it came after that push had left); the replica copies ``seeds`` once the
         rider has its slot."""
@@ -505,7 +504,7 @@ class EmbeddingPipeline:
         """End a run, failed or not: wait for every push to finish, forget waiting riders."""
         pushes, self._pushes = list(self._pushes), set()
         await asyncio.gather(*pushes, return_exceptions=True)
-        self._riders.clear()
+        self._slots.forget_riders()
         if self._chain is not None:
             self._chain.reset()
 
@@ -513,10 +512,7 @@ class EmbeddingPipeline:
         """Push a batch's row gradients, then acknowledge the batch. A batch waiting for a
         slot (a rider) rides on the push: its lookup travels in the same message per shard,
         after the gradients."""
-        riding = self._riders and self._barrier is None
-        rider = state.rider = self._riders.popleft() if riding else None
-        if rider is not None:
-            self._carried += 1
+        rider = state.rider = self._slots.carry() if self._barrier is None else None
         hot_push = self._hot_push(item, grads)
         plan, sent = ((item.plan, grads) if item.split is None else  # heads: applied, and
                       (item.split.pushed, item.split.pushed_grads(grads)))  # some held back
@@ -562,32 +558,10 @@ class EmbeddingPipeline:
 
     def _release(self, state: _Push, task: asyncio.Task[None]) -> None:
         """The push task's done-callback: its slot passes to the rider it carried (with the
-        rows it brought back), else on to the next batch (:meth:`_pass_spare_slots`)."""
+        rows it brought back), else on to the next batch (:class:`Slots`)."""
         if not task.cancelled():
             task.exception()  # retrieved here; push() and drain() raise it
-        self._unacked -= 1
-        if (rider := state.rider) is not None:
-            self._carried -= 1
-        if rider is not None and not rider.future.done():
-            rider.future.set_result((state.rows, self._unacked))
-            self._unacked += 1
-        else:
-            self._spare += 1
-        self._pass_spare_slots()
-
-    def _pass_spare_slots(self) -> None:
-        """Pass free slots to the riders waiting (slot only: they came after the pushes had
-        left), else free them, but only while no rider is carried by a push: lookups start in
-        batch order, so that a batch's lookup never starts before an earlier batch's (whose
-        push, not even computed, would be missed beyond the bound)."""
-        while self._spare and not self._carried:
-            self._spare -= 1
-            rider = self._riders.popleft() if self._riders else None
-            if rider is not None and not rider.future.done():
-                rider.future.set_result((None, self._unacked))
-                self._unacked += 1
-            elif self._slots is not None:
-                self._slots.release()
+        self._slots.acknowledged(state.rider, state.rows)
 
     async def _push_then_lookup(self, plan: BatchPlan, grads: Rows, then: BatchPlan) -> Rows:
         """Push ``plan``'s gradients and look ``then`` up (rows: in one message per shard and

@@ -21,7 +21,7 @@ from clients.ps_client import PSClient
 from clients.ps_process import PSClientProcess
 from clients.rows import RowsClient
 from services.common.errors import ConfigError, FailedPrecondition
-from services.worker.compute import distributed
+from services.worker.compute import distributed, every_rank_has_a_batch
 from services.worker.config import TrainerConfig
 from services.worker.exchange import embedding_path
 from services.worker.pipeline import EmbeddingPipeline, StepTimers
@@ -87,6 +87,18 @@ class RowsLink:
             await asyncio.to_thread(dist.barrier, group=group)
         return barrier
 
+    @staticmethod
+    def _step_gate() -> Callable[[bool], Awaitable[bool]] | None:
+        """The bound across workers: a collective per step on a gloo group of its own, True
+        while every rank has a batch for it (None with one rank)."""
+        if not distributed():
+            return None
+        group = dist.new_group(backend="gloo")
+
+        async def gate(has_batch: bool) -> bool:
+            return await asyncio.to_thread(every_rank_has_a_batch, has_batch, group)
+        return gate
+
     def _pipeline(self, rows: RowsClient, *, window: int | None) -> EmbeddingPipeline:
         cfg = self.config
         return EmbeddingPipeline(
@@ -96,6 +108,8 @@ class RowsLink:
             barrier=self._global_barrier() if cfg.mode == "global_sync" else None,
             path=embedding_path(cfg.embedding_path, cfg.pooling), head_rate=cfg.head_rate or None,
             hot_barrier=self._global_barrier() if cfg.mode == "hybrid" and cfg.global_hot
+            else None,
+            step_gate=self._step_gate() if cfg.mode in ("sync", "hybrid") and cfg.global_bound
             else None)
 
     async def _size_window(self) -> None:
