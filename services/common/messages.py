@@ -381,7 +381,8 @@ class PushRequest(Message):
 
 @dataclass(kw_only=True, slots=True)
 class PushReply(Message):
-    """Unique ids applied, dropped for NaN/Inf, and not admitted (yet) by the filter."""
+    """Unique ids applied, dropped for NaN/Inf (their gradient, or the update it would have
+    made), and not admitted (yet) by the filter."""
 
     applied: int
     dropped_nonfinite: int
