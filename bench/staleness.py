@@ -38,7 +38,7 @@ from bench import save_plot, write_json
 from services.common.commands import int_at_least, ints_at_least
 from services.common.errors import ConfigError
 from services.loader.synthetic import SyntheticConfig, synthetic_profile
-from services.local.compare import PLANTED, TRAINING, train_configs
+from services.local.compare import PLANTED, STRATEGY_SETTINGS, TRAINING, train_configs
 from services.worker.config import TrainerConfig
 
 __all__ = ["STALENESS", "default_row", "register_bench", "run", "staleness_config",
@@ -63,12 +63,20 @@ def default_row(hot_staleness: int) -> str:
 DEFAULT_S = 8  # the S of the "8+hot" rows
 
 
+def window_of(s: int | str | None) -> int | None:
+    """The window a row's lookups are bounded by (None: unbounded)."""
+    if s is None:
+        return None
+    if s == GLOBAL_ROW or s == 0:
+        return 1
+    return DEFAULT_S if isinstance(s, str) else int(s)
+
+
 def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> TrainerConfig:
     """S = 0: sync mode; S >= 1: hybrid with bound S on every row; None: async
     (unbounded); :data:`DEFAULT_ROW`: hybrid with S = 8 and head ids at ``hot_staleness``
     (the default before ``staleness auto``, which gives one worker on embedded shards S = 1), ``"8+hotK"`` the same with ``hot_staleness=K``; :data:`GLOBAL_ROW`:
     global_sync mode."""
-    base = replace(base, sync="allreduce")
     if s == GLOBAL_ROW:
         return replace(base, mode="global_sync", staleness=0)
     if s is None:
@@ -87,11 +95,15 @@ def staleness_config(s: int | str | None, base: TrainerConfig = TRAINING) -> Tra
 def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
         workers: int = 4, data: str = "default",
         staleness: tuple[int | None, ...] = STALENESS, seeds: int = 1,
-        hot_staleness: tuple[int, ...] = (1,)) -> dict[str, Any]:
+        hot_staleness: tuple[int, ...] = (1,), sync: str = "allreduce",
+        slow_worker: float = 1.0) -> dict[str, Any]:
     """Every bound on the same data, once per seed (the data set's and the dense model's);
     the JSON-ready result (see the module docstring). With several seeds, ``auc`` is the mean
     over the seeds and ``auc_gap`` the mean of the paired per-seed gaps to S = 0.
-    ``hot_staleness``: the head ids' bounds of the default rows, one row each."""
+    ``hot_staleness``: the head ids' bounds of the default rows, one row each. ``sync``: the
+    dense sync strategy of every row; ``slow_worker``: rank 0's steps take that many times
+    as long. Each row reports what the PS counted: the most pushes of any one worker a
+    lookup missed (``worker_staleness_max``), against the row's window S."""
     if data not in DATA:
         raise ConfigError(f"unknown data {data!r}; available: {sorted(DATA)}")
     if seeds < 1:
@@ -101,10 +113,11 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
     bounds = (*staleness, GLOBAL_ROW, *(default_row(h) for h in hot_staleness))
     per_seed, oracles = [], []
     for seed in range(seeds):
-        configs = [replace(staleness_config(s), seed=seed) for s in bounds]
+        base = replace(TRAINING, sync=sync, **STRATEGY_SETTINGS.get(sync, {}))
+        configs = [replace(staleness_config(s, base), seed=seed) for s in bounds]
         summaries, oracle = train_configs(configs, rows=rows, batch_size=batch_size,
                                           eval_rows=eval_rows, workers=workers,
-                                          data=replace(DATA[data], seed=seed))
+                                          data=replace(DATA[data], seed=seed), slow=slow_worker)
         per_seed.append(summaries)
         oracles.append(oracle)
     runs = []
@@ -121,9 +134,16 @@ def run(*, rows: int = 65_536, batch_size: int = 128, eval_rows: int = 16_384,
                      "staleness_max": max(x["staleness_max"] for x in xs),
                      "staleness_mean": statistics.fmean(x["staleness_mean"] for x in xs),
                      "hot_tables": xs[0].get("hot_tables", []),
-                     "head_ids": xs[0].get("head_ids", 0)})
+                     "head_ids": xs[0].get("head_ids", 0),
+                     "window": window_of(s),
+                     **{key: max(x.get("ps_staleness", {}).get(key, 0) for x in xs)
+                        for key in ("worker_staleness_max", "global_staleness_max")}})
+    bounded = [r for r in runs if r["window"] is not None]
     return {"workers": workers, "rows": rows, "batch_size": batch_size, "data": data,
-            "seeds": seeds, "oracle_auc": statistics.fmean(oracles), "runs": runs}
+            "seeds": seeds, "sync": sync, "slow_worker": slow_worker,
+            "oracle_auc": statistics.fmean(oracles), "runs": runs,
+            "global_bound_holds": all(r["worker_staleness_max"] <= r["window"]
+                                      for r in bounded)}
 
 
 def _label(s: int | str | None) -> str:
@@ -165,15 +185,19 @@ def _print_table(result: dict[str, Any]) -> None:
                         f"{result['rows']:,} rows of '{result['data']}' planted data, "
                         f"{result['seeds']} seed(s), "
                         f"oracle AUC {result['oracle_auc']:.4f})")
-    for col in ("S", "mode", "samples/s", "vs S=0", "AUC", "gap to S=0", "max staleness seen"):
+    for col in ("S", "mode", "samples/s", "vs S=0", "AUC", "gap to S=0", "max staleness seen",
+                "PS: any worker's", "PS: all workers'"):
         table.add_column(col, justify="right")
     base = next((r for r in result["runs"] if r["staleness"] == 0), None)
     for r in result["runs"]:
         ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
         gap = f"{r['auc_gap']:+.4f}" if r["auc_gap"] is not None else "-"
         table.add_row(_label(r["staleness"]), r["mode"], f"{r['samples_per_s']:,.0f}", ratio,
-                      f"{r['auc']:.4f}", gap, str(r["staleness_max"]))
-    Console(width=150).print(table)
+                      f"{r['auc']:.4f}", gap, str(r["staleness_max"]),
+                      str(r["worker_staleness_max"]), str(r["global_staleness_max"]))
+    Console(width=170).print(table)
+    print(f"sync {result['sync']}, rank 0 slowed {result['slow_worker']}x: every lookup missed "
+          f"at most its window of any one worker's pushes: {result['global_bound_holds']}")
 
 
 def staleness_list(text: str) -> tuple[int | None, ...]:
@@ -189,10 +213,21 @@ def staleness_list(text: str) -> tuple[int | None, ...]:
     return tuple(out)
 
 
+def _factor(text: str) -> float:
+    try:
+        value = float(text.removesuffix("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad factor {text!r}: a number >= 1, e.g. 2x") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"bad factor {text!r}: a number >= 1, e.g. 2x")
+    return value
+
+
 def _main(args: argparse.Namespace) -> int:
     result = run(rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
                  workers=args.workers, data=args.data, staleness=args.staleness,
-                 seeds=args.seeds, hot_staleness=args.hot_staleness)
+                 seeds=args.seeds, hot_staleness=args.hot_staleness, sync=args.sync,
+                 slow_worker=args.slow_worker)
     _print_table(result)
     png = save_plot(plot, result, args.plot, "staleness")
     console.print(f"samples/s and AUC against S: {png}")
@@ -216,6 +251,10 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="planted data: default (8 long-tailed features) or small")
     parser.add_argument("--staleness", type=staleness_list,
                         default=STALENESS, help="comma-separated S values ('unbounded' too)")
+    parser.add_argument("--sync", default="allreduce", choices=sorted(STRATEGY_SETTINGS),
+                        help="the dense sync strategy of every row")
+    parser.add_argument("--slow-worker", type=_factor, default=1.0,
+                        help="rank 0's steps take this many times as long (e.g. 2x)")
     parser.add_argument("--hot-staleness", type=ints_at_least(1), default=(1,),
                         help="comma-separated head-id bounds of the default row, one row each "
                              "(e.g. 1,2)")

@@ -17,7 +17,8 @@ strategies are compared with.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from services.common.batch import Batch
@@ -56,20 +57,43 @@ STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {
 
 async def _train_one(rank: int, world: int, addresses: list[str], tables: dict[str, str],
                      config: TrainerConfig, model: ModelConfig, train: list[Batch],
-                     test: list[Batch]) -> dict[str, Any]:
+                     test: list[Batch], slow: float = 1.0) -> dict[str, Any]:
+    """Rank ``rank``'s run; rank 0's steps take ``slow`` times as long (a sleep after each);
+    rank 0's summary holds the PS's counts of the run's lookups (``ps_staleness``)."""
     async with Trainer(model=model, ps_addresses=addresses, tables=tables,
                        config=config) as trainer:
-        return summary_dict(await trainer.fit(train[rank::world], eval_batches=test[rank::world]))
+        if rank == 0 and slow > 1:
+            trainer.after_step = _slowed(slow)
+        summary = summary_dict(await trainer.fit(train[rank::world],
+                                                 eval_batches=test[rank::world]))
+        if rank == 0 and trainer.ps is not None:
+            shards = await trainer.ps.stats()
+            counts = [t for shard in shards for name, t in shard["tables"].items()
+                      if name in tables.values()]
+            summary["ps_staleness"] = {key: max((int(t.get(key, 0)) for t in counts), default=0)
+                                       for key in ("global_staleness_max", "own_staleness_max",
+                                                   "worker_staleness_max")}
+        return summary
+
+
+def _slowed(slow: float) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """An ``after_step`` that makes each step last ``slow`` times as long."""
+    last = [time.perf_counter()]
+
+    async def after_step(info: dict[str, Any]) -> None:
+        await asyncio.sleep((slow - 1) * (time.perf_counter() - last[0]))
+        last[0] = time.perf_counter()
+    return after_step
 
 
 async def _train_all(rank: int, world: int, addresses: list[str], features: list[str],
                      configs: list[TrainerConfig], model: ModelConfig, train: list[Batch],
-                     test: list[Batch]) -> list[dict[str, Any]]:
+                     test: list[Batch], slow: float = 1.0) -> list[dict[str, Any]]:
     warm = train[:_WARMUP_STEPS * world]
     await _train_one(rank, world, addresses, {f: f"warm_{f}" for f in features}, TRAINING,
                      model, warm, warm)
     return [await _train_one(rank, world, addresses, {f: f"r{k}_{f}" for f in features},
-                             config, model, train, test)
+                             config, model, train, test, slow)
             for k, config in enumerate(configs)]
 
 
@@ -82,11 +106,12 @@ def _rank_runs(rank: int, world: int, *args: Any) -> list[dict[str, Any]]:
 def train_configs(configs: Sequence[TrainerConfig], *, rows: int, batch_size: int = 128,
                   eval_rows: int = 16_384, workers: int = 4, data: SyntheticConfig = PLANTED,
                   model: ModelConfig | None = None, dim: int = 16, ps_lr: float = 0.05,
-                  shards: int = 2, timeout_s: float = 600.0
+                  shards: int = 2, timeout_s: float = 600.0, slow: float = 1.0
                   ) -> tuple[list[dict[str, Any]], float]:
     """Train each config on the same planted batches with ``workers`` gloo ranks (forked once)
     against ``shards`` PS processes (fresh tables per config); returns rank 0's summary per config (``samples_per_s``
-    summed over the ranks) and the oracle AUC of the held-out rows."""
+    summed over the ranks) and the oracle AUC of the held-out rows. ``slow``: rank 0's
+    steps take that many times as long (a worker slower than the others)."""
     dataset = SyntheticDataset(data)
     train = list(dataset.batches(batch_size, rows))
     test = list(dataset.batches(4096, eval_rows, "test"))
@@ -98,7 +123,7 @@ def train_configs(configs: Sequence[TrainerConfig], *, rows: int, batch_size: in
                                         prefix=p, lr=ps_lr)]
     with LocalPS(shards, tables) as ps:
         per_rank = run_local_ranks(_rank_runs, workers, ps.addresses, features, list(configs),
-                                   model, train, test,
+                                   model, train, test, slow,
                                    timeout_s=timeout_s)
     summaries = []
     for k in range(len(configs)):

@@ -29,7 +29,8 @@ _STALENESS = {  # services.ps.staleness
     "global_staleness_max": "Most earlier pushes, of every worker, a tagged lookup missed",
     "global_staleness_mean": "Mean earlier pushes, of every worker, a tagged lookup missed",
     "own_staleness_max": "Most earlier pushes of its own worker a tagged lookup missed",
-    "own_staleness_mean": "Mean earlier pushes of its own worker a tagged lookup missed"}
+    "own_staleness_mean": "Mean earlier pushes of its own worker a tagged lookup missed",
+    "worker_staleness_max": "Most earlier pushes of any one worker a tagged lookup missed"}
 
 
 class _TableCollector(Collector):

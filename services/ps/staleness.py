@@ -63,7 +63,9 @@ class GlobalStaleness:
     pushes reach a shard in step order; one not heard of yet has applied none); the lookup
     missed
     ``Σ_v max(0, t - 1 - last_v)`` pushes (``global``), of which ``max(0, t - 1 - last_w)``
-    its own worker's (``own``). A step whose push held no id of the table on this shard
+    its own worker's (``own``); ``worker`` is the most of any one worker's
+    (``max_v max(0, t - 1 - last_v)``: what the bound across workers, SSP, bounds by S). A
+    step whose push held no id of the table on this shard
     counts as missed until that worker's next push here: the figure is an upper bound where
     a table is sparse on a shard, exact where every step touches it (hot tables).
     """
@@ -71,7 +73,7 @@ class GlobalStaleness:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[str, dict[int, int]] = {}  # table -> worker -> last step applied
-        # table -> [lookups, global sum, global max, own sum, own max]
+        # table -> [lookups, global sum, global max, own sum, own max, any one worker's max]
         self._sums: dict[str, list[int]] = {}
 
     def pushed(self, tables: Iterable[str]) -> None:
@@ -96,18 +98,22 @@ class GlobalStaleness:
             heard = [max(0, step - 1 - s) for v, s in last.items() if v < workers]
             total = sum(heard) + (workers - len(heard)) * step  # the unheard missed every step
             own = max(0, step - 1 - last.get(worker, -1))
-            sums = self._sums.setdefault(table, [0, 0, 0, 0, 0])
+            worst = step if len(heard) < workers else max(heard, default=0)
+            sums = self._sums.setdefault(table, [0, 0, 0, 0, 0, 0])
             sums[0] += 1
             sums[1] += total
             sums[2] = max(sums[2], total)
             sums[3] += own
             sums[4] = max(sums[4], own)
+            sums[5] = max(sums[5], worst)
 
     def stats(self, table: str) -> dict[str, Any]:
         """``tagged_lookups`` of ``table`` and the earlier pushes they missed, max and mean:
-        ``global_staleness_*`` (every worker's), ``own_staleness_*`` (their worker's)."""
+        ``global_staleness_*`` (every worker's), ``own_staleness_*`` (their worker's), and
+        ``worker_staleness_max`` (the most of any one worker's)."""
         with self._lock:
-            n, g_sum, g_max, o_sum, o_max = self._sums.get(table, [0, 0, 0, 0, 0])
+            n, g_sum, g_max, o_sum, o_max, w_max = self._sums.get(table, [0, 0, 0, 0, 0, 0])
         return {"tagged_lookups": n, "global_staleness_max": g_max,
                 "global_staleness_mean": g_sum / n if n else 0.0,
-                "own_staleness_max": o_max, "own_staleness_mean": o_sum / n if n else 0.0}
+                "own_staleness_max": o_max, "own_staleness_mean": o_sum / n if n else 0.0,
+                "worker_staleness_max": w_max}

@@ -56,7 +56,9 @@ def test_bench_sync_reports_each_strategy_asked(tmp_path: Path) -> None:
 
 
 def test_bench_staleness_reports_every_bound(tmp_path: Path) -> None:
-    result = bench(tmp_path, "staleness", "--staleness", "0,2,unbounded", "--hot-staleness", "1,2")
+    result = bench(tmp_path, "staleness", "--staleness", "0,2,unbounded", "--hot-staleness", "1,2",
+                   "--slow-worker", "2x")
+    assert result["slow_worker"] == 2.0 and result["sync"] == "allreduce"
     assert finite(result["oracle_auc"])
     runs = result["runs"]
     assert [r["staleness"] for r in runs] == [0, 2, None, "global_sync", "8+hot", "8+hot2"]
@@ -71,6 +73,14 @@ def test_bench_staleness_reports_every_bound(tmp_path: Path) -> None:
         assert finite(r["auc"]) and 0 < r["auc"] < 1
     assert runs[0]["auc_gap"] == 0.0 and runs[0]["staleness_max"] == 0
     assert runs[1]["staleness_max"] <= 2
+    # the PS's count: with a slowed worker no lookup misses more than its window of any
+    # worker's pushes (the step gate), and global_sync misses none
+    assert [r["window"] for r in runs] == [1, 2, None, 1, 8, 8]
+    for r in runs:
+        if r["window"] is not None:
+            assert 0 <= r["worker_staleness_max"] <= r["window"], r
+    assert runs[3]["worker_staleness_max"] == 0
+    assert result["global_bound_holds"] is True
 
 
 def test_staleness_bounds_map_to_trainer_modes() -> None:

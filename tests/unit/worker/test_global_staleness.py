@@ -108,7 +108,7 @@ def missed(t: int, applied: set[int]) -> tuple[int, list[int]]:
 def ps_matches_rows(stats: dict[str, Any], seen: list[list[tuple[int, set[int], int]]]
                     ) -> list[int]:
     """Check the PS's counts against what the rows show; return every lookup's global miss."""
-    globals_, owns = [], []
+    globals_, owns, worst = [], [], []
     for w, steps in enumerate(seen):
         for t, applied, staleness in steps:
             assert all(p % N < t for p in applied), (w, t, applied)  # no later step's push
@@ -116,10 +116,12 @@ def ps_matches_rows(stats: dict[str, Any], seen: list[list[tuple[int, set[int], 
             assert per[w] == staleness  # the pipeline's own figure is the truth too
             globals_.append(total)
             owns.append(per[w])
+            worst.append(max(per))
     assert stats["tagged_lookups"] == W * N
     assert stats["global_staleness_max"] == max(globals_)
     assert stats["global_staleness_mean"] == pytest.approx(sum(globals_) / len(globals_))
     assert stats["own_staleness_max"] == max(owns)
+    assert stats["worker_staleness_max"] == max(worst)
     return globals_
 
 

@@ -75,14 +75,18 @@ async def train(w: int, pipeline: EmbeddingPipeline, batches: int) -> list[tuple
 
 
 async def run(gated: bool, batches: list[int]) -> list[list[tuple[int, set[int]]]]:
+    """The workers' (step, pushes applied) per lookup; the PS's own count of the worst miss
+    is checked against them."""
     shards = InProcessShards([{"name": "t", "dim": W * N, "initializer": "zeros",
                                "optimizer": {"kind": "sgd", "lr": 1.0}}])
     gate = Gate(W)
     pipelines = [EmbeddingPipeline(shards, window=S, tables={"f": "t"}, worker=w, workers=W,
                                    step_gate=gate.of(w) if gated else None) for w in range(W)]
     async with asyncio.timeout(30):  # a deadlock fails, never hangs
-        return list(await asyncio.gather(*(train(w, p, n) for w, (p, n)
+        seen = list(await asyncio.gather(*(train(w, p, n) for w, (p, n)
                                            in enumerate(zip(pipelines, batches, strict=True)))))
+    assert shards.shards[0].staleness.stats("t")["worker_staleness_max"] == worst_miss(seen)
+    return seen
 
 
 def worst_miss(seen: list[list[tuple[int, set[int]]]]) -> int:
