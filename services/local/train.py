@@ -260,7 +260,7 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
             where = {"ps_addresses": cluster.addresses}
             attach = _online_export(config, model, exports, cluster.admin_urls,
                                     data.admin_url)
-            if workers == 1 and config.mode == "hybrid" and config.head_replica:
+            if workers == 1 and config.replicates_heads:
                 attach = with_head_replica(attach)
         summary = summary_dict(run_local_training(
             **where, **data.sources, model=model, config=config, num_workers=workers,

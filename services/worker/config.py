@@ -81,7 +81,8 @@ class TrainerConfig:
     head_replica: bool = field(default=True, metadata={
         "help": "hybrid, one worker, remote shards, hot_staleness 1: keep the head ids' and hot "
                 "tables' rows in a replica on the worker (read and updated there, their "
-                "gradients sent on to the PS) instead of a round trip a step"})
+                "gradients sent on to the PS) instead of a round trip a step; not with a lossy "
+                "grads_codec, whose PS copy would drift from the replica"})
     dense_optimizer: str = field(default="adam", metadata={
         "help": "adam, adagrad, sgd, lamb, onebit_adam or onebit_lamb (these two all-reduce "
                 "themselves)"})
@@ -291,6 +292,13 @@ class TrainerConfig:
                               f"got {self.onebit_freeze_step!r}")
         if not 0 < self.activation_keep <= 1:
             raise ConfigError(f"activation_keep must be in (0, 1], got {self.activation_keep}")
+
+    @property
+    def replicates_heads(self) -> bool:
+        """Whether a replica may keep the head rows (``head_replica``, hybrid, and a grads
+        codec that sends the PS the replica's own updates: a lossy one would let the PS's
+        copy, which evaluation and exports read, drift from the rows trained on)."""
+        return self.head_replica and self.mode == "hybrid" and not lossy_codec(self.grads_codec)
 
     @property
     def auto_window(self) -> bool:

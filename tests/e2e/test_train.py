@@ -115,3 +115,11 @@ def test_train_on_remote_shards_keeps_a_replica_of_the_head_rows(tmp_path: Path)
     assert summary["head_ids"] > 0 and summary["replicated_rows"] >= summary["head_ids"]
     assert summary["wire_bytes"]["lookup_in"] > 0  # the rest of the rows crossed the wire
     assert meta["oracle"]["auc"] - 0.05 < summary["auc"] < meta["oracle"]["auc"] + 0.01
+
+
+def test_a_lossy_grads_codec_keeps_no_replica_of_the_head_rows(tmp_path: Path) -> None:
+    """With dct gradients the PS would apply other updates than the replica did, and
+    evaluation and exports read the PS: the head rows then take the hot chain instead."""
+    _, summary = _synth_then_train(tmp_path, "--ps", "processes", "--grads-codec",
+                                   "dct:keep=0.5")
+    assert summary["head_ids"] > 0 and summary["replicated_rows"] == 0
