@@ -48,6 +48,7 @@ from services.worker.head_sets import (
     place_rows,
     totals,
 )
+from services.worker.head_vote import Ballot
 from services.worker.pooling import BatchPlan
 
 __all__ = ["Acknowledged", "HeadIds", "HotChain", "ReplicaSeeds", "Seeds", "SplitBatch"]
@@ -143,11 +144,15 @@ class HeadIds:
     batches 1 and ``memory`` only, then every ``every``)."""
 
     def __init__(self, groups: Sequence[int], rate: float, memory: int = 16,
-                 every: int = 64, *, sticky: bool = False, defer: int = 0) -> None:
+                 every: int = 64, *, sticky: bool = False, defer: int = 0,
+                 voting: bool = False) -> None:
         if not rate > 0:
             raise ConfigError(f"head rate must be > 0, got {rate!r}")
         if memory < 1 or every < 1:
             raise ConfigError(f"head memory and every must be >= 1, got {memory!r}, {every!r}")
+        if voting and (sticky or defer):
+            raise ConfigError("head ids voted on by every worker are neither sticky nor deferred")
+        self.voting = voting
         self.groups = list(groups)
         self.rate = rate
         self.memory, self.every = memory, every
@@ -167,6 +172,7 @@ class HeadIds:
         self._pending: dict[int, np.ndarray] = {}  # per group: head keys not switched yet
         self._pending_set: dict[int, np.ndarray] = {}  # the same as hash sets
         self._switch_at: int | None = None  # the batch that switches them
+        self._ballot: Ballot | None = None  # voting: this worker's counts, for the vote
 
     def head_count(self) -> int:
         """Head ids decided so far, over every group."""
@@ -230,6 +236,10 @@ class HeadIds:
         n = self._batches
         if not self._decides(n):
             return
+        if self.voting:  # decided with every worker's counts: elect()
+            self._ballot = Ballot({i: self._counts(seen) for i, seen in self._seen.items()},
+                                  self._threshold(len(next(iter(self._seen.values())))))
+            return
         heads: dict[int, np.ndarray] = {}
         defer = self.defer and n > 1
         for i, seen in self._seen.items():
@@ -258,15 +268,40 @@ class HeadIds:
             return True
         return not self.defer and n & (n - 1) == 0 and n <= self.memory
 
+    def _threshold(self, batches: int) -> float:
+        """Occurrences in ``batches`` batches that make an id head."""
+        return max(2.0, self.rate * batches)
+
     def _decide(self, seen: Seen) -> tuple[np.ndarray, np.ndarray]:
         """The head keys of ``seen`` and where each first occurs in its concatenated keys."""
         keys = np.concatenate([k for k, _, _ in seen])
         occurs = np.concatenate([c for _, c, _ in seen])
         first, total = np.empty(keys.size, dtype=np.int64), np.empty(keys.size, dtype=np.int64)
         n = totals(keys, occurs, first, total)
-        at = first[:n][total[:n] >= max(2.0, self.rate * len(seen))]
+        at = first[:n][total[:n] >= self._threshold(len(seen))]
         at = at[np.argsort(keys[at], kind="stable")]  # in key order
         return keys[at], at
+
+    @staticmethod
+    def _counts(seen: Seen) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct keys of ``seen`` in key order, and how often each occurs."""
+        keys = np.concatenate([k for k, _, _ in seen])
+        occurs = np.concatenate([c for _, c, _ in seen])
+        first, total = np.empty(keys.size, dtype=np.int64), np.empty(keys.size, dtype=np.int64)
+        n = totals(keys, occurs, first, total)
+        order = np.argsort(keys[first[:n]], kind="stable")
+        return keys[first[:n]][order], total[:n][order]
+
+    def take_ballot(self) -> Ballot | None:
+        """Voting: this worker's counts when a decision is due (once), else None."""
+        ballot, self._ballot = self._ballot, None
+        return ballot
+
+    def elect(self, heads: dict[int, np.ndarray]) -> None:
+        """Voting: the head keys per group every worker agreed on; they split the batches
+        from the next one on."""
+        self._count_now = sum(h.size for h in heads.values())
+        self._head = {i: hash_set(h) for i, h in heads.items() if h.size}
 
     @staticmethod
     def _layout_of(seen: Seen, at: np.ndarray) -> ShardedIds:

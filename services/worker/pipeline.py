@@ -69,6 +69,7 @@ from services.common.batch import Batch, Batches, iterate
 from services.common.codecs import WireStats
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
 from services.worker.exchange import EmbeddingPath, RowsPath
+from services.worker.head_vote import Ballot
 from services.worker.heads import HeadIds, HotChain, ReplicaSeeds, Seeds, SplitBatch
 from services.worker.pooling import BatchPlan, plan_batch
 from services.worker.readahead import READ_AHEAD, ReadAhead
@@ -151,7 +152,8 @@ class EmbeddingPipeline:
     this often per batch are head ids (None: none); ``hot_barrier``: awaited by every
     acknowledged push of the hot chain (hot rows synchronous across the workers);
     ``step_gate(has_batch)``: awaited before each batch takes a slot, True while every worker
-    has a batch for the step (the bound across workers; see the module doc)."""
+    has a batch for the step (the bound across workers; see the module doc); ``head_vote``:
+    decides the head ids with every worker's counts (:mod:`services.worker.head_vote`)."""
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  tables: Mapping[str, str] | None = None,
@@ -160,7 +162,9 @@ class EmbeddingPipeline:
                  barrier: Callable[[], Awaitable[Any]] | None = None,
                  path: EmbeddingPath | None = None, head_rate: float | None = None,
                  hot_barrier: Callable[[], Awaitable[Any]] | None = None,
-                 step_gate: Callable[[bool], Awaitable[bool]] | None = None) -> None:
+                 step_gate: Callable[[bool], Awaitable[bool]] | None = None,
+                 head_vote: Callable[[Ballot], Awaitable[dict[int, np.ndarray]]] | None = None
+                 ) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
@@ -185,6 +189,7 @@ class EmbeddingPipeline:
             raise ConfigError("a barrier needs a window: pushes are waited for")
         self._timers, self.worker, self.workers = timers, worker, workers
         self._barrier, self._hot_barrier, self._step_gate = barrier, hot_barrier, step_gate
+        self._head_vote = head_vote
         self._steps = 0  # batches fed so far, over every run: the step of the next tag
         self._hot_ratio = hot_ratio if window is not None and window > hot_window else None
         self._hot_window = hot_window
@@ -264,7 +269,8 @@ class EmbeddingPipeline:
             routes = route_groups(
                 len(self._groups), hot, rows=self.rows, path=self.path, replica=self.replica,
                 window=self.window, hot_window=self._hot_window, workers=self.workers,
-                barrier=self._barrier is not None, head_rate=self._head_rate, step=self._steps)
+                barrier=self._barrier is not None, head_rate=self._head_rate, step=self._steps,
+                voting=self._head_vote is not None)
             self._windowed, self._direct = routes.windowed, routes.direct
             self._seeding, self.heads = routes.seeding, routes.heads
             if self._read_ahead is not None:
@@ -423,6 +429,9 @@ class EmbeddingPipeline:
         it has a slot (read ahead, riding on the push that frees one, or its own). ``hold``:
         return only once the batch holds its slot (a rider too: the step gate's bound)."""
         split = self.heads.split(plan) if self.heads is not None else None
+        if self._head_vote is not None and self.heads is not None \
+                and (ballot := self.heads.take_ballot()) is not None:
+            self.heads.elect(await self._head_vote(ballot))  # from the next batch on
         wire = split.remote if split is not None else plan  # what the window reads
         seeds = (Seeds() if self._seeding is None else
                  self._seeding.layouts(plan, split, self._direct_hot, self.heads))

@@ -85,9 +85,11 @@ class Routes:
 
 def route_groups(groups: int, hot: list[int], *, rows: RowsClient, path: EmbeddingPath,
                  replica: RowsReplica | None, window: int | None, hot_window: int,
-                 workers: int, barrier: bool, head_rate: float | None, step: int) -> Routes:
+                 workers: int, barrier: bool, head_rate: float | None, step: int,
+                 voting: bool = False) -> Routes:
     """The routes of ``groups`` groups, ``hot`` of them hot tables, for a pipeline with these
-    settings (``step``: the next batch's, where a replica starts seeding)."""
+    settings (``step``: the next batch's, where a replica starts seeding; ``voting``: the
+    head ids are decided by every worker's counts, :mod:`services.worker.head_vote`)."""
     windowed = [i for i in range(groups) if i not in hot]
     unique_rows = isinstance(path, RowsPath)
     direct: DirectRows | None = rows if (
@@ -106,7 +108,8 @@ def route_groups(groups: int, hot: list[int], *, rows: RowsClient, path: Embeddi
     if head_rate and windowed and unique_rows:
         replicated = seeding is not None
         routes.heads = HeadIds(windowed, head_rate, sticky=replicated,
-                               defer=(window or 1) if replicated else 0)
+                               defer=(window or 1) if replicated else 0,
+                               voting=voting and not replicated)
         if direct is not None:
             routes.direct = routes.direct or DirectHot(direct, [])
         else:  # the head ids ride the hot chain

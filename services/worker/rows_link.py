@@ -15,6 +15,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from clients.ps_client import PSClient
@@ -24,6 +26,7 @@ from services.common.errors import ConfigError, FailedPrecondition
 from services.worker.compute import distributed, every_rank_has_a_batch
 from services.worker.config import TrainerConfig
 from services.worker.exchange import embedding_path
+from services.worker.head_vote import Ballot, vote
 from services.worker.pipeline import EmbeddingPipeline, StepTimers
 from services.worker.window import WindowChoice, choose_window
 
@@ -99,6 +102,34 @@ class RowsLink:
             return await asyncio.to_thread(every_rank_has_a_batch, has_batch, group)
         return gate
 
+    @staticmethod
+    def _head_vote(workers: int) -> Callable[[Ballot], Awaitable[dict[int, np.ndarray]]] | None:
+        """One head-id set for the job: the vote's two collectives on a gloo group of its
+        own, in a thread (None with one rank)."""
+        if not distributed():
+            return None
+        group = dist.new_group(backend="gloo")
+
+        def gather_now(obj: Any) -> list[Any]:
+            out: list[Any] = [None] * workers
+            dist.all_gather_object(out, obj, group=group)
+            return out
+
+        def add_now(counts: np.ndarray) -> np.ndarray:
+            summed = torch.from_numpy(counts.copy())
+            dist.all_reduce(summed, group=group)
+            return summed.numpy()
+
+        async def gather(obj: Any) -> list[Any]:
+            return await asyncio.to_thread(gather_now, obj)
+
+        async def add(counts: np.ndarray) -> np.ndarray:
+            return await asyncio.to_thread(add_now, counts)
+
+        async def head_vote(ballot: Ballot) -> dict[int, np.ndarray]:
+            return await vote(ballot, workers, gather, add)
+        return head_vote
+
     def _pipeline(self, rows: RowsClient, *, window: int | None) -> EmbeddingPipeline:
         cfg = self.config
         return EmbeddingPipeline(
@@ -110,6 +141,8 @@ class RowsLink:
             hot_barrier=self._global_barrier() if cfg.mode == "hybrid" and cfg.global_hot
             else None,
             step_gate=self._step_gate() if cfg.mode in ("sync", "hybrid") and cfg.global_bound
+            else None,
+            head_vote=self._head_vote(self._workers) if cfg.mode == "hybrid" and cfg.head_rate
             else None)
 
     async def _size_window(self) -> None:
