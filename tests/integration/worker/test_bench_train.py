@@ -67,7 +67,7 @@ def test_bench_train_reports_every_ratio_from_its_own_runs() -> None:
     for key in ("sync", "sync_embedded"):
         assert runs[key]["staleness_max"] == 0
     for key in ("default", "hybrid_hot", "hybrid_replica", "hybrid", "hybrid_embedded"):  # rest
-        assert runs[key]["staleness_max"] <= 8
+        assert runs[key]["staleness_max"] <= 7  # window 8 at most: S - 1
     assert result["rtt"] == []  # no --rtt-ms
 
 

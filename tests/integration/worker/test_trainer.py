@@ -113,7 +113,7 @@ async def test_hybrid_staleness_never_exceeds_bound(cluster: LocalPS,
     assert "persimmon_worker_lookup_seconds_count 40.0" in metrics
     assert "persimmon_worker_push_seconds_count 40.0" in metrics
     assert summary.steps == 40 and len(summary.recent_losses) == 40
-    assert summary.staleness_max <= s
+    assert summary.staleness_max <= s - 1  # S slots: at most S - 1 pushes in flight
     assert summary.staleness_max >= 1  # lookups really ran ahead of pushes (pipelining)
     assert set(summary.wire_bytes) == {"lookup_out", "lookup_in", "push_out", "push_in"}
     assert all(n > 0 for n in summary.wire_bytes.values())
@@ -138,7 +138,7 @@ async def test_hybrid_training_beats_chance_on_test_split(cluster: LocalPS,
     assert 0.72 < summary.auc <= oracle + 0.01, (summary.auc, oracle)
     assert summary.logloss < 0.56  # the constant predictor's logloss is ~0.58
     assert [h["step"] for h in t.history] == [40, 79] == [h["step"] for h in summary.history]
-    assert summary.samples_per_s > 0 and summary.staleness_max <= 4
+    assert summary.samples_per_s > 0 and summary.staleness_max <= 3  # S - 1
     # no hot tables by default: the planted tables' frequent ids are head ids instead
     assert summary.hot_tables == [] and summary.head_ids > 0
 
@@ -216,6 +216,6 @@ async def test_waiting_batches_ride_on_the_push_that_frees_their_slot(
     t.ps.lookup_sharded, t.ps.push_then_lookup = counted_lookup, counted_ride  # type: ignore
     async with t:
         summary = await t.fit(data.batches(128, 128 * 20))
-    assert summary.steps == 20 and summary.staleness_max <= (0 if mode == "sync" else 2)
+    assert summary.steps == 20 and summary.staleness_max <= (0 if mode == "sync" else 1)
     assert calls["lookup"] + calls["ride"] == 20
     assert calls["ride"] >= (19 if mode == "sync" else 1)
