@@ -104,6 +104,7 @@ MAX_STEP = 1 << 48  # training steps a step tag may name
 #: with an array per table (decode_message refuses a frame declaring more before decoding it)
 PS_REQUEST_OBJECTS = 32 * MAX_TABLES + 1024
 _FLOATS = ("float16", "float32", "float64")
+_INTEGERS = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 
 
 # ---- the generic mechanism: field converters derived from the type hints ---------------------
@@ -277,11 +278,12 @@ def _check_ids(ids: WireArray, where: str, field: str = "ids") -> None:
     """Ids (and pooled lengths) travel raw, so their count is bounded by the bytes that came
     (:meth:`WireArray.from_wire` checks a raw array's bytes against its shape): every other
     array of a request is sized by them."""
-    dtypes = ("uint64",) if field == "ids" else ("int32", "int64", "uint32", "uint64")
+    dtypes = ("uint64",) if field == "ids" else _INTEGERS
     if ids.dtype not in dtypes or ids.ndim != 1 or ids.codec != "none":
-        raise MalformedMessage(f"{where}.{field} must be a 1-d {' or '.join(dtypes)} array "
-                               f"sent raw (codec none), got {ids.dtype} with shape "
-                               f"{list(ids.shape)} and codec {ids.codec!r}")
+        kind = "uint64" if field == "ids" else "integer"
+        raise MalformedMessage(f"{where}.{field} must be a 1-d {kind} array sent raw (codec "
+                               f"none), got {ids.dtype} with shape {list(ids.shape)} and codec "
+                               f"{ids.codec!r}")
 
 
 def _check_parts(tables: list[str], counts: list[int], ids: WireArray, where: str) -> None:
@@ -310,10 +312,10 @@ def _check_tag(tag: list[int] | None, where: str) -> None:
                                f"{_show(tag)}")
 
 
-def _check_rows(arr: WireArray, rows: int, what: str) -> None:
+def _check_rows(arr: WireArray, rows: int, what: str, named: str = "") -> None:
     if arr.ndim != 2 or arr.shape[0] != rows or arr.dtype not in _FLOATS:
-        raise MalformedMessage(f"{what} must be ({rows}, dim) floats, got {arr.dtype} with "
-                               f"shape {list(arr.shape)}")
+        raise MalformedMessage(f"{what} must be {named}({rows}, dim) floats, got {arr.dtype} "
+                               f"with shape {list(arr.shape)}")
 
 
 _PARTS_MOVED = {"table": "name one table as tables=[name], counts=[len(ids)]"}
@@ -438,7 +440,8 @@ class PooledPushRequest(Message):
         _check_seq(self.seq, "PooledPushRequest")
         _check_ids(self.ids, "PooledPushRequest")
         _check_ids(self.lengths, "PooledPushRequest", "lengths")
-        _check_rows(self.grads, self.lengths.shape[0], "PooledPushRequest.grads")
+        _check_rows(self.grads, self.lengths.shape[0], "PooledPushRequest.grads",
+                    "(samples, dim) = ")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -102,7 +102,7 @@ def test_pooled_lengths_travel_raw_and_size_the_gradients():
     lengths = raw_array(np.array([1, 2], np.int64))
     good = dict(client=1, seq=1, table="a", ids=ids(), lengths=lengths)
     PooledPushRequest(**good, grads=raw_array(np.ones((2, 4), np.float32)))
-    with pytest.raises(MalformedMessage, match=r"PooledPushRequest\.grads must be \(2, dim\)"):
+    with pytest.raises(MalformedMessage, match=r"PooledPushRequest\.grads must be \(samples, dim\) = \(2, dim\)"):
         PooledPushRequest(**good, grads=get_codec("topk").to_wire(np.ones((2**20, 4),
                                                                           np.float32)))
     zipped = get_codec("none+zstd").to_wire(np.array([1, 2], np.int64))
