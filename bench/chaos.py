@@ -7,7 +7,7 @@ gradient of -1 per id occurrence, so each row equals the occurrences the PS appl
 record carries a feature unique to it (its row counts how many times the record's gradient
 was applied) and two drawn from small vocabularies. The workers run no dense model: what is
 measured is the data path (loader, pushes, cuts), not model quality. Every ``--cut-every``
-steps the workers cut the job (:class:`~services.worker.checkpoints.ConsistentCut`).
+steps the workers cut the job (:class:`~services.worker.job_checkpoints.ConsistentCut`).
 
 A seeded schedule of ``--kills`` SIGKILLs cycles over four roles: a PS shard, the loader, a
 worker, and a PS shard while a cut is in progress (after the workers' barrier, before the
@@ -85,7 +85,7 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
     from clients.ps_client import PSClient
     from services.common.checkpoints import latest_complete
     from services.common.checkpoints.positions import cut_positions
-    from services.worker.checkpoints import ConsistentCut, JobCheckpointer
+    from services.worker.job_checkpoints import ConsistentCut, JobCheckpointer
 
     manifest = latest_complete(root)
     step = int(manifest["step"]) if manifest else 0
@@ -229,7 +229,7 @@ class _Job:
     def first_cut(self) -> None:
         """The job's start as a cut (empty rows, no positions): every restart has a cut."""
         from services.common.checkpoints.positions import POSITIONS_PART, encode_positions
-        from services.worker.checkpoints import JobCheckpointer
+        from services.worker.job_checkpoints import JobCheckpointer
 
         asyncio.run(JobCheckpointer(self.root, admin_urls=self.ps_admin).checkpoint(
             0, "cut-start", parts={POSITIONS_PART: encode_positions({})}))

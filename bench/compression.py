@@ -57,7 +57,7 @@ from bench import save_plot, write_json
 from services.common.batch import Batch
 from services.common.commands import int_at_least
 from services.common.errors import ConfigError
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.local.compare import PLANTED, train_configs
 from services.local.processes import LocalPS
 from services.worker.config import TrainerConfig, ps_table_configs

@@ -113,7 +113,7 @@ def _train_forever(port: int, batch_size: int) -> None:
     its own process, its admin API on ``port``, until it is terminated."""
     import torch
 
-    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+    from services.loader.planted import SyntheticConfig, SyntheticDataset
     from services.ps.inprocess import InProcessShards
     from services.worker import ModelConfig, Trainer, TrainerConfig, ps_table_configs
 

@@ -240,7 +240,7 @@ def _batches(rows: Rows, size: int) -> list[Batch]:
 
 def _train_batch_size() -> int:
     """``persimmon train``'s default ``--batch-size``."""
-    from services.worker.__main__ import add_training_flags
+    from services.worker.flags import add_training_flags
 
     parser = argparse.ArgumentParser()
     add_training_flags(parser)

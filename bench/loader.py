@@ -39,9 +39,9 @@ from services.loader.arrow import hash_column
 from services.loader.batching import Batcher, Rows
 from services.loader.hashing import DenseTransform, hash_strings
 from services.loader.parsers import TextParser
+from services.loader.planted import TeacherRows, format_criteo
 from services.loader.schema import criteo_layout
 from services.loader.sources.files import read_text_blocks
-from services.loader.synthetic import TeacherRows, format_criteo
 
 __all__ = ["register_bench", "run", "write_criteo_file"]
 

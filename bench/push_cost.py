@@ -64,7 +64,7 @@ def _start_clusters(work: str, ways: list[str], shards: int, config: str
 
 def _train(addresses: list[str], batches: list[Any], config: Any) -> float:
     """Samples/s of one training run on ``batches`` against the shards at ``addresses``."""
-    from services.worker.local import run_local_training
+    from services.worker.local_ranks import run_local_training
     from services.worker.models import ModelConfig
 
     return float(run_local_training(ps_addresses=addresses, train_batches=batches,
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import yaml
 
-    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+    from services.loader.planted import SyntheticConfig, SyntheticDataset
     from services.local.processes import stop_processes
     from services.worker.config import TrainerConfig, ps_table_configs
 

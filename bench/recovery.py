@@ -39,7 +39,7 @@ from rich.table import Table
 from bench import write_json
 from services.common.commands import int_at_least
 from services.common.sharding import shard_of
-from services.worker.checkpoints import JobCheckpointer, dense_part
+from services.worker.job_checkpoints import JobCheckpointer, dense_part
 
 __all__ = ["register_bench", "run"]
 
@@ -131,7 +131,7 @@ async def _job(args: argparse.Namespace, train: list[Any], test: list[Any],
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+    from services.loader.planted import SyntheticConfig, SyntheticDataset
 
     dataset = SyntheticDataset(SyntheticConfig(seed=args.seed))
     features = list(dataset.config.sparse_names)

@@ -37,7 +37,7 @@ from rich.table import Table
 from bench import save_plot, write_json
 from services.common.commands import int_at_least, ints_at_least
 from services.common.errors import ConfigError
-from services.loader.synthetic import SyntheticConfig, synthetic_profile
+from services.loader.planted import SyntheticConfig, synthetic_profile
 from services.local.compare import PLANTED, STRATEGY_SETTINGS, TRAINING, train_configs
 from services.worker.config import TrainerConfig
 

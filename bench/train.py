@@ -132,7 +132,7 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
     from services.local.train import with_head_replica
     from services.ps.inprocess import InProcessShards
     from services.worker.config import TrainerConfig, ps_table_configs
-    from services.worker.local import run_local_training
+    from services.worker.local_ranks import run_local_training
     from services.worker.models import ModelConfig
 
     tables = ps_table_configs(dict.fromkeys(features, dim), lr=_PS_LR)
@@ -227,7 +227,7 @@ def run(*, rows: int = 524288, batch_size: int = 2048, dim: int = 16, seed: int 
     _check_rtt_ways(rtt_ways)
     torch.set_num_threads(1)
     _warm_up_torch()
-    from services.loader.synthetic import SyntheticDataset, synthetic_profile
+    from services.loader.planted import SyntheticDataset, synthetic_profile
 
     data = SyntheticDataset(synthetic_profile(profile, seed=seed))
     features = data.config.sparse_names

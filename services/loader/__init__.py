@@ -9,7 +9,7 @@ Layout (the service file set of STYLE.md):
 - ``sources/``: files (Criteo, Avazu, schema CSV, Parquet), Kafka, Redis Streams, synthetic
 - ``parsers`` (one-pass text parser), ``arrow`` (Parquet/JSON), ``schema``, ``hashing``
 - ``batching`` (rows, shuffle, ack accounting), ``dispatch`` (credits), ``pipeline``
-- ``synthetic``: the planted data set and its oracle metrics
+- ``planted``: the planted data set and its oracle metrics
 
 The batch type workers receive is :class:`services.common.batch.Batch`.
 """

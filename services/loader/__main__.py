@@ -51,7 +51,7 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from services.loader.synthetic import SyntheticDataset, synthetic_profile
+    from services.loader.planted import SyntheticDataset, synthetic_profile
 
     dataset = SyntheticDataset(synthetic_profile(args.profile, seed=args.seed,
                                                  max_vocab=args.max_vocab, zipf=args.zipf))

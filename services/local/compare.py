@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from services.common.batch import Batch
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.local.processes import LocalPS
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.distributed import run_local_ranks

@@ -32,9 +32,9 @@ from services.common.commands import float_at_least, int_at_least
 from services.common.config import print_config
 from services.common.errors import ConfigError
 from services.loader.prepare import cacheable, prepare_sources
-from services.worker.__main__ import add_training_flags, load_trainer_config
 from services.worker.best import keeps_best
 from services.worker.config import TrainerConfig, ps_table_configs
+from services.worker.flags import add_training_flags, load_trainer_config
 from services.worker.models import ModelConfig
 from services.worker.service import (
     InProcessData,
@@ -136,8 +136,8 @@ def _oracle(train_spec: str, eval_spec: str | None, seed: int) -> dict[str, floa
             or not eval_spec.startswith("synthetic:") or "split=test" not in eval_spec:
         return None
     from services.loader.config import SourceSpec
+    from services.loader.planted import SyntheticDataset
     from services.loader.sources.synthetic import synthetic_config_of
-    from services.loader.synthetic import SyntheticDataset
 
     rows = int(eval_spec.split(":", 1)[1].partition("?")[0])
     return SyntheticDataset(synthetic_config_of(SourceSpec.parse(train_spec), seed)).oracle(rows)
@@ -222,7 +222,7 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
     there (:func:`_cached_data`); else loader processes stream it."""
     from services.local.processes import LocalPS
     from services.ps.inprocess import InProcessShards
-    from services.worker.local import run_local_training
+    from services.worker.local_ranks import run_local_training
 
     keep_best = keeps_best(config, validation=validation_data is not None)
     placement = ps_placement(ps, workers, config, keep_best=keep_best)
@@ -327,8 +327,8 @@ class PlantedData:
 
     def data(self, args: argparse.Namespace, rank: int, world: int) -> InProcessData:
         from services.loader.config import SourceSpec
+        from services.loader.planted import SyntheticDataset
         from services.loader.sources.synthetic import synthetic_config_of
-        from services.loader.synthetic import SyntheticDataset
 
         train_spec, eval_spec = data_specs(args)
         rows = _synthetic_rows(train_spec)

@@ -35,8 +35,8 @@ from services.common.errors import ConfigError, PersimmonError
 from services.loader.hashing import DenseTransform
 from services.serve.sources import ReadShards, export_job_checkpoint
 from services.serve.spec import FeatureSpec, spec_from_source
-from services.worker.checkpoints import JobCheckpointer, dense_part
 from services.worker.config import TrainerConfig
+from services.worker.job_checkpoints import JobCheckpointer, dense_part
 from services.worker.models import ModelConfig
 
 __all__ = ["OnlineExport", "OnlineExporter", "loader_feature_spec"]

@@ -6,7 +6,7 @@ as an injected reader:
 - :func:`export_trainer`: the trainer's dense model and step now, with the PS tables' rows as
   snapshots (e.g. from the PS checkpoint reader, or the in-process shards' tables).
 - :func:`export_job_checkpoint`: a complete job checkpoint on disk: its ``dense`` part
-  (:func:`services.worker.checkpoints.load_dense_part`) and every shard's part, read by
+  (:func:`services.worker.job_checkpoints.load_dense_part`) and every shard's part, read by
   ``read_shards(root, checkpoint_id)`` (the PS checkpoint reader, injected by the caller:
   it returns each table's snapshots in the order to apply them, over all shards).
 """
@@ -21,7 +21,7 @@ from services.common.checkpoints import read_job_manifest, read_part
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.serve.export import SnapshotLike, tables_from_snapshots, write_version
 from services.serve.spec import FeatureSpec
-from services.worker.checkpoints import load_dense_part
+from services.worker.job_checkpoints import load_dense_part
 from services.worker.models import ModelConfig
 
 __all__ = ["ReadShards", "export_job_checkpoint", "export_trainer"]

@@ -35,9 +35,9 @@ from services.loader.arrow import ArrowConverter
 from services.loader.config import SourceSpec
 from services.loader.hashing import DenseTransform, feature_seed
 from services.loader.parsers import TextParser
+from services.loader.planted import synthetic_profile
 from services.loader.schema import FeatureSchema, TextLayout, criteo_layout, load_schema_file
 from services.loader.sources.base import message_layout
-from services.loader.synthetic import synthetic_profile
 
 __all__ = ["LAYOUTS", "FeatureSpec", "Features", "spec_from_source"]
 

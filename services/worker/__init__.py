@@ -20,7 +20,7 @@ from services.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from services.worker.config import TrainerConfig, ps_table_configs
-    from services.worker.local import run_local_training
+    from services.worker.local_ranks import run_local_training
     from services.worker.models import ModelConfig
     from services.worker.pipeline import EmbeddingPipeline, Prepared
     from services.worker.pooling import BatchPlan, plan_batch, pool_batch
@@ -51,7 +51,7 @@ _HOME = {
     "LossCurve": "summary", "ModelConfig": "models", "Prepared": "pipeline",
     "SyncConfig": "sync", "SyncStrategy": "sync", "Trainer": "trainer",
     "TrainerConfig": "config", "make_sync": "sync", "plan_batch": "pooling",
-    "pool_batch": "pooling", "ps_table_configs": "config", "run_local_training": "local",
+    "pool_batch": "pooling", "ps_table_configs": "config", "run_local_training": "local_ranks",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _HOME)

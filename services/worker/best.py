@@ -12,7 +12,7 @@ would have. Every push is acknowledged before a validation, so the state evaluat
 state snapshotted.
 
 One worker only: with several, each rank's snapshot and the PS's would have to be one
-consistent cut (``services.worker.checkpoints``); :func:`keeps_best` and :class:`BestState`
+consistent cut (``services.worker.job_checkpoints``); :func:`keeps_best` and :class:`BestState`
 refuse it with a clear error.
 """
 

@@ -39,7 +39,7 @@ from services.common.errors import ConfigError, Unavailable
 from services.common.lifecycle import settle
 from services.common.sharding import ShardedIds
 from services.worker.exchange import EmbeddingPath
-from services.worker.head_sets import (
+from services.worker.head_kernels import (
     MIX,
     NO_MEMBERS,
     hash_set,

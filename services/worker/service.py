@@ -5,7 +5,7 @@ running loader (``--loader host:port`` or ``registry``) or by batches generated 
 Its lifecycle (:func:`run_worker`): check the flags, join the process group, find the loader,
 build the :class:`~services.worker.trainer.Trainer`, train (on rank 0 with
 ``--checkpoint-dir``: under job checkpoints, periodic, on request over REST and at SIGTERM, see
-:mod:`services.worker.checkpoints`), print the summary.
+:mod:`services.worker.job_checkpoints`), print the summary.
 
 There is no ``server.py``: a worker serves nothing over gRPC. It is a client of the PS and of
 the loader (``clients``), its ranks talk over torch.distributed, and what it serves is REST:
@@ -117,7 +117,7 @@ def run_worker(args: argparse.Namespace, config: TrainerConfig, *,
 async def _train(args: argparse.Namespace, config: TrainerConfig, rank: int, world: int,
                  data: InProcessData | None) -> dict[str, Any] | None:
     from clients.loader_client import LoaderClient
-    from services.worker.local import read_loader
+    from services.worker.local_ranks import read_loader
     from services.worker.trainer import Trainer
 
     loader = args.loader
@@ -161,7 +161,7 @@ async def _resume(trainer: Any, args: argparse.Namespace, first: Batch) -> int:
     number of this rank's batches it already covered."""
     if not (args.resume and args.checkpoint_dir):
         return 0
-    from services.worker.checkpoints import resume_state
+    from services.worker.job_checkpoints import resume_state
 
     state = resume_state(args.checkpoint_dir)
     if state is None:
@@ -179,7 +179,7 @@ async def _fit(trainer: Any, batches: Any, test: Any, args: argparse.Namespace,
     if not args.checkpoint_dir or rank != 0:
         return summary_dict(await trainer.fit(batches, eval_batches=test))
     from services.common.registry import open_registry
-    from services.worker.checkpoints import (
+    from services.worker.job_checkpoints import (
         JobCheckpointer,
         JobControl,
         fit_with_checkpoints,

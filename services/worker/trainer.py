@@ -74,9 +74,9 @@ from services.worker.compute import (
     every_rank_has_a_first_batch,
 )
 from services.worker.config import TrainerConfig
+from services.worker.dense_optimizers import ONEBIT_OPTIMIZERS, make_optimizer
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
 from services.worker.models import ModelConfig, pick_device
-from services.worker.optimizers import ONEBIT_OPTIMIZERS, make_optimizer
 from services.worker.pipeline import EmbeddingPipeline, Prepared
 from services.worker.pooling import BatchPlan
 from services.worker.rows_link import RowsLink

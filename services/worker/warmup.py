@@ -28,7 +28,7 @@ from torch import nn
 from clients.rows import WarmRows
 from services.common.batch import Batch, Jagged
 from services.worker.exchange import EmbeddingPath, PooledPath
-from services.worker.head_sets import warm_up as warm_up_head_sets
+from services.worker.head_kernels import warm_up as warm_up_head_sets
 from services.worker.pipeline import EmbeddingPipeline
 from services.worker.pooling import BatchPlan
 

@@ -8,10 +8,10 @@
   (the job part ``positions``), which a loader under ``--checkpoint-dir`` resumes from.
 - :mod:`services.ps.checkpoint`: a PS shard's own part (``root/<id>/shard-<k>-of-<n>/``):
   atomic, checksummed, incremental and reshardable; the PS admin API writes and restores it.
-- :mod:`services.worker.checkpoints`: the coordinator run by worker rank 0
-  (:class:`~services.worker.checkpoints.JobCheckpointer`: PS parts over their admin API, then
-  the job parts, then the manifest; :class:`~services.worker.checkpoints.ConsistentCut`: a
-  cut across ranks; :class:`~services.worker.checkpoints.JobControl`: periodic,
+- :mod:`services.worker.job_checkpoints`: the coordinator run by worker rank 0
+  (:class:`~services.worker.job_checkpoints.JobCheckpointer`: PS parts over their admin API, then
+  the job parts, then the manifest; :class:`~services.worker.job_checkpoints.ConsistentCut`: a
+  cut across ranks; :class:`~services.worker.job_checkpoints.JobControl`: periodic,
   on request over REST, at SIGTERM; ``resume_state``).
 - :mod:`services.local.supervise` with :class:`services.local.processes.LocalPS`: a PS shard
   that dies on this machine is restarted from the newest complete job checkpoint.

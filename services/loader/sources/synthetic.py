@@ -1,7 +1,7 @@
 """``synthetic:ROWS``: the planted data set generated in memory, chunk by chunk.
 
 ``?profile=toy|criteo`` picks the data set (``&max_vocab=N&zipf=X`` shape the criteo one;
-see :func:`services.loader.synthetic.synthetic_profile`), ``?split=train|test|validation`` the split.
+see :func:`services.loader.planted.synthetic_profile`), ``?split=train|test|validation`` the split.
 
 Positions are row numbers of the split; a partition is one split in one epoch
 (``synthetic:e0:train``). Chunks are split among loader replicas (chunk k goes to replica
@@ -18,13 +18,13 @@ from typing import Any
 from services.common.errors import ConfigError
 from services.loader.batching import Settled
 from services.loader.config import LoaderConfig, SourceSpec
-from services.loader.sources.base import SourceBlock, StateFile
-from services.loader.synthetic import (
+from services.loader.planted import (
     CHUNK_ROWS,
     SyntheticConfig,
     SyntheticDataset,
     synthetic_profile,
 )
+from services.loader.sources.base import SourceBlock, StateFile
 
 __all__ = ["SyntheticSource", "synthetic_config_of"]
 

@@ -24,7 +24,7 @@ from services.worker.compression.collectives import (
 )
 from services.worker.compression.hooks import HOOK_NAMES, make_comm_hook
 from services.worker.compression.lamb import Lamb, lr_factor, sqrt_scaled_lr, trust_ratio
-from services.worker.compression.optim import OnebitAdam, OnebitLamb, dense_parameters
+from services.worker.compression.onebit import OnebitAdam, OnebitLamb, dense_parameters
 
 __all__ = [
     "HOOK_NAMES",

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from services.common.checkpoints import list_job_checkpoints
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.config import PSConfig
 from services.ps.service import PSService
 from services.ps.tables import TableConfig
-from services.worker.checkpoints import (
+from services.worker.job_checkpoints import (
     JobCheckpointer,
     JobControl,
     fit_with_checkpoints,
@@ -99,7 +99,7 @@ async def test_loader_offsets_part_reads_the_loaders_committed_offsets(tmp_path)
     from services.common.errors import NotFound
     from services.loader.config import LoaderConfig
     from services.loader.service import LoaderService
-    from services.worker.checkpoints import loader_offsets_part
+    from services.worker.job_checkpoints import loader_offsets_part
 
     loader = LoaderService(LoaderConfig(source="synthetic:1000", grpc_port=0, admin_port=0))
     await loader.start()

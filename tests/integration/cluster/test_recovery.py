@@ -19,7 +19,7 @@ from services.common.sharding import shard_of
 from services.local.processes import LocalPS
 from services.ps.config import PSConfig
 from services.ps.service import PSService
-from services.worker.checkpoints import JobCheckpointer, load_dense_part
+from services.worker.job_checkpoints import JobCheckpointer, load_dense_part
 from tests.conftest import eventually
 
 TABLES = [{"name": "emb", "dim": 4, "optimizer": {"kind": "sgd", "lr": 0.5}}]
@@ -105,7 +105,7 @@ async def test_checkpointer_refuses_a_missing_shard_part(tmp_path):
 def _dense_bytes() -> bytes:
     import torch
 
-    from services.worker.checkpoints import dense_part
+    from services.worker.job_checkpoints import dense_part
 
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

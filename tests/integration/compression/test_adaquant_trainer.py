@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
 from services.worker.config import ps_table_configs
 from services.worker.distributed import run_local_ranks

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from torch import nn
 
 from services.common.errors import ConfigError
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.local.processes import LocalPS
 from services.ps.tables import OptimizerConfig
 from services.worker.config import ps_table_configs

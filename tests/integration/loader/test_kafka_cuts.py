@@ -24,7 +24,7 @@ from services.loader.config import LoaderConfig
 from services.loader.service import LoaderService
 from services.ps.config import PSConfig
 from services.ps.service import PSService
-from services.worker.checkpoints import JobCheckpointer
+from services.worker.job_checkpoints import JobCheckpointer
 from tests.integration.loader.loader_support import MOCK_PARTITIONS
 from tests.unit.ps.counting import counting_table
 

@@ -12,7 +12,7 @@ import pytest
 from clients.loader_client import LoaderClient, SyncLoaderClient
 from services.common.errors import FailedPrecondition
 from services.common.wire import decode_message, encode_message
-from services.loader.synthetic import CHUNK_ROWS, SyntheticDataset
+from services.loader.planted import CHUNK_ROWS, SyntheticDataset
 from tests.conftest import eventually
 from tests.integration.loader.loader_support import drain, labels_of
 

@@ -87,7 +87,7 @@ async def test_a_job_checkpoint_waits_for_a_shard_that_is_restarting(tmp_path):
     from services.local.processes import free_port
     from services.ps.config import PSConfig
     from services.ps.service import PSService
-    from services.worker.checkpoints import JobCheckpointer
+    from services.worker.job_checkpoints import JobCheckpointer
 
     root = tmp_path / "ckpt"
     url = f"http://127.0.0.1:{(port := free_port())}"

@@ -174,7 +174,7 @@ async def test_ps_client_sends_the_token_from_its_argument_or_the_environment(st
 
 
 async def test_the_workers_calls_to_the_loader_admin_carry_the_token(monkeypatch):
-    from services.worker.checkpoints import _loader_admin
+    from services.worker.job_checkpoints import _loader_admin
 
     monkeypatch.setenv("PERSIMMON_TOKEN", TOKEN)
     loader = LoaderService(LoaderConfig(source="synthetic:1000", grpc_port=0, admin_port=0,

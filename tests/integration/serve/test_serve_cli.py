@@ -27,7 +27,7 @@ from serve_training import (
 
 from services.cli import main
 from services.local.processes import start_service, stop_processes
-from services.worker.checkpoints import JobCheckpointer, dense_part
+from services.worker.job_checkpoints import JobCheckpointer, dense_part
 from services.worker.trainer import Trainer
 
 PERSIMMON = [sys.executable, "-m", "services.cli"]

@@ -27,7 +27,7 @@ from services.ps.inprocess import InProcessShards
 from services.serve.__main__ import export_from_flags
 from services.serve.config import ExportConfig
 from services.serve.sources import export_trainer
-from services.worker.checkpoints import JobCheckpointer, dense_part
+from services.worker.job_checkpoints import JobCheckpointer, dense_part
 from services.worker.models import MODELS
 from services.worker.trainer import Trainer
 

@@ -28,7 +28,7 @@ from clients.ps_client import PSClient
 from services.common.errors import ConfigError, InvalidArgument
 from services.serve.__main__ import export_from_flags
 from services.serve.config import ExportConfig, ServeConfig
-from services.worker.checkpoints import JobCheckpointer, dense_part
+from services.worker.job_checkpoints import JobCheckpointer, dense_part
 from services.worker.trainer import Trainer
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from services.worker.config import TrainerConfig
+from services.worker.dense_optimizers import make_optimizer
 from services.worker.distributed import run_local_ranks
-from services.worker.optimizers import make_optimizer
 
 STEPS, LR, BETA, RHO, ROWS, DIM = 12, 0.05, 0.9, 0.5, 16, 4
 

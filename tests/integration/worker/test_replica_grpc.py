@@ -14,7 +14,7 @@ from clients.ps_client import PSClient
 from clients.ps_process import PSClientProcess
 from services.common.config import from_dict
 from services.common.sharding import ShardedIds
-from services.loader.synthetic import SyntheticDataset
+from services.loader.planted import SyntheticDataset
 from services.ps.config import PSConfig
 from services.ps.replica import HeadReplica
 from services.ps.service import PSService

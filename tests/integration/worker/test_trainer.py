@@ -13,7 +13,7 @@ import torch
 from clients.ps_process import PSClientProcess
 from services.common.batch import Batch
 from services.common.errors import ConfigError, InvalidArgument
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.local.processes import LocalPS
 from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig

@@ -19,7 +19,7 @@ import torch
 
 from clients.ps_process import PSClientProcess
 from services.common.errors import ConfigError
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.config import PSConfig
 from services.ps.inprocess import InProcessShards
 from services.ps.service import PSService

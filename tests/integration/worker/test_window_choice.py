@@ -9,7 +9,7 @@ import pytest
 from bench.netem import LatencyProxy
 from clients.ps_client import PSClient
 from services.common.config import from_dict
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.config import PSConfig
 from services.ps.inprocess import InProcessShards
 from services.ps.service import PSService

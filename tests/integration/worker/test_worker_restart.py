@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from clients.ps_client import PSClient
-from services.loader.synthetic import SyntheticConfig
+from services.loader.planted import SyntheticConfig
 from services.local.processes import LocalLoader, LocalPS, free_port
 from services.worker.config import ps_table_configs
 

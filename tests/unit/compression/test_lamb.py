@@ -102,7 +102,7 @@ def test_trainer_settings_of_lamb_are_checked() -> None:
 
 
 def test_the_trainer_scales_lamb_lr_with_the_square_root_of_the_batch() -> None:
-    from services.worker.optimizers import make_optimizer
+    from services.worker.dense_optimizers import make_optimizer
 
     config = TrainerConfig(dense_optimizer="lamb", lr=0.01, lamb_warmup_steps=3,
                            lamb_base_batch=128)

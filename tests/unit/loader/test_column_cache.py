@@ -12,8 +12,8 @@ import pytest
 from services.common.errors import ConfigError
 from services.loader.cache import MANIFEST, ColumnCache
 from services.loader.config import LoaderConfig, SourceSpec
+from services.loader.planted import SyntheticDataset, synthetic_profile
 from services.loader.sources.files import FileSource
-from services.loader.synthetic import SyntheticDataset, synthetic_profile
 
 ROWS = 3000
 

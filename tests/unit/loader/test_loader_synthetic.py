@@ -11,7 +11,7 @@ from sklearn.linear_model import LogisticRegression
 from services.common.errors import ConfigError
 from services.common.scoring import auc, logloss
 from services.loader.parsers import TextParser
-from services.loader.synthetic import (
+from services.loader.planted import (
     CHUNK_ROWS,
     SyntheticConfig,
     SyntheticDataset,

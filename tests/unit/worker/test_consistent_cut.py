@@ -10,7 +10,7 @@ import pytest
 
 from services.common.checkpoints import latest_complete
 from services.common.errors import InvalidArgument, Unavailable
-from services.worker.checkpoints import ConsistentCut, JobCheckpointer
+from services.worker.job_checkpoints import ConsistentCut, JobCheckpointer
 from tests.conftest import eventually
 
 

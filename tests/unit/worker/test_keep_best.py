@@ -14,7 +14,7 @@ import torch
 from clients.rows import RowsSnapshots
 from services.common.batch import Batch
 from services.common.errors import ConfigError, FailedPrecondition
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
 from services.worker.best import BestState
 from services.worker.config import TrainerConfig, ps_table_configs

@@ -13,7 +13,7 @@ import pytest
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.sharding import ShardedIds
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.config import PSConfig
 from services.ps.inprocess import InProcessShards
 from services.ps.replica import HeadReplica

@@ -12,7 +12,7 @@ import pytest
 
 from clients.rows import RowsClient
 from services.common.errors import ConfigError
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
 from services.worker.compute import CPU_SWITCH_INTERVAL
 from services.worker.config import ps_table_configs

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
 from services.worker.config import ps_table_configs
 from services.worker.models import DenseNorm, ModelConfig
@@ -34,7 +34,7 @@ FEATURES = DATA.sparse_names
 CHILD = """
 import asyncio, json, sys
 from numba.core.registry import CPUDispatcher
-from services.loader.synthetic import SyntheticConfig, SyntheticDataset
+from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
 from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig

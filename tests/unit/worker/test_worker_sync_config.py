@@ -218,7 +218,7 @@ def test_persimmon_commands_take_the_sync_flags(command: str) -> None:
 def test_momentum_sgd_for_dmsgd_and_bad_momentum() -> None:
     from torch import nn
 
-    from services.worker.optimizers import make_optimizer
+    from services.worker.dense_optimizers import make_optimizer
 
     config = TrainerConfig(dense_optimizer="sgd", momentum=0.9, lr=0.1, sync="gossip")
     optimizer = make_optimizer("sgd", nn.Linear(3, 1), config)

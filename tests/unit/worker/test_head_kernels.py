@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from services.common.sharding import ShardedIds
-from services.worker.head_sets import NO_MEMBERS, hash_set, partition
+from services.worker.head_kernels import NO_MEMBERS, hash_set, partition
 
 
 @pytest.mark.parametrize("num_shards", [1, 3])
