@@ -13,11 +13,12 @@ real gRPC stream, hostile bodies on the real admin port. For each it prints:
 - ``rss_mb``: the shard's peak resident memory during the attack above its resident memory
   before it (the peak is reset before each attack through ``/proc/PID/clear_refs``);
 - ``rows_changed``: probe rows whose values or optimizer state differ (bit for bit) after
-  the attack.
+  the attack (``refused``: the answer applied nothing, an error or a push acked with 0 rows),
+  and ``nonfinite_rows``: probe rows left NaN or infinite.
 
 A shard that timed out or died is restarted before the next attack. Figures:
-``abuse_max_stall_ms``, ``abuse_max_rss_mb``, ``abuse_rows_changed`` (summed),
-``abuse_max_answer_ms``, ``abuse_cases``.
+``abuse_max_stall_ms``, ``abuse_max_rss_mb``, ``abuse_rows_changed`` (summed over the refused
+requests), ``abuse_rows_nonfinite``, ``abuse_max_answer_ms``, ``abuse_cases``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import asyncio
 import http.client
 import json
 import os
+import select
+import socket
 import struct
 import sys
 import tempfile
@@ -222,24 +225,41 @@ async def snapshot(address: str) -> dict[str, bytes]:
 def admin(port: int, method: str, path: str, *, body: bytes | None = None,
           chunks: int = 0, token: bool = True, timeout: float = 30.0) -> str:
     """One admin request: its HTTP status. ``chunks`` MiB sent chunked instead of ``body``."""
+    if chunks:
+        return _chunked(port, method, path, chunks, timeout)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     headers = {"content-type": "application/json"}
     if token:
         headers["authorization"] = f"Bearer {TOKEN}"
     try:
-        if chunks:
-            piece = b" " * 2**20
-            conn.request(method, path, body=(piece for _ in range(chunks)), headers=headers,
-                         encode_chunked=True)
-        else:
-            conn.request(method, path, body=body, headers=headers)
+        conn.request(method, path, body=body, headers=headers)
         return str(conn.getresponse().status)
     except TimeoutError:
         return "timeout"
-    except OSError as exc:  # the server closed the connection mid-body
-        return f"closed ({type(exc).__name__})"
     finally:
         conn.close()
+
+
+def _chunked(port: int, method: str, path: str, mib: int, timeout: float) -> str:
+    """A body of ``mib`` 1 MiB chunks, sent while the server has not answered: the status
+    it answered with (``closed``: it closed the connection with no answer)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                     f"authorization: Bearer {TOKEN}\r\ncontent-type: application/json\r\n"
+                     "transfer-encoding: chunked\r\n\r\n".encode())
+        chunk = b"100000\r\n" + b" " * 2**20 + b"\r\n"
+        try:
+            for _ in range(mib):
+                if select.select([sock], [], [], 0)[0]:
+                    break  # answered before the whole body
+                sock.sendall(chunk)
+            else:
+                sock.sendall(b"0\r\n\r\n")
+            head = sock.recv(64)
+        except OSError:
+            return "closed"
+    parts = head.split(b" ", 2)
+    return parts[1].decode() if len(parts) > 1 and parts[0].startswith(b"HTTP/") else "closed"
 
 
 # ---- the attacks ------------------------------------------------------------------------------
@@ -276,14 +296,17 @@ def _grad(value: float) -> np.ndarray:
     return np.full((PROBE_IDS.size, DIM), value, dtype=np.float32)
 
 
-async def _dedup_forgets(address: str, timeout: float) -> str:
-    """A push, pushes from 1,100 fresh clients, then a retry of the first push."""
-    first = push_frame("dedup", PROBE_IDS, _grad(-1.0), client=7, seq=1)
-    scratch = PROBE_IDS[:1]
+def _first_push() -> bytes:
+    return push_frame("dedup", PROBE_IDS, _grad(-1.0), client=7, seq=1)
+
+
+async def _push_then_fresh_clients(shard: ShardProcess, timeout: float) -> None:
+    """The dedup attack's set-up: a push, then pushes from 1,100 fresh clients (to rows
+    not compared), enough to push the first client out of a window of 1,024."""
+    await send_frame(shard.address, "Push", _first_push(), timeout)
     for client in range(1000, 2100):
-        await send_frame(address, "Push", push_frame(SCRATCH, scratch, _grad(0.0)[:1],
-                                                     client=client, seq=1), timeout)
-    return await send_frame(address, "Push", first, timeout)
+        await send_frame(shard.address, "Push", push_frame(
+            SCRATCH, PROBE_IDS[:1], _grad(0.0)[:1], client=client, seq=1), timeout)
 
 
 @dataclass(frozen=True)
@@ -314,11 +337,6 @@ def _table_body(**fields: Any) -> bytes:
     return json.dumps({"name": "attack", "dim": DIM, **fields}).encode()
 
 
-async def _first_dedup_push(shard: ShardProcess, timeout: float) -> Any:
-    return await send_frame(shard.address, "Push", push_frame(
-        "dedup", PROBE_IDS, _grad(-1.0), client=7, seq=1), timeout)
-
-
 ATTACKS = [
     Attack("tag_workers_6e6", "Lookup tagged [0, 0, 6,000,000]",
            _frame("Lookup", lambda: lookup_frame(SCRATCH, PROBE_IDS, tag=[0, 0, 6_000_000]))),
@@ -340,9 +358,8 @@ ATTACKS = [
            _frame("Push", lambda: push_frame("adagrad", PROBE_IDS, _grad(1e20), seq=13))),
     Attack("ftrl_1e20", "FTRL, gradient 1e20",
            _frame("Push", lambda: push_frame("ftrl", PROBE_IDS, _grad(1e20), seq=14))),
-    Attack("dedup_forgets", "a push, 1,100 fresh clients' pushes, then its retry",
-           lambda shard, timeout: _dedup_forgets(shard.address, timeout),
-           setup=_first_dedup_push),
+    Attack("dedup_forgets", "after a push and 1,100 fresh clients' pushes, its retry",
+           _frame("Push", _first_push), setup=_push_then_fresh_clients),
     Attack("admin_chunked_20mib", "POST /v1/tables with a chunked 20 MiB body",
            _admin("POST", "/v1/tables", chunks=20)),
     Attack("admin_read_no_token", "GET a row without the token",
@@ -366,6 +383,23 @@ async def _seed(shard: ShardProcess) -> None:
                 table, PROBE_IDS, _grad(0.25), client=100 + k, seq=1), 60)
             if not answer.startswith("OK"):
                 raise RuntimeError(f"seeding table {table} failed: {answer}")
+
+
+def _nonfinite_rows(snap: dict[str, bytes]) -> int:
+    """Probe rows whose values or state are not all finite (rows travel as float32, and
+    every optimizer's state is float32)."""
+    bad = 0
+    for raw in snap.values():
+        if raw == b"error":
+            continue
+        values = np.frombuffer(raw, np.float32).reshape(PROBE_IDS.size, -1)
+        bad += int((~np.isfinite(values)).any(axis=1).sum())
+    return bad
+
+
+def _refused(answer: str) -> bool:
+    """Whether an answer applied nothing: an error, or a push acknowledged with 0 rows."""
+    return not answer.startswith("OK") or " applied=0 " in answer + " "
 
 
 def _rows_differing(before: bytes, after: bytes) -> int:
@@ -404,6 +438,8 @@ async def _attack(shard: ShardProcess, prober: Prober, attack: Attack, timeout: 
         return row
     after = await snapshot(shard.address)
     row["rows_changed"] = sum(_rows_differing(before[t], after[t]) for t in TABLES)
+    row["refused"] = _refused(answer)
+    row["nonfinite_rows"] = _nonfinite_rows(after)
     return row
 
 
@@ -443,22 +479,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "abuse_max_rss_mb": max((r["rss_mb"] for r in rows if r["rss_mb"] is not None),
                                 default=None) if all(r["rss_mb"] is not None for r in rows)
         else None,
-        "abuse_rows_changed": sum(changed) if None not in changed else None,
+        # rows a refused request changed, and rows left NaN/Inf by any request
+        "abuse_rows_changed": sum(r["rows_changed"] for r in rows if r.get("refused"))
+        if None not in changed else None,
+        "abuse_rows_nonfinite": max((r["nonfinite_rows"] for r in rows
+                                     if "nonfinite_rows" in r), default=0),
     }
 
 
 def show(result: dict[str, Any]) -> None:
     table = Table(title="bench abuse: hostile requests against one live shard")
     for column in ("attack", "answer", "answer ms", "/healthz stall ms", "RSS +MiB",
-                   "rows changed"):
+                   "rows changed", "non-finite rows"):
         table.add_column(column)
     for r in result["rows"]:
         table.add_row(r["attack"], r["answer"], f"{r['answer_ms']:.0f}", f"{r['stall_ms']:.0f}",
                       "-" if r["rss_mb"] is None else f"{r['rss_mb']:.1f}",
-                      "-" if r["rows_changed"] is None else str(r["rows_changed"]))
+                      "-" if r["rows_changed"] is None else str(r["rows_changed"]),
+                      str(r.get("nonfinite_rows", "-")))
     Console().print(table)
     keys = ("abuse_cases", "abuse_max_stall_ms", "abuse_max_answer_ms", "abuse_max_rss_mb",
-            "abuse_rows_changed")
+            "abuse_rows_changed", "abuse_rows_nonfinite")
     print(json.dumps({k: result[k] for k in keys}))
 
 
