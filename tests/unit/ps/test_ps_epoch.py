@@ -42,9 +42,12 @@ def counts(shard: Shard) -> np.ndarray:
     return applied_counts(np.where(present[:, None], rows, 0))
 
 
-def test_a_push_queued_before_a_restore_is_refused_after_it(tmp_path):
-    """A push received in epoch 1, waiting in the shard's threads while a restore runs, is
-    refused once it runs (it used to be applied to the rolled-back tables)."""
+@pytest.mark.parametrize("epoch", [1, None])
+def test_a_push_queued_before_a_restore_is_refused_after_it(tmp_path, epoch):
+    """A push received in epoch 1 (carrying it, or none: fenced by the epoch it arrived in),
+    waiting in the shard's threads while a restore runs, is refused once it runs (it used to
+    be applied to the rolled-back tables)."""
+    origin = PushOrigin(7, 1) if epoch is None else PushOrigin(7, 1, epoch)
     shard = make_shard(tmp_path)
     asyncio.run(shard.checkpoint("c1"))
     release = threading.Event()
@@ -53,13 +56,15 @@ def test_a_push_queued_before_a_restore_is_refused_after_it(tmp_path):
         loop = asyncio.get_running_loop()
         loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(1))
         busy = loop.run_in_executor(None, release.wait)  # the shard's threads are busy
-        queued = asyncio.ensure_future(shard.push_many(
-            ["count"], [IDS.size], IDS, count_grads(IDS.size), origin=PushOrigin(7, 1, 1)))
-        await asyncio.sleep(0)  # the push is received and waits for a thread behind `busy`
-        restore = threading.Thread(target=lambda: asyncio.run(shard.restore("c1")))
-        restore.start()
-        restore.join()
-        release.set()
+        try:
+            queued = asyncio.ensure_future(shard.push_many(
+                ["count"], [IDS.size], IDS, count_grads(IDS.size), origin=origin))
+            await asyncio.sleep(0)  # the push is received and waits for a thread behind `busy`
+            restore = threading.Thread(target=lambda: asyncio.run(shard.restore("c1")))
+            restore.start()
+            restore.join()
+        finally:
+            release.set()
         await busy
         try:
             return await queued
