@@ -8,12 +8,8 @@ its admin REST API to write its part under the shared id, writes the given job p
 marks the checkpoint complete; the manifest is published as the job state in the registry. A
 crash at any step leaves an incomplete checkpoint that restore never picks.
 
-:class:`JobControl` hooks into a trainer through its ``on_step`` callback: at a step where a
-checkpoint is due (every N steps or seconds) or was requested (``POST /v1/job/checkpoints``),
-it captures the dense state between two steps, so model and optimizer are consistent, and
-writes the job checkpoint in the background. After :meth:`JobControl.request_stop` (the
-SIGTERM handler) the next step raises :class:`StopTraining`; the worker then writes a final
-checkpoint and exits cleanly.
+:class:`~services.worker.job_control.JobControl` takes these checkpoints while a trainer
+trains (periodic, on request over REST, at SIGTERM), each a consistent cut of the job.
 
 Consistent cuts (:class:`ConsistentCut`, exactly once with a Kafka loader under
 ``--checkpoint-dir``): every rank stops at the same step, drains its in-flight pushes and
@@ -35,7 +31,6 @@ import asyncio
 import io
 import json
 import logging
-import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -49,7 +44,6 @@ from services.common.checkpoints import (
     JOB_MANIFEST,
     clean_job_temp,
     latest_complete,
-    list_job_checkpoints,
     prune_job_checkpoints,
     read_job_manifest,
     read_part,
@@ -69,15 +63,13 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.files import atomic_write
-from services.common.lifecycle import settle
 from services.common.registry import Registry, discover_shards
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
+    pass
 
-__all__ = ["ConsistentCut", "JobCheckpointer", "JobControl", "StopTraining", "dense_part",
-           "fit_with_checkpoints",
-           "load_dense_part", "loader_offsets_part", "make_job_admin", "resume_state"]
+__all__ = ["ConsistentCut", "JobCheckpointer", "dense_part", "load_dense_part",
+           "loader_offsets_part", "resume_state"]
 
 log = logging.getLogger(__name__)
 
@@ -289,127 +281,6 @@ class ConsistentCut:
                                 f"/v1/cuts/{checkpoint_id}/commit")
         except (httpx.HTTPError, PersimmonError) as exc:
             log.warning("committing cut %s to the loader failed: %s", checkpoint_id, exc)
-
-
-class StopTraining(Exception):  # noqa: N818 - a request, not an error
-    """Raised from ``on_step`` after :meth:`JobControl.request_stop` (e.g. SIGTERM)."""
-
-
-class JobControl:
-    """Checkpoints for a trainer exposing ``dense_state()`` (see module docstring)."""
-
-    def __init__(self, checkpointer: JobCheckpointer, dense_state: Callable[[], dict[str, Any]]
-                 ) -> None:
-        self.checkpointer = checkpointer
-        self._dense_state = dense_state
-        self._requests: list[asyncio.Future[dict[str, Any]]] = []
-        self._writes: set[asyncio.Task[dict[str, Any]]] = set()
-        self._stop = False
-        self.step = 0
-
-    def on_step(self, info: dict[str, Any]) -> None:
-        """The trainer's ``on_step`` callback (runs on the event loop, between steps)."""
-        self.step = int(info["step"])
-        if self._stop:
-            raise StopTraining(f"stop requested at step {self.step}")
-        if self._requests or self.checkpointer.due(self.step):
-            waiting, self._requests = self._requests, []
-            task = asyncio.get_running_loop().create_task(self.checkpointer.checkpoint(
-                self.step, parts=self._parts()))  # the state now, between two steps
-            self._writes.add(task)
-            task.add_done_callback(lambda t: self._finish(t, waiting))
-
-    def _finish(self, task: asyncio.Task[dict[str, Any]],
-                waiting: list[asyncio.Future[dict[str, Any]]]) -> None:
-        self._writes.discard(task)
-        for future in waiting:
-            settle(future, task)
-
-    def _parts(self) -> dict[str, bytes]:
-        return {"dense": dense_part(self._dense_state())}
-
-    async def checkpoint_now(self) -> dict[str, Any]:
-        """Write a job checkpoint of the current step (call between steps)."""
-        return await self.checkpointer.checkpoint(self.step, parts=self._parts())
-
-    async def requested(self) -> dict[str, Any]:
-        """A checkpoint at the next step boundary; returns its manifest once complete."""
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._requests.append(future)
-        return await future
-
-    def request_stop(self) -> None:
-        self._stop = True
-
-    async def close(self, *, final: bool = True) -> dict[str, Any] | None:
-        """After training: wait for checkpoints being written, then write a last one (when
-        ``final`` or when one is still requested) and return its manifest."""
-        await asyncio.gather(*self._writes, return_exceptions=True)
-        if not (final or self._requests):
-            return None
-        waiting, self._requests = self._requests, []
-        manifest = await self.checkpoint_now()
-        for future in waiting:
-            future.set_result(manifest)
-        return manifest
-
-
-async def fit_with_checkpoints(trainer: Any, batches: Any, control: JobControl, *,
-                               eval_batches: Any = None, admin_port: int | None = None,
-                               host: str = "0.0.0.0") -> tuple[dict[str, Any] | None,
-                                                               dict[str, Any] | None]:
-    """``trainer.fit`` under ``control``: SIGTERM stops at the next step, the job admin REST
-    runs on ``admin_port`` meanwhile, and a final checkpoint is written at the end.
-    Returns (the fit summary, or None when stopped; the final checkpoint's manifest)."""
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, control.request_stop)
-    from services.common.admin import AdminServer
-
-    admin = AdminServer(make_job_admin(control), host, admin_port) \
-        if admin_port is not None else None
-    trainer.on_step = control.on_step
-    summary: dict[str, Any] | None = None
-    try:
-        if admin is not None:
-            await admin.start()
-        summary = await trainer.fit(batches, eval_batches=eval_batches)
-    except StopTraining as exc:
-        log.info("%s: writing a final checkpoint", exc)
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-        try:
-            manifest = await control.close(final=True)
-        finally:
-            if admin is not None:
-                await admin.close()
-    return summary, manifest
-
-
-def make_job_admin(control: JobControl) -> FastAPI:
-    """Admin REST of the job: ``POST /v1/job/checkpoints`` (returns the manifest once the
-    checkpoint is complete) and ``GET /v1/job/checkpoints`` (the complete ones)."""
-    from prometheus_client import CollectorRegistry  # the admin app's imports: on first use
-
-    from services.common.admin import make_admin_app
-
-    root = control.checkpointer.root
-    app = make_admin_app(title="Persimmon job", registry=CollectorRegistry(),
-                         config=lambda: {"checkpoint_dir": str(root),
-                                         "every_steps": control.checkpointer.every_steps,
-                                         "every_s": control.checkpointer.every_s},
-                         ready=lambda: True)
-
-    @app.post("/v1/job/checkpoints", tags=["job"], status_code=201)
-    async def create_checkpoint() -> dict[str, Any]:
-        """Checkpoint the whole job at the next step boundary."""
-        return await control.requested()
-
-    @app.get("/v1/job/checkpoints", tags=["job"])
-    async def checkpoints() -> list[dict[str, Any]]:
-        """Manifests of the complete job checkpoints, oldest first."""
-        return await asyncio.to_thread(list_job_checkpoints, root)
-
-    return app
 
 
 def resume_state(root: Path | str) -> dict[str, Any] | None:

@@ -174,35 +174,40 @@ async def _resume(trainer: Any, args: argparse.Namespace, first: Batch) -> int:
 
 async def _fit(trainer: Any, batches: Any, test: Any, args: argparse.Namespace,
                registry_url: str | None, rank: int) -> dict[str, Any] | None:
-    """``trainer.fit``; on rank 0 with ``--checkpoint-dir``, under job checkpoints (periodic,
-    REST on ``--job-admin-port``, SIGTERM). None when stopped by SIGTERM."""
-    if not args.checkpoint_dir or rank != 0:
+    """``trainer.fit``; with ``--checkpoint-dir``, under consistent job cuts on every rank
+    (rank 0 writes them: periodic, REST on ``--job-admin-port``, SIGTERM). None when
+    stopped by SIGTERM."""
+    if not args.checkpoint_dir:
         return summary_dict(await trainer.fit(batches, eval_batches=test))
-    from services.common.registry import open_registry
-    from services.worker.job_checkpoints import (
-        JobCheckpointer,
-        JobControl,
-        fit_with_checkpoints,
-        loader_offsets_part,
-    )
+    import torch.distributed as dist
 
-    registry = open_registry(registry_url) if registry_url else None
-    loaders = await registry.members("loader") if registry is not None else []
-    parts = {"loader-offsets": loader_offsets_part(loaders[0].admin_url)} \
-        if loaders and loaders[0].admin_url else {}
-    checkpointer = JobCheckpointer(
-        args.checkpoint_dir, admin_urls=args.ps_admin.split(",") if args.ps_admin else None,
-        registry=registry, parts=parts, every_steps=args.checkpoint_every_steps,
-        every_s=args.checkpoint_every_s, keep=args.keep_checkpoints)
+    from services.common.registry import open_registry
+    from services.worker.compute import distributed
+    from services.worker.job_checkpoints import JobCheckpointer, loader_offsets_part
+    from services.worker.job_control import JobControl, fit_with_checkpoints
+
+    group = dist.new_group(backend="gloo") if distributed() else None  # the cuts' meetings
+    registry = open_registry(registry_url) if registry_url and rank == 0 else None
     try:
+        checkpointer = None
+        if rank == 0:
+            loaders = await registry.members("loader") if registry is not None else []
+            parts = {"loader-offsets": loader_offsets_part(loaders[0].admin_url)} \
+                if loaders and loaders[0].admin_url else {}
+            checkpointer = JobCheckpointer(
+                args.checkpoint_dir,
+                admin_urls=args.ps_admin.split(",") if args.ps_admin else None,
+                registry=registry, parts=parts, every_steps=args.checkpoint_every_steps,
+                every_s=args.checkpoint_every_s, keep=args.keep_checkpoints)
         summary, manifest = await fit_with_checkpoints(
-            trainer, batches, JobControl(checkpointer, trainer.dense_state), eval_batches=test,
-            admin_port=args.job_admin_port)
+            trainer, batches, JobControl(checkpointer, trainer, group=group),
+            eval_batches=test, admin_port=args.job_admin_port)
     finally:
         if registry is not None:
             await registry.close()
-    print(json.dumps({"job_checkpoint": manifest and manifest["checkpoint_id"],
-                      "step": manifest and manifest["step"]}))
+    if rank == 0:
+        print(json.dumps({"job_checkpoint": manifest and manifest["checkpoint_id"],
+                          "step": manifest and manifest["step"]}))
     return None if summary is None else summary_dict(summary)
 
 

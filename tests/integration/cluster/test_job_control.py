@@ -10,6 +10,7 @@ import os
 import signal
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -18,12 +19,8 @@ from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.config import PSConfig
 from services.ps.service import PSService
 from services.ps.tables import TableConfig
-from services.worker.job_checkpoints import (
-    JobCheckpointer,
-    JobControl,
-    fit_with_checkpoints,
-    resume_state,
-)
+from services.worker.job_checkpoints import JobCheckpointer, resume_state
+from services.worker.job_control import JobControl, fit_with_checkpoints
 from services.worker.trainer import Trainer
 from tests.conftest import eventually, free_port
 
@@ -45,7 +42,7 @@ async def test_periodic_rest_and_sigterm_checkpoints_then_resume(tmp_path) -> No
                           mode="sync", seed=3)
         checkpointer = JobCheckpointer(root, admin_urls=[s.admin_url for s in shards],
                                        every_steps=5)
-        control = JobControl(checkpointer, trainer.dense_state)
+        control = JobControl(checkpointer, trainer)
 
         async def operator() -> None:
             while control.step < 7:
@@ -88,6 +85,59 @@ async def test_periodic_rest_and_sigterm_checkpoints_then_resume(tmp_path) -> No
             assert resumed.step == final["step"] + 2
     finally:
         for s in shards:
+            await s.close()
+
+
+async def _shards(root, n: int = 2) -> list[PSService]:
+    shards = [PSService(PSConfig(shard_id=k, num_shards=n, grpc_port=0, admin_port=0,
+                                 checkpoint_dir=str(root),
+                                 tables=[TableConfig(name=f, dim=4) for f in FEATURES]))
+              for k in range(n)]
+    for s in shards:
+        await s.start()
+    return shards
+
+
+async def test_a_job_checkpoint_is_a_cut_no_later_push_in_its_rows(tmp_path) -> None:
+    """Sync mode is bit-reproducible, so the PS part of the checkpoint at step 10 must hold
+    exactly the rows of a second run of the first 10 steps: no push of a later step (parts
+    written in the background while training goes on), none of its own steps missing (pushes
+    still in flight when the parts were written). Rows that later batches' lookups created
+    (looked up ahead of the cut) may be there too, at their initial values."""
+    from services.ps.checkpoint import read_checkpoint
+
+    root = tmp_path / "ckpt"
+    batches = list(SyntheticDataset(SyntheticConfig()).batches(64, 64 * 20, "train"))
+    first = await _shards(root)
+    try:
+        trainer = Trainer(model="dlrm", ps_addresses=[s.address for s in first], mode="sync",
+                          seed=3)
+        control = JobControl(JobCheckpointer(root, admin_urls=[s.admin_url for s in first],
+                                             every_steps=5), trainer)
+        async with trainer:
+            await fit_with_checkpoints(trainer, batches, control)
+    finally:
+        for s in first:
+            await s.close()
+    cut = next(m for m in list_job_checkpoints(root) if m["step"] == 10)
+    again = await _shards(tmp_path / "again")
+    try:
+        async with Trainer(model="dlrm", ps_addresses=[s.address for s in again], mode="sync",
+                           seed=3) as replay:
+            await replay.fit(batches[:10])
+            for k in range(2):
+                saved = read_checkpoint(root, cut["checkpoint_id"], shard_id=k, num_shards=2)
+                for name, (snap,) in saved.items():
+                    table = again[k].shard.table(name)
+                    rows, present = table.peek(snap.ids)
+                    assert table.num_rows == present.sum(), name  # none missing in the cut
+                    assert np.array_equal(rows[present], snap.rows[present]), name
+                    # rows the lookups of the batches after the cut created: initial values
+                    extra = snap.ids[~present]
+                    assert extra.size <= 8, name
+                    assert np.array_equal(snap.rows[~present], table.initial_rows(extra)), name
+    finally:
+        for s in again:
             await s.close()
 
 
