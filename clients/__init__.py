@@ -21,7 +21,7 @@ from services.common.lazy import lazy_exports
 if TYPE_CHECKING:
     from clients.admin_client import AdminClient
     from clients.loader_client import LoaderClient, SyncLoaderClient
-    from clients.ps_client import PSClient, PushAck, SyncPSClient
+    from clients.ps_client import PSClient, PushAck
     from clients.ps_process import PSClientProcess
     from clients.rows import (
         DirectRows,
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         StatefulRows,
         WarmRows,
     )
+    from clients.sync_ps_client import SyncPSClient
 
 __all__ = [
     "AdminClient",
@@ -58,7 +59,7 @@ _HOME = {
     "PushCounts": "rows", "RowsClient": "rows", "RowsReplica": "rows", "RowsSnapshots": "rows",
     "StatefulRows": "rows",
     "SyncLoaderClient": "loader_client",
-    "SyncPSClient": "ps_client",
+    "SyncPSClient": "sync_ps_client",
     "WarmRows": "rows",
 }
 

@@ -1,4 +1,4 @@
-"""Wire-level clients of the embedding PS: async ``PSClient`` and its blocking ``SyncPSClient``.
+"""The wire-level client of the embedding PS: ``PSClient`` (blocking: :mod:`clients.sync_ps_client`).
 
 ``PSClient`` deduplicates ids, routes each unique id to ``shard_of(id)``, talks to every
 shard concurrently over long-lived Lookup/Push streams and returns rows in request order.
@@ -24,9 +24,8 @@ restored state calls :meth:`PSClient.resync` and goes on.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -55,7 +54,7 @@ from services.common.sharding import ShardedIds, split_by_shard
 from services.common.tls import ClientTLS
 from services.common.wire import MAX_MESSAGE_BYTES
 
-__all__ = ["PSClient", "PushAck", "SyncPSClient"]
+__all__ = ["PSClient", "PushAck"]
 
 T = TypeVar("T")
 Resolver = Callable[[], Awaitable[Sequence[str]]]
@@ -563,45 +562,3 @@ class PSClient:
             "push_in": sum(s.push.bytes_in + s.pooled_push.bytes_in
                            + s.push_then_lookup.bytes_in for s in self._shards),
         }
-
-
-class SyncPSClient:
-    """Blocking wrapper: a private event loop in a daemon thread runs a :class:`PSClient`."""
-
-    def __init__(self, addresses: Sequence[str], **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="persimmon-ps-client")
-        self._thread.start()
-        self._client = PSClient(addresses, **kwargs)
-        self._run(self._client.connect())
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def lookup(self, table: str, ids: Any, *, read_only: bool = False) -> np.ndarray:
-        return self._run(self._client.lookup(table, ids, read_only=read_only))
-
-    def push(self, table: str, ids: Any, grads: Any) -> PushAck:
-        return self._run(self._client.push(table, ids, grads))
-
-    def tables(self) -> list[dict[str, Any]]:
-        return self._run(self._client.tables())
-
-    def stats(self, table: str | None = None) -> list[dict[str, Any]]:
-        return self._run(self._client.stats(table))
-
-    def resync(self) -> list[int]:
-        return self._run(self._client.resync())
-
-    def close(self) -> None:
-        self._run(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
-
-    def __enter__(self) -> SyncPSClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import yaml
 
-from clients.ps_client import SyncPSClient
+from clients.sync_ps_client import SyncPSClient
 
 
 def start_shards(n: int, config_path, ckpt_dir, restore: str | None = None):
