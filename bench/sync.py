@@ -11,7 +11,9 @@ ranks) are reported for ``allreduce`` (every rank's payload enters the world col
 ``hierarchical`` (the node leaders' only).
 
 ``--sfb`` adds :func:`sfb_rows` (allreduce against SFB on a wide DLRM at 16 rows per worker,
-and the layer arithmetic of the default DLRM at batch 2048); ``--gadmm`` adds
+where SFB pays, with ``sfb_bytes_ratio``, and the layer arithmetic of the default DLRM at batch
+2048, where it does not); ``--codecs`` adds :func:`lossy_averaging_rows` (every strategy x
+dense codec, trained within the oracle's bound or refused by the config); ``--gadmm`` adds
 :func:`gadmm_rows` (GADMM against all-reduce L-BFGS on logistic regression: rounds and bytes
 to the centralised loss).
 
@@ -108,6 +110,45 @@ def run(*, rows: int = 131_072, batch_size: int = 128, eval_rows: int = 16_384,
     return result
 
 
+LOSSY_CODECS = ("none", "fp16", "dct", "qsgd")
+AUC_BOUND = 0.01  # a strategy x codec pair trains within oracle - 0.01, or is refused
+
+
+def lossy_averaging_rows(*, strategies: Sequence[str], codecs: Sequence[str] = LOSSY_CODECS,
+                         rows: int, batch_size: int, eval_rows: int, workers: int
+                         ) -> dict[str, Any]:
+    """Every strategy x dense codec (``--dense-codec``): the config refused (its ConfigError)
+    or trained on the same data, with its AUC and whether it is within ``AUC_BOUND`` of the
+    oracle. ``lossy_averaging_ok``: every pair is one or the other."""
+    steps = rows // batch_size // workers
+    base = replace(TRAINING, eval_every=max(1, steps // 4))
+    pairs, configs, refused = [], [], {}
+    for name in strategies:
+        for codec in codecs:
+            try:
+                configs.append(replace(base, sync=name, dense_codec=codec,
+                                       **STRATEGY_SETTINGS[name]))
+                pairs.append((name, codec))
+            except ConfigError as exc:
+                refused[(name, codec)] = exc.message
+    summaries, oracle = train_configs(configs, rows=rows, batch_size=batch_size,
+                                      eval_rows=eval_rows, workers=workers) \
+        if configs else ([], float("nan"))
+    trained = dict(zip(pairs, summaries, strict=True))
+    out = []
+    for name in strategies:
+        for codec in codecs:
+            if (name, codec) in refused:
+                out.append({"strategy": name, "codec": codec, "refused": refused[name, codec]})
+                continue
+            s = trained[name, codec]
+            out.append({"strategy": name, "codec": codec, "auc": s["auc"],
+                        "bytes_per_step": s["sync"]["bytes_per_step"],
+                        "within_bound": s["auc"] >= oracle - AUC_BOUND})
+    return {"oracle_auc": oracle, "bound": AUC_BOUND, "rows": out,
+            "lossy_averaging_ok": all("refused" in r or r["within_bound"] for r in out)}
+
+
 def _cross_node(name: str, sync: dict[str, Any], workers: int) -> float | None:
     """Payload bytes per step crossing nodes, all ranks together (None: not node-aware)."""
     if name == "allreduce":
@@ -136,6 +177,7 @@ def sfb_rows(*, rows: int = 8192, batch_size: int = 16, eval_rows: int = 16_384,
     default = build_model("dlrm", sparse_dims={f"C{i}": 16 for i in range(26)}, num_dense=13)
     return {"model": {"bottom_mlp": SFB_WIDE.bottom_mlp, "top_mlp": SFB_WIDE.top_mlp},
             "batch_size": batch_size, "oracle_auc": oracle, "runs": out,
+            "sfb_bytes_ratio": out[0]["bytes_per_step"] / max(out[1]["bytes_per_step"], 1),
             "default_dlrm_at_2048": sfb_plan(default, 2048)}
 
 
@@ -238,7 +280,20 @@ def _print_table(result: dict[str, Any]) -> None:
 
 
 def _print_extras(result: dict[str, Any]) -> None:
-    """The --sfb and --gadmm tables, when they ran."""
+    """The --sfb, --codecs and --gadmm tables, when they ran."""
+    if "lossy_averaging" in result:
+        lossy = result["lossy_averaging"]
+        table = Table(title=f"strategy x dense codec: trained within oracle "
+                            f"{lossy['oracle_auc']:.4f} - {lossy['bound']}, or refused")
+        for col in ("strategy", "codec", "AUC", "within", "dense bytes/step", "refused"):
+            table.add_column(col)
+        for r in lossy["rows"]:
+            table.add_row(r["strategy"], r["codec"], f"{r['auc']:.4f}" if "auc" in r else "-",
+                          str(r.get("within_bound", "-")),
+                          f"{r['bytes_per_step']:,.0f}" if "bytes_per_step" in r else "-",
+                          r.get("refused", ""))
+        Console(width=170).print(table)
+        console.print(f"lossy_averaging_ok: {lossy['lossy_averaging_ok']}")
     if "sfb" in result:
         sfb = result["sfb"]
         table = Table(title=f"SFB on DLRM bottom {sfb['model']['bottom_mlp']} top "
@@ -249,6 +304,7 @@ def _print_extras(result: dict[str, Any]) -> None:
             table.add_row(r["name"], f"{r['samples_per_s']:,.0f}",
                           f"{r['bytes_per_step']:,.0f}", f"{r['auc']:.4f}")
         Console(width=150).print(table)
+        console.print(f"sfb_bytes_ratio (allreduce bytes / sfb bytes): {sfb['sfb_bytes_ratio']:.2f}")
         layers = Table(title="default DLRM (13 dense, 26 tables of 16) at batch 2048")
         for col in ("layer m x n", "gradient floats", "factor floats", "SFB"):
             layers.add_column(col)
@@ -277,6 +333,11 @@ def _main(args: argparse.Namespace) -> int:
         result["sfb"] = sfb_rows(workers=args.workers)
     if args.gadmm:
         result["gadmm"] = gadmm_rows(workers=args.workers)
+    if args.codecs:
+        result["lossy_averaging"] = lossy_averaging_rows(
+            strategies=args.strategies.split(","), codecs=args.codecs.split(","),
+            rows=args.rows, batch_size=args.batch_size, eval_rows=args.eval_rows,
+            workers=args.workers)
     _print_table(result)
     _print_extras(result)
     png = save_plot(plot, result, args.plot, "sync")
@@ -301,6 +362,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="the lamb_large_batch row's batch multiple (0: no such row)")
     parser.add_argument("--sfb", action="store_true",
                         help="also: SFB on a wide DLRM at 16 rows per worker")
+    parser.add_argument("--codecs", nargs="?", const=",".join(LOSSY_CODECS), default=None,
+                        help="also: every strategy x these dense codecs, trained or refused "
+                             f"(default {','.join(LOSSY_CODECS)})")
     parser.add_argument("--gadmm", action="store_true",
                         help="also: GADMM against all-reduce L-BFGS on logistic regression")
     parser.set_defaults(func=_main)

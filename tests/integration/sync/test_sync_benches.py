@@ -40,7 +40,18 @@ SMOKE_STRATEGIES = ["allreduce", "hierarchical", "gossip"]
 
 def test_bench_sync_reports_each_strategy_asked(tmp_path: Path) -> None:
     result = bench(tmp_path, "sync", "--lamb-scale", "2",
-                   "--strategies", ",".join(SMOKE_STRATEGIES))
+                   "--strategies", ",".join(SMOKE_STRATEGIES), "--codecs", "none,dct")
+    lossy = result["lossy_averaging"]  # every pair trained or refused, the refusal named
+    assert [(r["strategy"], r["codec"]) for r in lossy["rows"]] == [
+        (name, codec) for name in SMOKE_STRATEGIES for codec in ("none", "dct")]
+    for r in lossy["rows"]:
+        if "refused" in r:
+            assert r["codec"] == "dct" and r["strategy"] in r["refused"], r
+        else:
+            assert finite(r["auc"]) and r["within_bound"] == (
+                r["auc"] >= lossy["oracle_auc"] - lossy["bound"])
+    assert lossy["lossy_averaging_ok"] == all("refused" in r or r["within_bound"]
+                                              for r in lossy["rows"])
     assert finite(result["oracle_auc"]) and 0.5 < result["oracle_auc"] < 1
     assert [s["name"] for s in result["strategies"]] == SMOKE_STRATEGIES
     assert set(SMOKE_STRATEGIES) <= set(STRATEGY_SETTINGS)
