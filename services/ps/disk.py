@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from services.common.errors import ConfigError
-from services.ps.hashtable import PREFETCH_DISTANCE, prefetch_row
+from services.ps.prefetch import PREFETCH_DISTANCE, prefetch_row
 from services.ps.slotindex import SlotIndex
 
 __all__ = ["DiskTier", "record_dtype"]

@@ -1,83 +1,30 @@
-"""Numba kernels of the PS store: an open-addressing hash table id → value, and batch helpers.
+"""Numba hash tables of the PS store: id → value, and (table, id) → value, batch by batch.
 
 Linear probing over a power-of-two array of keys and values (value ``-1`` marks an empty
 bucket), deletion by backward shift (no tombstones, so probe chains never rot), growth by
 doubling past load factor 3/4. Every operation takes a whole batch of ids; the loops run inside
-numba with the GIL released. The same module holds the splitmix64 mixer that the
-counter-based initializer and admission draws are built on, and :func:`unique_inverse`,
-a hash-based ``np.unique(return_inverse=True)`` that keeps first-appearance order in O(n),
-and the per-slot batch kernels of the row arena (gather, dedup, sum, touch, eviction's k
-smallest). Where a loop does real work per random row, the next rows are prefetched
-(``llvm.prefetch``): on this kind of machine that halves the time of hash probes and
-optimizer updates.
+numba with the GIL released, the next buckets prefetched (:mod:`services.ps.prefetch`). Here
+too: :func:`unique_inverse`, a hash-based ``np.unique(return_inverse=True)`` that keeps
+first-appearance order in O(n), and the splitmix64 helpers that the counter-based initializer
+and admission draws are built on. The row arena's batch kernels are in :mod:`services.ps.arena`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import llvmlite.binding
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from services.common.sharding import GOLDEN
 from services.common.sharding import mix64_scalar as mix64
+from services.ps.prefetch import PREFETCH_DISTANCE, prefetch
 
-__all__ = ["GOLDEN", "PREFETCH_DISTANCE", "IdHashTable", "PairHashTable", "SlotBits",
-           "committed", "dedup_slots", "gather_rows", "mix64", "mix64_int", "nonfinite_rows",
-           "prefetch", "prefetch_row", "smallest_keys", "sum_rows_by_inverse", "to_unit",
-           "touch_slots", "unique_inverse"]
+__all__ = ["GOLDEN", "IdHashTable", "PairHashTable", "mix64", "mix64_int", "to_unit",
+           "unique_inverse"]
 
 _S11 = np.uint64(11)
 _EMPTY = -1
 _MAX_VALUE = 2**31 - 1  # values are int32
 _LOAD_NUM, _LOAD_DEN = 3, 4  # the index grows past a load factor of 3/4
-PREFETCH_DISTANCE = 8  # rows ahead: random rows cost a DRAM round trip each otherwise
-_I32 = ir.IntType(32)
-_PREFETCH_NAME = ("llvm.prefetch.p0" if llvmlite.binding.llvm_version_info >= (15,)
-                  else "llvm.prefetch.p0i8")
-
-
-@intrinsic
-def _prefetch(typingctx, array, row, col):  # pragma: no cover - compiled into numba kernels
-    """Hint the CPU to fetch ``array[row, col]`` (``array[row]`` if 1-D) into cache."""
-    sig = types.void(array, row, col)
-
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        index = [args[1]] + [args[2]] * min(1, aryty.ndim - 1)
-        index += [context.get_constant(types.intp, 0)] * (aryty.ndim - len(index))
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, index,
-                                       wraparound=False, boundscheck=False)
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
-        # rw=1 (will write), locality=3 (keep in all cache levels), cache type 1 (data)
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(_I32, 1), ir.Constant(_I32, 3),
-                          ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@njit(cache=True, inline="always")
-def prefetch(array, index):  # pragma: no cover - numba
-    """Prefetch ``array[index]`` of a 1-D array."""
-    _prefetch(array, index, 0)
-
-
-@njit(cache=True, inline="always")
-def prefetch_row(array, row):  # pragma: no cover - numba
-    """Prefetch every cache line of row ``row`` of a 2-D array."""
-    step = max(1, 64 // array.itemsize)
-    for col in range(0, array.shape[1], step):
-        _prefetch(array, row, col)
-
-
 def mix64_int(z: int) -> int:
     """:func:`mix64` on a Python int (taken modulo 2^64), for seeds computed outside numba."""
     return int(mix64(np.uint64(z & 0xFFFFFFFFFFFFFFFF)))
@@ -385,213 +332,3 @@ class PairHashTable:
             self._owners, self._keys, self._vals, np.ascontiguousarray(tables, dtype=np.int64),
             np.ascontiguousarray(ids, dtype=np.uint64),
             np.ascontiguousarray(values, dtype=np.int64)))
-
-
-# ---- batch kernels of the row arena (slots are int64, -1 = no row) ----------------------------
-
-
-def committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
-    """An array whose memory is written now (``np.zeros`` would defer the page faults to the
-    first batches that touch it): an arena preallocated for real."""
-    a = np.empty(shape, dtype=dtype)
-    a.fill(fill)
-    return a
-
-
-@njit(cache=True, nogil=True)
-def set_bits(data, slots, values):  # pragma: no cover - numba
-    """Bit ``slots[j]`` of ``data`` := ``values[j]`` (``values[0]`` for all if it has one)."""
-    one = values.shape[0] == 1
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        bit = np.uint8(1 << (s & 7))
-        if values[0] if one else values[j]:
-            data[s >> 3] |= bit
-        else:
-            data[s >> 3] &= ~bit
-
-
-@njit(cache=True, nogil=True)
-def _get_bits(data, slots, out):  # pragma: no cover - numba
-    for j in range(slots.shape[0]):
-        out[j] = (data[slots[j] >> 3] >> (slots[j] & 7)) & 1
-
-
-class SlotBits:
-    """One flag a slot (live, dirty), eight to a byte, indexed like a bool array: by an
-    int array of slots, or by ``[:n]`` (the first n slots)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, slots: int) -> None:
-        self.data = committed(((int(slots) + 7) // 8,), np.uint8)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
-
-    def grown(self, slots: int) -> SlotBits:
-        """A copy with room for ``slots`` slots (the new ones clear)."""
-        out = SlotBits(slots)
-        out.data[:self.data.shape[0]] = self.data
-        return out
-
-    @staticmethod
-    def _stop(key: slice) -> int:
-        if key.start not in (None, 0) or key.step not in (None, 1) or key.stop is None:
-            raise IndexError("SlotBits takes [:n] or an array of slots")
-        return int(key.stop)
-
-    def __getitem__(self, key: slice | np.ndarray) -> np.ndarray:
-        if isinstance(key, slice):
-            return np.unpackbits(self.data, count=self._stop(key), bitorder="little").view(bool)
-        slots = np.ascontiguousarray(key, dtype=np.int64)
-        out = np.empty(slots.shape[0], dtype=bool)
-        _get_bits(self.data, slots, out)
-        return out
-
-    def __setitem__(self, key: slice | np.ndarray, value: bool | np.ndarray) -> None:
-        values = np.ascontiguousarray(np.atleast_1d(value), dtype=bool)
-        if isinstance(key, slice) and values.shape[0] == 1:  # [:n] = flag: whole bytes at once
-            n = self._stop(key)
-            self.data[:n // 8] = 0xFF if values[0] else 0
-            slots = np.arange(n // 8 * 8, n, dtype=np.int64)
-        elif isinstance(key, slice):
-            slots = np.arange(self._stop(key), dtype=np.int64)
-        else:
-            slots = np.ascontiguousarray(key, dtype=np.int64)
-        set_bits(self.data, slots, values)
-
-
-@njit(cache=True, nogil=True)
-def touch_slots(slots, ticks, uses, last_used, tick, now):  # pragma: no cover - numba
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        if s >= 0:
-            ticks[s] = tick
-            uses[s] += 1
-            last_used[s] = now
-
-
-@njit(cache=True, nogil=True)
-def gather_rows(rows, slots, out):  # pragma: no cover - numba
-    """out[j] = rows[slots[j]] for slots >= 0."""
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        if s >= 0:
-            for c in range(rows.shape[1]):
-                out[j, c] = rows[s, c]
-
-
-@njit(cache=True, nogil=True)
-def dedup_slots(slots, seen, uslots, first, inv):  # pragma: no cover - numba
-    """The distinct slots >= 0 of ``slots`` in first-appearance order at ``uslots[:k]``,
-    ``first[p]`` where ``uslots[p]`` first appears, ``inv[i]`` the position in ``uslots`` of
-    ``slots[i]`` (-1 for a negative slot). Returns (k, whether a slot repeats).
-
-    ``seen`` is the table's scratch bitmap, one bit a slot, all clear (and left so): it finds
-    that no slot repeats, the usual case, in one pass; where one does, a hash of the
-    request's own (2n buckets) maps slots to positions."""
-    n = slots.shape[0]
-    k = 0
-    dups = False
-    for i in range(n):
-        s = slots[i]
-        if s < 0:
-            inv[i] = -1
-            continue
-        bit = np.uint8(1 << (s & 7))
-        if seen[s >> 3] & bit:
-            dups = True
-            break
-        seen[s >> 3] |= bit
-        uslots[k] = s
-        first[k] = i
-        inv[i] = k
-        k += 1
-    for p in range(k):
-        seen[uslots[p] >> 3] = 0
-    if not dups:
-        return k, False
-    size, bits = 8, 3
-    while size < 2 * n:
-        size, bits = 2 * size, bits + 1
-    shift = np.uint64(64 - bits)
-    mask = size - 1
-    table = np.full(size, -1, dtype=np.int64)  # slot << 32 | position; -1: empty
-    k = 0
-    for i in range(n):
-        s = slots[i]
-        if s < 0:
-            inv[i] = -1
-            continue
-        h = np.int64((np.uint64(s) * GOLDEN) >> shift)
-        while True:
-            e = table[h]
-            if e < 0:
-                table[h] = (s << 32) | k
-                uslots[k] = s
-                first[k] = i
-                inv[i] = k
-                k += 1
-                break
-            if (e >> 32) == s:
-                inv[i] = e & 0xFFFFFFFF
-                break
-            h = (h + 1) & mask
-    return k, True
-
-
-@njit(cache=True, nogil=True)
-def sum_rows_by_inverse(inv, grads, out):  # pragma: no cover - numba
-    """out[inv[i]] += grads[i] in request order (inv < 0 skipped): :func:`dedup_slots`'s sums."""
-    for i in range(inv.shape[0]):
-        p = inv[i]
-        if p >= 0:
-            for c in range(grads.shape[1]):
-                out[p, c] += grads[i, c]
-
-
-@njit(cache=True, nogil=True)
-def nonfinite_rows(x, out):  # pragma: no cover - numba
-    """out[i] = any element of row i is NaN or ±Inf; returns how many rows are."""
-    bad = 0
-    for i in range(x.shape[0]):
-        flag = False
-        for c in range(x.shape[1]):
-            if not np.isfinite(x[i, c]):
-                flag = True
-        out[i] = flag
-        bad += flag
-    return bad
-
-
-def _kth_smallest(values: np.ndarray, k: int) -> int:
-    """The k-th smallest (k >= 1) of integer ``values``, in O(n)."""
-    lo = int(values.min())
-    if int(values.max()) - lo < 4 * values.shape[0]:  # counting: introselect crawls on ties
-        return lo + int(np.searchsorted(np.cumsum(np.bincount(values - lo)), k))
-    return int(values[np.argpartition(values, k - 1)[k - 1]])
-
-
-def smallest_keys(k: int, primary: np.ndarray, secondary: np.ndarray,
-                  ids: np.ndarray) -> np.ndarray:
-    """Positions of the k smallest entries by integer (primary, secondary, unique id), in
-    O(n), in no particular order (eviction's and demotion's victims: LRU by (tick, uses), LFU
-    by (uses, tick)). Each key is selected on, not sorted by: a bulk load leaves most rows
-    on one tick, a tie a sort would pay n log n for."""
-    if k >= primary.shape[0]:
-        return np.arange(primary.shape[0])
-    if k <= 0:
-        return np.empty(0, dtype=np.int64)
-    kth = _kth_smallest(primary, k)
-    below = np.flatnonzero(primary < kth)
-    ties = np.flatnonzero(primary == kth)
-    need = k - below.shape[0]
-    second = secondary[ties]
-    kth = _kth_smallest(second, need)
-    below2, ties = ties[second < kth], ties[second == kth]
-    need -= below2.shape[0]
-    if need < ties.shape[0]:
-        ties = ties[np.argpartition(ids[ties], need - 1)[:need]]
-    return np.concatenate([below, below2, ties])

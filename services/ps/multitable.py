@@ -25,7 +25,7 @@ from numba import njit
 
 from services.common.errors import InvalidArgument
 from services.common.sharding import shard_of
-from services.ps.hashtable import (
+from services.ps.arena import (
     dedup_slots,
     gather_rows,
     nonfinite_rows,

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit
 
-from services.ps.hashtable import PREFETCH_DISTANCE as AHEAD
-from services.ps.hashtable import prefetch, prefetch_row
+from services.ps.prefetch import PREFETCH_DISTANCE as AHEAD
+from services.ps.prefetch import prefetch, prefetch_row
 from services.ps.tables import OptimizerConfig, OptimizerKind
 
 __all__ = ["apply_update", "apply_updates", "init_state", "state_layout"]

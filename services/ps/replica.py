@@ -41,7 +41,8 @@ import numpy as np
 from services.common.config import from_dict
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.sharding import ShardedIds
-from services.ps.hashtable import PairHashTable, gather_rows, nonfinite_rows
+from services.ps.arena import gather_rows, nonfinite_rows
+from services.ps.hashtable import PairHashTable
 from services.ps.optimizers import apply_update, state_layout
 from services.ps.table_io import PushResult
 from services.ps.tables import OptimizerConfig, TableConfig

@@ -16,7 +16,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from services.ps.hashtable import PREFETCH_DISTANCE, committed, mix64, prefetch
+from services.ps.arena import committed
+from services.ps.hashtable import mix64
+from services.ps.prefetch import PREFETCH_DISTANCE, prefetch
 
 __all__ = ["SlotIndex", "find_slots"]
 

@@ -32,9 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from services.ps.disk import DiskTier, record_dtype
-from services.ps.hashtable import (
-    IdHashTable,
+from services.ps.arena import (
     SlotBits,
     committed,
     dedup_slots,
@@ -43,8 +41,9 @@ from services.ps.hashtable import (
     smallest_keys,
     sum_rows_by_inverse,
     touch_slots,
-    unique_inverse,
 )
+from services.ps.disk import DiskTier, record_dtype
+from services.ps.hashtable import IdHashTable, unique_inverse
 from services.ps.optimizers import apply_update, init_state, state_layout
 from services.ps.slotindex import SlotIndex
 from services.ps.table_io import (

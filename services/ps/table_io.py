@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.ps.hashtable import SlotBits
+from services.ps.arena import SlotBits
 from services.ps.optimizers import state_layout
 from services.ps.tables import OptimizerConfig, TableConfig
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.ps.arena import SlotBits
 from services.ps.disk import DiskTier
-from services.ps.hashtable import SlotBits
 from services.ps.slotindex import SlotIndex
 from services.ps.table_io import TableSnapshot, check_snapshot
 from services.ps.tables import TableConfig

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from services.common.sharding import mix64
-from services.ps.hashtable import SlotBits, dedup_slots, sum_rows_by_inverse
+from services.ps.arena import SlotBits, dedup_slots, sum_rows_by_inverse
 from services.ps.slotindex import SlotIndex
 
 

@@ -302,7 +302,7 @@ def test_concurrent_calls_from_threads_are_serialised():
 # each key by counting (narrow range) or introselect (wide)
 @pytest.mark.parametrize("span,span2", [(3, 3), (10**12, 3), (3, 10**12), (1, 1)])
 def test_smallest_matches_a_full_sort_with_ties(span, span2):
-    from services.ps.hashtable import smallest_keys
+    from services.ps.arena import smallest_keys
 
     rng = np.random.default_rng(span + span2)
     primary = rng.integers(0, span, 5000)
