@@ -129,8 +129,8 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
     ``device``: the worker's torch device (None: CUDA where there is one); ``hot_staleness``:
     the bound of the head ids (1: synchronous, the default)."""
     from services.local.processes import LocalPS
-    from services.local.train import with_head_replica
     from services.ps.inprocess import InProcessShards
+    from services.ps.replica import HeadReplica
     from services.worker.config import TrainerConfig, ps_table_configs
     from services.worker.local_ranks import run_local_training
     from services.worker.models import ModelConfig
@@ -142,7 +142,7 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
     if not hot:
         config = replace(config, hot_ratio=0.0, head_rate=0.0)
     train_on = dict(train_batches=train, eval_batches=test, model=ModelConfig(name="dlrm"),
-                    config=config, attach=with_head_replica(None) if replica else None)
+                    config=config, head_replica=HeadReplica() if replica else None)
     if placement == "embedded":
         shards = InProcessShards(tables).warm_up()  # one shard, as `persimmon train` embeds
         summary = run_local_training(rows_client=shards, **train_on)

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from services.ps.store import TableSnapshot
 
 __all__ = ["PS_PLACEMENTS", "PlantedData", "data_specs", "ps_initial_rows", "ps_placement",
-           "ps_read_shards", "register_cli", "train_on_local_cluster", "with_head_replica"]
+           "ps_read_shards", "register_cli", "train_on_local_cluster"]
 
 PS_PLACEMENTS = {
     "auto": "embedded for one worker without PS-wire codecs, else processes",
@@ -261,7 +261,9 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
             attach = _online_export(config, model, exports, cluster.admin_urls,
                                     data.admin_url)
             if workers == 1 and config.replicates_heads:
-                attach = with_head_replica(attach)
+                from services.ps.replica import HeadReplica
+
+                where["head_replica"] = HeadReplica()
         summary = summary_dict(run_local_training(
             **where, **data.sources, model=model, config=config, num_workers=workers,
             attach=attach))
@@ -272,17 +274,6 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
     if oracle is not None:
         summary.update(oracle_auc=oracle["auc"], oracle_logloss=oracle["logloss"])
     return summary
-
-
-def with_head_replica(attach: Callable[[Any], object] | None) -> Callable[[Any], object]:
-    """``attach`` that first gives the (one) worker a replica of its head rows and hot tables,
-    its rows being remote (:mod:`services.ps.replica`; the pipeline uses it where it can)."""
-    from services.ps.replica import HeadReplica
-
-    def attached(trainer: Any) -> object:
-        trainer.pipeline.replica = HeadReplica()
-        return None if attach is None else attach(trainer)
-    return attached
 
 
 def _online_export(config: TrainerConfig, model: ModelConfig, checkpoint_dir: str | None,

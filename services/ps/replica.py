@@ -20,12 +20,12 @@ RAM without eviction, TTL or admission (the PS still applies those to its copy);
 settings changed on the PS during a run (admin API) do not reach the replica, nor does a lossy
 grads codec's loss.
 
-It lives with the PS and is injected by the code that builds the worker (``services.local``),
+It lives with the PS and is given by the code that builds the worker (``services.local``),
 as ``services.ps.inprocess.InProcessShards`` is: the worker never imports the PS.
 
 Usage (one worker, its rows across a network)::
 
-    trainer.pipeline.replica = HeadReplica()
+    Trainer(model=..., ps_addresses=addresses, head_replica=HeadReplica())
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from clients.loader_client import LoaderClient
-from clients.rows import RowsClient
+from clients.rows import RowsClient, RowsReplica
 from services.common.batch import Batch, RankBatches, iterate
 from services.common.errors import ConfigError
 from services.worker.config import TrainerConfig
@@ -56,15 +56,16 @@ async def _train(rank: int, world: int, ps_addresses: Sequence[str],
                  train: Source, test: Source | None,
                  on_step: Callable[[dict[str, Any]], None] | None,
                  attach: Callable[[Trainer], object] | None = None,
-                 rows_client: RowsClient | None = None, validation: Source | None = None
-                 ) -> dict[str, Any]:
+                 rows_client: RowsClient | None = None, validation: Source | None = None,
+                 head_replica: RowsReplica | None = None) -> dict[str, Any]:
     """One rank: ``train``/``test``/``validation`` are this rank's batches, a loader
     address, or a :class:`RankBatches` this rank reads its share of; ``attach(trainer)``
     runs on rank 0 before training."""
     held_out = await _held_out(test, rank, world)
     checks = await _held_out(validation, rank, world)
     async with Trainer(model=model, ps_addresses=ps_addresses, tables=tables, config=config,
-                       on_step=on_step, rows_client=rows_client) as trainer:
+                       on_step=on_step, rows_client=rows_client,
+                       head_replica=head_replica) as trainer:
         if attach is not None and rank == 0:
             attach(trainer)
         if isinstance(train, str):
@@ -106,8 +107,8 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
                        model: ModelConfig | None = None, config: TrainerConfig | None = None,
                        num_workers: int = 1, timeout_s: float = 600.0,
                        on_step: Callable[[dict[str, Any]], None] | None = None,
-                       attach: Callable[[Trainer], object] | None = None
-                       ) -> dict[str, Any]:
+                       attach: Callable[[Trainer], object] | None = None,
+                       head_replica: RowsReplica | None = None) -> dict[str, Any]:
     """Train and return rank 0's summary (:meth:`FitSummary.as_dict`), with ``samples_per_s`` and ``wire_bytes`` summed over
     the workers and ``num_workers`` added. Give ``train_batches`` (a list, or
     :class:`RankBatches` each rank reads its share of) or ``loader`` (an address), and
@@ -117,11 +118,12 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
     processes joined by a gloo group.
     ``attach(trainer)`` runs on rank 0 before training (it must pickle: model exports).
     ``rows_client`` (one worker only): reach the rows through it instead of ``ps_addresses``
-    (e.g. the PS's shards in this process)."""
+    (e.g. the PS's shards in this process); ``head_replica`` (one worker only): the worker's
+    copy of its head rows (:class:`~services.worker.trainer.Trainer`)."""
     if num_workers < 1:
         raise ConfigError(f"num_workers must be >= 1, got {num_workers}")
-    if rows_client is not None and num_workers != 1:
-        raise ConfigError("a rows_client serves one worker (this process); "
+    if (rows_client is not None or head_replica is not None) and num_workers != 1:
+        raise ConfigError("a rows_client or a head replica serves one worker (this process); "
                           f"got num_workers={num_workers}")
     if (train_batches is None) == (loader is None):
         raise ConfigError("give either train_batches or a loader address")
@@ -137,7 +139,8 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
     test: Source | None = eval_loader if eval_loader is not None else eval_batches
     if num_workers == 1:
         summary = asyncio.run(_train(0, 1, ps_addresses, tables, model, config, train, test,
-                                     on_step, attach, rows_client, validation_loader))
+                                     on_step, attach, rows_client, validation_loader,
+                                     head_replica))
         summary["num_workers"] = 1
         return summary
     results = run_local_ranks(_rank, num_workers, list(ps_addresses), tables, model, config,

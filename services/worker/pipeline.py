@@ -153,7 +153,9 @@ class EmbeddingPipeline:
     acknowledged push of the hot chain (hot rows synchronous across the workers);
     ``step_gate(has_batch)``: awaited before each batch takes a slot, True while every worker
     has a batch for the step (the bound across workers; see the module doc); ``head_vote``:
-    decides the head ids with every worker's counts (:mod:`services.worker.head_vote`)."""
+    decides the head ids with every worker's counts (:mod:`services.worker.head_vote`);
+    ``replica``: keeps the head rows where the rows are remote and this is the only worker
+    (:mod:`services.worker.routes`)."""
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  tables: Mapping[str, str] | None = None,
@@ -163,8 +165,8 @@ class EmbeddingPipeline:
                  path: EmbeddingPath | None = None, head_rate: float | None = None,
                  hot_barrier: Callable[[], Awaitable[Any]] | None = None,
                  step_gate: Callable[[bool], Awaitable[bool]] | None = None,
-                 head_vote: Callable[[Ballot], Awaitable[dict[int, np.ndarray]]] | None = None
-                 ) -> None:
+                 head_vote: Callable[[Ballot], Awaitable[dict[int, np.ndarray]]] | None = None,
+                 replica: RowsReplica | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
@@ -196,7 +198,7 @@ class EmbeddingPipeline:
         self.hot_tables: list[str] = []  # decided at the first plan
         self._chain: HotChain | None = None
         self._direct: DirectHot | None = None  # groups the compute thread reads and updates
-        self.replica: RowsReplica | None = None  # injected by the worker's builder: see plan()
+        self.replica = replica  # a copy of the head rows (one worker, remote rows): plan()
         self._seeding: ReplicaSeeds | None = None  # where the replica is used (the first plan)
         # head ids only under a window: async mode has no bound and no head ids
         self._head_rate = head_rate if window is not None and window > 1 else None

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from clients.ps_client import PSClient
 from clients.ps_process import PSClientProcess
-from clients.rows import RowsClient
+from clients.rows import RowsClient, RowsReplica
 from services.common.errors import ConfigError, FailedPrecondition
 from services.worker.compute import distributed, every_rank_has_a_batch
 from services.worker.config import TrainerConfig
@@ -37,13 +37,16 @@ log = logging.getLogger("persimmon.worker.rows_link")
 
 class RowsLink:
     """The PS client (None with a given ``rows_client``) and the embedding pipeline of rank
-    ``worker`` of ``workers``, configured by ``config``."""
+    ``worker`` of ``workers``, configured by ``config`` (``head_replica``: the pipeline's
+    copy of the head rows, where it can use one)."""
 
     def __init__(self, config: TrainerConfig, *, ps_addresses: Sequence[str],
                  rows_client: RowsClient | None, tables: Mapping[str, str] | None,
-                 timers: StepTimers, worker: int, workers: int) -> None:
+                 timers: StepTimers, worker: int, workers: int,
+                 head_replica: RowsReplica | None = None) -> None:
         self.config = config
         self._tables, self._timers, self._worker, self._workers = tables, timers, worker, workers
+        self._replica = head_replica
         self.ps = self._ps_client(ps_addresses, rows_client)
         self.window_choice: WindowChoice | None = None  # what staleness auto chose (connect)
         self.pipeline = self._pipeline(
@@ -143,7 +146,7 @@ class RowsLink:
             step_gate=self._step_gate() if cfg.mode in ("sync", "hybrid") and cfg.global_bound
             else None,
             head_vote=self._head_vote(self._workers) if cfg.mode == "hybrid" and cfg.head_rate
-            else None)
+            else None, replica=self._replica)
 
     async def _size_window(self) -> None:
         """``staleness auto``: the window that hides the measured round trip to the rows,

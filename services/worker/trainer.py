@@ -50,7 +50,7 @@ from torch import nn
 
 from clients.loader_client import LoaderClient
 from clients.ps_client import PSClient
-from clients.rows import ProcessCPU, RowsClient
+from clients.rows import ProcessCPU, RowsClient, RowsReplica
 from services.common.admin import AdminServer
 from services.common.batch import Batch, Batches, iterate
 from services.common.codecs import WireStatsCollector
@@ -106,7 +106,9 @@ class Trainer:
 
     ``rows_client``: reach the rows through this :class:`RowsClient` instead of the PS at
     ``ps_addresses`` (then give no addresses, registry or ``ps_process``); it is used as given
-    (connected) and its owner closes it.
+    (connected) and its owner closes it. ``head_replica``: a copy of the head
+    rows the pipeline reads and updates in this process where it can (one worker, remote rows,
+    :mod:`services.ps.replica`).
 
     ``recent_losses`` holds the latest training losses (at most ``RECENT_LOSSES``), ``history``
     every evaluation (step, auc, logloss, samples).
@@ -116,7 +118,8 @@ class Trainer:
                  ps_addresses: Sequence[str] = (), tables: Mapping[str, str] | None = None,
                  config: TrainerConfig | None = None, sync: SyncStrategy | None = None,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
-                 rows_client: RowsClient | None = None, **settings: Any) -> None:
+                 rows_client: RowsClient | None = None,
+                 head_replica: RowsReplica | None = None, **settings: Any) -> None:
         if config is not None and settings:
             raise ConfigError(f"give a config or settings, not both (got {sorted(settings)})")
         try:
@@ -131,7 +134,8 @@ class Trainer:
         self.progress = WorkerProgress(rank=rank, world_size=world)
         cfg = self.config
         self.link = RowsLink(cfg, ps_addresses=ps_addresses, rows_client=rows_client,
-                             tables=tables, timers=self.progress, worker=rank, workers=world)
+                             tables=tables, timers=self.progress, worker=rank, workers=world,
+                             head_replica=head_replica)
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None

@@ -55,8 +55,7 @@ async def fit(rows: Remote, replica: HeadReplica | None, steps: int, **settings:
               ) -> tuple[Any, Trainer]:
     batches = list(SyntheticDataset(DATA).batches(128, 128 * steps))
     async with Trainer(model=ModelConfig(name="dlrm"), rows_client=rows, lr=3e-3, seed=7,
-                       mode="hybrid", staleness=8, **settings) as t:
-        t.pipeline.replica = replica
+                       mode="hybrid", staleness=8, head_replica=replica, **settings) as t:
         return await t.fit(batches), t
 
 
@@ -155,8 +154,8 @@ async def test_a_failed_push_fails_the_run_and_no_copy_waits_for_it() -> None:
     step whose rows it brings, while the compute thread waits for that step)."""
     batches = list(SyntheticDataset(DATA).batches(128, 128 * 24))
     async with Trainer(model=ModelConfig(name="dlrm"), rows_client=FailingRemote(shards(), 6),
-                       lr=3e-3, seed=7, mode="hybrid", staleness=8) as t:
-        t.pipeline.replica = HeadReplica()
+                       lr=3e-3, seed=7, mode="hybrid", staleness=8,
+                       head_replica=HeadReplica()) as t:
         with pytest.raises(Unavailable, match="step 6"):
             await asyncio.wait_for(t.fit(batches), 60)
         assert t.pipeline._seeding is not None
@@ -194,8 +193,7 @@ async def test_a_second_run_copies_its_head_rows_again() -> None:
     rows, replica = Remote(shards()), HeadReplica()
     batches = list(SyntheticDataset(DATA).batches(128, 128 * 24))
     async with Trainer(model=ModelConfig(name="dlrm"), rows_client=rows, lr=3e-3, seed=7,
-                       mode="hybrid", staleness=8) as t:
-        t.pipeline.replica = replica
+                       mode="hybrid", staleness=8, head_replica=replica) as t:
         await t.fit(batches[:12])
         copied = rows.copied
         summary = await t.fit(batches[12:])
