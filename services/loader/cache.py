@@ -84,7 +84,7 @@ def _crc_of(path: Path) -> int:
 class _ArrayWriter:
     """One column written block by block, its CRC-32 kept as it goes."""
 
-    def __init__(self, path: Path, dtype: str, width: int = 0) -> None:
+    def __init__(self, path: Path, dtype: str, width: int | None = None) -> None:
         self.path, self.dtype, self.width = path, np.dtype(dtype), width
         self.file = open(path, "wb")  # noqa: SIM115 (closed by finish)
         self.crc = 0
@@ -101,7 +101,7 @@ class _ArrayWriter:
 
     def finish(self) -> dict[str, Any]:
         self.file.close()  # no fsync: a torn write fails the CRC-32 and is rebuilt
-        shape = [self.length, self.width] if self.width else [self.length]
+        shape = [self.length] if self.width is None else [self.length, self.width]
         return {"file": self.path.name, "dtype": self.dtype.str, "shape": shape,
                 "crc32": self.crc}
 

@@ -69,6 +69,19 @@ def test_the_cache_serves_exactly_what_the_parser_gives(data: Path, tmp_path: Pa
     assert set(cached.open()[0].one_id) == {f"C{i}" for i in range(1, 7)}  # C7, C8 multi-hot
 
 
+def test_a_file_without_dense_columns_is_cached_and_served(tmp_path: Path) -> None:
+    path = tmp_path / "nodense.txt"
+    path.write_text("1\tu1\ta,b\n0\tu2\t\n1\tu1\tc\n")
+    spec = f"criteo:{path}?dense=0&sparse=2&multi_hot=,"
+    cached = ColumnCache(tmp_path / "cache").prepare(spec)
+    assert cached.rows == 3
+    again = ColumnCache(tmp_path / "cache").prepare(spec)  # opened from the manifest
+    assert again.built == 0 and again.open()[0].dense.shape == (3, 0)
+    want, got = parsed_rows(spec), served_rows(list(again.batches(2, seed=None)))
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
 def test_each_epoch_is_a_shuffle_and_the_ranks_split_the_batches(data: Path, tmp_path: Path
                                                                  ) -> None:
     cached = ColumnCache(tmp_path).prepare(spec_of(data / "train.txt"))
