@@ -9,12 +9,16 @@ was applied) and two drawn from small vocabularies. The workers run no dense mod
 measured is the data path (loader, pushes, cuts), not model quality. Every ``--cut-every``
 steps the workers cut the job (:class:`~services.worker.job_checkpoints.ConsistentCut`).
 
-A seeded schedule of ``--kills`` SIGKILLs cycles over four roles: a PS shard, the loader, a
-worker, and a PS shard while a cut is in progress (after the workers' barrier, before the
-manifest); each lands after 0 to 2 complete cuts of the current run and a random gap. After each kill the job restarts from its newest complete cut, as an
-orchestrator would: the other workers and the loader are stopped, the killed shard restarts
-with ``--restore job``, the living shards restore the cut over their admin API, then the
-loader (at the cut's positions) and the workers (at the cut's step) start again.
+A seeded schedule of ``--kills`` faults cycles over four roles (seven with ``--wal``,
+below), SIGKILLs of: a PS shard, the loader, a worker, and a PS shard while a cut is in
+progress (after the workers' barrier, before the manifest); each lands after 0 to 2 complete
+cuts of the current run and a random gap. After each kill the job restarts from its newest
+complete cut, as an orchestrator would: the other workers and the loader are stopped, the
+killed shard restarts with ``--restore job`` (with ``--wal``: from its log, then restored
+over REST), the living shards restore the cut over their admin API, then the loader (at the
+cut's positions; the first cut names every partition at 0) and the workers (at the cut's
+step) start again. A process that dies by no fault also restarts the job:
+``unplanned_restarts``.
 
 Figures, from the final cut's PS files against the records produced (not the job's logs):
 ``records_lost`` (records whose row is 0), ``applied_twice`` (applications beyond the first,
@@ -22,31 +26,73 @@ summed over records), ``occurrences_off`` (every id: |row - occurrences|), ``fin
 final cut is at the last step and its positions are the topic's end offsets),
 ``recovery_s`` per role (kill to both workers' first step after the restart).
 
-``--wal``: the shards keep a write-ahead log (``--wal-fsync``, batch by default), and a PS
-shard killed in role ``ps`` is no longer a job restart: right after a push of the bench's
-own (64 probe ids) to it is acknowledged, the shard is SIGKILLed and started again from its
-log (no ``--restore``) on the same ports, while the loader and the workers go on (their
-pushes and the cuts' checkpoint calls wait for it, ``retry_s``). ``acked_lost_with_wal``
-counts the probe's updates missing right after the restart; the next kill waits for a cut
-after the restart, so an acked push the log lost also shows in the counts (a rollback to an
-older cut would re-push it). ``recovery_s`` of ``ps`` is then kill to serving again. The
-other roles recover by the rollback above. Without ``--wal``, ``acked_lost_with_wal`` is null.
+``--wal``: the shards keep a write-ahead log (``--wal-fsync``, batch by default), each on a
+tmpfs of its own (32 MiB, mounted by the bench: it must run as root, and a refused mount is
+an error; everything is unmounted at the end, also on failure or SIGTERM). Every push of a
+worker then also adds 1 to its run's *stamp* row on every shard (table ``stamp``, one row per
+(run, shard), in the same message, so in the same log record): a shard's stamp row of run r
+counts the pushes of run r it applied. One worker of each run reaches one shard through an
+in-process TCP proxy (:class:`~bench.chaos_job.TcpProxy`). Three more roles join the seeded
+schedule, and ``ps`` changes (:mod:`bench.chaos_faults`):
+
+- ``ps``: no longer a job restart: right after a push of the bench's own (64 probe ids) to
+  the shard is acknowledged, it is SIGKILLed and started again from its log (no
+  ``--restore``) on the same ports while the loader and the workers go on (their pushes and
+  the cuts' checkpoint calls wait for it, ``retry_s``). ``acked_lost_with_wal``: the probe's
+  updates missing right after the restart; the next fault waits for a cut after the
+  restart, so an acked push the log lost also shows in the counts.
+- ``enospc``: right after a cut, a filler file fills the shard's tmpfs, so its next append
+  is cut short (ENOSPC, a half-written record); it stays full until the shard's
+  ``persimmon_ps_request_errors_total{method="Push",code="UNAVAILABLE"}`` rose and 0.3 s
+  more while the workers' pushes are refused and retried; then the filler is removed, a
+  probe push acked, the shard SIGKILLed and restarted from its log as in ``ps``.
+  ``wal_fault_acked_lost``: the probe's updates missing after that restart;
+  ``wal_fault_pushes_refused``: that counter's rise while full (> 0: the fault bit);
+  ``wal_full_s``: seconds full. Acked pushes before the fault that the log lost would show
+  in ``records_lost``.
+- ``restore``: a living shard is restored over its admin REST to the newest complete cut
+  while the workers push (its epoch moves on); their pushes are refused (StaleEpoch,
+  FAILED_PRECONDITION) and they fail; the job restarts from the cut. A cut of the old run
+  whose part of that shard was written after the restore (the cut's checkpoint calls carry
+  no epoch, so it misses the pushes the restore rolled back) is set aside, as an orchestrator
+  that restored the shard must: ``cuts_discarded``. ``stale_pushes_refused``: the shard's
+  FAILED_PRECONDITION push refusals around the fault; ``workers_stale``: workers that ended
+  with StaleEpoch (each writes how it ended to a file).
+- ``partition``: the proxy of the current run stops forwarding (connections held) until one
+  of the partitioned worker's pushes is held; the job restarts from the newest cut without
+  that worker (the others and the loader SIGKILLed, every shard restored, fresh workers);
+  once they stepped, the proxy breaks the held connections (the worker's client retries its
+  push on a new one, held too), then heals: the retry reaches the shard in its new epoch.
+  ``partition_retries_refused``: partitioned workers that ended with StaleEpoch;
+  ``partitioned_exited``: those that exited (both must equal the partitions).
+
+``zombie_pushes_applied`` (pushes from before a restore applied after it), read off the
+shards' stamp rows: with the WAL a killed shard keeps its state (an orchestrator's restart
+first brings it back from its log, then restores it over REST like the living ones), so each
+shard's rows are read live (read-only lookups) right before each of its restores and at the
+end. Each restore to cut C for run R opens a window on that shard in which runs below R are
+old; at its close, every old run's stamp row minus its row in C's files is a push of an old
+run the shard applied after the restore. The sum over windows and shards is exact: rows only
+grow within an epoch, and a window closes before the restore that would roll it back. A
+zombie that survived into the final cut would also show in ``applied_twice``. Without
+``--wal`` every ``--wal`` figure is null (``null_reasons``), as is one whose fault never ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,19 +101,24 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import write_json
+from bench.chaos_faults import (
+    enospc_fault,
+    kill_with_wal,
+    partition_fault,
+    restore_fault,
+    sigkill,
+)
+from bench.chaos_job import SHARDS, STAMP, TABLE, WORLD, ChaosJob, stamp_ids
 from services.common.commands import float_at_least, int_at_least
 
 __all__ = ["counting_worker", "expected_counts", "produce_records", "register_bench", "run",
            "source_records"]
 
 console = Console(stderr=True)
-TABLE = "count"
-PROBE = "probe"  # the bench's own pushes, acked right before a shard is killed (--wal)
-RETRY_S = 300.0  # with --wal, how long pushes and cuts wait for a shard restarting
-WORLD = 2
-SHARDS = 2
 ROLES = ("ps", "loader", "worker", "ps-cut")
-_SERVICE = [sys.executable, "-m"]
+WAL_ROLES = (*ROLES, "enospc", "restore", "partition")  # with --wal
+WAL_FAULTS = {"ps": kill_with_wal, "enospc": enospc_fault, "restore": restore_fault,
+              "partition": partition_fault}
 
 
 # ---- a worker process: python -m bench.chaos --rank R ... -----------------------------------
@@ -89,6 +140,7 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
 
     manifest = latest_complete(root)
     step = int(manifest["step"]) if manifest else 0
+    stamps = {STAMP: stamp_ids(int(run) + 1)[-1]}  # this run's row on every shard
     checkpointer = JobCheckpointer(root, admin_urls=ps_admin,
                                    retry_s=retry_s) if rank == 0 else None
     cut = ConsistentCut(root, rank=rank, world=WORLD, run=run, checkpointer=checkpointer,
@@ -97,9 +149,15 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
     async with PSClient(ps, retry_s=retry_s) as client, LoaderClient(
             loader, rank=rank, world_size=WORLD, credits=window + 2) as batches:
 
-        async def push(batch: Any) -> None:
-            ids = np.concatenate([f.values for f in batch.sparse.values()])
-            await client.push(TABLE, ids, np.full((ids.size, 1), -1.0, np.float32))
+        if STAMP not in client.dims:  # shards without the stamp table (a test's)
+            stamps.clear()
+
+        async def push(batch: Any) -> None:  # one message per shard: counts and the stamp
+            ids, counts = np.unique(np.concatenate([f.values for f in batch.sparse.values()]),
+                                    return_counts=True)
+            await client.push_tables({TABLE: ids, **stamps}, {
+                TABLE: -counts[:, None].astype(np.float32),
+                **{name: np.full((SHARDS, 1), -1.0, np.float32) for name in stamps}})
             await batches.ack(batch)
 
         async def drain() -> None:
@@ -132,16 +190,22 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
 def _worker_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.chaos")
     for name in ("--root", "--run", "--ps", "--ps-admin", "--loader", "--loader-admin",
-                 "--started"):
+                 "--started", "--exit-file"):
         parser.add_argument(name, required=True)
     for name in ("--rank", "--steps", "--cut-every", "--window", "--step-ms"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--retry-s", type=float, default=0.0)
     a = parser.parse_args(argv)
-    asyncio.run(counting_worker(
-        root=a.root, run=a.run, rank=a.rank, ps=a.ps.split(","), ps_admin=a.ps_admin.split(","),
-        loader=a.loader, loader_admin=a.loader_admin, steps=a.steps, cut_every=a.cut_every,
-        window=a.window, step_ms=a.step_ms, started=a.started, retry_s=a.retry_s))
+    try:
+        asyncio.run(counting_worker(
+            root=a.root, run=a.run, rank=a.rank, ps=a.ps.split(","),
+            ps_admin=a.ps_admin.split(","), loader=a.loader, loader_admin=a.loader_admin,
+            steps=a.steps, cut_every=a.cut_every, window=a.window, step_ms=a.step_ms,
+            started=a.started, retry_s=a.retry_s))
+    except BaseException as exc:  # how it ended, for the bench (StaleEpoch: fenced)
+        Path(a.exit_file).write_text(type(exc).__name__)
+        raise
+    Path(a.exit_file).write_text("done")
     return 0
 
 
@@ -186,218 +250,7 @@ def produce_records(bootstrap: str, topic: str, records: list[bytes], partitions
 
 # ---- the job under fire ---------------------------------------------------------------------
 
-class _Job:
-    """The processes of the job and the restart from its newest complete cut."""
-
-    def __init__(self, args: argparse.Namespace, work: Path, source: str) -> None:
-        self.args, self.work, self.source = args, work, source
-        self.root = work / "checkpoints"
-        self.ps: list[subprocess.Popen[bytes]] = []
-        self.ps_commands: list[list[str]] = []
-        self.ps_addresses: list[str] = []
-        self.ps_admin: list[str] = []
-        self.loader: subprocess.Popen[bytes] | None = None
-        self.loader_address = self.loader_admin = ""
-        self.workers: list[subprocess.Popen[bytes]] = []
-        self.run = 0
-        self.loop = asyncio.new_event_loop()  # the probes' (--wal): gRPC keeps to one loop
-
-    def start_ps(self) -> None:
-        """The shard processes, started side by side (one failing stops them all)."""
-        import yaml
-
-        from services.local.processes import start_services
-
-        config = self.work / "ps.yaml"
-        config.write_text(yaml.safe_dump({"tables": [
-            {"name": name, "dim": 1, "initializer": "zeros",
-             "optimizer": {"kind": "sgd", "lr": 1.0}} for name in (TABLE, PROBE)]}))
-        wal = ["--wal-dir", str(self.work / "wal"), "--wal-fsync", self.args.wal_fsync]
-        commands = [[*_SERVICE, "services.ps", "--log-level", "ERROR", "--config", str(config),
-                     "--shard-id", str(k), "--num-shards", str(SHARDS),
-                     "--checkpoint-dir", str(self.root), *(wal if self.args.wal else [])]
-                    for k in range(SHARDS)]
-        started = start_services([(cmd, str(self.work / f"ps-{k}.ready"))
-                                  for k, cmd in enumerate(commands)], timeout=300)
-        for cmd, (proc, grpc_port, admin_port) in zip(commands, started, strict=True):
-            self.ps.append(proc)
-            self.ps_commands.append([*cmd, "--grpc-port", str(grpc_port),
-                                     "--admin-port", str(admin_port)])
-            self.ps_addresses.append(f"127.0.0.1:{grpc_port}")
-            self.ps_admin.append(f"http://127.0.0.1:{admin_port}")
-
-    def first_cut(self) -> None:
-        """The job's start as a cut (empty rows, no positions): every restart has a cut."""
-        from services.common.checkpoints.positions import POSITIONS_PART, encode_positions
-        from services.worker.job_checkpoints import JobCheckpointer
-
-        asyncio.run(JobCheckpointer(self.root, admin_urls=self.ps_admin).checkpoint(
-            0, "cut-start", parts={POSITIONS_PART: encode_positions({})}))
-
-    def start_rest(self) -> None:
-        """The loader (at the newest cut) and the workers of a new run."""
-        from services.local.processes import start_service
-
-        a = self.args
-        self.loader, grpc_port, admin_port = start_service(
-            [*_SERVICE, "services.loader", "--log-level", "ERROR", "loader", "--source",
-             self.source, "--batch-size", str(a.batch_size), "--world-size", str(WORLD),
-             "--checkpoint-dir", str(self.root), "--poll-timeout-ms", "20"],
-            str(self.work / "loader.ready"), timeout=300)
-        self.loader_address = f"127.0.0.1:{grpc_port}"
-        self.loader_admin = f"http://127.0.0.1:{admin_port}"
-        self.workers = [subprocess.Popen(
-            [*_SERVICE, "bench.chaos", "--root", str(self.root), "--run", str(self.run),
-             "--ps", ",".join(self.ps_addresses), "--ps-admin", ",".join(self.ps_admin),
-             "--loader", self.loader_address, "--loader-admin", self.loader_admin,
-             "--started", str(self.started_file(r)), "--rank", str(r),
-             "--steps", str(self.steps), "--cut-every", str(a.cut_every),
-             "--window", str(a.window), "--step-ms", str(a.step_ms),
-             "--retry-s", str(RETRY_S if a.wal else 0.0)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(WORLD)]
-
-    @property
-    def steps(self) -> int:
-        return self.args.records // (self.args.batch_size * WORLD)
-
-    def started_file(self, rank: int) -> Path:
-        return self.work / f"run-{self.run}-rank-{rank}.started"
-
-    def started(self) -> bool:
-        return all(self.started_file(r).exists() for r in range(WORLD))
-
-    def finished(self) -> bool:
-        return all(w.poll() == 0 for w in self.workers)
-
-    def failed(self) -> bool:
-        """A process died that was not killed on purpose (a worker's error, a crash)."""
-        return any(p.poll() not in (None, 0) for p in self.workers) or any(
-            p.poll() is not None for p in [*self.ps, self.loader] if p is not None)
-
-    def cuts_done(self) -> int:
-        """Complete cuts of the current run."""
-        return sum(1 for d in self.root.glob(f"cut-{self.run}-*") if (d / "job.json").exists())
-
-    def cut_in_progress(self) -> bool:
-        prefix = f"cut-{self.run}-"
-        return any(d.name.startswith(prefix) and (d / "ranks").is_dir()
-                   and not (d / "job.json").exists() for d in self.root.iterdir())
-
-    def pid_of(self, role: str, rng: random.Random) -> subprocess.Popen[bytes]:
-        if role == "loader":
-            assert self.loader is not None
-            return self.loader
-        if role == "worker":
-            return self.workers[rng.randrange(WORLD)]
-        return self.ps[rng.randrange(SHARDS)]
-
-    def restart(self) -> None:
-        """Stop the loader and the workers, bring every PS shard to the newest complete cut,
-        start the loader and the workers of the next run."""
-        from clients.admin_client import AdminClient
-        from services.common.checkpoints import latest_complete
-        from services.local.processes import wait_ready
-
-        for proc in [*self.workers, self.loader]:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-            if proc is not None:
-                proc.wait()
-        cut = latest_complete(self.root)
-        assert cut is not None
-        for k, proc in enumerate(self.ps):
-            if proc.poll() is None:
-                async def restore(url: str) -> None:
-                    async with AdminClient(url) as admin:
-                        await admin.restore(cut["checkpoint_id"])
-                asyncio.run(restore(self.ps_admin[k]))
-            else:
-                self.ps[k] = subprocess.Popen([*self.ps_commands[k], "--restore", "job"],
-                                              stdout=subprocess.DEVNULL)
-                wait_ready(self.ps[k], self.ps_admin[k], timeout=300)
-        self.run += 1
-        self.start_rest()
-
-    def stop(self) -> None:
-        for proc in [*self.workers, self.loader, *self.ps]:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        self.loop.close()
-
-
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not happen within {timeout:.0f} s")
-        time.sleep(0.002)
-
-
-def _kill(job: _Job, role: str, rng: random.Random, max_gap: float) -> bool:
-    """SIGKILL one process of ``role`` at a random point (:func:`_kill_point`); False when the
-    job finished first."""
-    if not _kill_point(job, role, rng, max_gap):
-        return False
-    job.pid_of(role, rng).send_signal(signal.SIGKILL)
-    return True
-
-
-def _kill_point(job: _Job, role: str, rng: random.Random, max_gap: float) -> bool:
-    """Wait for a random point to kill ``role`` at (after 0 to 2 cuts of this run and a
-    random gap; ``ps-cut``: then a cut in progress); False when the job finished first."""
-    cuts = rng.randint(0, 2)
-    _wait(lambda: job.cuts_done() >= cuts or job.finished() or job.failed(), 300,
-          f"{cuts} cuts of run {job.run}")
-    if job.finished():
-        return False
-    time.sleep(rng.uniform(0.0, max_gap))
-    if role == "ps-cut":
-        _wait(lambda: job.cut_in_progress() or job.finished() or job.failed(), 120,
-              "a cut in progress")
-    return not job.finished()
-
-
-def _kill_with_wal(job: _Job, rng: random.Random, max_gap: float, n: int
-                   ) -> tuple[int, float] | None:
-    """SIGKILL a PS shard at a random point, right after the bench's own probe push to it
-    (64 ids, -1 each) was acknowledged, and restart it from its write-ahead log (no
-    ``--restore``; the job goes on, its pushes and cuts wait for the shard). Returns the
-    probe's updates the restarted shard lacks and the seconds from the kill to serving
-    again, once the job completed a cut after the kill (so that a later rollback cannot
-    re-push what the kill lost: the counting check sees it too); None when the job finished
-    first."""
-    from clients.ps_client import PSClient
-    from services.common.sharding import shard_of
-    from services.local.processes import wait_ready
-
-    if not _kill_point(job, "ps", rng, max_gap):
-        return None
-    k = rng.randrange(SHARDS)
-    ids = np.arange(n * 4096, (n + 1) * 4096, dtype=np.uint64)
-    ids = ids[shard_of(ids, SHARDS) == k][:64]
-
-    async def probe(push: bool) -> np.ndarray:
-        async with PSClient(job.ps_addresses, retry_s=RETRY_S) as client:
-            if push:
-                await client.push(PROBE, ids, np.full((ids.size, 1), -1.0, np.float32))
-            return await client.lookup(PROBE, ids)
-
-    job.loop.run_until_complete(probe(push=True))
-    cuts = job.cuts_done()
-    job.ps[k].send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    job.ps[k].wait()
-    job.ps[k] = subprocess.Popen(job.ps_commands[k], stdout=subprocess.DEVNULL)
-    wait_ready(job.ps[k], job.ps_admin[k], timeout=300)
-    recovered = time.monotonic() - killed_at
-    lost = int((job.loop.run_until_complete(probe(push=False))[:, 0] < 1).sum())
-    _wait(lambda: job.cuts_done() > cuts or job.finished() or job.failed(), 300,
-          "a cut after the shard's restart")
-    return lost, recovered
-
-
-def _check(job: _Job, record_ids: np.ndarray, expected: dict[int, int]) -> dict[str, Any]:
+def _check(job: ChaosJob, record_ids: np.ndarray, expected: dict[int, int]) -> dict[str, Any]:
     """Rows of the final cut's PS parts against the occurrences counted from the source."""
     from services.common.checkpoints import latest_complete
     from services.common.checkpoints.positions import cut_positions
@@ -425,13 +278,11 @@ def _check(job: _Job, record_ids: np.ndarray, expected: dict[int, int]) -> dict[
             "final_step": int(cut["step"])}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _source(args: argparse.Namespace) -> tuple[Any, str, np.ndarray, dict[int, int]]:
+    """Produce the records to a mock Kafka cluster: its client (the cluster lives as long),
+    the source spec, each record's unique id and every id's occurrences."""
     from confluent_kafka.admin import AdminClient as KafkaAdmin
 
-    if args.records % (args.batch_size * WORLD):
-        raise ValueError("--records must be a multiple of 2 x --batch-size (whole steps)")
-    rng = random.Random(args.seed)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     kafka = KafkaAdmin({"test.mock.num.brokers": 1, "log_level": 3})
     broker = next(iter(kafka.list_topics(timeout=10).brokers.values()))
     bootstrap = f"{broker.host}:{broker.port}"
@@ -442,66 +293,130 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     records = source_records(args.records, args.seed)
     record_ids, expected = expected_counts(source, records)
     produce_records(bootstrap, args.topic, records, args.partitions)
-    schedule = [ROLES[i % len(ROLES)] for i in range(args.kills)]
+    return kafka, source, record_ids, expected
+
+
+# The figures the --wal faults add up (null without --wal, or when no fault of theirs ran).
+WAL_FIGURES = {"acked_lost_with_wal": "ps", "wal_fault_acked_lost": "enospc",
+               "wal_fault_pushes_refused": "enospc", "stale_pushes_refused": "restore",
+               "workers_stale": "restore", "cuts_discarded": "restore",
+               "partition_retries_refused": "partition", "partitioned_exited": "partition"}
+
+
+def _inject(job: ChaosJob, schedule: list[str], rng: random.Random) -> tuple[
+        dict[str, int], dict[str, list[float]], dict[str, float]]:
+    """Every fault of the schedule in turn: (faults by role, recovery seconds by role, the
+    --wal faults' figures summed)."""
+    args = job.args
+    kills = dict.fromkeys(WAL_ROLES if args.wal else ROLES, 0)
+    recovery: dict[str, list[float]] = {role: [] for role in kills}
+    sums: dict[str, float] = dict.fromkeys(WAL_FIGURES, 0)
+    for n, role in enumerate(schedule):
+        job.restart_if_failed()
+        fault = WAL_FAULTS.get(role, sigkill) if args.wal else sigkill
+        got = fault(job, role, rng, args.max_gap, n)
+        if got is None:
+            break
+        recovery[role].append(got.pop("recovery_s"))
+        for key, value in got.items():
+            sums[key] = sums.get(key, 0) + value
+        kills[role] += 1
+    return kills, recovery, sums
+
+
+def _wal_figures(job: ChaosJob, kills: dict[str, int], sums: dict[str, float]
+                 ) -> dict[str, Any]:
+    """The --wal figures, each null (with its reason) where it was not measured."""
+    if not job.args.wal:
+        return {**dict.fromkeys([*WAL_FIGURES, "zombie_pushes_applied"]),
+                "null_reasons": {"*": "measured with --wal only"}}
+    for k in range(SHARDS):  # the last windows: every shard's stamp rows now
+        job.zombies.close(k)
+    out: dict[str, Any] = {"zombie_pushes_applied": job.zombies.applied, "null_reasons": {}}
+    for key, role in WAL_FIGURES.items():
+        out[key] = int(sums[key]) if kills.get(role) else None
+        if not kills.get(role):
+            out["null_reasons"][key] = f"no {role} fault ran"
+    out["wal_full_s"] = round(sums.get("wal_full_s", 0.0), 3) if kills.get("enospc") else None
+    return out
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile, so that the processes are stopped and the
+    tmpfs mounts undone (``finally``) also when the bench is terminated."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: nothing to install
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.records % (args.batch_size * WORLD):
+        raise ValueError("--records must be a multiple of 2 x --batch-size (whole steps)")
+    rng = random.Random(args.seed)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    kafka, source, record_ids, expected = _source(args)  # kafka: the cluster lives with it
+    roles = WAL_ROLES if args.wal else ROLES
+    schedule = [roles[i % len(roles)] for i in range(args.kills)]
     rng.shuffle(schedule)
-    recovery: dict[str, list[float]] = {role: [] for role in ROLES}
-    kills: dict[str, int] = dict.fromkeys(ROLES, 0)
-    unplanned = 0
-    acked_lost = 0
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="persimmon-chaos-") as work:
-        job = _Job(args, Path(work), source)
+    with tempfile.TemporaryDirectory(prefix="persimmon-chaos-") as work, _interruptible():
+        job = ChaosJob(args, Path(work), source)
         try:
             job.root.mkdir()
             job.start_ps()
             job.first_cut()
             job.start_rest()
-            for n, role in enumerate(schedule):
-                if args.wal and role == "ps":
-                    got = _kill_with_wal(job, rng, args.max_gap, n)
-                    if got is None:
-                        break
-                    acked_lost += got[0]
-                    kills[role] += 1
-                    recovery[role].append(got[1])
-                    continue
-                if not _kill(job, role, rng, args.max_gap):
-                    break
-                killed_at = time.monotonic()
-                kills[role] += 1
-                job.restart()
-                _wait(lambda: job.started() or job.finished() or job.failed(), 120,
-                      "the restarted workers' first step")
-                recovery[role].append(time.monotonic() - killed_at)
+            kills, recovery, sums = _inject(job, schedule, rng)
             deadline = time.monotonic() + args.timeout
             while not job.finished():
-                if job.failed():  # not killed on purpose: restart all the same, and say so
-                    unplanned += 1
-                    job.restart()
+                job.restart_if_failed()
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
             result = _check(job, record_ids, expected)
+            result.update(_wal_figures(job, kills, sums))
         finally:
             job.stop()
-    return {"kills": sum(kills.values()), "kills_by_role": kills,
-            **result, "acked_lost_with_wal": acked_lost if args.wal else None,
-            "wal": args.wal_fsync if args.wal else None, "unplanned_restarts": unplanned,
+            unmounted = job.mounts.unmount()
+            if unmounted:
+                console.print(f"[red]chaos: could not unmount {unmounted}")
+    return {"kills": sum(kills.values()), "kills_by_role": kills, **result,
+            "wal": args.wal_fsync if args.wal else None, "unplanned_restarts": job.unplanned,
             "recovery_s": {role: {"median": statistics.median(v), "max": max(v)}
                            for role, v in recovery.items() if v},
             "records": args.records, "steps": job.steps, "cut_every": args.cut_every,
             "seed": args.seed, "seconds": time.perf_counter() - started}
 
 
+# (figure, goal) rows of the table; the --wal ones are null without --wal
+_ROWS = (("kills", "all planned"), ("records_lost", "0"), ("applied_twice", "0"),
+         ("occurrences_off", "0"), ("finished", "True"), ("unplanned_restarts", "0"),
+         ("acked_lost_with_wal", "0"), ("wal_fault_acked_lost", "0"),
+         ("zombie_pushes_applied", "0"), ("wal_fault_pushes_refused", "> 0 (the fault bit)"),
+         ("stale_pushes_refused", "> 0 (fenced)"), ("workers_stale", "> 0"),
+         ("partition_retries_refused", "= partitions"), ("partitioned_exited", "= partitions"),
+         ("cuts_discarded", ""))
+_ZERO = ("records_lost", "applied_twice", "occurrences_off", "acked_lost_with_wal",
+         "wal_fault_acked_lost", "zombie_pushes_applied")
+
+
 def _print(result: dict[str, Any]) -> None:
-    table = Table(title=f"chaos: {result['kills']} SIGKILLs, seed {result['seed']}, "
-                        f"{result['records']} Kafka records")
+    table = Table(title=f"chaos: {result['kills']} faults {result['kills_by_role']}, seed "
+                        f"{result['seed']}, {result['records']} Kafka records")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("goal", justify="right")
-    for key, goal in (("kills", "all planned"), ("records_lost", "0"), ("applied_twice", "0"),
-                      ("occurrences_off", "0"), ("finished", "True"),
-                      ("acked_lost_with_wal", "0 (with --wal)"), ("unplanned_restarts", "0")):
+    for key, goal in _ROWS:
         table.add_row(key, str(result[key]), goal)
     for role, r in result["recovery_s"].items():
         table.add_row(f"recovery {role} (median / max)",
@@ -510,14 +425,21 @@ def _print(result: dict[str, Any]) -> None:
     console.print(table)
 
 
+def _ok(result: dict[str, Any], kills: int) -> bool:
+    """Every planned fault ran, the job finished, each must-be-zero figure is 0 (or null
+    without --wal), and every partitioned worker was refused and exited."""
+    partitions = result["kills_by_role"].get("partition", 0)
+    return bool(result["finished"] and result["kills"] == kills
+                and not any(result[key] for key in _ZERO)
+                and (result["partition_retries_refused"] or 0) == partitions
+                and (result["partitioned_exited"] or 0) == partitions)
+
+
 def _main(args: argparse.Namespace) -> int:
     result = run(args)
     _print(result)
     write_json(result, args.json)
-    ok = result["finished"] and result["kills"] == args.kills and not (
-        result["records_lost"] or result["applied_twice"] or result["occurrences_off"]
-        or result["acked_lost_with_wal"])
-    return 0 if ok else 1
+    return 0 if _ok(result, args.kills) else 1
 
 
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
@@ -537,8 +459,10 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-gap", type=float_at_least(0), default=0.5,
                         help="most seconds from a restart's first step to the next kill")
     parser.add_argument("--wal", action="store_true",
-                        help="PS shards keep a write-ahead log; a killed shard (role ps) "
-                             "restarts from it and the job goes on, no rollback")
+                        help="PS shards keep a write-ahead log (each on a tmpfs of its own: "
+                             "needs root); a killed shard (role ps) restarts from it and the "
+                             "job goes on, no rollback; adds the faults enospc, restore and "
+                             "partition")
     parser.add_argument("--wal-fsync", default="batch", choices=["always", "batch", "never"],
                         help="the shards' WAL fsync policy (with --wal)")
     parser.add_argument("--timeout", type=float_at_least(0, inclusive=False), default=300.0,
