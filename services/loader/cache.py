@@ -28,7 +28,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,7 @@ class CachedData:
     dense: list[str]
     built: int = 0
     seconds: float = 0.0
+    window: tuple[int, int] | None = None  # rows [start, stop) of the files end to end
 
     def open(self) -> list[FileColumns]:
         out = []
@@ -319,7 +320,23 @@ class CachedData:
 
     @property
     def rows(self) -> int:
-        return sum(f.rows for f in self.open())
+        total = sum(f.rows for f in self.open())
+        start, stop = self.window or (0, total)
+        return min(stop, total) - start
+
+    def split_last(self, fraction: float) -> tuple[CachedData, CachedData]:
+        """(the first rows, the last ``fraction`` of the rows) in the files' order, end to
+        end: for time-ordered files, the past and the latest slice. ConfigError when
+        ``fraction`` is not in (0, 1) or leaves either part empty."""
+        total = self.rows
+        held = round(total * fraction) if 0 < fraction < 1 else 0
+        if not 0 < held < total:
+            raise ConfigError(f"a validation fraction of {fraction} of {total} rows leaves "
+                              "no training or no validation rows")
+        start = (self.window or (0, total))[0]
+        cut = start + total - held
+        return (replace(self, window=(start, cut)),
+                replace(self, window=(cut, start + total), built=0, seconds=0.0))
 
     def describe(self) -> dict[str, Any]:
         """What the summary says of it: files, rows, files parsed now, seconds spent."""
@@ -336,7 +353,7 @@ class CachedData:
         files = self.open()
         number = 0
         for epoch in range(epochs):
-            for file, idx in _epoch_order(files, seed, epoch, batch_size):
+            for file, idx in _epoch_order(files, seed, epoch, batch_size, self.window):
                 if number % world == rank:
                     yield _batch(number, [(files[f], i) for f, i in zip(file, idx, strict=True)])
                 number += 1
@@ -369,17 +386,33 @@ class CachedShare:
                 yield batch
 
 
-def _epoch_order(files: list[FileColumns], seed: int | None, epoch: int, batch_size: int
+def _file_ranges(files: list[FileColumns], window: tuple[int, int] | None
+                 ) -> list[tuple[int, int]]:
+    """Each file's rows [start, stop) inside ``window`` (rows of the files end to end)."""
+    if window is None:
+        return [(0, f.rows) for f in files]
+    out, first = [], 0
+    for f in files:
+        start = min(max(window[0] - first, 0), f.rows)
+        out.append((start, max(min(window[1] - first, f.rows), start)))
+        first += f.rows
+    return out
+
+
+def _epoch_order(files: list[FileColumns], seed: int | None, epoch: int, batch_size: int,
+                 window: tuple[int, int] | None = None
                  ) -> Iterator[tuple[list[int], list[np.ndarray]]]:
     """Each batch as (file numbers, row indices in each): files in a seeded order, each
-    file's rows permuted, batches running on across file ends."""
+    file's rows (those in ``window``) permuted, batches running on across file ends."""
     rng = None if seed is None else np.random.default_rng([seed, epoch])
     order = range(len(files)) if rng is None else rng.permutation(len(files))
+    ranges = _file_ranges(files, window)
     held: list[tuple[int, np.ndarray]] = []
     room = batch_size
     for f in order:
-        n = files[f].rows
-        rows = np.arange(n, dtype=np.int64) if rng is None else rng.permutation(n)
+        low, high = ranges[f]
+        n = high - low
+        rows = low + (np.arange(n, dtype=np.int64) if rng is None else rng.permutation(n))
         start = 0
         while start < n:
             take = rows[start:start + room]

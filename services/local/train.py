@@ -163,14 +163,19 @@ class _Data:
 
 
 def _cached_data(specs: tuple[str, str | None, str | None], cache_dir: str | None, *,
-                 batch_size: int, epochs: int, seed: int | None) -> _Data:
+                 batch_size: int, epochs: int, seed: int | None,
+                 validation_fraction: float | None = None) -> _Data:
     """The (train, eval, validation) file sources parsed once into the column cache, each
-    rank reading its share there: no loader process, no stream, no parse after the first."""
+    rank reading its share there: no loader process, no stream, no parse after the first.
+    ``validation_fraction``: the validation rows are the last fraction of the training
+    files' rows (in file order), and training reads the rows before them."""
     names = ("train", "eval", "validation")
     given = [(name, spec) for name, spec in zip(names, specs, strict=True) if spec is not None]
     cached = dict(zip([name for name, _ in given], prepare_sources(
         [spec for _, spec in given], cache_dir=cache_dir, show=sys.stderr.isatty()),
         strict=True))
+    if validation_fraction is not None:
+        cached["train"], cached["validation"] = cached["train"].split_last(validation_fraction)
     train = cached["train"]
     sources: dict[str, Any] = {"train_batches": train.share(batch_size, epochs=epochs,
                                                             seed=seed)}
@@ -199,8 +204,26 @@ def _loaders(stack: ExitStack, specs: tuple[str, str | None, str | None], *, bat
                  sources={"loader": loader.address, **held_out}, admin_url=loader.admin_url)
 
 
+def check_validation_fraction(fraction: float | None, *, validation_data: str | None,
+                              cached: bool) -> None:
+    """A ConfigError for a ``--validation-fraction`` that cannot be honoured: not in (0, 1),
+    given with ``--validation-data``, or for training data not read through the column
+    cache (the rows are cut there)."""
+    if fraction is None:
+        return
+    if not 0 < fraction < 1:
+        raise ConfigError(f"--validation-fraction must be in (0, 1), got {fraction}")
+    if validation_data is not None:
+        raise ConfigError("give --validation-data or --validation-fraction, not both")
+    if not cached:
+        raise ConfigError("--validation-fraction cuts the validation rows from training "
+                          "files read through the column cache: it needs file sources, "
+                          "--cache and no --export-dir (else give --validation-data)")
+
+
 def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: TrainerConfig,
                            validation_data: str | None = None,
+                           validation_fraction: float | None = None,
                            model: ModelConfig, workers: int = 1, shards: int | None = None,
                            dim: int = 16, ps_lr: float | None = None,
                            ps_optimizer: str = "adagrad", ps_weight_decay: float = 0.0,
@@ -215,7 +238,9 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
     summary (with ``oracle_auc`` for planted data and ``ps`` = where the shards ran).
     ``shards``: default one embedded shard (holding every table: no per-shard calls to pay
     for in one process), two shard processes.
-    ``validation_data``: the loader spec the best state is selected on. ``ps_lr`` and
+    ``validation_data``: the loader spec the best state is selected on;
+    ``validation_fraction``, instead: the last fraction of the training files' rows (in
+    file order: the latest, for time-ordered files) are held out and validated on. ``ps_lr`` and
     ``ps_initial_accumulator`` default to the model's
     (:meth:`ModelConfig.ps_optimizer_defaults`). With ``cache`` and file sources only, the
     data is parsed once into the column cache (``cache_dir``) and every worker reads it
@@ -224,16 +249,20 @@ def train_on_local_cluster(*, train_data: str, eval_data: str | None, config: Tr
     from services.ps.inprocess import InProcessShards
     from services.worker.local_ranks import run_local_training
 
-    keep_best = keeps_best(config, validation=validation_data is not None)
-    placement = ps_placement(ps, workers, config, keep_best=keep_best)
     specs = (train_data, eval_data, validation_data)
     cached = cache and not config.export_dir and all(
         cacheable(s) for s in specs if s is not None)
+    check_validation_fraction(validation_fraction, validation_data=validation_data,
+                              cached=cached)
+    keep_best = keeps_best(config, validation=validation_data is not None
+                           or validation_fraction is not None)
+    placement = ps_placement(ps, workers, config, keep_best=keep_best)
 
     with ExitStack() as stack:
         if cached:
             data = _cached_data(specs, cache_dir, batch_size=batch_size, epochs=epochs,
-                                seed=data_seed if shuffle_buffer else None)
+                                seed=data_seed if shuffle_buffer else None,
+                                validation_fraction=validation_fraction)
         else:
             data = _loaders(stack, specs, batch_size=batch_size, workers=workers,
                             epochs=epochs, seed=data_seed, shuffle_buffer=shuffle_buffer)
@@ -340,14 +369,21 @@ def _run_train(args: argparse.Namespace) -> int:
     config = load_trainer_config(args)
     print_config("train", config)
     train_spec, eval_spec = data_specs(args)
-    keep = keeps_best(config, validation=args.validation_data is not None)
-    ps_placement(args.ps, args.workers, config, keep_best=keep)  # before anything starts
+    specs = (train_spec, eval_spec, args.validation_data)
+    check_validation_fraction(  # before anything starts, as the placement below
+        args.validation_fraction, validation_data=args.validation_data,
+        cached=args.cache and not config.export_dir and all(
+            cacheable(s) for s in specs if s is not None))
+    keep = keeps_best(config, validation=args.validation_data is not None
+                      or args.validation_fraction is not None)
+    ps_placement(args.ps, args.workers, config, keep_best=keep)
     if args.check_config:
         return 0
     with stopping_children_on_sigterm(), failure_summary(args.summary_json):
         summary = train_on_local_cluster(
             train_data=train_spec, eval_data=eval_spec, config=config,
             validation_data=args.validation_data,
+            validation_fraction=args.validation_fraction,
             model=ModelConfig(name=args.model, dense_norm=args.dense_norm),
             workers=args.workers, shards=args.shards,
             dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
@@ -379,6 +415,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--validation-data", help="loader spec of the validation data: "
                        "evaluated every --eval-every steps and at the end; the state of the "
                        "best validation AUC is kept (--keep-best, default with it)")
+    train.add_argument("--validation-fraction", type=float, default=None,
+                       help="without --validation-data: hold out the LAST fraction F of the "
+                            "training files' rows (in file order: the latest rows of "
+                            "time-ordered data) as the validation data, train on the rest")
     train.add_argument("--shards", type=int_at_least(1), default=None,
                        help="PS shards (default: 1 in the worker's process, 2 processes)")
     train.add_argument("--ps", default="auto", choices=list(PS_PLACEMENTS),

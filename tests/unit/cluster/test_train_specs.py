@@ -43,6 +43,10 @@ def test_bad_specs_fail_before_anything_starts(tmp_path):
     (["--validation-data", "synthetic:512?split=validation", "--eval-every", "4",
       "--ps", "processes"], "--keep-best false"),
     (["--validation-data", "bogus:/nowhere", "--eval-every", "4"], "unknown source kind"),
+    (["--validation-fraction", "0.2", "--eval-every", "4"], "read through the column cache"),
+    (["--validation-fraction", "0.2", "--eval-every", "4", "--validation-data",
+      "synthetic:512?split=validation"], "not both"),
+    (["--validation-fraction", "1", "--eval-every", "4"], "must be in (0, 1)"),
 ])
 def test_keep_best_without_what_it_needs_starts_nothing(
         flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch,

@@ -82,6 +82,29 @@ def test_a_file_without_dense_columns_is_cached_and_served(tmp_path: Path) -> No
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+def test_split_last_holds_out_the_last_rows_of_the_files_end_to_end(tmp_path: Path) -> None:
+    # two files of 5 and 3 rows, the label column numbering the rows 0..7 in file order
+    (tmp_path / "a.txt").write_text("".join(f"{i}\t{i}\tu{i}\n" for i in range(5)))
+    (tmp_path / "b.txt").write_text("".join(f"{i}\t{i}\tu{i}\n" for i in range(5, 8)))
+    cached = ColumnCache(tmp_path / "cache").prepare(
+        f"criteo:{tmp_path}/*.txt?dense=1&sparse=1")
+    train, validation = cached.split_last(0.5)  # rows 4..7 cross the files' end
+    assert (train.rows, validation.rows, cached.rows) == (4, 4, 8)
+
+    def labels(data, seed):
+        return np.concatenate([b.labels for b in data.batches(3, seed=seed, epochs=2)])
+
+    assert labels(validation, None).tolist() == [4, 5, 6, 7] * 2
+    for seed in (None, 0, 1):
+        assert sorted(labels(train, seed).tolist()) == sorted([0, 1, 2, 3] * 2)
+    assert sorted(labels(validation, 3).tolist()) == sorted([4, 5, 6, 7] * 2)
+    inner, last = train.split_last(0.25)  # a window split again stays inside it
+    assert labels(last, None).tolist() == [3, 3] and labels(inner, None).max() == 2
+    for bad in (0.0, 1.0, 0.01, 1.5):
+        with pytest.raises(ConfigError, match="validation fraction"):
+            cached.split_last(bad)
+
+
 def test_each_epoch_is_a_shuffle_and_the_ranks_split_the_batches(data: Path, tmp_path: Path
                                                                  ) -> None:
     cached = ColumnCache(tmp_path).prepare(spec_of(data / "train.txt"))
