@@ -3,9 +3,13 @@
 # the benchmarks are not in it (bench/ is not packaged: run them from a checkout).
 #   docker build -t persimmon .                                   # CPU torch (default)
 #   docker build -t persimmon:cu124 --build-arg TORCH_VARIANT=cu124 .   # CUDA 12.4 torch
+# BASE: any Debian-like image whose `python` is Python 3.11+ with venv (both stages use it);
+# deploy/local/build-images.sh builds one from debootstrap when no image registry is reachable.
+# A torch wheel put in deploy/wheels/ (git-ignored) is installed instead of the variant's index.
 ARG PYTHON_VERSION=3.11
+ARG BASE=python:${PYTHON_VERSION}-slim
 
-FROM python:${PYTHON_VERSION}-slim AS build
+FROM ${BASE} AS build
 ARG TORCH_VERSION=2.13.0
 # cpu, or a CUDA variant of the PyTorch wheel index (cu121, cu124, ...)
 ARG TORCH_VARIANT=cpu
@@ -14,15 +18,24 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch first, from the variant's index, so the project's torch range installs nothing more
-RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
+# torch first, from deploy/wheels/ or the variant's index, so the project's range adds nothing
+COPY deploy/wheels /wheels
+# (a build secret pip_cert, when given, is the CA bundle pip trusts: a TLS-intercepting proxy's)
+RUN --mount=type=secret,id=pip_cert if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi; \
+    if ls /wheels/torch-*.whl >/dev/null 2>&1; then pip install /wheels/torch-*.whl; \
+    else pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"; fi
 WORKDIR /src
+# the dependencies alone first (a layer that code changes leave cached), then the project
 COPY pyproject.toml README.md ./
+RUN --mount=type=secret,id=pip_cert if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi; \
+    mkdir services clients && pip install . "setuptools>=68" && pip uninstall -y persimmon \
+    && rmdir services clients
 COPY services services
 COPY clients clients
-RUN pip install . && python -m compileall -q /opt/venv/lib
+# (py312_: torch's test files for Python 3.12 only, which 3.11 cannot compile)
+RUN pip install --no-deps --no-build-isolation . && python -m compileall -q -x 'py312_' /opt/venv/lib
 
-FROM python:${PYTHON_VERSION}-slim AS runtime
+FROM ${BASE} AS runtime
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/ps.yaml /etc/persimmon/ps.yaml
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba-cache

@@ -1,0 +1,326 @@
+"""``docker compose up``, actually run: compose.yaml with compose.local.yaml, under podman.
+
+The images are built from Debian's packages (deploy/local/build-images.sh, reusing podman's
+layer cache), the Compose v2 binary of the dev extras drives ``podman system service``'s
+Docker API, and the check: every healthcheck passes, the job trains and reports its progress
+through the admin REST API (with the token), a PS shard SIGKILLed mid-job comes back by its
+restart policy from its checkpoint and write-ahead log with every acknowledged update, the job
+finishes, a model version is exported and served, Prometheus has scraped the shards, and
+``down -v`` leaves nothing. Each phase's seconds are printed as one JSON line (``build_s``,
+``compose_up_s``, ``first_step_s``, ``recovery_s``, ``predict_ok``, ...).
+
+Needs root, podman, runc and debootstrap (.ci/run installs them) and the loopback ports that
+compose.yaml publishes. The killed shard is SIGKILLed by its process id, a crash: ``podman
+kill`` (4.3) records a stop by the user, after which podman applies no restart policy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = "persimmon-e2e"
+PORTS = (8071, 8075, 8090, 50071, 9090)  # what compose.yaml publishes on 127.0.0.1
+ROWS = "synthetic:2097152"  # compose.local.yaml's loader source
+PROBE_ROUNDS = 25
+
+# Run inside the serve container (on the compose network, with the token in its environment):
+# a counting table on both shards; `push` sends PROBE_ROUNDS acknowledged +1 updates to every
+# id, `count` reads the rows back.
+PROBE = """
+import asyncio, json, sys
+import numpy as np
+from clients.admin_client import AdminClient
+from clients.ps_client import PSClient
+IDS = np.arange(64, dtype=np.uint64)
+SHARDS = ["ps-0:50051", "ps-1:50051"]
+TABLE = {"name": "probe", "dim": 1, "initializer": "zeros", "optimizer": {"kind": "sgd", "lr": 1.0}}
+async def main(mode, rounds):
+    if mode == "push":
+        for admin in ("http://ps-0:8081", "http://ps-1:8081"):
+            async with AdminClient(admin) as client:
+                await client.create_table(TABLE)
+        async with PSClient(SHARDS) as ps:
+            for _ in range(rounds):
+                await ps.push("probe", IDS, np.full((IDS.size, 1), -1.0, np.float32))
+        print(json.dumps({"acked": rounds}))
+    else:
+        async with PSClient(SHARDS, retry_s=60) as ps:
+            rows = await ps.lookup("probe", IDS)
+        print(json.dumps({"counts": rows[:, 0].round().astype(int).tolist()}))
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+RECORD = {"I1": 1.0, "I2": 0.5, "I3": None, "I4": 2.0, "C1": "a", "C2": "b", "C3": None,
+          "C4": "x", "C5": "y", "C6": "z", "C7": "q", "C8": "w"}
+
+
+class PhaseFailed(AssertionError):
+    pass
+
+
+def run(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
+        check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, input=stdin, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise PhaseFailed(f"{' '.join(cmd[:4])} ... exited {proc.returncode}:\n"
+                          f"{(proc.stdout + proc.stderr)[-3000:]}")
+    return proc
+
+
+def poll(what: str, probe: Callable[[], Any], timeout: float, interval: float = 1.0) -> Any:
+    """``probe()``'s first truthy value; a PhaseFailed naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise PhaseFailed(f"{what}: not within {timeout:.0f}s (last: {value!r})")
+        time.sleep(interval)
+
+
+class Stack:
+    """The compose project under test, driven through the Compose v2 binary itself (its
+    Python wrapper exits 0 whatever the binary returned)."""
+
+    def __init__(self, socket_path: Path, env_file: Path) -> None:
+        import compose
+
+        self.binary = str(Path(compose.__file__).parent / "docker-compose")
+        self.env = {**os.environ, "DOCKER_HOST": f"unix://{socket_path}"}
+        self.env_file = env_file
+        self.token = env_file.read_text().split("PERSIMMON_TOKEN=", 1)[1].strip()
+        self.http = httpx.Client(timeout=5.0,
+                                 headers={"Authorization": f"Bearer {self.token}"})
+
+    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> str:
+        cmd = [self.binary, "--env-file", str(self.env_file), "-p", PROJECT,
+               "-f", "compose.yaml", "-f", "compose.local.yaml", *args]
+        return run(cmd, timeout=timeout, env=self.env, check=check).stdout
+
+    def container(self, service: str) -> str:
+        return f"{PROJECT}-{service}-1"
+
+    def inspect(self, service: str) -> dict[str, Any]:
+        out = run(["podman", "inspect", self.container(service)], timeout=30).stdout
+        return json.loads(out)[0]
+
+    def get(self, url: str) -> Any:
+        """The JSON of a 200 answer, None for anything else (down, not ready, an error)."""
+        try:
+            reply = self.http.get(url)
+        except httpx.HTTPError:
+            return None
+        return reply.json() if reply.status_code == 200 else None
+
+    def probe(self, mode: str) -> dict[str, Any]:
+        out = run(["podman", "exec", "-i", self.container("serve"), "python", "-", mode,
+                   str(PROBE_ROUNDS)], timeout=180, stdin=PROBE).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def last_logs(self, lines: int = 20) -> str:
+        names = run(["podman", "ps", "-a", "--format", "{{.Names}}", "--filter",
+                     f"label=com.docker.compose.project={PROJECT}"], timeout=30,
+                    check=False).stdout.split()
+        parts = []
+        for name in sorted(names):
+            log = run(["podman", "logs", "--tail", str(lines), name], timeout=30, check=False)
+            parts.append(f"--- {name}\n{(log.stdout + log.stderr).rstrip()}")
+        return "\n".join(parts)
+
+
+@contextmanager
+def phase(name: str, times: dict[str, Any], stack: Stack | None = None) -> Iterator[None]:
+    started = time.monotonic()
+    try:
+        yield
+    except (PhaseFailed, subprocess.TimeoutExpired, httpx.HTTPError) as exc:
+        logs = stack.last_logs() if stack else ""
+        raise PhaseFailed(f"phase {name} failed: {exc}\ncontainers' last log lines:\n{logs}") \
+            from exc
+    times[f"{name}_s"] = round(time.monotonic() - started, 1)
+
+
+def _needs() -> str | None:
+    missing = [tool for tool in ("podman", "runc", "debootstrap") if not shutil.which(tool)]
+    if missing:
+        return f"needs {', '.join(missing)} (apt-get install -y podman runc debootstrap)"
+    if os.geteuid() != 0:
+        return "needs root (debootstrap and podman's rootful storage)"
+    taken = []
+    for port in PORTS:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                taken.append(port)
+    return f"loopback ports {taken} are taken (compose.yaml publishes them)" if taken else None
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    reason = _needs()
+    if reason:
+        pytest.skip(reason)
+    env_file = tmp_path / ".env"
+    run([sys.executable, "-c", "from services.cli import main; main()", "token",
+         "--env-file", str(env_file)], timeout=60)
+    socket_path = tmp_path / "podman.sock"
+    service = subprocess.Popen(["podman", "system", "service", "--time=0",
+                                f"unix://{socket_path}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checks = subprocess.Popen([str(ROOT / "deploy/local/healthchecks.sh")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stack = Stack(socket_path, env_file)
+    try:
+        poll("podman system service's socket", socket_path.exists, 30, 0.1)
+        yield stack
+    finally:
+        if socket_path.exists():  # whatever happened, leave no container nor volume behind
+            stack.compose("down", "-v", "--timeout", "5", timeout=120, check=False)
+        stack.http.close()
+        for proc in (checks, service):
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def _kill_shard(stack: Stack) -> None:
+    """SIGKILL ps-1's process: a crash."""
+    state = stack.inspect("ps-1")["State"]
+    if not state["Running"] or state["Pid"] <= 1:
+        raise PhaseFailed(f"ps-1 is not running before the kill: {state}")
+    os.kill(state["Pid"], signal.SIGKILL)
+
+
+def _back_and_healthy(stack: Stack) -> bool:
+    info = stack.inspect("ps-1")
+    return bool(info["RestartCount"] >= 1 and info["State"]["Running"]
+                and info["State"]["Health"]["Status"] == "healthy")
+
+
+def _recovered_from(stack: Stack) -> str:
+    """The last "recovered from the write-ahead log (checkpoint C, then {...})" of ps-1."""
+    log = run(["podman", "logs", stack.container("ps-1")], timeout=30)
+    lines = [line for line in (log.stdout + log.stderr).splitlines()
+             if "recovered from the write-ahead log" in line]
+    if len(lines) < 2:
+        raise PhaseFailed(f"ps-1 logged {len(lines)} recoveries, expected its start and restart")
+    return lines[-1].split("INFO persimmon.ps: ", 1)[-1]
+
+
+def _exited(stack: Stack, service: str) -> dict[str, Any] | None:
+    state = stack.inspect(service)["State"]
+    return state if state["Status"] == "exited" else None
+
+
+@pytest.mark.timeout(1500)
+def test_compose_up_trains_recovers_and_serves(stack: Stack) -> None:
+    times: dict[str, Any] = {}
+    started = time.monotonic()
+    with phase("build", times):
+        run([str(ROOT / "deploy/local/build-images.sh")], timeout=1200)
+
+    with phase("compose_up", times, stack):
+        stack.compose("up", "-d", "--wait", "--wait-timeout", "300", timeout=360)
+        for service in ("redis", "ps-0", "ps-1", "loader", "serve"):
+            status = stack.inspect(service)["State"]["Health"]["Status"]
+            if status != "healthy":
+                raise PhaseFailed(f"{service} is {status} after up --wait")
+
+    progress = "http://127.0.0.1:8075/v1/progress"
+    with phase("first_step", times, stack):
+        poll("worker-0's first step", lambda: (stack.get(progress) or {}).get("step"), 180, 0.2)
+
+    with phase("job_api", times, stack):
+        jobs = "http://127.0.0.1:8071/v1/job/checkpoints"
+        anonymous = httpx.post(jobs, timeout=5).status_code  # (its reads are open: the live page)
+        if anonymous not in (401, 403):
+            raise PhaseFailed(f"the job API took a checkpoint request without the token: {anonymous}")
+        poll("rank 0's job checkpoint (every 200 steps)", lambda: stack.get(jobs), 300)
+        acked = stack.probe("push")["acked"]
+        kill_step = poll("progress after the probe",
+                         lambda: (stack.get(progress) or {}).get("step"), 30)
+
+    with phase("recovery", times, stack):
+        _kill_shard(stack)
+        poll("ps-1 restarted and healthy", lambda: _back_and_healthy(stack), 180, 0.5)
+        poll("a training step after the restart", lambda: (
+            ((stack.get(progress) or {}).get("step") or 0) > kill_step
+            or _exited(stack, "worker-0")), 300, 0.5)
+        times["ps1_recovery"] = _recovered_from(stack)
+        if "checkpoint None" in times["ps1_recovery"]:
+            raise PhaseFailed(f"ps-1 came back without a checkpoint: {times['ps1_recovery']}")
+
+    with phase("job", times, stack):
+        for worker in ("worker-0", "worker-1"):
+            state = poll(f"{worker} finishing", lambda w=worker: _exited(stack, w), 600)
+            if state["ExitCode"] != 0:
+                raise PhaseFailed(f"{worker} exited {state['ExitCode']}")
+        counts = stack.probe("count")["counts"]
+        times["acked_updates_lost"] = sum(max(acked - c, 0) for c in counts)
+        times["applied_twice"] = sum(max(c - acked, 0) for c in counts)
+        if times["acked_updates_lost"] or times["applied_twice"]:
+            raise PhaseFailed(f"probe rows {counts}, expected {acked} each")
+        times["kill_step"] = kill_step
+
+    with phase("export", times, stack):
+        out = stack.compose("run", "--rm", "--no-deps", "worker-1", "export",
+                            "--job-checkpoint", "latest", "--checkpoint-dir", "/checkpoints",
+                            "--out", "/checkpoints/models", "--features", ROWS,
+                            "--base", "latest", "--keep", "5")
+        found = re.search(r'"version_id": "([^"]+)"', out)
+        if not found:
+            raise PhaseFailed(f"export printed no version_id:\n{out[-2000:]}")
+        version = found.group(1)
+
+    with phase("predict", times, stack):
+        active = "http://127.0.0.1:8090/v1/versions/active"
+        poll(f"serve on version {version}",
+             lambda: version in json.dumps(stack.get(active) or {}), 60, 0.5)
+        asked = time.monotonic()  # the first call compiles the feature hashing (numba)
+        reply = stack.http.post("http://127.0.0.1:8090/v1/predict", json={"records": [RECORD]},
+                                timeout=180)
+        times["first_predict_s"] = round(time.monotonic() - asked, 1)
+        body = reply.json()
+        p = body.get("probabilities", [math.nan])[0]
+        times["predict_ok"] = bool(reply.status_code == 200 and body["version"] == version
+                                   and 0.0 < p < 1.0)
+        if not times["predict_ok"]:
+            raise PhaseFailed(f"predict answered {reply.status_code}: {body}")
+
+    with phase("prometheus", times, stack):
+        def pushes() -> float:
+            query = "http://127.0.0.1:9090/api/v1/query?query=sum(persimmon_ps_table_pushes_total)"
+            result = (stack.get(query) or {}).get("data", {}).get("result", [])
+            return float(result[0]["value"][1]) if result else 0.0
+
+        times["prometheus_ps_pushes"] = poll("Prometheus' scrape of the shards' pushes",
+                                             pushes, 60)
+
+    with phase("down", times, stack):
+        stack.compose("down", "-v", "--timeout", "10")
+        left = run(["podman", "ps", "-aq", "--filter",
+                    f"label=com.docker.compose.project={PROJECT}"], timeout=30).stdout.split()
+        volumes = run(["podman", "volume", "ls", "-q", "--filter",
+                       f"label=com.docker.compose.project={PROJECT}"], timeout=30).stdout.split()
+        if left or volumes:
+            raise PhaseFailed(f"down -v left containers {left} and volumes {volumes}")
+
+    times["total_s"] = round(time.monotonic() - started, 1)
+    print("compose_up_phases " + json.dumps(times))
