@@ -21,6 +21,8 @@ import numpy as np
 
 from bench.chaos_job import PROBE, RETRY_S, SHARDS, ChaosJob, wait
 
+PUSH_BYTES = 512  # held past this: a push (HTTP/2 control frames are far smaller)
+
 __all__ = ["enospc_fault", "kill_point", "kill_with_wal", "partition_fault", "restore_fault",
            "shard_errors", "sigkill"]
 
@@ -222,8 +224,8 @@ def partition_fault(job: ChaosJob, role: str, rng: random.Random, max_gap: float
     old_run, old = job.run, job.workers[rank]
     started = time.monotonic()
     proxy.hold()
-    wait(lambda: proxy.held_bytes > 0 or old.poll() is not None or job.finished(), 120,
-         "a push of the partitioned worker held")
+    wait(lambda: proxy.held_bytes > PUSH_BYTES or old.poll() is not None or job.finished(),
+         120, "a push of the partitioned worker held")
     if job.finished():
         proxy.heal()
         return None
