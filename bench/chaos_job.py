@@ -162,14 +162,26 @@ class TcpProxy:
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *,
                     count: bool) -> None:
-        while data := await src.read(1 << 16):
-            if not self._flowing.is_set():
-                if count:
-                    self.held_bytes += len(data)
+        """Read ``src`` always, forward to ``dst`` only while flowing (held data queued)."""
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def forward() -> None:
+            while data := await queue.get():
                 await self._flowing.wait()
-            dst.write(data)
-            await dst.drain()
-        dst.transport.abort()  # one side closed: so is the other (as a broken link)
+                dst.write(data)
+                await dst.drain()
+            dst.transport.abort()  # one side closed: so is the other (as a broken link)
+
+        task = asyncio.ensure_future(forward())
+        try:
+            while data := await src.read(1 << 16):
+                if count and not self._flowing.is_set():
+                    self.held_bytes += len(data)
+                queue.put_nowait(data)
+            queue.put_nowait(b"")
+            await task
+        finally:
+            task.cancel()
 
     def hold(self) -> None:
         """Stop forwarding, both ways; connections stay open (new ones are held too)."""
