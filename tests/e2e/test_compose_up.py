@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,13 +39,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "persimmon-e2e"
 PORTS = (8071, 8075, 8090, 50071, 9090)  # what compose.yaml publishes on 127.0.0.1
 ROWS = "synthetic:2097152"  # compose.local.yaml's loader source
-PROBE_ROUNDS = 25
+PROBE_ROUNDS = 200
 
 # Run inside the serve container (on the compose network, with the token in its environment):
-# a counting table on both shards; `push` sends PROBE_ROUNDS acknowledged +1 updates to every
-# id, `count` reads the rows back.
+# a counting table on both shards; `push` sends PROBE_ROUNDS +1 updates to every id, one round
+# every 50 ms, retrying through a shard's outage, and prints "acked N" as each is acknowledged;
+# `count` reads the rows back.
 PROBE = """
-import asyncio, json, sys
+import asyncio, sys
 import numpy as np
 from clients.admin_client import AdminClient
 from clients.ps_client import PSClient
@@ -56,14 +58,15 @@ async def main(mode, rounds):
         for admin in ("http://ps-0:8081", "http://ps-1:8081"):
             async with AdminClient(admin) as client:
                 await client.create_table(TABLE)
-        async with PSClient(SHARDS) as ps:
-            for _ in range(rounds):
+        async with PSClient(SHARDS, retry_s=120) as ps:
+            for i in range(1, rounds + 1):
                 await ps.push("probe", IDS, np.full((IDS.size, 1), -1.0, np.float32))
-        print(json.dumps({"acked": rounds}))
+                print("acked", i, flush=True)
+                await asyncio.sleep(0.05)
     else:
         async with PSClient(SHARDS, retry_s=60) as ps:
             rows = await ps.lookup("probe", IDS)
-        print(json.dumps({"counts": rows[:, 0].round().astype(int).tolist()}))
+        print(" ".join(str(c) for c in rows[:, 0].round().astype(int).tolist()))
 asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
@@ -131,10 +134,21 @@ class Stack:
             return None
         return reply.json() if reply.status_code == 200 else None
 
-    def probe(self, mode: str) -> dict[str, Any]:
-        out = run(["podman", "exec", "-i", self.container("serve"), "python", "-", mode,
-                   str(PROBE_ROUNDS)], timeout=180, stdin=PROBE).stdout
-        return json.loads(out.strip().splitlines()[-1])
+    def probe(self, mode: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(["podman", "exec", "-i", self.container("serve"), "python", "-",
+                                 mode, str(PROBE_ROUNDS)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdin is not None
+        proc.stdin.write(PROBE)
+        proc.stdin.close()
+        return proc
+
+    def probe_counts(self) -> list[int]:
+        proc = self.probe("count")
+        out = proc.stdout.read() if proc.stdout else ""
+        if proc.wait(timeout=120) != 0:
+            raise PhaseFailed(f"the probe's lookup exited {proc.returncode}:\n{out[-2000:]}")
+        return [int(c) for c in out.strip().splitlines()[-1].split()]
 
     def last_logs(self, lines: int = 20) -> str:
         names = run(["podman", "ps", "-a", "--format", "{{.Names}}", "--filter",
@@ -152,7 +166,7 @@ def phase(name: str, times: dict[str, Any], stack: Stack | None = None) -> Itera
     started = time.monotonic()
     try:
         yield
-    except (PhaseFailed, subprocess.TimeoutExpired, httpx.HTTPError) as exc:
+    except Exception as exc:
         logs = stack.last_logs() if stack else ""
         raise PhaseFailed(f"phase {name} failed: {exc}\ncontainers' last log lines:\n{logs}") \
             from exc
@@ -229,98 +243,133 @@ def _exited(stack: Stack, service: str) -> dict[str, Any] | None:
     return state if state["Status"] == "exited" else None
 
 
+PROGRESS = "http://127.0.0.1:8075/v1/progress"  # worker rank 0's admin API
+JOBS = "http://127.0.0.1:8071/v1/job/checkpoints"  # the job API
+
+
+def _step(stack: Stack) -> int:
+    return (stack.get(PROGRESS) or {}).get("step") or 0
+
+
+def _up(stack: Stack) -> None:
+    stack.compose("up", "-d", "--wait", "--wait-timeout", "300", timeout=360)
+    for service in ("redis", "ps-0", "ps-1", "loader", "serve"):
+        status = stack.inspect(service)["State"]["Health"]["Status"]
+        if status != "healthy":
+            raise PhaseFailed(f"{service} is {status} after up --wait")
+
+
+def _job_api(stack: Stack) -> None:
+    anonymous = httpx.post(JOBS, timeout=5).status_code  # (its reads are open: the live page)
+    if anonymous not in (401, 403):
+        raise PhaseFailed(f"the job API took a checkpoint request without the token: {anonymous}")
+    poll("rank 0's job checkpoint (every 200 steps)", lambda: stack.get(JOBS), 300)
+
+
+def _kill_mid_job(stack: Stack, times: dict[str, Any]) -> tuple[subprocess.Popen[str], list[str]]:
+    """Probe pushes streaming, ps-1 SIGKILLed, back from a job checkpoint and its log."""
+    pusher, acked = stack.probe("push"), []
+    reader = threading.Thread(target=lambda: acked.extend(pusher.stdout or []), daemon=True)
+    reader.start()
+    poll("the probe's first 20 acknowledged pushes", lambda: len(acked) >= 20, 120, 0.05)
+    times["kill_step"] = kill_step = _step(stack)
+    _kill_shard(stack)
+    times["acked_before_kill"] = len(acked)
+    listed = json.dumps(stack.get(JOBS))
+    poll("ps-1 restarted and healthy", lambda: _back_and_healthy(stack), 180, 0.5)
+    poll("a training step after the restart",
+         lambda: _step(stack) > kill_step or _exited(stack, "worker-0"), 300, 0.5)
+    times["ps1_recovery"] = recovery = _recovered_from(stack)
+    found = re.search(r"checkpoint (\S+), then \{'pushes': (\d+)", recovery)
+    if not found or found.group(1) not in listed or int(found.group(2)) == 0:
+        raise PhaseFailed(f"ps-1 did not come back from a job checkpoint and its log: "
+                          f"{recovery!r}; job checkpoints {listed}")
+    return pusher, acked
+
+
+def _finish_job(stack: Stack, times: dict[str, Any], pusher: subprocess.Popen[str],
+                acked: list[str]) -> None:
+    """The probe's pushes all acknowledged, the workers done, every push applied once."""
+    if pusher.wait(timeout=300) != 0:
+        raise PhaseFailed(f"the probe's pushes exited {pusher.returncode}: {acked[-5:]}")
+    rounds = sum(1 for line in acked if line.startswith("acked "))
+    for worker in ("worker-0", "worker-1"):
+        state = poll(f"{worker} finishing", lambda w=worker: _exited(stack, w), 600)
+        if state["ExitCode"] != 0:
+            raise PhaseFailed(f"{worker} exited {state['ExitCode']}")
+    counts = stack.probe_counts()
+    times["acked_updates_lost"] = sum(max(rounds - c, 0) for c in counts)
+    times["applied_twice"] = sum(max(c - rounds, 0) for c in counts)
+    if rounds != PROBE_ROUNDS or times["acked_updates_lost"] or times["applied_twice"]:
+        raise PhaseFailed(f"{rounds} pushes acknowledged, probe rows {counts}")
+
+
+def _export(stack: Stack) -> str:
+    out = stack.compose("run", "--rm", "--no-deps", "worker-1", "export",
+                        "--job-checkpoint", "latest", "--checkpoint-dir", "/checkpoints",
+                        "--out", "/checkpoints/models", "--features", ROWS,
+                        "--base", "latest", "--keep", "5")
+    found = re.search(r'"version_id": "([^"]+)"', out)
+    if not found:
+        raise PhaseFailed(f"export printed no version_id:\n{out[-2000:]}")
+    return found.group(1)
+
+
+def _predict(stack: Stack, times: dict[str, Any], version: str) -> None:
+    active = "http://127.0.0.1:8090/v1/versions/active"
+    poll(f"serve on version {version}",
+         lambda: version in json.dumps(stack.get(active) or {}), 60, 0.5)
+    asked = time.monotonic()  # the first call compiles the feature hashing (numba)
+    reply = stack.http.post("http://127.0.0.1:8090/v1/predict", json={"records": [RECORD]},
+                            timeout=180)
+    times["first_predict_s"] = round(time.monotonic() - asked, 1)
+    body = reply.json()
+    p = body.get("probabilities", [math.nan])[0]
+    times["predict_ok"] = bool(reply.status_code == 200 and body["version"] == version
+                               and 0.0 < p < 1.0)
+    if not times["predict_ok"]:
+        raise PhaseFailed(f"predict answered {reply.status_code}: {body}")
+
+
+def _prometheus_pushes(stack: Stack) -> float:
+    query = "http://127.0.0.1:9090/api/v1/query?query=sum(persimmon_ps_table_pushes_total)"
+    result = (stack.get(query) or {}).get("data", {}).get("result", [])
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def _down(stack: Stack) -> None:
+    stack.compose("down", "-v", "--timeout", "10")
+    label = f"label=com.docker.compose.project={PROJECT}"
+    left = run(["podman", "ps", "-aq", "--filter", label], timeout=30).stdout.split()
+    volumes = run(["podman", "volume", "ls", "-q", "--filter", label], timeout=30).stdout.split()
+    if left or volumes:
+        raise PhaseFailed(f"down -v left containers {left} and volumes {volumes}")
+
+
 @pytest.mark.timeout(1500)
 def test_compose_up_trains_recovers_and_serves(stack: Stack) -> None:
     times: dict[str, Any] = {}
     started = time.monotonic()
     with phase("build", times):
         run([str(ROOT / "deploy/local/build-images.sh")], timeout=1200)
-
     with phase("compose_up", times, stack):
-        stack.compose("up", "-d", "--wait", "--wait-timeout", "300", timeout=360)
-        for service in ("redis", "ps-0", "ps-1", "loader", "serve"):
-            status = stack.inspect(service)["State"]["Health"]["Status"]
-            if status != "healthy":
-                raise PhaseFailed(f"{service} is {status} after up --wait")
-
-    progress = "http://127.0.0.1:8075/v1/progress"
+        _up(stack)
     with phase("first_step", times, stack):
-        poll("worker-0's first step", lambda: (stack.get(progress) or {}).get("step"), 180, 0.2)
-
+        poll("worker-0's first step", lambda: _step(stack), 180, 0.2)
     with phase("job_api", times, stack):
-        jobs = "http://127.0.0.1:8071/v1/job/checkpoints"
-        anonymous = httpx.post(jobs, timeout=5).status_code  # (its reads are open: the live page)
-        if anonymous not in (401, 403):
-            raise PhaseFailed(f"the job API took a checkpoint request without the token: {anonymous}")
-        poll("rank 0's job checkpoint (every 200 steps)", lambda: stack.get(jobs), 300)
-        acked = stack.probe("push")["acked"]
-        kill_step = poll("progress after the probe",
-                         lambda: (stack.get(progress) or {}).get("step"), 30)
-
+        _job_api(stack)
     with phase("recovery", times, stack):
-        _kill_shard(stack)
-        poll("ps-1 restarted and healthy", lambda: _back_and_healthy(stack), 180, 0.5)
-        poll("a training step after the restart", lambda: (
-            ((stack.get(progress) or {}).get("step") or 0) > kill_step
-            or _exited(stack, "worker-0")), 300, 0.5)
-        times["ps1_recovery"] = _recovered_from(stack)
-        if "checkpoint None" in times["ps1_recovery"]:
-            raise PhaseFailed(f"ps-1 came back without a checkpoint: {times['ps1_recovery']}")
-
+        pusher, acked = _kill_mid_job(stack, times)
     with phase("job", times, stack):
-        for worker in ("worker-0", "worker-1"):
-            state = poll(f"{worker} finishing", lambda w=worker: _exited(stack, w), 600)
-            if state["ExitCode"] != 0:
-                raise PhaseFailed(f"{worker} exited {state['ExitCode']}")
-        counts = stack.probe("count")["counts"]
-        times["acked_updates_lost"] = sum(max(acked - c, 0) for c in counts)
-        times["applied_twice"] = sum(max(c - acked, 0) for c in counts)
-        if times["acked_updates_lost"] or times["applied_twice"]:
-            raise PhaseFailed(f"probe rows {counts}, expected {acked} each")
-        times["kill_step"] = kill_step
-
+        _finish_job(stack, times, pusher, acked)
     with phase("export", times, stack):
-        out = stack.compose("run", "--rm", "--no-deps", "worker-1", "export",
-                            "--job-checkpoint", "latest", "--checkpoint-dir", "/checkpoints",
-                            "--out", "/checkpoints/models", "--features", ROWS,
-                            "--base", "latest", "--keep", "5")
-        found = re.search(r'"version_id": "([^"]+)"', out)
-        if not found:
-            raise PhaseFailed(f"export printed no version_id:\n{out[-2000:]}")
-        version = found.group(1)
-
+        version = _export(stack)
     with phase("predict", times, stack):
-        active = "http://127.0.0.1:8090/v1/versions/active"
-        poll(f"serve on version {version}",
-             lambda: version in json.dumps(stack.get(active) or {}), 60, 0.5)
-        asked = time.monotonic()  # the first call compiles the feature hashing (numba)
-        reply = stack.http.post("http://127.0.0.1:8090/v1/predict", json={"records": [RECORD]},
-                                timeout=180)
-        times["first_predict_s"] = round(time.monotonic() - asked, 1)
-        body = reply.json()
-        p = body.get("probabilities", [math.nan])[0]
-        times["predict_ok"] = bool(reply.status_code == 200 and body["version"] == version
-                                   and 0.0 < p < 1.0)
-        if not times["predict_ok"]:
-            raise PhaseFailed(f"predict answered {reply.status_code}: {body}")
-
+        _predict(stack, times, version)
     with phase("prometheus", times, stack):
-        def pushes() -> float:
-            query = "http://127.0.0.1:9090/api/v1/query?query=sum(persimmon_ps_table_pushes_total)"
-            result = (stack.get(query) or {}).get("data", {}).get("result", [])
-            return float(result[0]["value"][1]) if result else 0.0
-
         times["prometheus_ps_pushes"] = poll("Prometheus' scrape of the shards' pushes",
-                                             pushes, 60)
-
+                                             lambda: _prometheus_pushes(stack), 60)
     with phase("down", times, stack):
-        stack.compose("down", "-v", "--timeout", "10")
-        left = run(["podman", "ps", "-aq", "--filter",
-                    f"label=com.docker.compose.project={PROJECT}"], timeout=30).stdout.split()
-        volumes = run(["podman", "volume", "ls", "-q", "--filter",
-                       f"label=com.docker.compose.project={PROJECT}"], timeout=30).stdout.split()
-        if left or volumes:
-            raise PhaseFailed(f"down -v left containers {left} and volumes {volumes}")
-
+        _down(stack)
     times["total_s"] = round(time.monotonic() - started, 1)
     print("compose_up_phases " + json.dumps(times))
