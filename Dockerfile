@@ -25,11 +25,12 @@ RUN --mount=type=secret,id=pip_cert if [ -s /run/secrets/pip_cert ]; then export
     if ls /wheels/torch-*.whl >/dev/null 2>&1; then pip install /wheels/torch-*.whl; \
     else pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"; fi
 WORKDIR /src
-# the dependencies alone first (a layer that code changes leave cached), then the project
-COPY pyproject.toml README.md ./
+# the dependencies alone first (a layer code and README changes leave cached), then the project
+COPY pyproject.toml ./
 RUN --mount=type=secret,id=pip_cert if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi; \
-    mkdir services clients && pip install . "setuptools>=68" && pip uninstall -y persimmon \
-    && rmdir services clients
+    mkdir services clients && touch README.md && pip install . "setuptools>=68" \
+    && pip uninstall -y persimmon && rm -r services clients README.md
+COPY README.md ./
 COPY services services
 COPY clients clients
 # (py312_: torch's test files for Python 3.12 only, which 3.11 cannot compile)
