@@ -79,10 +79,13 @@ class AdminClient:
         return await self.request("PATCH", f"/v1/tables/{name}/optimizer", changes)
 
     async def checkpoint(self, checkpoint_id: str | None = None, *,
-                         incremental: bool = False) -> dict[str, Any]:
+                         incremental: bool = False, epoch: int | None = None
+                         ) -> dict[str, Any]:
         body: dict[str, Any] = {"incremental": incremental}
         if checkpoint_id is not None:
             body["id"] = checkpoint_id
+        if epoch is not None:
+            body["epoch"] = epoch
         return await self.request("POST", "/v1/checkpoints", body)
 
     async def checkpoints(self) -> list[dict[str, Any]]:

@@ -99,18 +99,23 @@ def _checkpoint_routes(app: FastAPI, shard: Shard) -> None:
     @app.post("/v1/checkpoints", tags=["checkpoints"], status_code=201, responses=_ERRORS)
     async def create_checkpoint(body: Annotated[dict[str, Any] | None, Body(
             examples=[{"id": "step-1000", "incremental": False}])] = None) -> dict[str, Any]:
-        """Write an atomic checkpoint of every table (``incremental`` chains to the last one)."""
+        """Write an atomic checkpoint of every table (``incremental`` chains to the last one;
+        ``epoch``: only while the shard is in that epoch, else 412 StaleEpoch)."""
         body = body or {}
-        unknown = set(body) - {"id", "incremental"}
+        unknown = set(body) - {"id", "incremental", "epoch"}
         if unknown:
-            raise InvalidArgument(f"unknown keys {sorted(unknown)}; known: ['id', 'incremental']")
+            raise InvalidArgument(f"unknown keys {sorted(unknown)}; "
+                                  "known: ['epoch', 'id', 'incremental']")
         checkpoint_id = body.get("id")
         incremental = body.get("incremental", False)
+        epoch = body.get("epoch")
+        if epoch is not None and (type(epoch) is not int or epoch < 1):
+            raise InvalidArgument(f"epoch must be an int >= 1, got {epoch!r}")
         if checkpoint_id is not None and not isinstance(checkpoint_id, str):
             raise InvalidArgument("id must be a string")
         if not isinstance(incremental, bool):
             raise InvalidArgument("incremental must be true or false")
-        manifest = await shard.checkpoint(checkpoint_id, incremental=incremental)
+        manifest = await shard.checkpoint(checkpoint_id, incremental=incremental, epoch=epoch)
         config = shard.config
         if config.checkpoint_dir and config.keep_checkpoints:
             await asyncio.to_thread(prune_checkpoints, FilePath(config.checkpoint_dir),

@@ -76,8 +76,11 @@ class Durable:
         return Path(self.config.checkpoint_dir)
 
     async def checkpoint(self, checkpoint_id: str | None = None, *,
-                         incremental: bool = False) -> dict[str, Any]:
-        """Write all tables atomically; incremental checkpoints chain to the last one."""
+                         incremental: bool = False, epoch: int | None = None
+                         ) -> dict[str, Any]:
+        """Write all tables atomically; incremental checkpoints chain to the last one.
+        ``epoch``: only while the shard is in that epoch (a job's cut names the epochs its
+        pushes were in: a shard restored since holds none of them, StaleEpoch)."""
         root = self._checkpoint_root()
         checkpoint_id = checkpoint_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         check_checkpoint_id(checkpoint_id)
@@ -87,13 +90,14 @@ class Durable:
                                          "of this process as its parent")
             parent = self._last_checkpoint if incremental else None
             manifest = await asyncio.to_thread(self._write_checkpoint, root, checkpoint_id,
-                                               incremental, parent)
+                                               incremental, parent, epoch)
             self._last_checkpoint = checkpoint_id
         return manifest
 
     def _write_checkpoint(self, root: Path, checkpoint_id: str, incremental: bool,
-                          parent: str | None) -> dict[str, Any]:
+                          parent: str | None, epoch: int | None) -> dict[str, Any]:
         with self._layout, self._holding(list(self.tables)):
+            self.check_epoch(epoch, "checkpoint")  # a restore holds the same locks
             manifest = write_checkpoint(root, checkpoint_id, self.config.shard_id,
                                         self.config.num_shards, self.tables,
                                         incremental=incremental, parent=parent,
@@ -115,13 +119,14 @@ class Durable:
         await self._restore(checkpoint_id, restart_log=True)
         return {name: table.num_rows for name, table in self.tables.items()}
 
-    def check_epoch(self, epoch: int | None) -> None:
-        """Refuse a push of ``epoch`` unless it is this shard's (None: not fenced). Called
-        under the pushed tables' locks, which a restore takes all of to move the epoch."""
+    def check_epoch(self, epoch: int | None, what: str = "push") -> None:
+        """Refuse a ``what`` (push, checkpoint) of ``epoch`` unless it is this shard's (None:
+        not fenced). Called under the tables' locks, which a restore takes all of to move the
+        epoch."""
         if epoch is not None and epoch != self.epoch:
             when = "before" if epoch < self.epoch else "after"
             raise StaleEpoch(
-                f"push of epoch {epoch} refused by shard {self.config.shard_id}, now in epoch "
+                f"{what} of epoch {epoch} refused by shard {self.config.shard_id}, now in epoch "
                 f"{self.epoch}: it was sent {when} the shard's last restore; nothing applied "
                 "(re-sync the client with PSClient.resync(), or restart the job from its "
                 "checkpoint)")

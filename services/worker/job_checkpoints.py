@@ -118,13 +118,15 @@ class JobCheckpointer:
     asked again, with backoff, for up to that long; on a retry, a part it already wrote (its
     answer lost in its crash) counts as written. ``keep``: after each checkpoint, complete
     job checkpoints but the newest ``keep`` are removed (0: keep all). Made, it removes the
-    temp files a crash of the coordinator left under ``root``.
+    temp files a crash of the coordinator left under ``root``. ``epochs``: each shard's epoch
+    the job's pushes are in (its PS client's, :meth:`clients.ps_client.PSClient.epochs`): a
+    shard restored since refuses its part (StaleEpoch), so no cut mixes rolled-back rows.
     """
 
     def __init__(self, root: Path | str, *, admin_urls: Sequence[str] | None = None,
                  registry: Registry | None = None, parts: Mapping[str, PartSource] | None = None,
                  every_steps: int = 0, every_s: float = 0.0, retry_s: float = 0.0,
-                 keep: int = 0) -> None:
+                 keep: int = 0, epochs: Sequence[int] | None = None) -> None:
         if admin_urls is None and registry is None:
             raise InvalidArgument("a JobCheckpointer needs PS admin URLs or a registry")
         if every_steps < 0 or every_s < 0 or retry_s < 0 or keep < 0:
@@ -132,6 +134,8 @@ class JobCheckpointer:
         self.keep = keep
         self.root = Path(root)
         self.admin_urls = list(admin_urls) if admin_urls is not None else None
+        # the shards' epochs the job's pushes are in (shard order; 0: not fenced)
+        self.epochs = list(epochs) if epochs is not None else None
         self.registry = registry
         self.parts = dict(parts or {})
         self.every_steps = every_steps
@@ -169,7 +173,11 @@ class JobCheckpointer:
         async with self._lock:
             urls = await self._ps_admin_urls()
 
-            await asyncio.gather(*(self._ps_part(u, checkpoint_id) for u in urls))
+            epochs = self.epochs or [0] * len(urls)
+            if len(epochs) != len(urls):
+                raise InvalidArgument(f"{len(epochs)} epochs for {len(urls)} PS shards")
+            await asyncio.gather(*(self._ps_part(u, checkpoint_id, e)
+                                   for u, e in zip(urls, epochs, strict=True)))
             data = dict(parts or {})
             for name, source in self.parts.items():
                 got = source()
@@ -188,13 +196,13 @@ class JobCheckpointer:
             self._last_step, self._last_time = step, time.monotonic()
         return manifest
 
-    async def _ps_part(self, url: str, checkpoint_id: str) -> None:
+    async def _ps_part(self, url: str, checkpoint_id: str, epoch: int) -> None:
         deadline = time.monotonic() + self.retry_s
         delay, retried = 0.05, False
         while True:
             try:
                 async with AdminClient(url) as client:
-                    await client.checkpoint(checkpoint_id)
+                    await client.checkpoint(checkpoint_id, epoch=epoch or None)
                 return
             except AlreadyExists:
                 if not retried:

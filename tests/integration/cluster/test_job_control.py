@@ -141,6 +141,30 @@ async def test_a_job_checkpoint_is_a_cut_no_later_push_in_its_rows(tmp_path) -> 
             await s.close()
 
 
+async def test_a_cut_naming_an_epoch_a_shard_left_is_refused(tmp_path) -> None:
+    """A job's checkpoint names the epochs its pushes were in: a shard restored since (its
+    rows rolled back) refuses to write its part, so no cut mixes rolled-back rows with the
+    dense state of a later step; the cut is never complete."""
+    from clients.admin_client import AdminClient
+    from services.common.errors import StaleEpoch
+
+    root = tmp_path / "ckpt"
+    (shard,) = await _shards(root, 1)
+    try:
+        before = JobCheckpointer(root, admin_urls=[shard.admin_url], epochs=[1])
+        first = await before.checkpoint(5, parts={"dense": b"x"})
+        async with AdminClient(shard.admin_url) as admin:
+            await admin.restore(first["checkpoint_id"])  # the shard moves to epoch 2
+        with pytest.raises(StaleEpoch, match="checkpoint of epoch 1 refused"):
+            await before.checkpoint(6, "late-cut", parts={"dense": b"y"})
+        assert [m["step"] for m in list_job_checkpoints(root)] == [5]
+        assert not list(root.glob("late-cut/shard-*"))
+        after = JobCheckpointer(root, admin_urls=[shard.admin_url], epochs=[2])
+        assert (await after.checkpoint(7, parts={"dense": b"z"}))["step"] == 7
+    finally:
+        await shard.close()
+
+
 async def test_nothing_to_resume(tmp_path) -> None:
     assert resume_state(tmp_path) is None
 
