@@ -374,6 +374,9 @@ def _run_train(args: argparse.Namespace) -> int:
         args.validation_fraction, validation_data=args.validation_data,
         cached=args.cache and not config.export_dir and all(
             cacheable(s) for s in specs if s is not None))
+    if args.id_weights and args.model not in ("deepfm", "wide_deep"):
+        raise ConfigError(f"--id-weights is a first-order part of deepfm and wide_deep, not "
+                          f"of {args.model}")
     keep = keeps_best(config, validation=args.validation_data is not None
                       or args.validation_fraction is not None)
     ps_placement(args.ps, args.workers, config, keep_best=keep)
@@ -384,7 +387,8 @@ def _run_train(args: argparse.Namespace) -> int:
             train_data=train_spec, eval_data=eval_spec, config=config,
             validation_data=args.validation_data,
             validation_fraction=args.validation_fraction,
-            model=ModelConfig(name=args.model, dense_norm=args.dense_norm),
+            model=ModelConfig(name=args.model, dense_norm=args.dense_norm,
+                              id_weights=args.id_weights),
             workers=args.workers, shards=args.shards,
             dim=args.dim, ps_lr=args.ps_lr, ps_optimizer=args.ps_optimizer,
             ps_weight_decay=args.ps_weight_decay, ps_table_lr=args.ps_table_lr,
@@ -454,4 +458,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--dense-norm", action=argparse.BooleanOptionalAction, default=True,
                        help="standardise the dense features with statistics of the first "
                             "training samples, kept in the model (models.DenseNorm)")
+    train.add_argument("--id-weights", action=argparse.BooleanOptionalAction, default=False,
+                       help="deepfm, wide_deep: the first-order part is a per-id weight (an "
+                            "extra column in every table), as in logistic regression")
     train.set_defaults(func=_run_train)

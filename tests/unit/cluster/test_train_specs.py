@@ -47,6 +47,7 @@ def test_bad_specs_fail_before_anything_starts(tmp_path):
     (["--validation-fraction", "0.2", "--eval-every", "4", "--validation-data",
       "synthetic:512?split=validation"], "not both"),
     (["--validation-fraction", "1", "--eval-every", "4"], "must be in (0, 1)"),
+    (["--id-weights", "--model", "dlrm"], "not of dlrm"),
 ])
 def test_keep_best_without_what_it_needs_starts_nothing(
         flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
@@ -59,3 +60,20 @@ def test_keep_best_without_what_it_needs_starts_nothing(
     monkeypatch.setattr(train, "train_on_local_cluster", started)
     assert main(["train", "--train-data", "synthetic:1024", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [[], ["--id-weights"]])
+def test_id_weights_reach_the_model_config(flags: list[str], monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path) -> None:
+    import services.local.train as train
+    from services.cli import main
+
+    seen = {}
+
+    def fake(**kwargs: object) -> dict:
+        seen.update(kwargs)
+        raise SystemExit(0)
+    monkeypatch.setattr(train, "train_on_local_cluster", fake)
+    with pytest.raises(SystemExit):
+        main(["train", "--train-data", "synthetic:1024", "--model", "deepfm", *flags])
+    assert seen["model"].id_weights is bool(flags)
