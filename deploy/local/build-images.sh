@@ -46,7 +46,13 @@ secret=()
 if [ -n "$cert" ]; then secret=(--secret "id=pip_cert,src=$cert"); fi
 
 step "python base";  build -t localhost/persimmon-python:bookworm -f deploy/local/python.Containerfile deploy/local
-step "persimmon";    build -t localhost/persimmon:local "${secret[@]}" --build-arg BASE=localhost/persimmon-python:bookworm .
+step "persimmon"
+old="$(podman image inspect --format '{{.Id}}' localhost/persimmon:local 2>/dev/null || true)"
+build -t localhost/persimmon:local "${secret[@]}" --build-arg BASE=localhost/persimmon-python:bookworm .
+# the image this one replaced holds its own copy of the venv (GBs): remove it unless in use
+if [ -n "$old" ] && [ "$old" != "$(podman image inspect --format '{{.Id}}' localhost/persimmon:local)" ]; then
+    podman rmi "$old" >/dev/null 2>&1 || true
+fi
 step "redis";        build -t localhost/persimmon-redis:local -f deploy/local/redis.Containerfile deploy/local
 step "prometheus";   build -t localhost/persimmon-prometheus:local -f deploy/local/prometheus.Containerfile deploy/local
 step "images built"

@@ -156,8 +156,11 @@ class Stack:
                     check=False).stdout.split()
         parts = []
         for name in sorted(names):
+            state = run(["podman", "inspect", "--format", "{{.State.Status}}, exit "
+                         "{{.State.ExitCode}}, restarts {{.RestartCount}}", name], timeout=30,
+                        check=False).stdout.strip()
             log = run(["podman", "logs", "--tail", str(lines), name], timeout=30, check=False)
-            parts.append(f"--- {name}\n{(log.stdout + log.stderr).rstrip()}")
+            parts.append(f"--- {name} ({state})\n{(log.stdout + log.stderr).rstrip()}")
         return "\n".join(parts)
 
 
