@@ -59,7 +59,7 @@ def test_persimmon_and_logistic_regression_learn_the_planted_effects(tmp_path: P
     assert round(got["persimmon_validation_auc"], 4) == max(got["persimmon_validation"])
     # DeepFM's own PS Adagrad defaults reached the tables
     assert (got["persimmon_ps_optimizer"]["lr"],
-            got["persimmon_ps_optimizer"]["initial_accumulator"]) == (0.2, 1e-4)
+            got["persimmon_ps_optimizer"]["initial_accumulator"]) == (0.02, 1e-4)
 
 
 def test_seeds_run_persimmon_once_per_paired_seed(tmp_path: Path, monkeypatch) -> None:
@@ -82,7 +82,7 @@ def test_seeds_run_persimmon_once_per_paired_seed(tmp_path: Path, monkeypatch) -
     assert row["hgb_auc"] is None and row["split"] == "random"
     # a flag given wins over the model's default; the one not given stays the model's
     assert (row["persimmon_ps_optimizer"]["lr"],
-            row["persimmon_ps_optimizer"]["initial_accumulator"]) == (0.2, 0.0)
+            row["persimmon_ps_optimizer"]["initial_accumulator"]) == (0.02, 0.0)
 
 
 def test_a_time_split_trains_on_the_past_and_tests_on_the_last_slice() -> None:
