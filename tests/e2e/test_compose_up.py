@@ -246,6 +246,47 @@ def _exited(stack: Stack, service: str) -> dict[str, Any] | None:
     return state if state["Status"] == "exited" else None
 
 
+def _config(*files: str) -> dict[str, Any]:
+    """The Compose v2 binary's model of ``files`` (``config``: no engine needed)."""
+    import compose
+
+    cmd = [str(Path(compose.__file__).parent / "docker-compose")]
+    for file in files:
+        cmd += ["-f", file]
+    env = {**os.environ, "PERSIMMON_TOKEN": "config-check"}
+    return json.loads(run([*cmd, "config", "--format", "json"], timeout=60, env=env).stdout)
+
+
+def test_the_local_override_keeps_compose_yaml_s_services() -> None:
+    """compose.local.yaml changes images, runtime, ulimits, the loader's source and Kafka
+    dependency and the healthchecks' spelling only: every other service setting, every
+    volume, each healthcheck's URL, timing and retries and each restart policy are compose.yaml's."""
+    shipped, local = _config("compose.yaml"), _config("compose.yaml", "compose.local.yaml")
+    assert set(local["services"]) == set(shipped["services"]) - {"kafka", "grafana"}
+    assert local["volumes"] == shipped["volumes"]
+    changed = {"image", "build", "pull_policy", "runtime", "ulimits", "healthcheck"}
+    for name, service in local["services"].items():
+        mine, theirs = dict(service), dict(shipped["services"][name])
+        assert mine["runtime"] == "runc", name
+        assert mine["ulimits"] == {"nofile": {"soft": 1024, "hard": 1024},
+                                   "nproc": {"soft": 1024, "hard": 1024}}, name
+        if name == "loader":
+            assert theirs.pop("depends_on").keys() - mine.pop("depends_on").keys() == {"kafka"}
+            assert re.sub(r"synthetic:\d+", "", json.dumps(mine.pop("command"))) == \
+                re.sub(r"synthetic:\d+", "", json.dumps(theirs.pop("command")))
+        for key in changed:
+            if key == "healthcheck" and key in theirs:
+                check, shipped_check = mine[key], theirs[key]
+                assert {k: v for k, v in check.items() if k != "test"} == \
+                    {k: v for k, v in shipped_check.items() if k != "test"}, name
+                url = re.compile(r"http://[^']+")
+                assert url.findall(" ".join(check["test"])) == \
+                    url.findall(" ".join(shipped_check["test"])), name
+            mine.pop(key, None)
+            theirs.pop(key, None)
+        assert mine == theirs, name
+
+
 PROGRESS = "http://127.0.0.1:8075/v1/progress"  # worker rank 0's admin API
 JOBS = "http://127.0.0.1:8071/v1/job/checkpoints"  # the job API
 
