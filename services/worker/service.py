@@ -199,7 +199,7 @@ async def _fit(trainer: Any, batches: Any, test: Any, args: argparse.Namespace,
                 admin_urls=args.ps_admin.split(",") if args.ps_admin else None,
                 registry=registry, parts=parts, every_steps=args.checkpoint_every_steps,
                 every_s=args.checkpoint_every_s, keep=args.keep_checkpoints,
-                epochs=trainer.ps.epochs() if trainer.ps is not None else None)
+                epochs=trainer.ps.epochs if trainer.ps is not None else None)
         summary, manifest = await fit_with_checkpoints(
             trainer, batches, JobControl(checkpointer, trainer, group=group),
             eval_batches=test, admin_port=args.job_admin_port)
