@@ -78,10 +78,6 @@ class Routes:
     seeding: ReplicaSeeds | None = None
     heads: HeadIds | None = None
 
-    @property
-    def direct_groups(self) -> list[int]:
-        return self.direct.groups if self.direct is not None else []
-
 
 def route_groups(groups: int, hot: list[int], *, rows: RowsClient, path: EmbeddingPath,
                  replica: RowsReplica | None, window: int | None, hot_window: int,

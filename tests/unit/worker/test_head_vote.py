@@ -12,49 +12,19 @@ job's threshold and is head for neither; ``SHARED`` is head for both.
 from __future__ import annotations
 
 import asyncio
-import collections
-from typing import Any
 
 import numpy as np
 import pytest
 
 from services.common.batch import Batch, Jagged
 from services.ps.inprocess import InProcessShards
-from services.worker.head_vote import Ballot, vote
+from services.worker.head_vote import Ballot
 from services.worker.heads import HeadIds
 from services.worker.pipeline import EmbeddingPipeline, Prepared
+from tests.unit.worker.loop_collectives import LoopCollectives
 
 W, N = 2, 12
 SHARED, LOPSIDED = 7, 8
-
-
-class Collective:
-    """What the gloo collectives of the vote do, for W tasks of one event loop."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.barrier = asyncio.Barrier(n)
-        self.rounds: dict[int, dict[int, Any]] = collections.defaultdict(dict)
-        self.calls = [0] * n
-
-    async def _round(self, worker: int, value: Any) -> dict[int, Any]:
-        k = self.calls[worker]
-        self.calls[worker] += 1
-        self.rounds[k][worker] = value
-        await self.barrier.wait()
-        return self.rounds[k]
-
-    def head_vote(self, worker: int):  # type: ignore[no-untyped-def]
-        async def gather(obj: Any) -> list[Any]:
-            got = await self._round(worker, obj)
-            return [got[v] for v in range(self.n)]
-
-        async def add(counts: np.ndarray) -> np.ndarray:
-            return sum((await self._round(worker, counts)).values())
-
-        async def head_vote(ballot: Ballot) -> dict[int, np.ndarray]:
-            return await vote(ballot, self.n, gather, add)
-        return head_vote
 
 
 def batch(w: int, t: int) -> Batch:
@@ -88,7 +58,7 @@ async def heads_seen(pipeline: EmbeddingPipeline, w: int) -> list[set[int]]:
 async def test_an_id_is_head_for_every_worker_or_for_none(voting: bool) -> None:
     shards = InProcessShards([{"name": "t", "dim": 4, "initializer": "zeros",
                                "optimizer": {"kind": "sgd", "lr": 1.0}}])
-    collective = Collective(W)
+    collective = LoopCollectives(W)
     pipelines = [EmbeddingPipeline(shards, window=4, tables={"f": "t"}, worker=w, workers=W,
                                    head_rate=1.0,
                                    head_vote=collective.head_vote(w) if voting else None)
@@ -111,7 +81,7 @@ async def test_the_vote_elects_by_the_counts_summed_over_the_workers() -> None:
     counts = [{0: (np.array([5, 6, 9, 11], np.uint64), np.array([4, 8, 2, 3]))},
               {0: (np.array([5, 9, 11], np.uint64), np.array([4, 2, 3]))},
               {0: (np.array([5, 9, 11, 12], np.uint64), np.array([1, 2, 3, 1]))}]
-    collective = Collective(3)
+    collective = LoopCollectives(3)
     elected = await asyncio.gather(*(collective.head_vote(w)(Ballot(c, 3.0))
                                      for w, c in enumerate(counts)))
     for got in elected:

@@ -11,7 +11,6 @@ applied before its lookup. Worker 0 is slow: it yields the event loop ``SLOW`` t
 from __future__ import annotations
 
 import asyncio
-import collections
 
 import numpy as np
 import pytest
@@ -19,29 +18,11 @@ import pytest
 from services.common.batch import Batch, Jagged
 from services.ps.inprocess import InProcessShards
 from services.worker.pipeline import EmbeddingPipeline, Prepared
+from tests.unit.worker.loop_collectives import LoopCollectives
 
 W, N, S = 4, 16, 2  # workers, steps, window
 ROW_ID = 7
 SLOW = 200  # event-loop rounds worker 0 spends per step
-
-
-class Gate:
-    """What the gloo all-reduce of the trainer's step gate does, for W tasks of one loop:
-    round k returns whether every worker's k-th call had a batch."""
-
-    def __init__(self, n: int) -> None:
-        self.barrier = asyncio.Barrier(n)
-        self.rounds: dict[int, list[bool]] = collections.defaultdict(list)
-        self.calls = [0] * n
-
-    def of(self, worker: int):  # type: ignore[no-untyped-def]
-        async def gate(has_batch: bool) -> bool:
-            k = self.calls[worker]
-            self.calls[worker] += 1
-            self.rounds[k].append(has_batch)
-            await self.barrier.wait()
-            return all(self.rounds[k])
-        return gate
 
 
 def batch(t: int) -> Batch:
@@ -79,9 +60,10 @@ async def run(gated: bool, batches: list[int]) -> list[list[tuple[int, set[int]]
     is checked against them."""
     shards = InProcessShards([{"name": "t", "dim": W * N, "initializer": "zeros",
                                "optimizer": {"kind": "sgd", "lr": 1.0}}])
-    gate = Gate(W)
+    collectives = LoopCollectives(W)
     pipelines = [EmbeddingPipeline(shards, window=S, tables={"f": "t"}, worker=w, workers=W,
-                                   step_gate=gate.of(w) if gated else None) for w in range(W)]
+                                   step_gate=collectives.step_gate(w) if gated else None)
+                 for w in range(W)]
     async with asyncio.timeout(30):  # a deadlock fails, never hangs
         seen = list(await asyncio.gather(*(train(w, p, n) for w, (p, n)
                                            in enumerate(zip(pipelines, batches, strict=True)))))
