@@ -58,6 +58,7 @@ from services.common.checkpoints.positions import (
 )
 from services.common.errors import (
     AlreadyExists,
+    Internal,
     InvalidArgument,
     PersimmonError,
     Unavailable,
@@ -114,8 +115,9 @@ class JobCheckpointer:
     PS shards are reached at ``admin_urls`` or, when None, found in ``registry``. ``parts``
     maps a part name to a source of its bytes, read at each checkpoint. Periodic checkpoints:
     :meth:`due` is true every ``every_steps`` steps or ``every_s`` seconds (0: never).
-    ``retry_s``: a shard that cannot be reached (restarting, e.g. from its write-ahead log) is
-    asked again, with backoff, for up to that long; on a retry, a part it already wrote (its
+    ``retry_s``: a shard that cannot be reached (restarting, e.g. from its write-ahead log)
+    or cannot write its part now (an error of its own, e.g. its log's disk full) is asked
+    again, with backoff, for up to that long; on a retry, a part it already wrote (its
     answer lost in its crash) counts as written. ``keep``: after each checkpoint, complete
     job checkpoints but the newest ``keep`` are removed (0: keep all). Made, it removes the
     temp files a crash of the coordinator left under ``root``. ``epochs``: each shard's epoch
@@ -208,7 +210,8 @@ class JobCheckpointer:
                 if not retried:
                     raise
                 return  # written before the shard died, its answer lost
-            except httpx.TransportError as exc:
+            except (httpx.TransportError, Unavailable, Internal) as exc:
+                # down, or unable to write now (e.g. its log's disk full): asked again
                 if time.monotonic() + delay > deadline:
                     raise Unavailable(f"PS shard {url} did not take checkpoint "
                                       f"{checkpoint_id}: {exc}") from exc
