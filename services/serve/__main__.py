@@ -1,7 +1,7 @@
 """``persimmon serve`` (a prediction server) and ``persimmon export`` (a model version from a
 job checkpoint).
 
-Both need two things of the PS that serving does not import (DESIGN.md layering): the
+Both need two things of the PS that serving does not import (docs/design.md, layering): the
 initial rows of ids never trained and the PS checkpoint reader. The caller of
 :func:`register_cli` injects them (the CLI passes the PS's own functions).
 """

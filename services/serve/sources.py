@@ -1,7 +1,7 @@
 """Where a model version comes from: a live trainer with its PS rows, or a job checkpoint.
 
-Serving does not import the PS (DESIGN.md layering), so the PS side comes in as plain data or
-as an injected reader:
+Serving does not import the PS (the layering of docs/design.md), so the PS side comes in as
+plain data or as an injected reader:
 
 - :func:`export_trainer`: the trainer's dense model and step now, with the PS tables' rows as
   snapshots (e.g. from the PS checkpoint reader, or the in-process shards' tables).

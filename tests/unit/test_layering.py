@@ -1,4 +1,4 @@
-"""The layering rule of DESIGN.md, over every module of ``services/`` and ``clients/``.
+"""The layering rule of docs/design.md, over every module of ``services/`` and ``clients/``.
 
 ``services/common`` ← ``clients`` ← ``services/worker``, ``services/serve``; ``services/ps`` and
 ``services/loader`` stand on ``services/common``; services never import each other (the one
@@ -80,7 +80,7 @@ def test_every_module_has_an_owner_layer() -> None:
     assert len(files) > 50, "the services and clients folders were not found"
     orphans = [str(p.relative_to(ROOT)) for p in files if layer_of_file(p) not in RULES]
     assert not orphans, ("modules with no owner layer (add their folder to the rules of "
-                         "tests/unit/test_layering.py and DESIGN.md):\n" + "\n".join(orphans))
+                         "tests/unit/test_layering.py and docs/design.md):\n" + "\n".join(orphans))
 
 
 def test_every_layer_has_modules() -> None:
