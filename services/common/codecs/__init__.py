@@ -6,8 +6,8 @@ optional backend is missing are left out of the registry. An array travels as a
 :class:`WireArray`; :func:`encode_array`/:func:`raw_array` and :func:`decode_array` are the one
 path to and from it.
 
-Names: ``none``, ``fp16``, ``bf16``, ``int8``, ``uniform``, ``onebit``, ``topk``, ``dct``, ``qsgd``,
-``adaquant``; any of them followed by lossless wrappers, e.g. ``"fp16+zstd"`` or
+Names: ``none``, ``fp16``, ``bf16``, ``int8``, ``uniform``, ``onebit``, ``topk``, ``dct``, ``dct_mp``,
+``qsgd``, ``adaquant``; any of them followed by lossless wrappers, e.g. ``"fp16+zstd"`` or
 ``"dct+lz4"`` (parameters go to the first codec). :class:`StreamCodecs` holds one codec
 per stream and counts bytes per stream and codec; :class:`RowEncoder` encodes rows pushed by
 id with error feedback kept per id.

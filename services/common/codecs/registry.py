@@ -18,6 +18,7 @@ from services.common.codecs.array import WireArray
 from services.common.codecs.base import Codec
 from services.common.codecs.floats import BF16Codec, FP16Codec, NoneCodec
 from services.common.codecs.lossless import WRAPPERS, LosslessCodec
+from services.common.codecs.masked import DCTMPCodec
 from services.common.codecs.qsgd import AdaQuantCodec, QSGDCodec
 from services.common.codecs.quant import Int8Codec, OneBitCodec, UniformCodec
 from services.common.codecs.sparse import DCTCodec, TopKCodec
@@ -48,7 +49,7 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
 
 
 for _cls in (NoneCodec, FP16Codec, BF16Codec, Int8Codec, UniformCodec, OneBitCodec, TopKCodec,
-             DCTCodec, QSGDCodec, AdaQuantCodec):
+             DCTCodec, DCTMPCodec, QSGDCodec, AdaQuantCodec):
     register_codec(_cls)
 
 
