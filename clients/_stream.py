@@ -14,6 +14,7 @@ import grpc
 
 from services.common.errors import PersimmonError, Unavailable, error_from_grpc, error_from_wire
 from services.common.messages import Message
+from services.common.retry import RetryPolicy
 from services.common.wire import decode_message, encode_message
 
 __all__ = ["MultiplexedStream", "Reconnect"]
@@ -60,20 +61,18 @@ class MultiplexedStream:
         """Send ``message`` and return its reply, checked as ``reply``; in-band errors are
         raised."""
         body = message.to_wire()
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.05
+        started, retrying = time.monotonic(), None
         while True:
             channel = self._channel
             try:
                 return reply.from_wire(await self._request_once(body))
             except Unavailable as exc:
-                if self._reconnect is None or time.monotonic() + delay > deadline:
-                    raise
-                log.warning("%s unavailable (%s); retrying in %.2fs", self._method,
-                            exc.message, delay)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 1.0)
-            self.rebind(await self._reconnect(channel))
+                retrying = retrying or RetryPolicy(
+                    deadline_s=self.retry_s if self._reconnect else 0.0,
+                ).begin(what=self._method, started=started)
+                await retrying.wait(exc)  # raises when final: always without a reconnect
+            if self._reconnect is not None:
+                self.rebind(await self._reconnect(channel))
 
     def rebind(self, channel: grpc.aio.Channel) -> None:
         """Use ``channel`` from now on (after a reconnect); the stream reopens on it."""

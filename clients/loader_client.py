@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -27,6 +26,7 @@ from services.common import messages as msg
 from services.common.auth import ClientSecurity
 from services.common.batch import Batch
 from services.common.errors import InvalidArgument, error_from_grpc
+from services.common.retry import Retrying, RetryPolicy
 from services.common.rpc import open_channel
 from services.common.tls import ClientTLS
 from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message
@@ -96,13 +96,14 @@ class LoaderClient:
         """This rank's batches until the loader's end marker, reconnecting on failures."""
         request = encode_message(msg.BatchesRequest(
             rank=self.rank, world_size=self.world_size, credits=self.credits).to_wire())
-        deadline: float | None = None
+        policy = RetryPolicy(deadline_s=self.reconnect_timeout_s)
+        retrying: Retrying | None = None  # since the stream last delivered a batch
         while True:
             call = self._chan().unary_stream(_SERVICE + "Batches")(
                 request, metadata=self._security.metadata())
             try:
                 async for raw in call:
-                    deadline = None
+                    retrying = None
                     self.bytes_in += len(raw)
                     item = msg.BatchesReply.from_wire(
                         decode_message(raw, max_bytes=self._max_message_bytes))
@@ -122,12 +123,9 @@ class LoaderClient:
                 call.cancel()
             if code not in _RETRY:
                 raise error
-            now = time.monotonic()
-            deadline = deadline or now + self.reconnect_timeout_s
-            if now > deadline:
-                raise error
+            retrying = retrying or policy.begin(what=f"Batches stream of {self.address}")
+            await retrying.wait(error)
             self.reconnects += 1
-            await asyncio.sleep(min(0.05 * self.reconnects, 1.0))  # back-off between retries
 
     async def close(self) -> None:
         if self._channel is not None:

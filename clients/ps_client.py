@@ -24,7 +24,6 @@ restored state calls :meth:`PSClient.resync` and goes on.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +49,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.registry import discover_shards, open_registry
+from services.common.retry import RetryPolicy
 from services.common.sharding import ShardedIds, split_by_shard
 from services.common.tls import ClientTLS
 from services.common.wire import MAX_MESSAGE_BYTES
@@ -187,16 +187,14 @@ class PSClient:
         self.addresses = addresses
 
     async def _tables_of_every_shard(self) -> list[msg.TablesReply]:
-        deadline = time.monotonic() + self.retry_s
+        retrying = RetryPolicy(deadline_s=self.retry_s).begin(what="PS Tables")
         while True:
             try:
                 return await asyncio.gather(*(
                     s.unary("Tables", msg.TablesRequest(), msg.TablesReply, self.timeout)
                     for s in self._shards))
-            except Unavailable:
-                if time.monotonic() > deadline:
-                    raise
-            await asyncio.sleep(0.2)
+            except Unavailable as exc:
+                await retrying.wait(exc)
             for s in self._shards:
                 await s.reconnect(s.channel)
 

@@ -17,15 +17,18 @@ The n-th delay (n = 0, 1, …) is uniform in ``[0, min(max_delay_s, first_delay_
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from services.common.errors import ConfigError
 
 __all__ = ["RetryPolicy", "Retrying", "retry", "retry_any"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Sleep = Callable[[float], Awaitable[object]]
@@ -68,13 +71,16 @@ class RetryPolicy:
     def begin(self, *, retryable: Callable[[BaseException], bool] = retry_any,
               what: str = "", sleep: Sleep = asyncio.sleep,
               clock: Callable[[], float] = time.monotonic,
-              jitter: Callable[[], float] = random.random) -> Retrying:
-        """Start a streak of attempts now; its deadline is ``deadline_s`` from now.
+              jitter: Callable[[], float] = random.random,
+              started: float | None = None) -> Retrying:
+        """Start a streak of attempts; its deadline is ``deadline_s`` after ``started`` (a
+        ``clock()`` reading; default now: a hot path may begin at its first failure and
+        still count from its first attempt).
 
-        ``what`` names the operation in the note added to a final error; ``sleep``, ``clock``
-        and ``jitter`` (a fraction in [0, 1)) are injectable for tests."""
+        ``what`` names the operation in logs and in the note added to a final error;
+        ``sleep``, ``clock`` and ``jitter`` (a fraction in [0, 1)) are injectable for tests."""
         return Retrying(self, retryable=retryable, what=what, sleep=sleep, clock=clock,
-                        jitter=jitter)
+                        jitter=jitter, started=clock() if started is None else started)
 
 
 @dataclass(slots=True)
@@ -87,11 +93,8 @@ class Retrying:
     sleep: Sleep = asyncio.sleep
     clock: Callable[[], float] = time.monotonic
     jitter: Callable[[], float] = random.random
+    started: float = 0.0  # the clock() reading the deadline counts from
     failures: int = 0
-    started: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.started = self.clock()
 
     @property
     def deadline(self) -> float | None:
@@ -101,7 +104,8 @@ class Retrying:
 
     async def wait(self, exc: BaseException) -> float:
         """Count the failure ``exc``; raise it when it is final, else sleep and return the
-        delay slept. A final error carries a note saying why the retries stopped."""
+        delay slept (logged as a warning when ``what`` names the operation). A final error
+        carries a note saying why the retries stopped."""
         self.failures += 1
         if not self.retryable(exc):
             raise exc
@@ -112,6 +116,9 @@ class Retrying:
             if left <= 0:
                 self._give_up(exc)
             delay = min(delay, left)
+        if self.what:
+            log.warning("%s failed (%s); retry %d in %.2f s", self.what, exc, self.failures,
+                        delay)
         await self.sleep(delay)
         return delay
 
