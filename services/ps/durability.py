@@ -14,7 +14,8 @@ written before the swap) has known, so a restart from the same checkpoint still 
 Checkpoints and the log's segment headers hold it, so a recovered shard keeps it. A push carries
 the epoch its client learned (Tables, Stats); one received for another epoch, or waiting for its
 tables' locks while a restore moved the epoch on, is refused with :class:`StaleEpoch`
-(FAILED_PRECONDITION, naming both) and nothing is applied.
+(FAILED_PRECONDITION, naming both) and nothing is applied. A push that carries no epoch (epoch
+0: its client never learned one) counts as one of the first epoch: refused after any restore.
 """
 
 from __future__ import annotations
@@ -122,8 +123,15 @@ class Durable:
     def check_epoch(self, epoch: int | None, what: str = "push") -> None:
         """Refuse a ``what`` (push, checkpoint) of ``epoch`` unless it is this shard's (None:
         not fenced). Called under the tables' locks, which a restore takes all of to move the
-        epoch."""
-        if epoch is not None and epoch != self.epoch:
+        epoch. Epoch 0 (a push that carries none: its client never learned one) is taken for
+        the first epoch, so it is refused once a restore moved the shard past it."""
+        if epoch == 0 and self.epoch != 1:
+            raise StaleEpoch(
+                f"{what} that carries no epoch refused by shard {self.config.shard_id}, now in "
+                f"epoch {self.epoch}: a client that never learned the shard's epoch may push "
+                "only until its first restore; nothing applied (reconnect or re-sync the "
+                "client, e.g. PSClient.resync(), to learn the epoch)")
+        if epoch and epoch != self.epoch:
             when = "before" if epoch < self.epoch else "after"
             raise StaleEpoch(
                 f"{what} of epoch {epoch} refused by shard {self.config.shard_id}, now in epoch "

@@ -18,8 +18,10 @@ write-ahead log (:mod:`services.ps.wal`) after it is validated and before it is 
 acknowledged (a table create after the table is built: a create that fails is never logged);
 a log that fails refuses pushes (UNAVAILABLE) until it is cut back. Checkpoints, restores,
 epochs and recovery from the log are the shard's :class:`services.ps.durability.Durable` part.
-A push is fenced by its epoch: the one it carries, else the shard's when it was received; it
-is checked under its tables' locks, so one received before a restore is never applied after.
+A push is fenced by its epoch: the one it carries (one that carries none, from a client that
+never learned an epoch, only while the shard was never restored), an in-process one by the
+shard's when it was received; it is checked under its tables' locks, so one received before a
+restore is never applied after.
 """
 
 from __future__ import annotations
@@ -246,8 +248,10 @@ class Shard(Durable):
         return PushResult.total(results)
 
     def _fence(self, origin: PushOrigin | None) -> int:
-        """The epoch of a push received now: the one it carries, else the shard's."""
-        return origin.epoch if origin is not None and origin.epoch else self.epoch
+        """The epoch of a push received now: the one it carries; 0 for a wire push that
+        carries none (its client never learned an epoch: accepted only while the shard is in
+        its first, :meth:`check_epoch`); the shard's for an in-process call (no origin)."""
+        return origin.epoch if origin is not None else self.epoch
 
     def _log(self, record: dict[str, Any] | Callable[..., dict[str, Any]], *args: Any) -> None:
         if self.wal is not None:  # a push's record is built only when there is a log

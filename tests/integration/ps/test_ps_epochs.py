@@ -1,6 +1,7 @@
 """Restores fence pushes over the wire (a real PS service on a real port): the REST restore
 answers the shard's new epoch, a retry of a push from before it (a partitioned worker's) is
-refused with FAILED_PRECONDITION naming both epochs, the PSClient surfaces that instead of
+refused with FAILED_PRECONDITION naming both epochs (and one that carries no epoch, an old
+client's, too), the PSClient surfaces that instead of
 retrying, and a client that connects (or re-syncs) afterwards learns the new epoch."""
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ async def test_a_retry_from_before_a_restore_is_refused(shard):
             assert answer["epoch"] == 2 and answer["rows"]["item"] == IDS.size
             with pytest.raises(StaleEpoch, match="epoch 1 .* epoch 2"):
                 await stream.request(push_request(1, 1), msg.PushReply)  # the retry
+            with pytest.raises(StaleEpoch, match="carries no epoch .* epoch 2"):
+                await stream.request(push_request(2, None), msg.PushReply)  # an old client's
             with pytest.raises(StaleEpoch, match="epoch 1 .* epoch 2"):  # surfaced, not retried
                 await ps.push("item", IDS, GRADS)
             np.testing.assert_array_equal(await ps.lookup("item", IDS), at_checkpoint)

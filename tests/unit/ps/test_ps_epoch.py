@@ -44,7 +44,7 @@ def counts(shard: Shard) -> np.ndarray:
 
 @pytest.mark.parametrize("epoch", [1, None])
 def test_a_push_queued_before_a_restore_is_refused_after_it(tmp_path, epoch):
-    """A push received in epoch 1 (carrying it, or none: fenced by the epoch it arrived in),
+    """A push received in epoch 1 (carrying it, or none: taken for the first epoch),
     waiting in the shard's threads while a restore runs, is refused once it runs (it used to
     be applied to the rolled-back tables)."""
     origin = PushOrigin(7, 1) if epoch is None else PushOrigin(7, 1, epoch)
@@ -74,23 +74,36 @@ def test_a_push_queued_before_a_restore_is_refused_after_it(tmp_path, epoch):
     outcome = asyncio.run(scenario())
     assert isinstance(outcome, FailedPrecondition), outcome
     assert type(outcome).__name__ == "StaleEpoch"
-    assert "epoch 1" in outcome.message and "epoch 2" in outcome.message
+    assert ("epoch 1" if epoch else "carries no epoch") in outcome.message
+    assert "epoch 2" in outcome.message
     assert shard.epoch == 2 and counts(shard).tolist() == [0] * 10
 
 
-def test_a_push_without_an_epoch_is_fenced_by_the_epoch_it_arrived_in(tmp_path):
-    """An older client sends no epoch (0): its push is fenced by the shard's epoch when it
-    arrived, so a push queued before a restore is refused after it too."""
+def test_a_push_without_an_epoch_is_refused_once_a_restore_bumped_the_epoch(tmp_path):
+    """An older client sends no epoch (0): it is taken for the first epoch, so its push is
+    applied by a shard never restored, and refused (queued before the restore, or sent, or
+    retried, after it) once a restore moved the shard on; it used to be fenced by the epoch
+    it arrived in, so a retry after the restore was applied to the rolled-back tables."""
     shard = make_shard(tmp_path)
-    asyncio.run(shard.checkpoint("c1"))
-    fence = shard._fence(PushOrigin(7, 1))  # what the shard's async entry points take
-    asyncio.run(shard.restore("c1"))
-    with pytest.raises(FailedPrecondition, match="epoch 1 .* epoch 2"):
-        shard.push_many_sync(["count"], [IDS.size], IDS, count_grads(IDS.size),
-                             origin=PushOrigin(7, 1), fence=fence)
     asyncio.run(shard.push_many(["count"], [IDS.size], IDS, count_grads(IDS.size),
-                                origin=PushOrigin(7, 1)))  # received now: applied
+                                origin=PushOrigin(7, 1)))  # never restored: applied
     assert counts(shard).tolist() == [1] * 10
+    asyncio.run(shard.checkpoint("c1"))
+    fence = shard._fence(PushOrigin(7, 2))  # what the shard's async entry points take
+    asyncio.run(shard.restore("c1"))
+    with pytest.raises(FailedPrecondition, match="carries no epoch .* now in epoch 2"):
+        shard.push_many_sync(["count"], [IDS.size], IDS, count_grads(IDS.size),
+                             origin=PushOrigin(7, 2), fence=fence)  # queued before it
+    for seq in (2, 3):  # the old client's retry, and a new push of it, after the restore
+        with pytest.raises(FailedPrecondition, match="carries no epoch") as refused:
+            asyncio.run(shard.push_many(["count"], [IDS.size], IDS, count_grads(IDS.size),
+                                        origin=PushOrigin(7, seq)))
+        assert type(refused.value).__name__ == "StaleEpoch"
+    assert counts(shard).tolist() == [1] * 10  # nothing applied
+    asyncio.run(shard.push_many(["count"], [IDS.size], IDS, count_grads(IDS.size),
+                                origin=PushOrigin(7, 2, 2)))  # one that learned epoch 2
+    asyncio.run(shard.push_many(["count"], [IDS.size], IDS, count_grads(IDS.size)))  # in-process
+    assert counts(shard).tolist() == [3] * 10
 
 
 def test_the_epoch_survives_restarts_and_rises_past_every_one_served(tmp_path):
