@@ -65,6 +65,7 @@ from services.common.errors import (
 )
 from services.common.files import atomic_write
 from services.common.registry import Registry, discover_shards
+from services.common.retry import RetryPolicy
 
 if TYPE_CHECKING:
     pass
@@ -199,24 +200,25 @@ class JobCheckpointer:
         return manifest
 
     async def _ps_part(self, url: str, checkpoint_id: str, epoch: int) -> None:
-        deadline = time.monotonic() + self.retry_s
-        delay, retried = 0.05, False
+        retrying = RetryPolicy(deadline_s=self.retry_s).begin(
+            what=f"checkpoint {checkpoint_id} on PS shard {url}")
         while True:
             try:
                 async with AdminClient(url) as client:
                     await client.checkpoint(checkpoint_id, epoch=epoch or None)
                 return
             except AlreadyExists:
-                if not retried:
+                if not retrying.failures:
                     raise
                 return  # written before the shard died, its answer lost
             except (httpx.TransportError, Unavailable, Internal) as exc:
                 # down, or unable to write now (e.g. its log's disk full): asked again
-                if time.monotonic() + delay > deadline:
-                    raise Unavailable(f"PS shard {url} did not take checkpoint "
-                                      f"{checkpoint_id}: {exc}") from exc
-            await asyncio.sleep(delay)
-            delay, retried = min(2 * delay, 1.0), True
+                error = exc
+            try:
+                await retrying.wait(error)
+            except (httpx.TransportError, Unavailable, Internal) as exc:
+                raise Unavailable(f"PS shard {url} did not take checkpoint "
+                                  f"{checkpoint_id}: {exc}") from exc
 
 
 class ConsistentCut:

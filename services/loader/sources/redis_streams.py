@@ -23,6 +23,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.lifecycle import raise_if_cancelled
+from services.common.retry import Retrying, RetryPolicy
 from services.loader.batching import Settled
 from services.loader.config import LoaderConfig, SourceSpec
 from services.loader.sources.base import SourceBlock, parsed_block
@@ -58,6 +59,9 @@ class RedisStreamSource:
         self._inflight: set[bytes] = set()
         self._info: dict[str, Any] = {}
         self._last_claim = 0.0
+        poll_s = config.poll_timeout_ms / 1000
+        self._retry = RetryPolicy(deadline_s=None, first_delay_s=poll_s,
+                                  max_delay_s=max(poll_s, 1.0))
         self.records = 0
         self.malformed = 0
         self.acked = 0
@@ -109,6 +113,7 @@ class RedisStreamSource:
 
     async def blocks(self) -> AsyncIterator[SourceBlock]:
         start_id = "0"  # first our own pending entries, then new ones
+        retrying: Retrying | None = None  # since the last read that worked
         while True:
             raise_if_cancelled()
             try:
@@ -123,10 +128,11 @@ class RedisStreamSource:
                             continue
                 if time.monotonic() - self._info.get("at", 0.0) > 1.0:
                     await self._refresh_info()
-            except RedisError as exc:
-                log.warning("redis read failed, retrying: %s", exc)
-                await asyncio.sleep(self.config.poll_timeout_ms / 1000)
+            except RedisError as exc:  # retried for as long as it lasts
+                retrying = retrying or self._retry.begin(what=f"redis read of {self.stream}")
+                await retrying.wait(exc)
                 continue
+            retrying = None
             raise_if_cancelled()  # redis-py can swallow a cancel landing as a reply arrives
             entries = [(i, f) for i, f in entries if i not in self._inflight]
             if not entries:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from urllib.parse import urlsplit
 
@@ -109,6 +110,46 @@ async def test_an_unreachable_redis_or_a_key_that_is_no_stream_is_a_clear_error(
                                               "WRONGTYPE"):
         await source.start()
     assert await client.get(name) == b"a string, not a stream"
+
+
+async def test_a_failing_read_is_retried_with_backoff_until_redis_answers_again(stream, caplog):
+    """A read error (a real one: the consumer group destroyed under the source, NOGROUP) is
+    retried through the retry policy, with no deadline, for as long as it lasts; once the
+    group is back the source reads on, every entry once."""
+    client, name, prefix = stream
+    source = make_source(LoaderConfig(source=f"{prefix}?group=g&dense=2&sparse=2",
+                                      poll_timeout_ms=20))
+    await source.start()
+    await client.xgroup_destroy(name, "g")
+    caplog.set_level(logging.WARNING, logger="services.common.retry")
+
+    async def read(want: int) -> int:
+        got = 0
+        async for block in source.blocks():
+            got += block.size
+            if got >= want:
+                return got
+        return got
+
+    task = asyncio.create_task(read(30))
+    try:
+        def failures() -> list[str]:
+            return [r.getMessage() for r in caplog.records
+                    if r.getMessage().startswith(f"redis read of {name} failed")]
+
+        async def streak() -> bool:
+            return len(failures()) >= 4
+
+        await until(streak)
+        assert not task.done()
+        assert all("NOGROUP" in m and f"retry {i + 1} in " in m
+                   for i, m in enumerate(failures()[:4]))
+        await client.xgroup_create(name, "g", id="0")
+        await add(client, name, range(30))
+        assert await asyncio.wait_for(task, 10) == 30
+    finally:
+        task.cancel()
+        await source.close()
 
 
 async def test_entries_of_a_dead_consumer_are_claimed(stream, start_loader):
