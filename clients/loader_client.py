@@ -5,7 +5,9 @@ the loader may have out to it unacknowledged) and acknowledges each batch once i
 with it; every ack frees a credit. If the stream breaks, the client reconnects within
 ``reconnect_timeout_s``; the loader then re-sends the batches it has not seen acknowledged,
 and the client drops those it already handed out (they will be acked by the caller), so
-the caller sees each batch once. Iteration ends at the loader's end marker.
+the caller sees each batch once. Iteration ends at the loader's end marker. Every call names
+the client (``client_id``, random unless given) in its ``persimmon-client`` metadata, so the
+loader's per-client-id stream cap tells its streams from other clients' on the same host.
 
     async with LoaderClient("127.0.0.1:50061", rank=0, world_size=2, credits=8) as loader:
         async for batch in loader.batches():
@@ -16,6 +18,7 @@ the caller sees each batch once. Iteration ends at the loader's end marker.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
@@ -27,7 +30,7 @@ from services.common.auth import ClientSecurity
 from services.common.batch import Batch
 from services.common.errors import InvalidArgument, error_from_grpc
 from services.common.retry import Retrying, RetryPolicy
-from services.common.rpc import open_channel
+from services.common.rpc import CLIENT_ID_KEY, open_channel
 from services.common.tls import ClientTLS
 from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message
 
@@ -46,7 +49,11 @@ class LoaderClient:
     def __init__(self, address: str, *, rank: int = 0, world_size: int = 1, credits: int = 8,
                  reconnect_timeout_s: float = 30.0,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, token: str | None = None,
-                 tls: ClientTLS | None = None) -> None:
+                 tls: ClientTLS | None = None, client_id: str | None = None) -> None:
+        if client_id is not None and not (isinstance(client_id, str)
+                                          and 0 < len(client_id) <= 64 and client_id.isprintable()):
+            raise InvalidArgument(f"client_id must be 1 to 64 printable characters, got "
+                                  f"{client_id!r}")
         if not 0 <= rank < world_size:
             raise InvalidArgument(f"rank must be in [0, {world_size}), got {rank}")
         if credits < 1:
@@ -58,6 +65,8 @@ class LoaderClient:
         self.reconnect_timeout_s = reconnect_timeout_s
         self._max_message_bytes = max_message_bytes
         self._security = ClientSecurity.resolve(token=token, tls=tls)
+        self.client_id = client_id if client_id is not None else secrets.token_hex(8)
+        self._metadata = (*(self._security.metadata() or ()), (CLIENT_ID_KEY, self.client_id))
         self._channel: grpc.aio.Channel | None = None
         self._outstanding: set[int] = set()
         self.reconnects = 0
@@ -73,7 +82,7 @@ class LoaderClient:
         call = self._chan().unary_unary(_SERVICE + method)
         try:
             raw = await call(encode_message(request.to_wire()), timeout=timeout,
-                             metadata=self._security.metadata())
+                             metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), exc.details() or "") from exc
         return reply.from_wire(decode_message(raw, max_bytes=self._max_message_bytes))
@@ -100,7 +109,7 @@ class LoaderClient:
         retrying: Retrying | None = None  # since the stream last delivered a batch
         while True:
             call = self._chan().unary_stream(_SERVICE + "Batches")(
-                request, metadata=self._security.metadata())
+                request, metadata=self._metadata)
             try:
                 async for raw in call:
                     retrying = None

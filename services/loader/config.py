@@ -172,6 +172,11 @@ class LoaderConfig:
     dense_clip_max: float | None = field(default=None, metadata={"help": "dense upper clip"})
     dense_log1p: bool = field(default=True, metadata={"help": "apply log1p to dense features"})
     max_message_bytes: int = field(default=128 << 20, metadata={"help": "largest gRPC message"})
+    max_streams_per_client: int = field(default=256, metadata={
+        "help": "most gRPC streams one client host may hold open at once"})
+    max_streams_per_client_id: int = field(default=64, metadata={
+        "help": "most gRPC streams one client id (the persimmon-client metadata its "
+                "clients send) may hold open at once"})
     registry: str | None = field(default=None, metadata={
         "help": "register this loader at redis://HOST:PORT/DB?job=NAME (or memory://NAME)"})
     advertise: str | None = field(default=None, metadata={
@@ -182,7 +187,8 @@ class LoaderConfig:
         _port("grpc_port", self.grpc_port)
         _port("admin_port", self.admin_port)
         positive = ("batch_size", "epochs", "prefetch_batches", "replicas", "block_bytes",
-                    "poll_records", "poll_timeout_ms", "claim_idle_ms", "dead_letter_max_bytes")
+                    "poll_records", "poll_timeout_ms", "claim_idle_ms", "dead_letter_max_bytes",
+                    "max_streams_per_client", "max_streams_per_client_id")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -73,7 +73,9 @@ class LoaderService(ServingService):
         servicer = LoaderServicer(self.pipeline)
         self._grpc, self.grpc_port = make_server(
             [servicer.handlers()], self.config.host, self.config.grpc_port,
-            max_message_bytes=self.config.max_message_bytes)
+            max_message_bytes=self.config.max_message_bytes,
+            max_streams_per_client=self.config.max_streams_per_client,
+            max_streams_per_client_id=self.config.max_streams_per_client_id)
         await self._grpc.start()
         self._admin = AdminServer(make_loader_admin(self.pipeline, ready=self.ready),
                                   self.config.host, self.config.admin_port)

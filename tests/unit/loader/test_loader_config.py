@@ -57,6 +57,8 @@ def test_bad_integer_parameter():
     ({"replica": 2, "replicas": 2}, "replica"), ({"shuffle_buffer": -1}, "shuffle_buffer"),
     ({"dense_clip_min": 5.0, "dense_clip_max": 1.0}, "clip"), ({"colour": "red"}, "unknown keys"),
     ({"source": "hdfs:/x"}, "unknown source kind"), ({"epochs": 0}, "epochs"),
+    ({"max_streams_per_client_id": 0}, "max_streams_per_client_id"),
+    ({"max_streams_per_client": 0}, "max_streams_per_client"),
 ])
 def test_bad_loader_settings(override, match):
     with pytest.raises(ConfigError, match=match):
