@@ -41,6 +41,8 @@ from services.common.codecs import (
     get_codec,
     raw_array,
 )
+from services.common.codecs.masked import REFRESH as DCT_MP_REFRESH
+from services.common.codecs.masked import DCTMPCodec, PooledMasks, encode_at, kept_mask
 from services.common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -457,30 +459,55 @@ class PSClient:
         holds the next ``lengths[b]`` ids), ``mode`` ``sum`` or ``mean``; empty samples give
         zeros. Each shard returns the partial sums of the rows it owns, only for the samples
         that have any; equal to pooling :meth:`lookup`'s rows up to float rounding."""
+        return (await self._pooled(table, ids, lengths, mode, self.rows_codec))[0]
+
+    async def pooled_lookup_masked(self, table: str, ids: Any, lengths: Any, mode: str = "sum",
+                                   *, keep: float, refresh: int = DCT_MP_REFRESH
+                                   ) -> tuple[np.ndarray, PooledMasks]:
+        """:meth:`pooled_lookup` with DCT-MP on the wire: each shard sends the entries of its
+        partial sums at least its τ (``dct_mp``: the ``1 − keep`` quantile, per table, reused
+        for ``refresh`` lookups); also returns each shard's kept positions, for
+        :meth:`pooled_push` to send the gradient at exactly those."""
+        if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0 < keep <= 1:
+            raise InvalidArgument(f"keep must be a fraction in (0, 1], got {keep!r}")
+        return await self._pooled(table, ids, lengths, mode,
+                                  f"{DCTMPCodec.name}:keep={keep},refresh={refresh}")
+
+    async def _pooled(self, table: str, ids: Any, lengths: Any, mode: str, codec: str
+                      ) -> tuple[np.ndarray, PooledMasks]:
         _check_mode(mode)
         lengths, parts = self._pooled_parts(ids, lengths)
         replies = await self._within(asyncio.gather(*(
             self._shards[k].pooled_lookup.request(msg.PooledLookupRequest(
                 table=table, ids=raw_array(ids_k), lengths=raw_array(counts),
-                codec=self.rows_codec), msg.PooledLookupReply)
+                codec=codec), msg.PooledLookupReply)
             for k, ids_k, _, counts in parts)))
         dim = self.dims.get(table)
         if dim is None:
             dim = await self._dim(table)
         out = np.zeros((lengths.size, dim), dtype=np.float32)
+        masks = []
         for (_, _, held, _), reply in zip(parts, replies, strict=True):
             out[held] += self._received("pooled_down", reply.pooled)
+            masks.append(kept_mask(reply.pooled) if reply.pooled.codec == DCTMPCodec.name
+                         else None)
         if mode == "mean":
             out /= np.maximum(lengths, 1)[:, None]
-        return out
+        return out, tuple(masks)
 
     async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any,
-                          mode: str = "sum") -> PushAck:
+                          mode: str = "sum", *, masks: PooledMasks | None = None) -> PushAck:
         """Send the gradient of :meth:`pooled_lookup`'s output, ``(len(lengths), dim)``; each
         shard spreads a sample's gradient over that sample's ids it owns (``mean``: divided
-        by the sample's id count here first). Returns the shards' counts."""
+        by the sample's id count here first). ``masks``: those :meth:`pooled_lookup_masked`
+        returned for the same ids and lengths; each shard then gets the gradient at the
+        positions its partial sums kept only (``dct_mp``), whatever the grads codec. Returns
+        the shards' counts."""
         _check_mode(mode)
         lengths, parts = self._pooled_parts(ids, lengths)
+        if masks is not None and len(masks) != len(parts):
+            raise InvalidArgument(f"masks are needed for {len(parts)} shards' partial sums, "
+                                  f"got {len(masks)}")
         grads = np.asarray(grads, dtype=np.float32)
         if grads.ndim != 2 or grads.shape[0] != lengths.size:
             raise InvalidArgument(f"pooled grads must be (len(lengths), dim) = "
@@ -488,9 +515,11 @@ class PSClient:
         if mode == "mean":  # float32 on the wire, as the other gradients
             grads = grads / np.maximum(lengths, 1).astype(np.float32)[:, None]
         requests = []
-        for k, ids_k, held, counts in parts:
+        for j, (k, ids_k, held, counts) in enumerate(parts):
             shard = self._shards[k]
-            body = shard.pooled_grads_codec.to_wire(grads[held], key=table)  # τ per table
+            mask = None if masks is None else masks[j]
+            body = (shard.pooled_grads_codec.to_wire(grads[held], key=table)  # τ per table
+                    if mask is None else encode_at(grads[held], mask))
             self._sent("pooled_grads_up", body, grads[held])
             requests.append(shard.pooled_push.request(msg.PooledPushRequest(
                 client=self.push_numbers.client_id, seq=shard.next_seq(), table=table,

@@ -37,6 +37,8 @@ import numpy as np
 
 from clients.ps_client import PSClient, PushAck
 from services.common.codecs import WireStats
+from services.common.codecs.masked import REFRESH as DCT_MP_REFRESH
+from services.common.codecs.masked import PooledMasks
 from services.common.errors import InvalidArgument, PersimmonError, Unavailable
 from services.common.lifecycle import freeze_startup_objects
 from services.common.sharding import ShardedIds
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!Q")
 # PSClient's step calls, and its table configs
 _SERVED = ("lookup_sharded", "lookup_state_sharded", "push_sharded", "push_then_lookup",
-           "pooled_lookup", "pooled_push", "tables", "report_loss")
+           "pooled_lookup", "pooled_lookup_masked", "pooled_push", "tables", "report_loss")
 _START_TIMEOUT_S = 120.0  # a spawned interpreter imports numpy, numba and grpc first
 
 
@@ -81,12 +83,13 @@ async def _serve(sock: socket.socket) -> None:
     write_lock = asyncio.Lock()
     tasks: set[asyncio.Task[None]] = set()
 
-    async def answer(rid: int, method: str, args: tuple[Any, ...]) -> None:
+    async def answer(rid: int, method: str, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> None:
         try:
             if method == "cpu_seconds":
                 result: Any = time.process_time()
             elif method in _SERVED:
-                result = await getattr(client, method)(*args)
+                result = await getattr(client, method)(*args, **kwargs)
             else:
                 raise InvalidArgument(f"the PS client process serves {_SERVED}, not {method!r}")
             reply = (rid, True, result, client.wire_bytes(), client.codec_stats)
@@ -101,10 +104,10 @@ async def _serve(sock: socket.socket) -> None:
     try:
         while True:
             try:
-                rid, method, args = await _receive(reader)
+                rid, method, args, kwargs = await _receive(reader)
             except asyncio.IncompleteReadError:
                 return  # the parent closed its end
-            task = asyncio.create_task(answer(rid, method, args))
+            task = asyncio.create_task(answer(rid, method, args, kwargs))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
     finally:
@@ -206,7 +209,7 @@ class PSClientProcess:
                     future.set_exception(error)
             self._pending.clear()
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self._writer is None or self._answers is None or self._answers.done():
             raise Unavailable("the PS client process is not running; connect() first")
         rid = next(self._rids)
@@ -214,7 +217,7 @@ class PSClientProcess:
         self._pending[rid] = future
         try:
             async with self._write_lock:
-                await _send(self._writer, (rid, method, args))
+                await _send(self._writer, (rid, method, args, kwargs))
         except (ConnectionError, RuntimeError) as exc:
             self._pending.pop(rid, None)
             raise Unavailable("the PS client process is gone") from exc
@@ -243,10 +246,17 @@ class PSClientProcess:
         """:meth:`PSClient.pooled_lookup`, in the child."""
         return await self._call("pooled_lookup", table, ids, lengths, mode)
 
+    async def pooled_lookup_masked(self, table: str, ids: Any, lengths: Any, mode: str = "sum",
+                                   *, keep: float, refresh: int = DCT_MP_REFRESH
+                                   ) -> tuple[np.ndarray, PooledMasks]:
+        """:meth:`PSClient.pooled_lookup_masked`, in the child."""
+        return await self._call(  # type: ignore[no-any-return]
+            "pooled_lookup_masked", table, ids, lengths, mode, keep=keep, refresh=refresh)
+
     async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any,
-                          mode: str = "sum") -> PushAck:
+                          mode: str = "sum", *, masks: PooledMasks | None = None) -> PushAck:
         """:meth:`PSClient.pooled_push`, in the child."""
-        return await self._call("pooled_push", table, ids, lengths, grads, mode)
+        return await self._call("pooled_push", table, ids, lengths, grads, mode, masks=masks)
 
     async def tables(self) -> list[dict[str, Any]]:
         """:meth:`PSClient.tables`, in the child; refreshes ``dims``."""

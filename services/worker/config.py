@@ -100,7 +100,9 @@ class TrainerConfig:
         "help": "dense all-reduce hook: none, fp16, dct, topk, qsgd, adaquant, onebit, powersgd"})
     activation_keep: float = field(default=1.0, metadata={
         "help": "DCT-MP: fraction of the pooled activations kept in training, above a "
-                "threshold reused for 32 steps (1: all; evaluation keeps all)"})
+                "threshold reused for 32 steps (1: all; evaluation keeps all); with "
+                "embedding_path des, the shards threshold what they send and the gradients "
+                "go back at the same positions"})
     lr: float = field(default=1e-3, metadata={"help": "dense learning rate"})
     momentum: float = field(default=0.0, metadata={
         "help": "sgd: momentum (with --sync gossip: decentralised momentum SGD, DmSGD)"})
@@ -208,6 +210,13 @@ class TrainerConfig:
             raise ConfigError(f"embedding_path 'des': rows_codec {self.rows_codec!r} encodes the "
                               "per-sample partial sums, which never repeat, so its error "
                               "feedback would go to other samples: add error_feedback=false")
+        if self.embedding_path == "des" and self.activation_keep < 1 \
+                and (self.rows_codec != "none" or self.grads_codec != "none"):
+            raise ConfigError(f"embedding_path 'des' with activation_keep "
+                              f"{self.activation_keep}: DCT-MP sends the partial sums and their "
+                              f"gradients itself (dct_mp, fp16 values), so rows_codec and "
+                              f"grads_codec must be 'none', got {self.rows_codec!r} and "
+                              f"{self.grads_codec!r}")
 
     def _check_hot(self) -> None:
         if not 0 <= self.hot_ratio <= 1:

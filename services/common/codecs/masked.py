@@ -38,10 +38,13 @@ from services.common.codecs.bits import (
 from services.common.codecs.sparse import FP16_MAX, MAX_INDEX, DCTCodec
 from services.common.errors import InvalidArgument, MalformedMessage
 
-__all__ = ["REFRESH", "DCTMPCodec", "encode_at", "kept_mask"]
+__all__ = ["REFRESH", "DCTMPCodec", "PooledMasks", "encode_at", "kept_mask"]
 
 _VALUES = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}
 REFRESH = 32  # calls a threshold is reused (reconstructed: the paper gives no MP figure)
+# DES: per shard holding any of a feature's ids, the positions its partial sums kept (None:
+# that shard's reply was not dct_mp); what a pooled push needs to send the gradient back
+PooledMasks = tuple[np.ndarray | None, ...]
 
 
 class DCTMPCodec(DCTCodec):
