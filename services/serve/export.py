@@ -3,12 +3,13 @@
 Layout (``DIR`` is the model directory ``persimmon serve --model-dir`` watches)::
 
     DIR/<version-id>/manifest.json        written last: a version is complete once it exists
-                    /dense.pt             the model's state_dict (torch.save; weights_only)
+                    /dense.safetensors    the model's state_dict (services/serve/weights.py)
                     /feature_spec.json    how raw records become inputs (services/serve/spec.py)
                     /t<i>-ids.npy, t<i>-rows.npy[, t<i>-scale.npy]   rows (services/serve/rows.py)
                     [/t<i>-tombstones.npy]   ids deleted since the base (incremental only)
 
-The manifest holds the format version, version id, step, creation time, the model config
+The manifest holds the format version (2; format 1 versions, whose dense weights are a
+``dense.pt`` pickle, still load, deprecated), version id, step, creation time, the model config
 (:class:`~services.worker.models.ModelConfig` fields), each sparse feature's table and dim,
 the dense width, the pooling, the row dtype, every table's PS config (its initializer makes
 the rows of ids never trained) and a sha256 and size per file. A version is written into a
@@ -38,7 +39,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.files import publish_dir, read_json, write_durable
@@ -55,6 +55,7 @@ from services.serve.rows import (
     find_sorted,
 )
 from services.serve.spec import FeatureSpec
+from services.serve.weights import DENSE, check_dense_state, dense_bytes
 from services.worker.models import ModelConfig
 from services.worker.pooling import POOLING_MODES
 
@@ -62,9 +63,9 @@ __all__ = ["FORMAT_VERSION", "MANIFEST", "SnapshotLike", "list_versions", "new_v
            "open_tables", "prune", "read_manifest", "tables_from_snapshots", "verify_version",
            "version_chain", "write_version"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)  # 1: dense weights as dense.pt (torch.save), deprecated
 MANIFEST = "manifest.json"
-DENSE = "dense.pt"
 SPEC = "feature_spec.json"
 VERSION_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 
@@ -151,6 +152,7 @@ def _check_inputs(model: ModelConfig, state: Mapping[str, Any], features: Mappin
         raise InvalidArgument(f"the model takes {num_dense} dense values, the feature spec "
                               f"has {len(spec.dense)}")
     dims = {f: int(tables[t].config["dim"]) for f, t in features.items()}
+    check_dense_state(state)
     try:  # the weights must load into the model the manifest describes
         model.build(sparse_dims=dims, num_dense=num_dense).load_state_dict(dict(state))
     except (RuntimeError, KeyError) as exc:
@@ -194,9 +196,8 @@ def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
     tmp.mkdir()
     try:
         files: dict[str, dict[str, Any]] = {}
-        buf = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
-        files[DENSE] = _write_file(tmp, DENSE, buf.getvalue())
+        files[DENSE] = _write_file(tmp, DENSE, dense_bytes(state, version_id=version_id,
+                                                           step=step))
         files[SPEC] = _write_file(tmp, SPEC, json.dumps(spec.to_dict(), indent=1).encode())
         entries = {}
         for i, name in enumerate(sorted(set(features.values()))):
@@ -342,7 +343,7 @@ def read_manifest(version_dir: Path | str) -> dict[str, Any]:
                          absent=f"{path.parent.name!r} is not a complete model version")
     required = ("version_id", "step", "created", "model", "features", "sparse_dims",
                 "num_dense", "pooling", "row_dtype", "tables", "files")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION \
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS \
             or any(k not in manifest for k in required):
         raise FailedPrecondition(f"model manifest {path} has an unknown format")
     if manifest["version_id"] != path.parent.name:

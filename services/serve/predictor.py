@@ -1,8 +1,8 @@
 """One model version, loaded and immutable: featurize, look rows up, pool, run the model.
 
 :meth:`Predictor.load` reads a version directory (:mod:`services.serve.export`): it checks
-the manifest and every file's sha256, memory-maps the rows, loads the dense weights into the
-model the manifest describes and puts it in eval mode. Nothing in a Predictor changes after
+the manifest and every file's sha256, memory-maps the rows and the dense weights
+(safetensors), loads those into the model the manifest describes and puts it in eval mode. Nothing in a Predictor changes after
 loading, so a server swaps versions by swapping the reference: a batch that took a Predictor
 computes all of its answer, dense and sparse, from that one version.
 
@@ -16,7 +16,6 @@ model with the dense features; the answer is ``sigmoid(logits)``.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,9 +27,10 @@ import torch
 from services.common.batch import Jagged
 from services.common.config import from_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
-from services.serve.export import DENSE, SPEC, open_tables, verify_version, version_chain
+from services.serve.export import SPEC, open_tables, verify_version, version_chain
 from services.serve.rows import EmbeddingRows, InitialRows, PSLookup, PSRows, lookup_tables
 from services.serve.spec import Features, FeatureSpec
+from services.serve.weights import read_dense
 from services.worker.models import ModelConfig
 from services.worker.pooling import plan_batch, pool_batch
 
@@ -82,8 +82,7 @@ class Predictor:
             model_config = from_dict(ModelConfig, manifest["model"], where="manifest model")
             model = model_config.build(sparse_dims=dict(manifest["sparse_dims"]),
                                        num_dense=int(manifest["num_dense"]))
-            state = torch.load(io.BytesIO((directory / DENSE).read_bytes()), weights_only=True)
-            model.load_state_dict(state)
+            model.load_state_dict(read_dense(directory, manifest))
         except (ConfigError, RuntimeError, OSError, ValueError, KeyError) as exc:
             raise FailedPrecondition(f"model version {directory.name} cannot be loaded: "
                                      f"{exc}") from exc

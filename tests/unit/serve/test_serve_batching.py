@@ -81,7 +81,7 @@ async def test_version_manager_follows_the_newest_loadable(
     assert await manager.refresh() and manager.current().version_id == first
     assert not await manager.refresh()
     second = make_version(step=2, seed=2)
-    (tmp_path / "models" / second["version_id"] / "dense.pt").write_bytes(b"corrupt")
+    (tmp_path / "models" / second["version_id"] / "dense.safetensors").write_bytes(b"corrupt")
     assert not await manager.refresh()  # refused: the first keeps serving
     assert manager.current().version_id == first and second["version_id"] in manager.refused
     third = make_version(step=3, seed=3)["version_id"]

@@ -33,13 +33,13 @@ def rows_of(models: Path, manifest: dict, table: str) -> EmbeddingRows:
 def test_manifest_describes_the_version(tmp_path: Path, make_version: MakeVersion) -> None:
     m = make_version(step=7)
     on_disk = read_manifest(tmp_path / "models" / m["version_id"])
-    assert on_disk["step"] == 7 and on_disk["format"] == 1
+    assert on_disk["step"] == 7 and on_disk["format"] == 2
     assert on_disk["model"]["name"] == "dlrm" and on_disk["model"]["bottom_mlp"] == [8, 4]
     assert on_disk["sparse_dims"] == DIMS and on_disk["num_dense"] == 2
     assert on_disk["features"] == {"C1": "C1", "C2": "C2", "C3": "C3"}
     assert on_disk["tables"]["C2"]["config"]["initializer"] == "normal"
     names = set(on_disk["files"])
-    assert {"dense.pt", "feature_spec.json", "t0-ids.npy", "t0-rows.npy"} <= names
+    assert {"dense.safetensors", "feature_spec.json", "t0-ids.npy", "t0-rows.npy"} <= names
     spec = json.loads((tmp_path / "models" / m["version_id"] / "feature_spec.json").read_text())
     assert spec["buckets"] == {"C2": 50} and spec["hashing"]["C2"]["buckets"] == 50
     ids = np.load(tmp_path / "models" / m["version_id"] / "t0-ids.npy", mmap_mode="r")
