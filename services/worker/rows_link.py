@@ -140,7 +140,9 @@ class RowsLink:
             timers=self._timers, hot_ratio=cfg.hot_ratio or None, hot_window=cfg.hot_staleness,
             worker=self._worker, workers=self._workers,
             barrier=self._global_barrier() if cfg.mode == "global_sync" else None,
-            path=embedding_path(cfg.embedding_path, cfg.pooling), head_rate=cfg.head_rate or None,
+            path=embedding_path(cfg.embedding_path, cfg.pooling,
+                                keep=cfg.activation_keep if cfg.embedding_path == "des" else 1.0),
+            head_rate=cfg.head_rate or None,
             hot_barrier=self._global_barrier() if cfg.mode == "hybrid" and cfg.global_hot
             else None,
             step_gate=self._step_gate() if cfg.mode in ("sync", "hybrid") and cfg.global_bound

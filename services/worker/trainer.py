@@ -152,8 +152,9 @@ class Trainer:
         # the s of the adaquant codecs at the latest steps: "dense" (hook, averager), "grads" (PS)
         self.adaquant_levels: dict[str, collections.deque[int]] = {
             stream: collections.deque(maxlen=RECENT_LOSSES) for stream in ("dense", "grads")}
-        self._activations = (ActivationSparsifier(self.config.activation_keep)
-                             if self.config.activation_keep < 1 else None)
+        self._activations = (ActivationSparsifier(self.config.activation_keep)  # DES: the wire's
+                             if self.config.activation_keep < 1
+                             and self.config.embedding_path != "des" else None)
         self.on_step = on_step
         self.after_step: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self._warm = False  # the step's kernels loaded (warmup.py), at the first fit's batch
@@ -555,7 +556,9 @@ class Trainer:
             except StopAsyncIteration:
                 return None
             plan = await self.pipeline.plan(batch)
-            return batch, plan, await self.pipeline.lookup(plan)
+            path = self.pipeline.path.for_evaluation()  # what serving computes
+            return batch, plan, list(await asyncio.gather(*(
+                path.lookup(self.rows, plan, i) for i in range(len(plan.groups)))))
 
         pending = asyncio.create_task(fetch())
         try:
