@@ -226,7 +226,13 @@ def _print_table(r: dict[str, Any]) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    result = run(rows=args.rows, repeat=args.repeat)
+    if args.source == "kafka":
+        from bench import loader_kafka
+
+        result = loader_kafka.main(args)
+        loader_kafka.show(result)
+    else:
+        result = run(rows=args.rows, repeat=args.repeat)
     write_json(result, args.json)
     return 0
 
@@ -234,8 +240,11 @@ def _main(args: argparse.Namespace) -> int:
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("loader", help="Criteo parse + hash + batch rows/s")
     parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--source", choices=["file", "kafka"], default="file",
+                        help="file: parse + hash + batch a file against pandas/csv/pyarrow; "
+                             "kafka: the Kafka source against aiokafka (bench/loader_kafka.py)")
     parser.add_argument("--rows", type=int_at_least(1), default=200_000,
-                        help="rows in the generated file")
+                        help="rows in the generated file (records in the topic)")
     parser.add_argument("--repeat", type=int_at_least(1), default=3,
-                        help="runs per pipeline (best counts)")
+                        help="runs per pipeline (file: best counts; kafka: medians)")
     parser.set_defaults(func=_main)

@@ -26,7 +26,7 @@ from bench import main_of
 from services.common.commands import int_at_least, ints_at_least
 from services.common.sharding import shard_of
 from services.loader.planted import SyntheticDataset, synthetic_profile
-from services.worker import plan_batch
+from services.worker.pooling import plan_batch
 
 __all__ = ["register_bench", "run"]
 

@@ -1,5 +1,6 @@
 """Wire-level clients any program uses: the PS (async, blocking, in a child process), the
-loader, the admin REST APIs, and the :class:`RowsClient` protocol a training step talks to.
+loader and the admin REST APIs (the ``RowsClient`` port they fit is the worker's,
+:mod:`services.worker.embedding.rows`).
 
 Usage::
 
@@ -23,44 +24,22 @@ if TYPE_CHECKING:
     from clients.loader_client import LoaderClient, SyncLoaderClient
     from clients.ps_client import PSClient, PushAck
     from clients.ps_process import PSClientProcess
-    from clients.rows import (
-        DirectRows,
-        ProcessCPU,
-        PushCounts,
-        RowsClient,
-        RowsReplica,
-        RowsSnapshots,
-        StatefulRows,
-        WarmRows,
-    )
     from clients.sync_ps_client import SyncPSClient
 
 __all__ = [
     "AdminClient",
-    "DirectRows",
     "LoaderClient",
     "PSClient",
     "PSClientProcess",
-    "ProcessCPU",
     "PushAck",
-    "PushCounts",
-    "RowsClient",
-    "RowsReplica",
-    "RowsSnapshots",
-    "StatefulRows",
     "SyncLoaderClient",
     "SyncPSClient",
-    "WarmRows",
 ]
 
 _HOME = {
-    "AdminClient": "admin_client", "DirectRows": "rows", "LoaderClient": "loader_client", "PSClient": "ps_client",
-    "PSClientProcess": "ps_process", "ProcessCPU": "rows", "PushAck": "ps_client",
-    "PushCounts": "rows", "RowsClient": "rows", "RowsReplica": "rows", "RowsSnapshots": "rows",
-    "StatefulRows": "rows",
-    "SyncLoaderClient": "loader_client",
+    "AdminClient": "admin_client", "LoaderClient": "loader_client", "PSClient": "ps_client",
+    "PSClientProcess": "ps_process", "PushAck": "ps_client", "SyncLoaderClient": "loader_client",
     "SyncPSClient": "sync_ps_client",
-    "WarmRows": "rows",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _HOME)

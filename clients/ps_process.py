@@ -8,9 +8,9 @@ the step's three calls (``lookup_sharded``, ``push_sharded``, ``push_then_lookup
 is one length-prefixed pickle (protocol 5; arrays travel as raw buffers), answered in any order by request id, many in flight. Errors come back as the
 Persimmon error the child raised. The child's byte counters come back with every answer, so
 ``wire_bytes()`` and ``codec_stats`` read as a :class:`PSClient`'s: it is a
-:class:`clients.rows.RowsClient` (and a :class:`clients.rows.ProcessCPU`). The child runs at a lower
-priority (``nice``, default 10): in hybrid mode its work is off the step's critical path, and
-it must not take the core the dense compute runs on.
+worker's ``RowsClient`` (and a ``ProcessCPU``, :mod:`services.worker.embedding.rows`). The
+child runs at a lower priority (``nice``, default 10): in hybrid mode its work is off the
+step's critical path, and it must not take the core the dense compute runs on.
 
 Usage::
 

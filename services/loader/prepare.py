@@ -24,17 +24,20 @@ def cacheable(spec: str | None) -> bool:
 def prepare_sources(specs: Sequence[str], *, cache_dir: str | Path | None = None,
                     show: bool = True) -> list[CachedData]:
     """Each spec's files cached (parsed now where no valid entry is there), in order; a
-    progress bar on stderr when ``show`` and something is parsed."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TaskID,
-        TimeRemainingColumn,
-    )
-
+    progress bar on stderr when ``show``, something is parsed and rich is installed (the
+    ``demo`` extra; the core install parses without one)."""
     cache = ColumnCache(cache_dir)
+    try:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TaskID,
+            TimeRemainingColumn,
+        )
+    except ImportError:
+        return [cache.prepare(spec) for spec in specs]
     out = []
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=Console(stderr=True), transient=True,

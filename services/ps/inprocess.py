@@ -5,13 +5,12 @@ and serves a worker's step calls (``lookup_sharded``, ``push_sharded``, ``push_t
 ``lookup_state_sharded``, ``tables``) on them directly: a layout's share for shard ``k`` (the ids
 :func:`services.common.sharding.shard_of` gives ``k``, as on the gRPC path) goes to shard
 ``k``'s multi-table calls, which validate before they apply, as the gRPC servicer does (with
-the layouts' step tags, :mod:`services.ps.staleness`). It is a ``clients.rows.RowsClient`` by
-its shape (the PS does not import the clients), and a ``clients.rows.DirectRows``
-(``lookup_now``/``push_now`` serve from the calling thread: a worker's compute thread updates
-its hot tables so); nothing crosses a wire, so ``wire_bytes()`` is all zeros and
+the layouts' step tags, :mod:`services.ps.staleness`). It is a worker's ``RowsClient``
+(``services.worker.embedding.rows``) by its shape (the PS does not import the worker), and a
+``DirectRows`` (``lookup_now``/``push_now`` serve from the calling thread: a worker's compute
+thread updates its hot tables so); nothing crosses a wire, so ``wire_bytes()`` is all zeros and
 ``codec_stats`` stays empty. With a ``checkpoint_dir`` in ``shard_config`` it is a
-``clients.rows.RowsSnapshots``: ``snapshot_rows``/``restore_rows`` are the shards' own
-checkpoints.
+``RowsSnapshots``: ``snapshot_rows``/``restore_rows`` are the shards' own checkpoints.
 
 A :class:`PushGate` holds pushes until the caller releases them, in arrival order: a test of
 the worker's embedding pipeline decides when each push is applied and acknowledged.
@@ -183,7 +182,7 @@ class InProcessShards:
         """Bytes on the wire per stream: none crossed one."""
         return dict.fromkeys(_WIRE_STREAMS, 0)
 
-    # ---- snapshots (clients.rows.RowsSnapshots) ------------------------------------------
+    # ---- snapshots (services.worker.embedding.rows.RowsSnapshots) -----------------------------
 
     async def snapshot_rows(self, name: str) -> None:
         """Every shard writes its part of checkpoint ``name`` into its ``checkpoint_dir``

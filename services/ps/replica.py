@@ -1,8 +1,8 @@
 """A worker's replica of the rows it alone writes: the PS round trip off the step.
 
 With one worker, the rows of the head ids and of the hot tables have one writer: that worker.
-Where they are remote the synchronous hot chain (``services.worker.heads.HotChain``) still waits
-for one round trip a step (push the step's gradients, read the rows back). A
+Where they are remote the synchronous hot chain (``services.worker.embedding.heads.HotChain``)
+still waits for one round trip a step (push the step's gradients, read the rows back). A
 :class:`HeadReplica` keeps those rows in the worker's process instead: one arena of rows and
 optimizer state for all the tables that share an optimizer config (whatever the PS's shards),
 found by one probe of a (table, id) index, updated with the PS's own optimizer kernels
@@ -51,7 +51,7 @@ __all__ = ["HeadReplica"]
 
 
 class _Source(Protocol):
-    """The remote rows a replica copies from (a ``clients.rows.StatefulRows``)."""
+    """The remote rows a replica copies from (a worker's ``StatefulRows``)."""
 
     async def tables(self) -> list[dict[str, Any]]: ...
 
@@ -136,7 +136,7 @@ def _grown(array: np.ndarray, rows: int) -> np.ndarray:
 
 class HeadReplica:
     """The worker's copy of the rows it alone writes (see the module doc); a
-    ``clients.rows.RowsReplica``."""
+    ``services.worker.embedding.rows.RowsReplica``."""
 
     def __init__(self) -> None:
         # the compute thread reads and updates rows while the event loop adds copies (an

@@ -5,8 +5,8 @@ at the end (the held-out batches only at the end). :class:`BestState` records th
 evaluations; with ``keep_best`` (on by default with validation data) it snapshots the whole
 model whenever the validation AUC improves, as Keras' ``restore_best_weights`` does: the
 dense model and its optimizer's state in memory, the embedding rows with their optimizer
-state on the PS (a :class:`clients.rows.RowsSnapshots`: the in-process shards write a
-checkpoint of their own). At the end of training it puts the best snapshot back, before the
+state on the PS (a :class:`services.worker.embedding.rows.RowsSnapshots`: the in-process shards
+write a checkpoint of their own). At the end of training it puts the best snapshot back, before the
 held-out evaluation, so that the final state is the one the same run stopped at that step
 would have. Every push is acknowledged before a validation, so the state evaluated is the
 state snapshotted.
@@ -24,12 +24,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from clients.rows import RowsClient, RowsSnapshots
 from services.common.batch import Batch, Batches
 from services.common.errors import ConfigError
 from services.worker.compute import distributed
 from services.worker.config import TrainerConfig
-from services.worker.pipeline import EmbeddingPipeline
+from services.worker.embedding.pipeline import EmbeddingPipeline
+from services.worker.embedding.rows import RowsSnapshots
 
 if TYPE_CHECKING:
     from services.worker.summary import FitSummary
@@ -49,7 +49,7 @@ class Trained(Protocol):
     def pipeline(self) -> EmbeddingPipeline: ...
 
     @property
-    def rows(self) -> RowsClient: ...
+    def rows_snapshots(self) -> RowsSnapshots | None: ...
 
     async def evaluate(self, batches: Batches) -> dict[str, float]: ...
 
@@ -87,10 +87,10 @@ class BestState:
             raise ConfigError("keep_best serves one worker (the ranks' snapshots and the PS's "
                               "are not one consistent cut): set keep_best false to only "
                               "evaluate the validation data")
-        if keep and not isinstance(trainer.rows, RowsSnapshots):
-            raise ConfigError(f"keep_best snapshots the embedding rows: their client must be a "
-                              f"RowsSnapshots (the PS's shards in this process, persimmon "
-                              f"train --ps embedded), got {type(trainer.rows).__name__}")
+        if keep and trainer.rows_snapshots is None:
+            raise ConfigError("keep_best snapshots the embedding rows: their client must be a "
+                              "RowsSnapshots (the PS's shards in this process, persimmon "
+                              "train --ps embedded)")
         self._trainer = trainer
         self._validation = validation
         self.keep = keep
@@ -118,8 +118,8 @@ class BestState:
         if self.keep:
             self._dense = copy.deepcopy(trainer.dense_state())
             self._rows = f"best-{trainer.step}-{uuid.uuid4().hex[:8]}"
-            rows = trainer.rows
-            assert isinstance(rows, RowsSnapshots)  # checked in __init__
+            rows = trainer.rows_snapshots
+            assert rows is not None  # checked in __init__
             await rows.snapshot_rows(self._rows)
 
     async def finish(self, summary: FitSummary) -> None:
@@ -131,8 +131,8 @@ class BestState:
         assert self.best is not None
         restore = self.keep and self.best["step"] != trainer.step
         if restore:
-            rows = trainer.rows
-            assert isinstance(rows, RowsSnapshots) and self._rows and self._dense
+            rows = trainer.rows_snapshots
+            assert rows is not None and self._rows and self._dense
             await rows.restore_rows(self._rows)
             trainer.load_dense_state(self._dense)
         summary.validation = list(self.history)

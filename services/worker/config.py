@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from services.common.codecs import codec_without_feedback, get_codec
 from services.common.errors import ConfigError, PersimmonError
 from services.worker.compression import HOOK_NAMES, lossy_codec
-from services.worker.exchange import EMBEDDING_PATHS
+from services.worker.embedding.exchange import EMBEDDING_PATHS
+from services.worker.embedding.window import MAX_AUTO_WINDOW
 from services.worker.pooling import POOLING_MODES
 from services.worker.sync import STRATEGIES, SyncConfig
-from services.worker.window import MAX_AUTO_WINDOW
 
 __all__ = ["DENSE_OPTIMIZERS", "MODES", "SYNC_FIELDS", "TrainerConfig", "ps_table_configs"]
 
@@ -33,9 +33,9 @@ class TrainerConfig:
     """How one worker trains.
 
     ``staleness`` S bounds the batches in flight in ``hybrid`` mode (``auto``, the default:
-    sized at the start from the measured round trip to the PS, :mod:`services.worker.window`;
-    1 with the shards in the worker's process): a batch takes one of
-    ``max(S, 1)`` semaphore slots before its lookup and frees it when its push is
+    sized at the start from the measured round trip to the PS,
+    :mod:`services.worker.embedding.window`; 1 with the shards in the worker's process): a batch
+    takes one of ``max(S, 1)`` semaphore slots before its lookup and frees it when its push is
     acknowledged, so a lookup sees at most ``S - 1`` earlier pushes still unacknowledged
     (never more than S). ``sync`` is S = 0 (one batch at a time, bit-reproducible);
     ``async`` has no bound on pushes (only ``prefetch`` bounds lookups ahead) and no head
@@ -312,7 +312,7 @@ class TrainerConfig:
     @property
     def auto_window(self) -> bool:
         """Whether the window is sized at the job's start (hybrid, staleness ``auto``:
-        :mod:`services.worker.window`)."""
+        :mod:`services.worker.embedding.window`)."""
         return self.mode == "hybrid" and self.staleness == "auto"
 
     @property

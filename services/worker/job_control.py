@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from services.common.checkpoints import list_job_checkpoints
 from services.common.errors import PersimmonError
+from services.worker.embedding.pipeline import EmbeddingPipeline
 from services.worker.job_checkpoints import JobCheckpointer, dense_part
-from services.worker.pipeline import EmbeddingPipeline
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

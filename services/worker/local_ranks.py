@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from clients.loader_client import LoaderClient
-from clients.rows import RowsClient, RowsReplica
 from services.common.batch import Batch, RankBatches, iterate
 from services.common.errors import ConfigError
 from services.worker.config import TrainerConfig
 from services.worker.distributed import run_local_ranks
+from services.worker.embedding.rows import RowsClient, RowsReplica
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
 
@@ -109,9 +109,9 @@ def run_local_training(*, ps_addresses: Sequence[str] = (),
                        on_step: Callable[[dict[str, Any]], None] | None = None,
                        attach: Callable[[Trainer], object] | None = None,
                        head_replica: RowsReplica | None = None) -> dict[str, Any]:
-    """Train and return rank 0's summary (:meth:`FitSummary.as_dict`), with ``samples_per_s`` and ``wire_bytes`` summed over
-    the workers and ``num_workers`` added. Give ``train_batches`` (a list, or
-    :class:`RankBatches` each rank reads its share of) or ``loader`` (an address), and
+    """Train and return rank 0's summary (:meth:`FitSummary.as_dict`), with ``samples_per_s`` and
+    ``wire_bytes`` summed over the workers and ``num_workers`` added. Give ``train_batches`` (a
+    list, or :class:`RankBatches` each rank reads its share of) or ``loader`` (an address), and
     optionally ``eval_batches`` or ``eval_loader``, and ``validation_loader`` (an address or
     RankBatches).
     ``on_step`` runs only with one worker (in this process); with more, workers are forked

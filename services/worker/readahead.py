@@ -22,8 +22,8 @@ from collections import deque
 import numpy as np
 from numba import njit
 
-from clients.rows import DirectRows
 from services.common.sharding import ShardedIds
+from services.worker.embedding.rows import DirectRows
 from services.worker.pooling import BatchPlan
 
 __all__ = ["READ_AHEAD", "ReadAhead"]

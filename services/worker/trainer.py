@@ -5,12 +5,14 @@ One step of one batch::
     EmbeddingPipeline: plan_batch (dedup ids per table, laid out by shard) → lookup_sharded
     (one message per shard) → [compute thread] pool_batch → model forward/backward (BCE with
     logits) → dense sync + optimizer step → EmbeddingPipeline: push_sharded of the
-    per-unique-row gradients (in the background; ``des``: :mod:`services.worker.exchange`)
+    per-unique-row gradients (in the background; ``des``:
+    :mod:`services.worker.embedding.exchange`)
 
 The embedding side (staleness slots, riders, lookahead, pushes) is the
-:class:`~services.worker.pipeline.EmbeddingPipeline`, over the rows client of a
-:class:`~services.worker.rows_link.RowsLink` (a PS client, a PS client process, or any
-``rows_client``, e.g. the PS's shards in this process).
+:class:`~services.worker.embedding.pipeline.EmbeddingPipeline` of the
+:class:`~services.worker.embedding.builder.EmbeddingLink` that
+:func:`~services.worker.embedding.builder.connect` builds at :meth:`Trainer.start` (over a PS
+client, a PS client process, or any ``rows_client``, e.g. the PS's shards in this process).
 Compute runs in a :class:`~services.worker.compute.ComputeThread` so the event loop keeps serving
 lookups and pushes meanwhile. The Trainer keeps the dense replica: the model, its optimizer, the
 dense sync, ``fit`` and ``evaluate``.
@@ -50,7 +52,6 @@ from torch import nn
 
 from clients.loader_client import LoaderClient
 from clients.ps_client import PSClient
-from clients.rows import ProcessCPU, RowsClient, RowsReplica
 from services.common.admin import AdminServer
 from services.common.batch import Batch, Batches, iterate
 from services.common.codecs import WireStatsCollector
@@ -75,15 +76,21 @@ from services.worker.compute import (
 )
 from services.worker.config import TrainerConfig
 from services.worker.dense_optimizers import ONEBIT_OPTIMIZERS, make_optimizer
+from services.worker.embedding.builder import EmbeddingLink, check_rows_source, connect
+from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
+from services.worker.embedding.rows import (
+    RowsCapabilities,
+    RowsClient,
+    RowsReplica,
+    RowsSnapshots,
+)
+from services.worker.embedding.window import WindowChoice
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
 from services.worker.models import ModelConfig, pick_device
-from services.worker.pipeline import EmbeddingPipeline, Prepared
 from services.worker.pooling import BatchPlan
-from services.worker.rows_link import RowsLink
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve, StalenessStats
 from services.worker.sync import SyncStrategy
 from services.worker.warmup import warm_up_step
-from services.worker.window import WindowChoice
 
 __all__ = ["Trainer"]
 
@@ -133,9 +140,12 @@ class Trainer:
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
         self.progress = WorkerProgress(rank=rank, world_size=world)
         cfg = self.config
-        self.link = RowsLink(cfg, ps_addresses=ps_addresses, rows_client=rows_client,
-                             tables=tables, timers=self.progress, worker=rank, workers=world,
-                             head_replica=head_replica)
+        check_rows_source(cfg, ps_addresses=ps_addresses, rows_client=rows_client)
+        self._rows_source = dict(ps_addresses=ps_addresses, rows_client=rows_client,
+                                 tables=tables, timers=self.progress, worker=rank,
+                                 workers=world, head_replica=head_replica)
+        self._link: EmbeddingLink | None = None  # the last one connect() built (start())
+        self._connected = False  # False again once closed (the link stays to be inspected)
         self.device = pick_device(self.config.device)
         self._model_spec = model
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -167,39 +177,61 @@ class Trainer:
         self.history: list[dict[str, float]] = []  # evaluations: step, auc, logloss, samples
 
     @property
+    def link(self) -> EmbeddingLink:
+        """The embedding side :meth:`start` connected (still there once closed)."""
+        if self._link is None:
+            raise FailedPrecondition("the trainer is not started: await trainer.start()")
+        return self._link
+
+    @property
     def ps(self) -> PSClient | None:
-        """The gRPC client of the PS (None when the rows come through a rows_client)."""
-        return self.link.ps
+        """The gRPC client of the PS (None before :meth:`start`, or when the rows come
+        through a rows_client)."""
+        return self._link.ps if self._link is not None else None
 
     @property
     def pipeline(self) -> EmbeddingPipeline:
-        """The embedding side of the steps (:class:`~services.worker.rows_link.RowsLink`)."""
+        """The embedding side of the steps (after :meth:`start`)."""
         return self.link.pipeline
 
     @property
     def window_choice(self) -> WindowChoice | None:
         """What ``staleness auto`` chose (None before :meth:`start`, or with a set window)."""
-        return self.link.window_choice
+        return self._link.window_choice if self._link is not None else None
 
     @property
     def rows(self) -> RowsClient:
-        """The rows client the steps and evaluations use."""
-        return self.pipeline.rows
+        """The rows client the steps and evaluations use (after :meth:`start`)."""
+        return self.link.rows
+
+    @property
+    def rows_snapshots(self) -> RowsSnapshots | None:
+        """The rows as a :class:`RowsSnapshots` where they can take snapshots, else None
+        (known before :meth:`start`: a client this trainer opens never can)."""
+        if self._link is not None:
+            return self._link.capabilities.snapshots
+        given = self._rows_source["rows_client"]
+        return RowsCapabilities.of(given).snapshots if given is not None else None
 
     @property
     def tables(self) -> dict[str, str] | None:
         """Each sparse feature's table (None until given or seen in the first batch)."""
-        return self.pipeline.tables
+        if self._link is None:
+            given = self._rows_source["tables"]
+            return dict(given) if given is not None else None
+        return self._link.pipeline.tables
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> Trainer:
         """Connect to the PS (idempotent); with staleness ``auto``, size the window."""
-        await self.link.connect()
+        if not self._connected:
+            self._link = await connect(self.config, **self._rows_source)
+            self._connected = True
         if self.config.admin_port is not None and self._admin is None:
-            stats = getattr(self.ps if self.ps is not None else self.pipeline.rows, "stats", None)
+            stats = getattr(self.ps if self.ps is not None else self.rows, "stats", None)
             app = make_worker_admin(self.progress, config=lambda: config_to_dict(self.config),
-                                    ready=lambda: self.link.connected, shards=stats)
+                                    ready=lambda: self._connected, shards=stats)
             port = self.config.admin_port  # ranks on one host: rank r serves port + r
             port = port + self.progress.rank if port else 0
             self._admin = AdminServer(app, self.config.admin_host, port)
@@ -210,7 +242,9 @@ class Trainer:
         if self._admin is not None:
             await self._admin.close()
             self._admin = None
-        await self.link.close()
+        if self._link is not None and self._connected:
+            self._connected = False
+            await self._link.close()
         if self._sync is not None and self._forward is not None:
             self._sync.close()
 
@@ -308,9 +342,8 @@ class Trainer:
 
     async def _cpu_seconds(self) -> float:
         """CPU seconds used so far by this process and its rows client's process, if any."""
-        rows = self.rows
-        return time.process_time() + (await rows.cpu_seconds()
-                                      if isinstance(rows, ProcessCPU) else 0.0)
+        other = self.link.capabilities.process_cpu
+        return time.process_time() + (await other.cpu_seconds() if other is not None else 0.0)
 
     # ---- compute (runs in a thread) ------------------------------------------------------
 
@@ -556,9 +589,7 @@ class Trainer:
             except StopAsyncIteration:
                 return None
             plan = await self.pipeline.plan(batch)
-            path = self.pipeline.path.for_evaluation()  # what serving computes
-            return batch, plan, list(await asyncio.gather(*(
-                path.lookup(self.rows, plan, i) for i in range(len(plan.groups)))))
+            return batch, plan, await self.pipeline.lookup(plan)
 
         pending = asyncio.create_task(fetch())
         try:

@@ -8,8 +8,8 @@ per dim of its unrolled loop. Only a batch shaped like the run's calls them with
 signatures, so :func:`warm_up_step` runs one: a few samples cut from the first batch,
 planned as every batch is, pooled from zero rows, through the model's forward and the
 gradient of those rows; the rows clients whose kernels run in this process warm the
-requests of the plan's groups of tables (:class:`clients.rows.WarmRows`), and the head ids'
-kernels run once where the pipeline has head ids.
+requests of the plan's groups of tables (:class:`services.worker.embedding.rows.WarmRows`), and the
+head ids' kernels run once where the pipeline has head ids.
 
 Nothing of the run changes: no row is looked up or pushed, the model runs in eval mode (no
 statistic updated) and no parameter's gradient is kept.
@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clients.rows import WarmRows
 from services.common.batch import Batch, Jagged
-from services.worker.exchange import EmbeddingPath, PooledPath
+from services.worker.embedding.exchange import EmbeddingPath, PooledPath
+from services.worker.embedding.pipeline import EmbeddingPipeline
+from services.worker.embedding.rows import WarmRows
 from services.worker.head_kernels import warm_up as warm_up_head_sets
-from services.worker.pipeline import EmbeddingPipeline
 from services.worker.pooling import BatchPlan
 
 __all__ = ["WARM_UP_SAMPLES", "first_samples", "warm_up_step"]

@@ -2,7 +2,7 @@
 
 The Kafka broker is librdkafka's mock cluster (created by a confluent-kafka AdminClient with
 ``test.mock.num.brokers``), a real Kafka-protocol server on a loopback port; the loader
-talks to it with aiokafka like to any broker. A topic is created on first use (a metadata
+talks to it like to any broker. A topic is created on first use (a metadata
 request for it) with the mock's default of 4 partitions.
 """
 

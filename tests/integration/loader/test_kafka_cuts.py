@@ -9,7 +9,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from bench.chaos import counting_worker, expected_counts, produce_records, source_records
 from clients.ps_client import PSClient
@@ -32,18 +32,14 @@ STEPS, CUT_EVERY, BATCH = 12, 4, 50  # per rank; 2 ranks: 1,200 records
 
 
 async def _committed(bootstrap: str, topic: str) -> dict[str, int]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id="g",
-                                enable_auto_commit=False)
-    await consumer.start()
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "g",
+                         "enable.auto.commit": False})
     try:
-        out = {}
-        for p in range(MOCK_PARTITIONS):
-            offset = await consumer.committed(TopicPartition(topic, p))
-            if offset is not None:
-                out[f"kafka:{topic}:{p}"] = offset
-        return out
+        parts = [TopicPartition(topic, p) for p in range(MOCK_PARTITIONS)]
+        done = await asyncio.to_thread(consumer.committed, parts, timeout=10)
+        return {f"kafka:{topic}:{tp.partition}": tp.offset for tp in done if tp.offset >= 0}
     finally:
-        await consumer.stop()
+        consumer.close()
 
 
 @pytest.fixture

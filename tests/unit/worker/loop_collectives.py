@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from services.worker.head_vote import Ballot, vote
+from services.worker.embedding.head_vote import Ballot, vote
 
 
 class LoopCollectives:

@@ -20,7 +20,7 @@ import pytest
 from services.common.batch import Batch, Jagged
 from services.common.errors import ConfigError
 from services.ps.inprocess import InProcessShards, PushGate
-from services.worker.pipeline import EmbeddingPipeline, Prepared
+from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
 
 W = 2  # workers
 N = 8  # steps per worker

@@ -18,9 +18,9 @@ import pytest
 
 from services.common.batch import Batch, Jagged
 from services.ps.inprocess import InProcessShards
-from services.worker.head_vote import Ballot
-from services.worker.heads import HeadIds
-from services.worker.pipeline import EmbeddingPipeline, Prepared
+from services.worker.embedding.head_vote import Ballot
+from services.worker.embedding.heads import HeadIds
+from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
 from tests.unit.worker.loop_collectives import LoopCollectives
 
 W, N = 2, 12

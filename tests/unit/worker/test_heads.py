@@ -1,4 +1,4 @@
-"""Head ids (:mod:`services.worker.heads`): which ids are head, and how a batch is split.
+"""Head ids (:mod:`services.worker.embedding.heads`): which ids are head, and how a batch is split.
 
 Batches are built so that each id's rate per batch is known: in table ``a`` id 1 occurs 3 times
 in every batch and id 2 once every other batch; in table ``b`` id 1 once in every batch and id 2
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import ConfigError
-from services.worker.heads import HeadIds
+from services.worker.embedding.heads import HeadIds
 from services.worker.pooling import BatchPlan, plan_batch
 
 SHARDS = 2

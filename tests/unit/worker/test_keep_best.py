@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from clients.rows import RowsSnapshots
 from services.common.batch import Batch
 from services.common.errors import ConfigError, FailedPrecondition
 from services.loader.planted import SyntheticConfig, SyntheticDataset
@@ -103,7 +102,7 @@ async def test_bad_settings_fail_before_the_first_step(tmp_path: Path) -> None:
             assert t.step == 0 and t.module is None
     assert all(table.num_rows == 0 for s in rows.shards for table in s.tables.values())
     remote = Trainer(model="dlrm", ps_addresses=["127.0.0.1:1"], eval_every=10)
-    assert not isinstance(remote.rows, RowsSnapshots)
+    assert remote.rows_snapshots is None
     with pytest.raises(ConfigError, match="RowsSnapshots"):  # before connecting anywhere
         await remote.fit(TRAIN, validation_batches=FLIPPED)
     no_dir = shards()
@@ -128,7 +127,7 @@ async def test_every_push_is_acknowledged_before_a_validation() -> None:
 
     class Fake:
         config = TrainerConfig(eval_every=10)
-        pipeline, rows, step = Pipeline(), Rows(), 10
+        pipeline, rows_snapshots, step = Pipeline(), Rows(), 10
 
         async def evaluate(self, batches: Any) -> dict[str, float]:
             order.append("evaluate")

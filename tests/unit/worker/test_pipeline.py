@@ -21,7 +21,7 @@ from services.common.batch import Batch, Jagged
 from services.common.errors import ConfigError, InvalidArgument
 from services.common.sharding import ShardedIds
 from services.ps.inprocess import InProcessShards, PushGate
-from services.worker.pipeline import EmbeddingPipeline, Prepared
+from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
 
 N = 16  # batches per run; also the table's dim (one coordinate per batch's push)
 ROW_ID = 7

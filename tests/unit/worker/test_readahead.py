@@ -54,11 +54,13 @@ async def test_read_ahead_is_the_synchronous_run_bit_for_bit() -> None:
         ahead, over = (InProcessShards(ps_table_configs({f: 8 for f in DATA.sparse_names}),
                                        num_shards=2) for _ in range(2))
         losses, trainer = await _run(ahead, batches, mode)
-        reader = trainer.pipeline._read_ahead
+        policy = trainer.pipeline.policy
+        reader = policy.direct.read_ahead if policy and policy.direct else None
         assert isinstance(reader, ReadAhead)
         assert 0 < reader.read_again < reader.read_total  # the patch ran, on part of the rows
         want, plain = await _run(OverTheLoop(over), batches, mode)
-        assert plain.pipeline._read_ahead is None
+        assert (policy := plain.pipeline.policy) is not None
+        assert policy.direct is None or policy.direct.read_ahead is None
         assert losses == want, mode
         np.testing.assert_array_equal(await _rows_of(ahead, batches),
                                       await _rows_of(over, batches))

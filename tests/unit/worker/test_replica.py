@@ -20,7 +20,7 @@ from services.ps.replica import HeadReplica
 from services.ps.shard import Shard
 from services.ps.tables import OptimizerConfig, TableConfig
 from services.worker.config import ps_table_configs
-from services.worker.heads import ReplicaSeeds, Seeds
+from services.worker.embedding.replica_seeds import ReplicaSeeds, Seeds
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
 
@@ -68,7 +68,8 @@ async def test_the_replica_trains_exactly_as_the_synchronous_chain_with_no_round
     replica = HeadReplica()
     a, _ = await fit(chained, None, 12, hot_ratio=1.0, head_rate=0.0)
     b, t = await fit(replicated, replica, 12, hot_ratio=1.0, head_rate=0.0)
-    assert t.pipeline._seeding is not None and t.pipeline._chain is None
+    assert (policy := t.pipeline.policy) is not None
+    assert policy.seeding is not None and not policy.chain
     assert a.recent_losses == b.recent_losses and a.steps == b.steps == 12
     digests = [[tab.content_digest() for s in r.inner.shards for tab in s.tables.values()]
                for r in (chained, replicated)]
@@ -95,7 +96,8 @@ async def test_head_ids_use_the_replica_and_the_ps_follows_it(steps: int) -> Non
     tests/integration/worker/test_replica_grpc.py.)"""
     rows, replica = Remote(shards()), HeadReplica()
     summary, t = await fit(rows, replica, steps)
-    assert t.pipeline._seeding is not None and t.pipeline.head_count() > 0
+    assert t.pipeline.policy is not None and t.pipeline.policy.seeding is not None
+    assert t.pipeline.head_count() > 0
     assert rows.copied == replica.num_rows == summary.replicated_rows > 0
     assert_ps_follows(replica, rows.inner.shards)
     assert np.isfinite(summary.loss)
@@ -122,7 +124,8 @@ async def test_not_used_where_the_rows_live_in_this_process() -> None:
     """Embedded shards are read and updated in place: no replica needed, none used."""
     direct = shards()
     summary, t = await fit(direct, HeadReplica(), 4)  # type: ignore[arg-type]
-    assert t.pipeline._seeding is None and summary.replicated_rows == 0
+    assert t.pipeline.policy is not None and t.pipeline.policy.seeding is None
+    assert summary.replicated_rows == 0
 
 
 def test_a_state_lookup_of_tables_with_different_state_layouts_is_refused() -> None:
@@ -158,8 +161,8 @@ async def test_a_failed_push_fails_the_run_and_no_copy_waits_for_it() -> None:
                        head_replica=HeadReplica()) as t:
         with pytest.raises(Unavailable, match="step 6"):
             await asyncio.wait_for(t.fit(batches), 60)
-        assert t.pipeline._seeding is not None
-        assert t.pipeline._seeding._acked.below > 6
+        assert t.pipeline.policy is not None and (seeding := t.pipeline.policy.seeding)
+        assert seeding._acked.below > 6
 
 
 async def test_the_replica_updates_rows_as_the_ps_does_across_optimizers_and_dtypes() -> None:

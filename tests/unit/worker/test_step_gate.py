@@ -17,7 +17,7 @@ import pytest
 
 from services.common.batch import Batch, Jagged
 from services.ps.inprocess import InProcessShards
-from services.worker.pipeline import EmbeddingPipeline, Prepared
+from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
 from tests.unit.worker.loop_collectives import LoopCollectives
 
 W, N, S = 4, 16, 2  # workers, steps, window

@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from clients.rows import RowsClient
 from services.common.errors import ConfigError
 from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
 from services.worker.compute import CPU_SWITCH_INTERVAL
 from services.worker.config import ps_table_configs
+from services.worker.embedding.rows import RowsClient
 from services.worker.models import ModelConfig
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve
 from services.worker.trainer import Trainer

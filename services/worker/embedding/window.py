@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from clients.rows import DirectRows, RowsClient
+from services.worker.embedding.rows import DirectRows, RowsClient
 
 __all__ = ["MAX_AUTO_WINDOW", "NO_ROUND_TRIP_MS", "STEP_FLOOR_MS", "WindowChoice",
            "auto_window", "choose_window", "probe_round_trip_ms"]

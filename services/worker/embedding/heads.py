@@ -5,8 +5,10 @@ Under a staleness window of S batches a row misses the updates of the batches in
 that touched it. Under Zipf traffic that costs nothing for the tail of a table (an id seen
 once in a thousand batches is rarely in flight twice) and much for its head: an id in every
 batch misses S - 1 updates at every step, all of them pulling the same way. Hot *tables*
-(:mod:`services.worker.pipeline`) keep whole small-vocabulary tables synchronous; head ids do
-the same for the frequent ids of the large ones.
+(:mod:`services.worker.embedding.pipeline`) keep whole small-vocabulary tables synchronous; head
+ids do the same for the frequent ids of the large ones. The hot chain that carries them where the
+rows are remote is :mod:`services.worker.embedding.hot_chain`; the replica's copies of them,
+:mod:`services.worker.embedding.replica_seeds`.
 
 :class:`HeadIds` counts, per table, how often each id occurs in the recent batches (the last
 ``memory``) and calls *head* the ids seen at least ``rate`` times per batch on average (and
@@ -25,20 +27,15 @@ way.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
 
 import numpy as np
 
-from clients.rows import RowsClient, RowsReplica, StatefulRows
-from services.common.errors import ConfigError, Unavailable
-from services.common.lifecycle import settle
+from services.common.errors import ConfigError
 from services.common.sharding import ShardedIds
-from services.worker.exchange import EmbeddingPath
+from services.worker.embedding.head_vote import Ballot
 from services.worker.head_kernels import (
     MIX,
     NO_MEMBERS,
@@ -48,10 +45,9 @@ from services.worker.head_kernels import (
     place_rows,
     totals,
 )
-from services.worker.head_vote import Ballot
 from services.worker.pooling import BatchPlan
 
-__all__ = ["Acknowledged", "HeadIds", "HotChain", "ReplicaSeeds", "Seeds", "SplitBatch"]
+__all__ = ["HeadIds", "SplitBatch"]
 
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
 Seen = collections.deque[tuple[np.ndarray, np.ndarray, ShardedIds]]  # keys, occurrences, layout
@@ -311,262 +307,3 @@ class HeadIds:
         last = seen[-1][2]
         return ShardedIds.of_tables({name: ids[tables == j] for j, name in enumerate(last.tables)},
                                     last.num_shards)[0]
-
-
-class ChainHost(Protocol):
-    """What the hot chain uses of its embedding pipeline."""
-
-    rows: RowsClient
-    path: EmbeddingPath
-
-    @property
-    def chain_client(self) -> RowsClient: ...
-
-    async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None, *,
-                     rows: RowsClient | None = None) -> Rows: ...
-
-
-class HotChain:
-    """The hot groups' rows (hot tables, and the head ids of the windowed groups where the
-    rows are remote) under a window of ``window`` batches: a batch's lookup starts only
-    once the push of the batch ``window`` before it is acknowledged; that push carries the
-    lookup when the batch is planned already (one message per shard and group), else the
-    batch looks up on its own after it. Window 1 is synchronous. With a ``barrier`` (a wait
-    for every worker) each acknowledged push waits at it, and no lookup rides on a push: with
-    window 1 every worker's push of batch t is applied before any worker's lookup of t + 1.
-    Its requests go through the pipeline's ``chain_client`` (a lane of their own where there
-    is one)."""
-
-    def __init__(self, pipeline: ChainHost, groups: list[int], window: int,
-                 barrier: Callable[[], Awaitable[Any]] | None = None) -> None:
-        self.pipeline = pipeline
-        self.groups = groups
-        self.window = window
-        self.barrier = barrier
-        self._waiting: collections.deque[tuple[BatchPlan, asyncio.Future[Rows]]] = \
-            collections.deque()
-        self._out = 0  # batches looked up whose push is not acknowledged yet
-
-    def reset(self) -> None:
-        """Forget the batches of a finished run."""
-        for _, future in self._waiting:
-            future.cancel()
-        self._waiting.clear()
-        self._out = 0
-
-    def request(self, plan: BatchPlan) -> asyncio.Future[Rows]:
-        """The future rows of ``plan``'s hot groups (batches must request in their order)."""
-        future: asyncio.Future[Rows] = asyncio.get_running_loop().create_future()
-        self._waiting.append((plan, future))
-        self._advance()
-        return future
-
-    def _advance(self) -> None:
-        while self._out < self.window and self._waiting:
-            plan, future = self._waiting.popleft()
-            self._out += 1
-            task = asyncio.ensure_future(self.pipeline.lookup(plan, self.groups,
-                                                              rows=self.pipeline.chain_client))
-            task.add_done_callback(functools.partial(settle, future))
-
-    async def push(self, plan: BatchPlan, grads: Rows) -> None:
-        """Push ``plan``'s hot gradients (``grads`` holds every group's); hand the next
-        batch its rows, looked up in the same message."""
-        path, rows = self.pipeline.path, self.pipeline.chain_client
-        following = self._waiting.popleft() if self._waiting and not self.barrier else None
-        try:
-            if following is None:
-                await asyncio.gather(*(path.push(rows, plan, i, grads[i])
-                                       for i in self.groups))
-            else:
-                done = await asyncio.gather(*(path.push_then_lookup(
-                    rows, plan, i, grads[i], following[0]) for i in self.groups))
-                if not following[1].done():
-                    following[1].set_result(list(done))
-        except BaseException as exc:
-            if following is not None and not following[1].done():
-                following[1].set_exception(exc if isinstance(exc, Exception)
-                                           else Unavailable("the push it rode on was cancelled"))
-            raise
-        if self.barrier is not None:
-            await self.barrier()
-        if following is None:
-            self._out -= 1
-            self._advance()
-
-
-class Acknowledged:
-    """Which steps' pushes are acknowledged, in step order: :meth:`wait` returns once every
-    step below a given one is. A replica of the head rows copies a new head id's row only
-    then, so that the copy holds every update the id had while it was not yet head."""
-
-    def __init__(self, first: int = 0) -> None:
-        self.below = first  # every step below this one is acknowledged
-        self._done: set[int] = set()
-        self._moved = asyncio.Event()
-
-    def add(self, step: int) -> None:
-        """Step ``step``'s push is acknowledged."""
-        self._done.add(step)
-        while self.below in self._done:
-            self._done.discard(self.below)
-            self.below += 1
-        self._moved.set()
-
-    async def wait(self, step: int) -> None:
-        """Return once every step below ``step`` is acknowledged."""
-        while self.below < step:
-            self._moved.clear()
-            await self._moved.wait()
-
-
-@dataclass(frozen=True, slots=True)
-class Seeds:
-    """What a replica must hold before a batch's step: ``fresh``, the layouts of the head ids
-    decided at the batch, and ``mine``, of its head ids (both windowed rows before: copied
-    once every earlier step's push is acknowledged; each of ``mine`` was ``fresh`` at an
-    earlier batch, whose copy may still be under way); ``hot``, its hot groups' layouts (never
-    windowed: copied where not held, without waiting). ``later``: ``fresh`` is switched at a
-    later batch (copied meanwhile); ``switch``: batch ``step`` switches the ids last
-    decided."""
-
-    fresh: list[ShardedIds] = field(default_factory=list)
-    mine: list[ShardedIds] = field(default_factory=list)
-    hot: list[ShardedIds] = field(default_factory=list)
-    later: bool = False
-    switch: bool = False
-    step: int | None = None  # the batch's
-
-
-class ReplicaSeeds:
-    """What a :class:`clients.rows.RowsReplica` of the hot groups and head ids must hold
-    before each batch's step, copied from the PS once every earlier step's push is
-    acknowledged (an id's updates from before it was head are then in its copy), and its
-    updates sent on to the PS in step order."""
-
-    def __init__(self, replica: RowsReplica, first_step: int) -> None:
-        self.replica = replica
-        self._copying: set[asyncio.Future[None]] = set()  # copies under way
-        self._later: asyncio.Future[None] | None = None  # copies of ids switched later
-        self.begin(first_step, None)
-
-    def begin(self, first_step: int, heads: HeadIds | None) -> None:
-        """A new run, whose first step is ``first_step``: the replica copies every row again
-        (the PS's may have changed between runs), so the head ids are decided anew."""
-        self.replica.clear()
-        if self._later is not None:
-            self._later.cancel()  # a failed run's, left waiting
-        self._acked = Acknowledged(first_step)  # steps whose push is acknowledged
-        self._done = Acknowledged(first_step)  # steps whose gradients are pushed or held
-        self._later = None
-        self._held: list[list[tuple[ShardedIds, np.ndarray]]] = []  # per step, in order
-        self._released: list[asyncio.Future[Any]] = []  # held gradients on their way
-        if heads is not None:
-            heads.reset()
-
-    def hold(self, plan: BatchPlan, split: SplitBatch | None, grads: Rows) -> None:
-        """``plan``'s step is done: keep the gradients it holds back. Call it in step order."""
-        if split is not None and split.held:
-            self._held.append(split.held_back(grads))
-        if (tag := plan.groups[0].layout.tag) is not None:
-            self._done.add(tag[1])
-
-    async def flush(self, rows: RowsClient) -> None:
-        """The run's end: the gradients held back go to the replica and on to the PS."""
-        await self._release(rows, None)
-
-    async def _release(self, rows: RowsClient, step: int | None) -> None:
-        """Once the ids held back are copied and every step before ``step`` is done (None:
-        every step), apply the gradients held for them to the replica and send them on to
-        the PS, in step order (before any later step's)."""
-        if self._later is not None:
-            await self._later
-        if step is not None:
-            await self._done.wait(step)
-        held, self._held = self._held, []
-        sent = []
-        for layout, grads in (part for parts in held for part in parts):
-            self.replica.push_now(layout, grads)
-            sent.append(rows.push_sharded(replace(layout, tag=None), grads))
-        if sent:  # on their way now, before any later step's (the run's end awaits them)
-            self._released.append(asyncio.ensure_future(asyncio.gather(*sent)))
-        if step is None:
-            await asyncio.gather(*self._released)
-
-    async def _copy_later(self, source: StatefulRows, fresh: list[ShardedIds],
-                          before: asyncio.Future[None] | None) -> None:
-        """Copy ``fresh`` once every step before its decision is acknowledged (no later push
-        touches those rows: their gradients are held back)."""
-        if before is not None:
-            await before
-        tag = fresh[0].tag
-        await self._acked.wait(tag[1] if tag is not None else 0)
-        for layout in fresh:
-            await self.replica.seed(source, layout)
-
-    def send(self, path: EmbeddingPath, rows: RowsClient, plan: BatchPlan,
-             split: SplitBatch | None, grads: Rows, hot: Sequence[int]) -> asyncio.Future[Any]:
-        """Push ``plan``'s updates of the replicated rows (its hot groups' ``hot`` and its head
-        ids') on to the PS. Call it in step order: the pushes leave in that order, each shard
-        receives them on its one push stream and serves a stream's messages in order, so it
-        applies them in step order, as the replica did, without waiting for the previous
-        step's acknowledgement (Adagrad's result depends on the order). A push retried after
-        a broken connection can land after later ones."""
-        heads = [] if split is None else [i for i, (at, _) in split.groups.items() if at.size]
-        head_grads = split.head_grads(grads) if split is not None else grads
-        for released in self._released:  # a held gradient's push failed: so does this one
-            if released.done() and released.exception() is not None:
-                raise cast(BaseException, released.exception())
-        return asyncio.ensure_future(asyncio.gather(
-            *(path.push(rows, plan, i, grads[i]) for i in hot),
-            *(path.push(rows, cast(SplitBatch, split).head, i, head_grads[i]) for i in heads)))
-
-    def acknowledged(self, plan: BatchPlan) -> None:
-        """``plan``'s push is acknowledged."""
-        if (tag := plan.groups[0].layout.tag) is not None:
-            self._acked.add(tag[1])
-
-    @staticmethod
-    def layouts(plan: BatchPlan, split: SplitBatch | None, hot: Sequence[int],
-                heads: HeadIds | None) -> Seeds:
-        """What the replica must hold before ``plan``'s step (``hot``: its hot groups)."""
-        tag = plan.groups[0].layout.tag
-        fresh = [] if heads is None else [replace(layout, tag=tag) for layout in
-                                          heads.take_fresh().values()]
-        mine = [] if split is None else [split.head.groups[i].layout
-                                         for i, (at, _) in split.groups.items() if at.size]
-        return Seeds(fresh, mine, [plan.groups[i].layout for i in hot],
-                     later=heads is not None and heads.deferring and bool(fresh),
-                     switch=split is not None and split.switched,
-                     step=tag[1] if tag is not None else None)
-
-    async def copy(self, rows: RowsClient, seeds: Seeds) -> None:
-        """Copy the rows of ``seeds`` (of one tagged step) the replica lacks from ``rows``,
-        after the copies under way (one copy of a row, not one per batch that needs it; the
-        batches after a decision wait for its copy only), a head id's once every earlier
-        step's push is acknowledged; ids switched later are copied meanwhile, and switched
-        with the gradients held back for them."""
-        source = cast(StatefulRows, rows)
-        if seeds.later:
-            self._later = asyncio.ensure_future(self._copy_later(source, seeds.fresh,
-                                                                 self._later))
-            seeds = replace(seeds, fresh=[])
-        if seeds.switch:
-            await self._release(rows, seeds.step)
-        holds = self.replica.holds
-        if not seeds.fresh and all(holds(layout) for layout in seeds.mine + seeds.hot):
-            return
-        earlier = list(self._copying)
-        done = asyncio.get_running_loop().create_future()
-        self._copying.add(done)
-        try:
-            await asyncio.gather(*earlier, return_exceptions=True)
-            mine = [layout for layout in seeds.mine if not holds(layout)]  # else copied since
-            if seeds.fresh or mine:  # (two tables' ids may share a head key: not yet copied)
-                tag = (seeds.fresh + mine)[0].tag
-                await self._acked.wait(tag[1] if tag is not None else 0)
-            for layout in seeds.fresh + mine + seeds.hot:  # in turn: one may hold ids of another
-                await self.replica.seed(source, layout)
-        finally:
-            self._copying.discard(done)
-            done.set_result(None)

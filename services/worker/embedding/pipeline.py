@@ -3,13 +3,13 @@
 It is the part of a training step that talks to the embedding rows, apart from the model (as
 torchrec's ``TrainPipelineSparseDist`` is): it plans each batch (dedup ids per table, laid out by
 shard), looks its rows up ahead of compute and pushes its row gradients back, through a
-:class:`clients.rows.RowsClient` only (gRPC, a child process, or the PS's shards in this process).
-What a lookup and a push carry is its embedding path's (:mod:`services.worker.exchange`: unique
-rows, or DES's per-sample partial sums); the slots, riders and hot tables below are the same for
-both.
+:class:`services.worker.embedding.rows.RowsClient` only (gRPC, a child process, or the PS's shards
+in this process). What a lookup and a push carry is its embedding path's
+(:mod:`services.worker.embedding.exchange`: unique rows, or DES's per-sample partial sums); the
+slots, riders and hot tables below are the same for both.
 
-The bound on staleness is ``window`` slots (:mod:`services.worker.slots`): a batch takes one
-before its lookup, and its push task's completion frees it (a done-callback, as arq's worker
+The bound on staleness is ``window`` slots (:mod:`services.worker.embedding.slots`): a batch takes
+one before its lookup, and its push task's completion frees it (a done-callback, as arq's worker
 releases its semaphore), or hands it to a *rider*, a batch whose lookup that push carried. The
 staleness of a batch is the number of earlier batches whose push is not yet acknowledged when its
 lookup starts, so it is at most ``window - 1``; ``window=None`` (async mode) has no bound, only
@@ -30,13 +30,13 @@ Every batch a run trains has its layouts tagged (worker rank, step, workers): th
 lookup, the earlier pushes of every worker it did not see (``services.ps.staleness``).
 
 *Hot tables* (whose first batch holds at most ``hot_ratio`` distinct ids per sample) and the *head
-ids* of the others (their most frequent ids, ``head_rate``, :mod:`services.worker.heads`) are rows
-nearly every batch touches, which stale updates hurt most. They have a window of their own,
+ids* of the others (their most frequent ids, ``head_rate``, :mod:`services.worker.embedding.heads`)
+are rows nearly every batch touches, which stale updates hurt most. They have a window of their own,
 ``hot_window`` (1: synchronous): batch t gets them only once the push of batch t - hot_window to
 them is acknowledged, in the same message (:class:`HotChain`), or, where the rows are in this
 process, the compute thread reads them just before its step (:meth:`EmbeddingPipeline.read_hot`)
 and applies their gradients just after (:meth:`EmbeddingPipeline.apply_hot`). Which group goes
-which way is decided at the first plan (:mod:`services.worker.routes`).
+which way is decided at the first plan (:mod:`services.worker.embedding.routes`).
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
@@ -60,41 +60,32 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 
-from clients.rows import RowsClient, RowsReplica
 from services.common.batch import Batch, Batches, iterate
 from services.common.codecs import WireStats
 from services.common.errors import ConfigError, InvalidArgument, Unavailable
-from services.worker.exchange import EmbeddingPath, RowsPath
-from services.worker.head_vote import Ballot
-from services.worker.heads import HeadIds, HotChain, ReplicaSeeds, Seeds, SplitBatch
+from services.worker.embedding.exchange import (
+    EmbeddingPath,
+    RowsPath,
+    StepTimers,
+    lookup_groups,
+)
+from services.worker.embedding.head_vote import Ballot
+from services.worker.embedding.heads import HeadIds, SplitBatch
+from services.worker.embedding.hot_chain import HotChain
+from services.worker.embedding.replica_seeds import ReplicaSeeds, Seeds
+from services.worker.embedding.routes import DirectHot, HotPolicy, RouteSettings
+from services.worker.embedding.rows import RowsCapabilities, RowsClient, RowsReplica
+from services.worker.embedding.slots import Rider, Slots
 from services.worker.pooling import BatchPlan, plan_batch
 from services.worker.readahead import READ_AHEAD, ReadAhead
-from services.worker.routes import DirectHot, route_groups
-from services.worker.slots import Rider, Slots
 
-__all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]
+__all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]  # StepTimers: exchange.py's
 
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
-_NOT_READ = np.empty((0, 0), dtype=np.float32)  # a direct hot group's rows before read_hot
-
-
-class _Histogram(Protocol):
-    def observe(self, amount: float) -> None: ...
-
-
-class StepTimers(Protocol):
-    """Where the pipeline reports the seconds of lookups and pushes (Prometheus histograms of
-    :class:`services.worker.admin.WorkerProgress`)."""
-
-    @property
-    def lookup_seconds(self) -> _Histogram: ...
-
-    @property
-    def push_seconds(self) -> _Histogram: ...
 
 
 @dataclass(slots=True)
@@ -138,26 +129,28 @@ def _step_of(plan: BatchPlan) -> int:
 class EmbeddingPipeline:
     """Lookups ahead of compute and pushes behind it, for one worker (see the module doc).
 
-    ``rows`` is the rows client (it may be replaced between runs, e.g. once a PS-client
-    process is up). ``tables`` maps each sparse feature to its table (default: every feature
-    of the first batch, table named like the feature). ``window``: staleness slots (None:
-    unbounded, async mode); ``prefetch``: lookups ahead of compute when unbounded.
-    ``timers`` get the seconds of every lookup and push. ``hot_ratio``: tables whose first
-    batch has at most this many distinct ids per sample get ``hot_window`` slots of their own
+    ``rows`` is the rows client; ``chain_rows``, where given, the hot chain's: a lane of its
+    own beside ``rows`` when that carries the bulk traffic (a PS client process), so that the
+    requests a step waits for skip that queue. ``tables`` maps each sparse feature to its table
+    (default: every feature of the first batch, table named like the feature). ``window``:
+    staleness slots (None: unbounded, async mode); ``prefetch``: lookups ahead of compute when
+    unbounded. ``timers`` get the seconds of every lookup and push. ``hot_ratio``: tables whose
+    first batch has at most this many distinct ids per sample get ``hot_window`` slots of their own
     (None or 0: no hot tables; only with a window above ``hot_window``). ``worker`` of
     ``workers``: this worker's rank and the number of workers, in the step tags;
     ``barrier``: awaited by every acknowledged push before its slot is freed (then no batch
     rides on a push; see the module doc). ``path``: what a lookup and a push send
-    (:mod:`services.worker.exchange`; default unique rows). ``head_rate``: ids seen at least
-    this often per batch are head ids (None: none); ``hot_barrier``: awaited by every
+    (:mod:`services.worker.embedding.exchange`; default unique rows). ``head_rate``: ids seen at
+    least this often per batch are head ids (None: none); ``hot_barrier``: awaited by every
     acknowledged push of the hot chain (hot rows synchronous across the workers);
     ``step_gate(has_batch)``: awaited before each batch takes a slot, True while every worker
     has a batch for the step (the bound across workers; see the module doc); ``head_vote``:
-    decides the head ids with every worker's counts (:mod:`services.worker.head_vote`);
+    decides the head ids with every worker's counts (:mod:`services.worker.embedding.head_vote`);
     ``replica``: keeps the head rows where the rows are remote and this is the only worker
-    (:mod:`services.worker.routes`)."""
+    (:mod:`services.worker.embedding.routes`)."""
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
+                 chain_rows: RowsClient | None = None,
                  tables: Mapping[str, str] | None = None,
                  timers: StepTimers | None = None, hot_ratio: float | None = None,
                  hot_window: int = 1, worker: int = 0, workers: int = 1,
@@ -173,9 +166,7 @@ class EmbeddingPipeline:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
         self.rows = rows
-        # the hot chain's rows client: a lane of its own beside ``rows`` when that carries the
-        # bulk traffic (a PS client process): the requests a step waits for skip that queue
-        self.chain_rows: RowsClient | None = None
+        self.chain_rows = chain_rows
         self.path = path if path is not None else RowsPath()
         self.window, self.prefetch = window, prefetch
         self.tables: dict[str, str] | None = dict(tables) if tables is not None else None
@@ -197,6 +188,7 @@ class EmbeddingPipeline:
         self._hot_window = hot_window
         self.hot_tables: list[str] = []  # decided at the first plan
         self._chain: HotChain | None = None
+        self._policy: HotPolicy | None = None  # the routes, decided at the first plan
         self._direct: DirectHot | None = None  # groups the compute thread reads and updates
         self.replica = replica  # a copy of the head rows (one worker, remote rows): plan()
         self._seeding: ReplicaSeeds | None = None  # where the replica is used (the first plan)
@@ -205,7 +197,7 @@ class EmbeddingPipeline:
         self.heads: HeadIds | None = None  # the windowed groups' head ids, once decided
         self._groups: list[list[str]] | None = None  # tables of one dim, sent together
         self._windowed: list[int] = []  # the groups under the staleness window (not hot)
-        self._slots = Slots(window)  # the staleness window (services.worker.slots)
+        self._slots = Slots(window)  # the staleness window (services.worker.embedding.slots)
         self._pushes: set[asyncio.Task[None]] = set()
         self._acknowledge: Callable[[Batch], Awaitable[Any]] | None = None
 
@@ -268,56 +260,27 @@ class EmbeddingPipeline:
                 self.hot_tables = [t for t, ids in first.unique.items() if ids.size <= limit]
                 self._groups = self._table_groups(self.hot_tables)
                 hot = [i for i, g in enumerate(self._groups) if g[0] in self.hot_tables]
-            routes = route_groups(
-                len(self._groups), hot, rows=self.rows, path=self.path, replica=self.replica,
-                window=self.window, hot_window=self._hot_window, workers=self.workers,
-                barrier=self._barrier is not None, head_rate=self._head_rate, step=self._steps,
-                voting=self._head_vote is not None)
-            self._windowed, self._direct = routes.windowed, routes.direct
-            self._seeding, self.heads = routes.seeding, routes.heads
+            policy = self._policy = HotPolicy.decide(
+                len(self._groups), hot, capabilities=RowsCapabilities.of(self.rows),
+                path=self.path, replica=self.replica, step=self._steps,
+                settings=RouteSettings(window=self.window, hot_window=self._hot_window,
+                                       workers=self.workers, barrier=self._barrier is not None,
+                                       head_rate=self._head_rate,
+                                       voting=self._head_vote is not None))
+            self._windowed, self._direct = policy.windowed, policy.direct
+            self._seeding, self.heads = policy.seeding, policy.heads
             if self._read_ahead is not None:
                 self._slots.reset(READ_AHEAD)
-            if routes.chain:
-                self._chain = HotChain(self, routes.chain, self._hot_window, self._hot_barrier)
+            if policy.chain:
+                self._chain = HotChain(self.chain_client, self.path, policy.chain,
+                                       self._hot_window, self._hot_barrier, self._timers)
         return plan_batch(features, table_of=self.tables, num_shards=self.rows.num_shards,
                           groups=self._groups)
 
-    async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None, *,
-                     rows: RowsClient | None = None) -> Rows:
+    async def lookup(self, plan: BatchPlan, groups: Sequence[int] | None = None) -> Rows:
         """The rows of every group of the plan, or of ``groups`` (indices) only, as the path
-        looks them up (rows: one message per shard and group) through ``rows`` (default: the
-        pipeline's)."""
-        started = time.perf_counter()
-        chosen = range(len(plan.groups)) if groups is None else groups
-        client = self.rows if rows is None else rows
-        try:
-            return list(await asyncio.gather(*(self.path.lookup(client, plan, i)
-                                               for i in chosen)))
-        finally:
-            if self._timers is not None:
-                self._timers.lookup_seconds.observe(time.perf_counter() - started)
-
-    def _merge(self, plan: BatchPlan, windowed: Rows, hot: Rows | None,
-               split: SplitBatch | None) -> Rows:
-        """Every group's rows in group order (a windowed group's head ids from the hot chain
-        where they ride it); a direct hot group's are empty, and direct head ids' rows unset
-        (the rest's spread around them), until :meth:`read_hot` (the compute thread)."""
-        heads = split.groups if split is not None and self._direct is not None else {}
-        if hot is None and not self._direct_hot and not heads:
-            return windowed
-        out = [_NOT_READ] * len(plan.groups)
-        for i, rows in zip(self._windowed, windowed, strict=True):
-            out[i] = rows
-        if hot is not None:
-            assert self._chain is not None
-            for i, rows in zip(self._chain.groups, hot, strict=True):
-                out[i] = rows if split is None or i not in split.groups else \
-                    split.rows(i, out[i], rows)
-        for i, (head_at, _) in heads.items():
-            if head_at.size:
-                assert split is not None
-                out[i] = split.spread(i, out[i], self.rows.dims[plan.groups[i].layout.tables[0]])
-        return out
+        looks them up (:func:`~services.worker.embedding.exchange.lookup_groups`)."""
+        return await lookup_groups(self.path, self.rows, plan, groups, self._timers)
 
     @property
     def chain_client(self) -> RowsClient:
@@ -351,8 +314,13 @@ class EmbeddingPipeline:
         return self._direct.read_ahead if self._direct is not None else None
 
     @property
+    def policy(self) -> HotPolicy | None:
+        """Where each group gets its rows (None before the first plan decides it)."""
+        return self._policy
+
+    @property
     def _direct_hot(self) -> list[int]:
-        return self._direct.groups if self._direct is not None else []
+        return self._policy.direct_groups if self._policy is not None else []
 
     def read_hot(self, item: Prepared) -> None:
         """Fill ``item``'s direct groups' rows and its head ids' now (from the compute thread,
@@ -484,7 +452,8 @@ class EmbeddingPipeline:
                 if not self._windowed:
                     staleness = 0  # every table is hot: each lookup saw every earlier push
                 if self._read_ahead is None:  # (read ahead: every group's rows already)
-                    rows = self._merge(item.plan, rows, hot, item.split)
+                    assert self._policy is not None  # decided at the first plan
+                    rows = self._policy.merge(item.plan, rows, hot, item.split, self.rows.dims)
                 await put(Prepared(item.batch, item.plan, rows, staleness, item.split))
             await put(None)
         except Exception as exc:  # a failed lookup: the consumer raises it

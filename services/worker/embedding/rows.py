@@ -1,7 +1,8 @@
 """The calls a training step makes to the embedding rows: the :class:`RowsClient` protocol.
 
-A worker's embedding pipeline (:mod:`services.worker.pipeline`) reaches the PS through this
-protocol only, so the transport is a plug-in point:
+A worker's embedding pipeline (:mod:`services.worker.embedding.pipeline`) reaches the PS through
+this protocol only, so the transport is a plug-in point (the port lives here, beside the code
+that uses it; the implementations only match its shape):
 
 - :class:`clients.ps_client.PSClient`: gRPC to the PS shard processes;
 - :class:`clients.ps_process.PSClientProcess`: a ``PSClient`` in a child process (PERSIA's
@@ -13,22 +14,23 @@ protocol only, so the transport is a plug-in point:
 Every implementation routes a :class:`ShardedIds` layout the same way (shard ``k``'s share is
 ``layout.ids[bounds[k]:bounds[k + 1]]``, :func:`services.common.sharding.shard_of` decides
 placement) and returns rows aligned with ``layout.ids``. The protocols are structural: an
-implementation does not subclass them.
+implementation does not subclass them. What a given client can do beyond the protocol is read
+once, into one typed record (:class:`RowsCapabilities`), that every decision reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from services.common.codecs import WireStats
-from services.common.codecs.masked import PooledMasks
 from services.common.sharding import ShardedIds
 
-__all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsClient", "RowsReplica",
-           "RowsSnapshots", "StatefulRows", "WarmRows"]
+__all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsCapabilities",
+           "RowsClient", "RowsReplica", "RowsSnapshots", "StatefulRows", "WarmRows"]
 
 
 class PushCounts(Protocol):
@@ -103,15 +105,9 @@ class PooledRows(Protocol):
         """Per-sample pooled rows ``(len(lengths), dim)`` of a jagged feature."""
         ...
 
-    async def pooled_lookup_masked(self, table: str, ids: Any, lengths: Any, mode: str = "sum",
-                                   *, keep: float, refresh: int) -> tuple[np.ndarray, PooledMasks]:
-        """:meth:`pooled_lookup` with DCT-MP on the wire, and each shard's kept positions."""
-        ...
-
     async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any,
-                          mode: str = "sum", *, masks: PooledMasks | None = None) -> PushCounts:
-        """Apply the gradient of :meth:`pooled_lookup`'s output, ``(len(lengths), dim)``
-        (``masks``: sent at the positions :meth:`pooled_lookup_masked` kept only)."""
+                          mode: str = "sum") -> PushCounts:
+        """Apply the gradient of :meth:`pooled_lookup`'s output, ``(len(lengths), dim)``."""
         ...
 
 
@@ -203,3 +199,24 @@ class RowsSnapshots(Protocol):
     async def restore_rows(self, name: str) -> None:
         """Replace every table by snapshot ``name``: rows created since read as initial rows."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class RowsCapabilities:
+    """What one rows client can do beyond :class:`RowsClient`, read once from its shape: each
+    field is the client itself where it can, else None."""
+
+    direct: DirectRows | None  # rows in this process, served from any thread (direct now)
+    stateful: StatefulRows | None  # reads the optimizer state: a replica can start from it
+    process_cpu: ProcessCPU | None  # works in a process of its own
+    warm: WarmRows | None  # runs kernels in this process, loadable ahead
+    snapshots: RowsSnapshots | None  # saves and restores every row
+
+    @classmethod
+    def of(cls, rows: RowsClient) -> RowsCapabilities:
+        """The capabilities of ``rows`` now (``direct`` is a state: read it when deciding)."""
+        return cls(direct=rows if isinstance(rows, DirectRows) and rows.direct else None,
+                   stateful=rows if isinstance(rows, StatefulRows) else None,
+                   process_cpu=rows if isinstance(rows, ProcessCPU) else None,
+                   warm=rows if isinstance(rows, WarmRows) else None,
+                   snapshots=rows if isinstance(rows, RowsSnapshots) else None)
