@@ -131,13 +131,16 @@ class _Raw:
         return self.body
 
 
-async def test_the_window_survives_a_checkpoint_and_a_restore(tmp_path):
-    """A push held by a checkpoint, retried into a fresh shard restored from it, is answered
-    and not applied; one the checkpoint lacks is applied by its retry — once."""
+async def test_retries_without_an_epoch_into_a_restored_shard_are_refused(tmp_path):
+    """Pushes of a client that never learned an epoch, one the checkpoint holds and one it
+    lacks, retried into a fresh shard restored from it (a new epoch): each refused
+    (StaleEpoch, FAILED_PRECONDITION), nothing applied; the retry of the one it lacks used to
+    be applied to the restored rows (the window itself travels in checkpoints:
+    tests/unit/ps/test_ps_dedup.py)."""
     held, lacking = FRAMES["Push"](1), encode(push(seq=2, ids=IDS[:5]), rid=1)
     first = await start(tmp_path)
     try:
-        (ack,) = await send_frames(first.address, "Push", [held])
+        await send_frames(first.address, "Push", [held])
         await first.shard.checkpoint("c1")
         await send_frames(first.address, "Push", [lacking])
     finally:
@@ -146,8 +149,9 @@ async def test_the_window_survives_a_checkpoint_and_a_restore(tmp_path):
     try:
         assert counts(fresh) == [1] * IDS.size
         replies = await send_frames(fresh.address, "Push", [held, lacking, lacking])
-        assert replies[0] == ack and replies[1] == replies[2]
-        assert counts(fresh) == [2] * 5 + [1] * 7
+        assert [r["error"]["code"] for r in replies] == ["FAILED_PRECONDITION"] * 3
+        assert all("carries no epoch" in r["error"]["message"] for r in replies)
+        assert counts(fresh) == [1] * IDS.size
     finally:
         await fresh.close()
 
