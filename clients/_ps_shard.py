@@ -24,7 +24,6 @@ from services.common.auth import ClientSecurity
 from services.common.codecs import Codec, RowEncoder, codec_without_feedback
 from services.common.errors import error_from_grpc
 from services.common.rpc import CLIENT_ID_KEY, open_channel
-from services.common.wire import decode_message, encode_message
 
 __all__ = ["PushNumbers", "ShardConnection", "ShardOwner"]
 
@@ -122,9 +121,8 @@ class ShardConnection:
     async def unary(self, method: str, request: msg.Message, reply: type[R], timeout: float) -> R:
         call = self.channel.unary_unary(SERVICE + method)
         try:
-            return reply.from_wire(decode_message(await call(
-                encode_message(request.to_wire()), timeout=timeout,
-                metadata=self.client.security.metadata())))
+            return msg.decode(reply, await call(
+                msg.encode(request), timeout=timeout, metadata=self.client.security.metadata()))
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), f"{self.address}: {exc.details()}") from exc
 

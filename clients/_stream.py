@@ -12,10 +12,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from services.common.errors import PersimmonError, Unavailable, error_from_grpc, error_from_wire
-from services.common.messages import Message
+from services.common.errors import PersimmonError, Unavailable, error_from_grpc
+from services.common.messages import Envelope, Message, decode, encode
 from services.common.retry import RetryPolicy
-from services.common.wire import decode_message, encode_message
 
 __all__ = ["MultiplexedStream", "Reconnect"]
 
@@ -51,7 +50,7 @@ class MultiplexedStream:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
         # rid -> (future, the call it was written on): a call's end fails only its own
-        self._pending: dict[int, tuple[asyncio.Future[dict[str, Any]], Any]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[bytes], Any]] = {}
         self._rids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self.bytes_out = 0
@@ -60,12 +59,11 @@ class MultiplexedStream:
     async def request(self, message: Message, reply: type[R]) -> R:
         """Send ``message`` and return its reply, checked as ``reply``; in-band errors are
         raised."""
-        body = message.to_wire()
         started, retrying = time.monotonic(), None
         while True:
             channel = self._channel
             try:
-                return reply.from_wire(await self._request_once(body))
+                return decode(reply, await self._request_once(message))
             except Unavailable as exc:
                 retrying = retrying or RetryPolicy(
                     deadline_s=self.retry_s if self._reconnect else 0.0,
@@ -80,10 +78,11 @@ class MultiplexedStream:
             self._channel = channel
             self._call = None
 
-    async def _request_once(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _request_once(self, message: Message) -> bytes:
+        """The reply frame to ``message`` (an in-band error is raised)."""
         rid = next(self._rids)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        raw = encode_message(body, rid=rid)
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        raw = encode(message, rid=rid)
         try:
             async with self._write_lock:
                 call = self._ensure_open()
@@ -106,8 +105,6 @@ class MultiplexedStream:
                 future.cancel()
             elif not future.cancelled():
                 future.exception()  # retrieved: a failed write leaves nobody awaiting it
-        if "error" in response:
-            raise error_from_wire(response["error"])
         return response
 
     def _ensure_open(self) -> grpc.aio.StreamStreamCall:
@@ -125,11 +122,13 @@ class MultiplexedStream:
                     error = Unavailable(f"{self._method} stream ended by the server")
                     break
                 self.bytes_in += len(raw)
-                body = decode_message(raw)
-                rid = body.get("rid")
-                entry = self._pending.get(rid) if isinstance(rid, int) else None
+                envelope = Envelope.of(raw)
+                entry = self._pending.get(envelope.rid)  # type: ignore[arg-type]
                 if entry is not None and not entry[0].done():
-                    entry[0].set_result(body)
+                    if envelope.error is not None:
+                        entry[0].set_exception(envelope.error.exception())
+                    else:
+                        entry[0].set_result(raw)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INTERNAL and "from Core" in (exc.details() or ""):
                 # the transport broke under the stream (its peer died): unavailable, so the

@@ -32,7 +32,7 @@ from services.common.errors import InvalidArgument, error_from_grpc
 from services.common.retry import Retrying, RetryPolicy
 from services.common.rpc import CLIENT_ID_KEY, open_channel
 from services.common.tls import ClientTLS
-from services.common.wire import MAX_MESSAGE_BYTES, decode_message, encode_message
+from services.common.wire import MAX_MESSAGE_BYTES
 
 __all__ = ["LoaderClient", "SyncLoaderClient"]
 
@@ -81,11 +81,11 @@ class LoaderClient:
                      timeout: float = 30.0) -> R:
         call = self._chan().unary_unary(_SERVICE + method)
         try:
-            raw = await call(encode_message(request.to_wire()), timeout=timeout,
+            raw = await call(msg.encode(request), timeout=timeout,
                              metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), exc.details() or "") from exc
-        return reply.from_wire(decode_message(raw, max_bytes=self._max_message_bytes))
+        return msg.decode(reply, raw, max_bytes=self._max_message_bytes)
 
     async def describe(self) -> dict[str, Any]:
         """Feature names, dense width, batch size and world size of the loader (the fields of
@@ -103,8 +103,8 @@ class LoaderClient:
 
     async def batches(self) -> AsyncGenerator[Batch, None]:
         """This rank's batches until the loader's end marker, reconnecting on failures."""
-        request = encode_message(msg.BatchesRequest(
-            rank=self.rank, world_size=self.world_size, credits=self.credits).to_wire())
+        request = msg.encode(msg.BatchesRequest(
+            rank=self.rank, world_size=self.world_size, credits=self.credits))
         policy = RetryPolicy(deadline_s=self.reconnect_timeout_s)
         retrying: Retrying | None = None  # since the stream last delivered a batch
         while True:
@@ -114,11 +114,10 @@ class LoaderClient:
                 async for raw in call:
                     retrying = None
                     self.bytes_in += len(raw)
-                    item = msg.BatchesReply.from_wire(
-                        decode_message(raw, max_bytes=self._max_message_bytes))
-                    if item.kind == "end" or item.batch is None:
+                    item = msg.decode(msg.BatchesReply, raw, max_bytes=self._max_message_bytes)
+                    if isinstance(item, msg.BatchesEnd):
                         return
-                    batch = item.batch
+                    batch = item.batch.to_batch()
                     if batch.batch_id in self._outstanding:
                         continue  # re-sent after a reconnect; the caller already has it
                     self._outstanding.add(batch.batch_id)

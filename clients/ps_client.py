@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from clients._ps_shard import PushNumbers, ShardConnection
@@ -212,7 +213,7 @@ class PSClient:
                     f"the client lists it as shard {i} of {self.num_shards}: give the "
                     "addresses in shard order")
             for table in info.tables:
-                self.dims[table["name"]] = int(table["dim"])
+                self.dims[table.name] = table.dim
             self._shards[i].epoch = info.epoch or 0
         return self
 
@@ -569,8 +570,8 @@ class PSClient:
         info = await self._shards[0].unary("Tables", msg.TablesRequest(), msg.TablesReply,
                                            self.timeout)
         for table in info.tables:
-            self.dims[table["name"]] = int(table["dim"])
-        return info.tables
+            self.dims[table.name] = table.dim
+        return [msgspec.to_builtins(table) for table in info.tables]
 
     async def stats(self, table: str | None = None) -> list[dict[str, Any]]:
         """Per-shard statistics: ``{shard_id, tables: {name: stats}}`` per shard."""

@@ -12,11 +12,7 @@ A :class:`Batch` of B samples holds
   ``"redis:events"``) the first and last source position (offset, line or row) of the batch's
   records there; informational, the loader commits offsets itself once the batch is acked.
 
-Wire form (a value inside a msgpack message, arrays as raw :class:`WireArray` maps)::
-
-    {"batch_id": int, "labels": array, "dense": array,
-     "sparse": {name: {"values": array, "lengths": array}},
-     "positions": {partition: [first, last]}}
+Its wire form is :class:`services.common.loader_messages.BatchBody`.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from services.common.codecs.registry import decode_array, raw_array
 from services.common.errors import MalformedMessage
 
 __all__ = ["Batch", "Batches", "Jagged", "RankBatches", "iterate"]
@@ -91,44 +86,6 @@ class Batch:
     @property
     def feature_names(self) -> list[str]:
         return list(self.sparse)
-
-    def to_wire(self) -> dict[str, Any]:
-        """The wire map (arrays are zero-copy views; encode before mutating the batch)."""
-        return {
-            "batch_id": self.batch_id,
-            "labels": raw_array(self.labels).to_wire(),
-            "dense": raw_array(self.dense).to_wire(),
-            "sparse": {name: {"values": raw_array(f.values).to_wire(),
-                              "lengths": raw_array(f.lengths).to_wire()}
-                       for name, f in self.sparse.items()},
-            "positions": {key: [int(a), int(b)] for key, (a, b) in self.positions.items()},
-        }
-
-    @classmethod
-    def from_wire(cls, body: Any) -> Batch:
-        """Inverse of :meth:`to_wire`; anything malformed raises MalformedMessage."""
-        if not isinstance(body, dict):
-            raise MalformedMessage(f"a batch must be a map, got {type(body).__name__}")
-        sparse_body = body.get("sparse")
-        positions_body = body.get("positions", {})
-        if not isinstance(sparse_body, dict) or not isinstance(positions_body, dict):
-            raise MalformedMessage("a batch needs 'sparse' and 'positions' maps")
-        sparse: dict[str, Jagged] = {}
-        for name, feature in sparse_body.items():
-            if not isinstance(name, str) or not isinstance(feature, dict):
-                raise MalformedMessage(f"sparse feature {name!r} must map to values and lengths")
-            sparse[name] = Jagged(decode_array(feature.get("values"), f"{name}.values"),
-                                  decode_array(feature.get("lengths"), f"{name}.lengths"))
-        positions: dict[str, tuple[int, int]] = {}
-        for key, span in positions_body.items():
-            if not (isinstance(span, list | tuple) and len(span) == 2
-                    and all(isinstance(p, int) for p in span)):
-                raise MalformedMessage(f"position of {key!r} must be [first, last], got {span!r}")
-            positions[str(key)] = (span[0], span[1])
-        return cls(batch_id=body.get("batch_id"),  # type: ignore[arg-type]
-                   labels=decode_array(body.get("labels"), "labels"),
-                   dense=decode_array(body.get("dense"), "dense"), sparse=sparse,
-                   positions=positions)
 
 
 def _check(arr: Any, dtype: type, ndim: int, what: str) -> None:

@@ -1,18 +1,20 @@
-"""Typed wire messages: one request and one reply dataclass per gRPC method.
+"""Typed wire messages: one request and one reply msgspec Struct per gRPC method.
 
-A message is a keyword-only dataclass; ``to_wire()`` gives its msgpack map and
-``from_wire(body)`` checks a received map (required fields, types, list sizes, array headers,
-no unknown fields) and builds it; ``__post_init__`` checks what spans fields (counts against
-ids, gradient rows). Anything wrong is a :class:`MalformedMessage` (INVALID_ARGUMENT) raised
-before a handler runs, so a bad message changes nothing. Arrays are
-:class:`~services.common.codecs.WireArray` values, decoded by the codec they name
-(:func:`~services.common.codecs.decode_array`). :mod:`services.common.wire` frames a message:
-msgpack, ``v`` (protocol version 2, a mismatch is FAILED_PRECONDITION), the stream's ``rid``.
+A message is a keyword-only :class:`msgspec.Struct`; :func:`encode` frames it (msgpack, ``v``:
+protocol version 2, the stream's ``rid``) and :func:`decode` checks a received frame straight
+into it with a reused msgspec decoder: required fields, types, bounds (in the annotations),
+no unknown fields, array headers; ``__post_init__`` checks what spans fields (counts against
+ids, gradient rows). Anything wrong is a :class:`MalformedMessage` (INVALID_ARGUMENT) naming
+the field, raised before a handler runs, so a bad message changes nothing; another protocol
+version is FAILED_PRECONDITION. Arrays are :class:`~services.common.codecs.WireArray` values
+whose ``data`` is a view of the frame, decoded by the codec they name
+(:func:`~services.common.codecs.decode_array`). The protocol's JSON Schema
+(:mod:`services.common.protocol_schema`) is in docs/protocol.md.
 
 Protocol 2 (``A`` = array ``{dtype, shape, codec, meta, data}``; ``?`` = optional)::
 
     persimmon.PS (streams: every frame also carries ``rid``; a failed request is answered
-    {rid, error: {error, code, message}} and the stream goes on)
+    {rid, error: {error, code, message}}: ErrorReply, and the stream goes on)
       Lookup          {tables, counts, ids: A uint64, codec,      → {rows: A (len(ids), dim),
                        read_only?, with_state?}                      state?: {name: A}}
       Push            {client, seq, tables, counts, ids: A uint64, → {applied, dropped_nonfinite,
@@ -24,11 +26,11 @@ Protocol 2 (``A`` = array ``{dtype, shape, codec, meta, data}``; ``?`` = optiona
       PooledPush      {client, seq, table, ids, lengths,       → as Push
                        grads: A (samples, dim), epoch?}
     persimmon.PS (unary)
-      Tables          {}                         → {shard_id, num_shards, tables: [config], epoch?}
-      Stats           {table?}                   → {shard_id, tables: {name: stats}, epoch?}
+      Tables          {}                         → {shard_id, num_shards, tables: [TableInfo], epoch?}
+      Stats           {table?}                   → {shard_id, tables: {name: TableStats}, epoch?}
     persimmon.Loader
-      Batches (server stream) {rank, world_size, credits} → {kind: "batch", batch} ... then
-                                                            {kind: "end", rank}
+      Batches (server stream) {rank, world_size, credits} → {kind: "batch", batch}: BatchItem
+                                                            ... then {kind: "end", rank}: BatchesEnd
       Ack             {batch_ids: [int]}                → {acked: [int], unknown: [int]}
       Describe        {}                                → {source, batch_size, world_size,
                                                            num_dense, dense_features,
@@ -45,17 +47,37 @@ refuses the push with FAILED_PRECONDITION (``StaleEpoch``) and applies nothing.
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar
 
-from services.common.batch import Batch
+import msgspec
+from msgspec import Meta, Struct
+
 from services.common.codecs.array import WireArray
-from services.common.errors import MalformedMessage
-from services.common.wire import ENVELOPE_KEYS, decode_message, encode_message
+from services.common.errors import MalformedMessage, PersimmonError, error_from_wire
+from services.common.loader_messages import (
+    MAX_ACK_IDS,
+    AckReply,
+    AckRequest,
+    BatchBody,
+    BatchesEnd,
+    BatchesReply,
+    BatchesRequest,
+    BatchItem,
+    DescribeReply,
+    DescribeRequest,
+    JaggedBody,
+)
+from services.common.wire import (
+    MAX_ITEMS,
+    PROTOCOL_VERSION,
+    Message,
+    Text,
+    UInt,
+    check_frame,
+    decode,
+    encode,
+    version_error,
+)
 
 __all__ = [
     "LOADER_METHODS",
@@ -67,13 +89,21 @@ __all__ = [
     "PS_REQUEST_OBJECTS",
     "AckReply",
     "AckRequest",
+    "BatchBody",
+    "BatchItem",
+    "BatchesEnd",
     "BatchesReply",
     "BatchesRequest",
     "DescribeReply",
     "DescribeRequest",
+    "Envelope",
+    "ErrorBody",
+    "ErrorReply",
+    "JaggedBody",
     "LookupReply",
     "LookupRequest",
     "Message",
+    "OptimizerInfo",
     "PooledLookupReply",
     "PooledLookupRequest",
     "PooledPushReply",
@@ -84,200 +114,38 @@ __all__ = [
     "PushThenLookupRequest",
     "StatsReply",
     "StatsRequest",
+    "StorageInfo",
+    "TableInfo",
+    "TableStats",
     "TablesReply",
     "TablesRequest",
     "decode",
     "encode",
 ]
 
-M = TypeVar("M", bound="Message")
-Load = Callable[[Any, str], Any]
-Dump = Callable[[Any], Any] | None  # None: the value goes on the wire as it is
-
-MAX_ITEMS = 1 << 20  # the longest list or map a message may hold unless a field says less
 MAX_TABLES = 4096
-MAX_ACK_IDS = 100_000
-MAX_TEXT = 4096
 MAX_WORKERS = 1 << 20  # the most workers a step tag may name (a shard's max_workers: fewer)
 MAX_STEP = 1 << 48  # training steps a step tag may name
 #: msgpack objects a PS request frame may hold: a push or lookup naming MAX_TABLES tables,
-#: with an array per table (decode_message refuses a frame declaring more before decoding it)
+#: with an array per table (the frame is refused before decoding when it declares more)
 PS_REQUEST_OBJECTS = 32 * MAX_TABLES + 1024
 _FLOATS = ("float16", "float32", "float64")
 _INTEGERS = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 
+# ---- the field types: bounds live in the annotations ----------------------------------------
 
-# ---- the generic mechanism: field converters derived from the type hints ---------------------
-
-def _load_str(v: Any, where: str) -> str:
-    if not isinstance(v, str) or len(v) > MAX_TEXT:
-        raise MalformedMessage(f"{where} must be a string of at most {MAX_TEXT} characters, "
-                               f"got {_show(v)}")
-    return v
-
-
-def _load_int(v: Any, where: str) -> int:
-    if type(v) is not int or not 0 <= v < 2**63:
-        raise MalformedMessage(f"{where} must be a non-negative int, got {_show(v)}")
-    return v
-
-
-def _load_bool(v: Any, where: str) -> bool:
-    if type(v) is not bool:
-        raise MalformedMessage(f"{where} must be true or false, got {_show(v)}")
-    return v
-
-
-def _load_any(v: Any, where: str) -> Any:
-    return v
-
-
-def _show(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _list_converters(item: Any, max_items: int) -> tuple[Load, Dump]:
-    item_load, item_dump = _converters(item, max_items)
-
-    def load(v: Any, where: str) -> list[Any]:
-        if not isinstance(v, list) or len(v) > max_items:
-            raise MalformedMessage(f"{where} must be a list of at most {max_items} items, "
-                                   f"got {_show(v)}")
-        if item is int and all(type(x) is int for x in v) \
-                and (not v or (min(v) >= 0 and max(v) < 2**63)):
-            return v  # the common cases without a call per item: ids, counts, table names
-        if item is str and all(type(x) is str and len(x) <= MAX_TEXT for x in v):
-            return v
-        where_item = f"{where}[]"
-        return [item_load(x, where_item) for x in v]
-    return load, None if item_dump is None else (lambda v: [item_dump(x) for x in v])
-
-
-def _map_converters(value: Any, max_items: int) -> tuple[Load, Dump]:
-    value_load, value_dump = _converters(value, max_items)
-
-    def load(v: Any, where: str) -> dict[str, Any]:
-        if not isinstance(v, dict) or len(v) > max_items:
-            raise MalformedMessage(f"{where} must be a map of at most {max_items} entries, "
-                                   f"got {_show(v)}")
-        return {_load_str(k, f"{where} key"): value_load(x, f"{where}[{k!r}]")
-                for k, x in v.items()}
-    return load, None if value_dump is None else (
-        lambda v: {k: value_dump(x) for k, x in v.items()})
-
-
-def _converters(tp: Any, max_items: int) -> tuple[Load, Dump]:
-    """How to check (load) and pack (dump) a field of type ``tp``."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is str:
-        return _load_str, None
-    if tp is int:
-        return _load_int, None
-    if tp is bool:
-        return _load_bool, None
-    if tp is Any:
-        return _load_any, None
-    if origin is list:
-        return _list_converters(args[0], max_items)
-    if origin is dict:
-        return _map_converters(args[1], max_items)
-    if tp is WireArray:
-        return WireArray.from_wire, WireArray.to_wire
-    if isinstance(tp, type) and issubclass(tp, Message):
-        return tp.from_wire, tp.to_wire
-    if tp is Batch:
-        return (lambda v, where: Batch.from_wire(v)), Batch.to_wire
-    raise TypeError(f"no wire form for {tp!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class _Field:
-    name: str
-    where: str  # "Class.field", for error texts
-    required: bool
-    load: Load
-    dump: Dump
-
-
-_SPECS: dict[type, tuple[tuple[_Field, ...], frozenset[str]]] = {}
-
-
-def _spec(cls: type) -> tuple[tuple[_Field, ...], frozenset[str]]:
-    """The fields of a message class (computed once per class)."""
-    found = _SPECS.get(cls)
-    if found is None:
-        hints = typing.get_type_hints(cls)
-        fields = []
-        for f in dataclasses.fields(cls):
-            tp, optional = hints[f.name], False
-            if typing.get_origin(tp) in (typing.Union, types.UnionType) \
-                    and type(None) in typing.get_args(tp):
-                tp, optional = next(a for a in typing.get_args(tp) if a is not type(None)), True
-            load, dump = _converters(tp, f.metadata.get("max_items", MAX_ITEMS))
-            required = f.default is dataclasses.MISSING \
-                and f.default_factory is dataclasses.MISSING
-            fields.append(_Field(f.name, f"{cls.__name__}.{f.name}", required and not optional,
-                                 load, dump))
-        found = _SPECS[cls] = (tuple(fields), frozenset(f.name for f in fields) | ENVELOPE_KEYS)
-    return found
-
-
-class Message:
-    """Base of every message: ``to_wire``/``from_wire`` driven by the dataclass fields."""
-
-    __slots__ = ()
-    #: fields of the protocol-1 shape of this message and where their content went
-    moved: ClassVar[dict[str, str]] = {}
-
-    def to_wire(self) -> dict[str, Any]:
-        """The message's msgpack map (arrays as maps; optional fields left out when None)."""
-        out: dict[str, Any] = {}
-        for f in _spec(type(self))[0]:
-            value = getattr(self, f.name)
-            if value is not None:
-                out[f.name] = value if f.dump is None else f.dump(value)
-        return out
-
-    @classmethod
-    def from_wire(cls: type[M], body: Any, where: str = "") -> M:
-        """Check a received map and build the message (``rid`` and ``v`` are ignored)."""
-        name = where or cls.__name__
-        if not isinstance(body, dict):
-            raise MalformedMessage(f"{name} must be a map, got {type(body).__name__}")
-        fields, known = _spec(cls)
-        if not body.keys() <= known:
-            unknown = [k for k in body if k not in known]
-            hints = [cls.moved[k] for k in unknown if k in cls.moved]
-            raise MalformedMessage(
-                f"{name} has unknown fields {[str(k) for k in unknown]}; its fields are "
-                f"{sorted(known - ENVELOPE_KEYS)}" + "".join(f" ({h})" for h in hints))
-        kwargs = {}
-        for f in fields:
-            value = body.get(f.name)
-            if value is not None:
-                kwargs[f.name] = f.load(value, f"{where}.{f.name}" if where else f.where)
-            elif f.required:
-                raise MalformedMessage(f"{name} needs the field {f.name!r}")
-        return cls(**kwargs)
-
-
-def encode(message: Message, *, rid: int | None = None) -> bytes:
-    """A framed message (with ``rid`` on a stream)."""
-    return encode_message(message.to_wire(), rid=rid)
-
-
-def decode(cls: type[M], raw: bytes, **limits: Any) -> M:
-    """Unframe and check one message of type ``cls``."""
-    return cls.from_wire(decode_message(raw, **limits))
+Names = Annotated[list[Text], Meta(max_length=MAX_TABLES)]
+Counts = Annotated[list[UInt], Meta(max_length=MAX_TABLES)]
+Tag = Annotated[list[UInt], Meta(min_length=3, max_length=3)]
+Arrays = Annotated[list[WireArray], Meta(max_length=MAX_TABLES)]
 
 
 # ---- cross-field checks ---------------------------------------------------------------------
 
 def _check_ids(ids: WireArray, where: str, field: str = "ids") -> None:
     """Ids (and pooled lengths) travel raw, so their count is bounded by the bytes that came
-    (:meth:`WireArray.from_wire` checks a raw array's bytes against its shape): every other
-    array of a request is sized by them."""
+    (a raw array's bytes are checked against its shape): every other array of a request is
+    sized by them."""
     dtypes = ("uint64",) if field == "ids" else _INTEGERS
     if ids.dtype not in dtypes or ids.ndim != 1 or ids.codec != "none":
         kind = "uint64" if field == "ids" else "integer"
@@ -309,7 +177,7 @@ def _check_tag(tag: list[int] | None, where: str) -> None:
                             or tag[2] > MAX_WORKERS or tag[1] >= MAX_STEP):
         raise MalformedMessage(f"{where}.tag must be [worker, step, workers] with 0 <= worker "
                                f"< workers <= {MAX_WORKERS} and 0 <= step < {MAX_STEP}, got "
-                               f"{_show(tag)}")
+                               f"{tag}")
 
 
 def _check_rows(arr: WireArray, rows: int, what: str, named: str = "") -> None:
@@ -321,20 +189,68 @@ def _check_rows(arr: WireArray, rows: int, what: str, named: str = "") -> None:
 _PARTS_MOVED = {"table": "name one table as tables=[name], counts=[len(ids)]"}
 
 
+# ---- errors ---------------------------------------------------------------------------------
+
+class ErrorBody(Struct, forbid_unknown_fields=True):
+    """A failed request's error: class name, gRPC status name, message."""
+
+    error: Text
+    code: Text
+    message: str
+
+    @classmethod
+    def of(cls, exc: PersimmonError) -> ErrorBody:
+        return cls(error=type(exc).__name__, code=exc.grpc_code.name, message=exc.message)
+
+    def exception(self) -> PersimmonError:
+        """The Persimmon error it stands for (same class when known)."""
+        return error_from_wire(msgspec.structs.asdict(self))
+
+
+class ErrorReply(Message):
+    """The in-band answer of a failed stream request (the stream goes on)."""
+
+    error: ErrorBody
+
+
+class Envelope(Struct):
+    """What a stream reader needs of any frame: its version, ``rid`` and error, if any (the
+    rest is skipped, not built)."""
+
+    v: Any = None
+    rid: int | None = None
+    error: ErrorBody | None = None
+
+    @classmethod
+    def of(cls, raw: bytes) -> Envelope:
+        """The envelope of a received frame; MalformedMessage when it is not one, and
+        ProtocolMismatch when it speaks another protocol version."""
+        check_frame(raw)
+        try:
+            envelope = _ENVELOPE.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise MalformedMessage(f"reply is not a message ({exc})") from exc
+        if envelope.v != PROTOCOL_VERSION:
+            raise version_error(envelope.v)
+        return envelope
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(Envelope)
+
+
 # ---- persimmon.PS ---------------------------------------------------------------------------
 
-@dataclass(kw_only=True, slots=True)
 class LookupRequest(Message):
     """Rows of several tables of one dim; ``codec`` encodes the reply's rows. ``read_only``:
     the shard creates no row and marks none used (an id without a row reads its initial
     row): a reader beside training, such as a prediction server."""
 
     moved: ClassVar[dict[str, str]] = _PARTS_MOVED
-    tables: list[str] = field(metadata={"max_items": MAX_TABLES})
-    counts: list[int] = field(metadata={"max_items": MAX_TABLES})
+    tables: Names
+    counts: Counts
     ids: WireArray
-    codec: str = "none"
-    tag: list[int] | None = field(default=None, metadata={"max_items": 3})
+    codec: Text = "none"
+    tag: Tag | None = None
     read_only: bool | None = None  # left off the wire unless asked
     with_state: bool | None = None  # the rows' optimizer state too (a worker's replica)
 
@@ -343,29 +259,27 @@ class LookupRequest(Message):
         _check_tag(self.tag, "LookupRequest")
 
 
-@dataclass(kw_only=True, slots=True)
 class LookupReply(Message):
     """Rows ``(len(ids), dim)`` in request order; with ``with_state``, each optimizer state
     array by name (``(len(ids), ...)``, request order, exact)."""
 
     rows: WireArray
-    state: dict[str, WireArray] | None = None
+    state: Annotated[dict[Text, WireArray], Meta(max_length=64)] | None = None
 
 
-@dataclass(kw_only=True, slots=True)
 class PushRequest(Message):
     """Gradients of several tables of one dim: one array for all ids, or one per table."""
 
     moved: ClassVar[dict[str, str]] = {
         **_PARTS_MOVED, "lookup": "a push with a lookup is the PushThenLookup method"}
-    client: int
-    seq: int
-    tables: list[str] = field(metadata={"max_items": MAX_TABLES})
-    counts: list[int] = field(metadata={"max_items": MAX_TABLES})
+    client: UInt
+    seq: UInt
+    tables: Names
+    counts: Counts
     ids: WireArray
-    grads: list[WireArray] = field(metadata={"max_items": MAX_TABLES})
-    tag: list[int] | None = field(default=None, metadata={"max_items": 3})
-    epoch: int | None = None  # the shard's epoch the client knows (None, 0: not given)
+    grads: Arrays
+    tag: Tag | None = None
+    epoch: UInt | None = None  # the shard's epoch the client knows (None, 0: not given)
 
     def __post_init__(self) -> None:
         _check_seq(self.seq, "PushRequest")
@@ -381,17 +295,15 @@ class PushRequest(Message):
                                    f"every id, or one per table ({len(self.tables)})")
 
 
-@dataclass(kw_only=True, slots=True)
 class PushReply(Message):
     """Unique ids applied, dropped for NaN/Inf (their gradient, or the update it would have
     made), and not admitted (yet) by the filter."""
 
-    applied: int
-    dropped_nonfinite: int
-    not_admitted: int
+    applied: UInt
+    dropped_nonfinite: UInt
+    not_admitted: UInt
 
 
-@dataclass(kw_only=True, slots=True)
 class PushThenLookupRequest(Message):
     """A push, then a lookup that sees it; both checked before either is done."""
 
@@ -399,42 +311,38 @@ class PushThenLookupRequest(Message):
     lookup: LookupRequest
 
 
-@dataclass(kw_only=True, slots=True)
 class PushThenLookupReply(Message):
     push: PushReply
     lookup: LookupReply
 
 
-@dataclass(kw_only=True, slots=True)
 class PooledLookupRequest(Message):
     """Per-sample sums of one table's rows; sample ``b`` owns the next ``lengths[b]`` ids."""
 
-    table: str
+    table: Text
     ids: WireArray
     lengths: WireArray
-    codec: str = "none"
+    codec: Text = "none"
 
     def __post_init__(self) -> None:
         _check_ids(self.ids, "PooledLookupRequest")
         _check_ids(self.lengths, "PooledLookupRequest", "lengths")
 
 
-@dataclass(kw_only=True, slots=True)
 class PooledLookupReply(Message):
     pooled: WireArray
 
 
-@dataclass(kw_only=True, slots=True)
 class PooledPushRequest(Message):
     """Per-sample (pooled) gradients ``(len(lengths), dim)``, spread over each sample's ids."""
 
-    client: int
-    seq: int
-    table: str
+    client: UInt
+    seq: UInt
+    table: Text
     ids: WireArray
     lengths: WireArray
     grads: WireArray
-    epoch: int | None = None  # as PushRequest.epoch
+    epoch: UInt | None = None  # as PushRequest.epoch
 
     def __post_init__(self) -> None:
         _check_seq(self.seq, "PooledPushRequest")
@@ -444,98 +352,115 @@ class PooledPushRequest(Message):
                     "(samples, dim) = ")
 
 
-@dataclass(kw_only=True, slots=True)
 class PooledPushReply(PushReply):
     pass
 
 
-@dataclass(kw_only=True, slots=True)
 class TablesRequest(Message):
     pass
 
 
-@dataclass(kw_only=True, slots=True)
+class OptimizerInfo(Struct, kw_only=True, forbid_unknown_fields=True):
+    """A table's server-side optimizer (services.ps.tables.OptimizerConfig)."""
+
+    kind: Text
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    initial_accumulator: float
+    weight_decay: float
+    ftrl_beta: float
+    ftrl_l1: float
+    ftrl_l2: float
+    weight_bound: float | None = None
+
+
+class StorageInfo(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where a table's rows live (services.ps.tables.StorageConfig)."""
+
+    tier: Text
+    path: Text | None = None
+    ram_rows: UInt | None = None
+
+
+class TableInfo(Struct, kw_only=True, forbid_unknown_fields=True):
+    """One table's config as a shard reports it (services.ps.tables.TableConfig)."""
+
+    name: Text
+    dim: Annotated[int, Meta(ge=1)]
+    dtype: Text
+    initializer: Text
+    init_low: float
+    init_high: float
+    init_std: float
+    seed: Annotated[int, Meta(ge=0)]
+    optimizer: OptimizerInfo
+    admit_probability: float
+    admit_min_count: UInt
+    max_rows: UInt | None
+    eviction: Text
+    ttl_s: float | None
+    initial_capacity: UInt
+    storage: StorageInfo
+
+
 class TablesReply(Message):
     """The shard's place, its table configs and its epoch (None: a shard without epochs)."""
 
-    shard_id: int
-    num_shards: int
-    tables: list[dict[str, Any]]
-    epoch: int | None = None
+    shard_id: UInt
+    num_shards: UInt
+    tables: Annotated[list[TableInfo], Meta(max_length=MAX_TABLES)]
+    epoch: UInt | None = None
 
 
-@dataclass(kw_only=True, slots=True)
 class StatsRequest(Message):
     """Statistics of one table, or of every table when ``table`` is None."""
 
-    table: str | None = None
+    table: Text | None = None
 
 
-@dataclass(kw_only=True, slots=True)
+class TableStats(Struct, kw_only=True, forbid_unknown_fields=True):
+    """One table's counters and sizes, and the staleness its tagged lookups saw (the mean
+    and max of the earlier pushes they missed: of every worker, of their own worker, of any
+    one worker)."""
+
+    name: Text
+    rows: UInt
+    capacity: UInt
+    bytes: UInt
+    disk_rows: UInt
+    disk_bytes: UInt
+    pending_admission: UInt
+    lookups: UInt
+    pushes: UInt
+    ids_looked_up: UInt
+    ids_pushed: UInt
+    misses: UInt
+    evictions: UInt
+    expired: UInt
+    deleted: UInt
+    dropped_nonfinite: UInt
+    refused_nonfinite: UInt
+    not_admitted: UInt
+    promoted: UInt
+    demoted: UInt
+    tagged_lookups: UInt
+    global_staleness_max: UInt
+    global_staleness_mean: float
+    own_staleness_max: UInt
+    own_staleness_mean: float
+    worker_staleness_max: UInt
+
+
 class StatsReply(Message):
-    shard_id: int
-    tables: dict[str, dict[str, Any]]
-    epoch: int | None = None
-
-
-# ---- persimmon.Loader -----------------------------------------------------------------------
-
-@dataclass(kw_only=True, slots=True)
-class BatchesRequest(Message):
-    """Open rank ``rank``'s batch stream with ``credits`` batches allowed unacknowledged."""
-
-    rank: int
-    world_size: int
-    credits: int
-
-
-@dataclass(kw_only=True, slots=True)
-class BatchesReply(Message):
-    """One item of the Batches stream: ``kind`` ``"batch"`` with a batch, or ``"end"``."""
-
-    kind: str
-    batch: Batch | None = None
-    rank: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind == "batch" and self.batch is None:
-            raise MalformedMessage("a Batches item of kind 'batch' needs a batch")
-        if self.kind not in ("batch", "end"):
-            raise MalformedMessage(f"unexpected Batches item kind {self.kind!r}")
-
-
-@dataclass(kw_only=True, slots=True)
-class AckRequest(Message):
-    batch_ids: list[int] = field(metadata={"max_items": MAX_ACK_IDS})
-
-
-@dataclass(kw_only=True, slots=True)
-class AckReply(Message):
-    acked: list[int]
-    unknown: list[int]
-
-
-@dataclass(kw_only=True, slots=True)
-class DescribeRequest(Message):
-    pass
-
-
-@dataclass(kw_only=True, slots=True)
-class DescribeReply(Message):
-    """What a worker needs to build its input layer (``world_size`` 0 until one connects)."""
-
-    source: str
-    batch_size: int
-    world_size: int
-    num_dense: int
-    dense_features: list[str]
-    sparse_features: list[str]
-    multi_hot: dict[str, Any] = field(default_factory=dict)
-    buckets: dict[str, Any] = field(default_factory=dict)
+    shard_id: UInt
+    tables: Annotated[dict[Text, TableStats], Meta(max_length=MAX_TABLES)]
+    epoch: UInt | None = None
 
 
 #: method name → (request type, reply type)
-PS_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
+PS_METHODS: dict[str, tuple[Any, Any]] = {
     "Lookup": (LookupRequest, LookupReply),
     "Push": (PushRequest, PushReply),
     "PushThenLookup": (PushThenLookupRequest, PushThenLookupReply),
@@ -544,7 +469,7 @@ PS_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Tables": (TablesRequest, TablesReply),
     "Stats": (StatsRequest, StatsReply),
 }
-LOADER_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
+LOADER_METHODS: dict[str, tuple[Any, Any]] = {
     "Batches": (BatchesRequest, BatchesReply),
     "Ack": (AckRequest, AckReply),
     "Describe": (DescribeRequest, DescribeReply),

@@ -2,38 +2,51 @@
 
 Every frame is a msgpack map carrying ``"v"`` (:data:`PROTOCOL_VERSION`) and, on the
 multiplexed streams, ``"rid"`` (the request id a reply echoes). The rest of the map is a
-message of :mod:`services.common.messages`; arrays inside it are
-:class:`~services.common.codecs.WireArray` values, packed through their ``to_wire()``
-(the buffer is handed to msgpack as a memoryview, never copied by us). This module knows
-nothing of arrays or codecs.
+message: a :class:`Message` (a msgspec Struct, :mod:`services.common.messages`) framed by
+:func:`encode` and checked straight from the frame by :func:`decode` with a reused msgspec
+decoder; or, for frames built by hand (probes, tests), a plain map through
+:func:`encode_message`/:func:`decode_message`. This module knows nothing of arrays or codecs.
 
-A received frame is bounded before msgpack builds anything from it: its size against
+A received frame is bounded before anything is built from it: its size against
 ``max_bytes``; then, for frames past :data:`SCAN_FROM` bytes, a walk over its msgpack headers
 (payloads of strings and binaries skipped, so O(objects), at most ``max_objects`` steps)
 refuses a frame that declares more than ``max_objects`` objects (maps count their keys and
-values); msgpack's own limits (``max_bin_len``, ``max_str_len``, ``max_array_len``,
-``max_map_len``, ``max_ext_len``) come from the frame's size. So the Python objects a frame
-becomes number at most ``max_objects`` (or ``SCAN_FROM``), whatever it declares
-(``tests/unit/common/test_wire_limits.py``).
-"""
+values). msgspec checks every declared length against the bytes left and a message's bounds
+(in its annotations) as it decodes; a plain map gets msgpack's own limits (``max_bin_len``,
+``max_str_len``, ``max_array_len``, ``max_map_len``, ``max_ext_len``) from the frame's size.
+So the Python objects a frame becomes number at most ``max_objects`` (or ``SCAN_FROM``),
+whatever it declares (``tests/unit/common/test_wire_limits.py``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, ClassVar, TypeVar, get_args
 
 import msgpack
+import msgspec
+from msgspec import Meta, Struct
 
 from services.common.errors import InvalidArgument, MalformedMessage, ProtocolMismatch
 
 __all__ = [
     "ENVELOPE_KEYS",
+    "Message",
+    "MAX_ITEMS",
     "MAX_MESSAGE_BYTES",
     "MAX_OBJECTS",
     "PROTOCOL_VERSION",
+    "MAX_TEXT",
     "SCAN_FROM",
+    "Text",
+    "UInt",
+    "check_frame",
     "count_objects",
+    "decode",
     "decode_message",
+    "encode",
     "encode_message",
+    "explain",
+    "frame_rid",
+    "version_error",
 ]
 
 #: 2: one typed message per method (PushThenLookup is its own method; Lookup/Push always
@@ -43,6 +56,12 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_OBJECTS = 1 << 20  # msgpack objects a frame may hold unless the receiver says fewer
 SCAN_FROM = 4096  # frames of at most this many bytes hold few objects anyway: not walked
 ENVELOPE_KEYS = frozenset({"v", "rid"})
+MAX_ITEMS = 1 << 20  # the longest list or map a message may hold unless a field says less
+MAX_TEXT = 4096  # the longest string a message may hold unless a field says less
+#: the field types every message uses: a non-negative int64, a bounded string
+UInt = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+M = TypeVar("M")
 
 # What follows each msgpack type byte from 0xc0 on: ("fixed", bytes to skip),
 # ("blob", width of the length, extra bytes: ext's type byte), ("array"/"map", width of the
@@ -115,6 +134,41 @@ def count_objects(data: bytes | memoryview, max_objects: int) -> int:
     return seen
 
 
+def check_frame(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
+                max_objects: int = MAX_OBJECTS) -> None:
+    """Bound a received frame before anything is built from it: its size against
+    ``max_bytes``, and (past :data:`SCAN_FROM` bytes) the objects it declares against
+    ``max_objects``; InvalidArgument otherwise."""
+    if len(data) > max_bytes:
+        raise InvalidArgument(f"message of {len(data)} bytes exceeds the limit of {max_bytes} "
+                              "bytes (max_message_bytes)")
+    if len(data) > SCAN_FROM:
+        count_objects(data, max_objects)
+
+
+def version_error(version: Any) -> ProtocolMismatch:
+    """The error for a frame of another protocol version (``None``: it named none)."""
+    said = "carries no protocol version" if version is None else \
+        f"speaks protocol version {version!r}"
+    return ProtocolMismatch(f"the peer {said}; this side speaks version {PROTOCOL_VERSION} "
+                            "(run the same Persimmon release on both ends)")
+
+
+def explain(exc: msgspec.ValidationError, where: str) -> str:
+    """msgspec's validation error as our text: the path rooted at ``where`` (``$.ids.shape``
+    becomes ``LookupRequest.ids.shape``), its two commonest cases in the words of the rest of
+    the protocol."""
+    text, _, at = str(exc).partition(" - at `")
+    place = where + at.rstrip("`")[1:]
+    if text.startswith("Object missing required field `"):
+        return f"{place} needs the field '{text.split('`')[1]}'"
+    if text.startswith("Object contains unknown field `"):
+        return f"{place} has unknown fields ['{text.split('`')[1]}']"
+    if text.startswith("Expected `object`"):
+        return f"{place} must be a map, {text[len('Expected `object`, '):] or 'got another type'}"
+    return f"{place}: {text}"
+
+
 def _limits(size: int, max_objects: int) -> dict[str, int]:
     """msgpack's per-object limits for a frame of ``size`` bytes."""
     return {"max_bin_len": size, "max_str_len": size, "max_ext_len": size,
@@ -127,11 +181,7 @@ def decode_message(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
     declaring more than ``max_objects`` msgpack objects is an InvalidArgument, refused
     before msgpack builds it; an undecodable one a MalformedMessage, another protocol
     version (or none) a ProtocolMismatch."""
-    if len(data) > max_bytes:
-        raise InvalidArgument(f"message of {len(data)} bytes exceeds the limit of {max_bytes} "
-                              "bytes (max_message_bytes)")
-    if len(data) > SCAN_FROM:
-        count_objects(data, max_objects)
+    check_frame(data, max_bytes=max_bytes, max_objects=max_objects)
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True,
                                **_limits(len(data), max_objects))
@@ -141,8 +191,125 @@ def decode_message(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
         raise MalformedMessage(f"message must be a map, got {type(body).__name__}")
     version = body.pop("v", None)
     if version != PROTOCOL_VERSION:
-        said = "carries no protocol version" if version is None else \
-            f"speaks protocol version {version!r}"
-        raise ProtocolMismatch(f"the peer {said}; this side speaks version {PROTOCOL_VERSION} "
-                               "(run the same Persimmon release on both ends)")
+        raise version_error(version)
     return body
+
+
+# ---- typed messages: msgspec Structs decoded straight from a frame ------------------------
+
+class Message(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every message. ``v`` and ``rid`` are the frame's envelope: :func:`encode` sets
+    them, :func:`decode` checks ``v``; a reply echoes its request's ``rid``."""
+
+    v: int | None = None
+    rid: int | None = None
+    #: fields of the protocol-1 shape of this message and where their content went
+    moved: ClassVar[dict[str, str]] = {}
+
+    def to_wire(self) -> dict[str, Any]:
+        """The message as a plain map, without the envelope (buffers kept as they are;
+        defaults left out)."""
+        body: dict[str, Any] = msgspec.to_builtins(
+            self, builtin_types=_BUFFERS)
+        body.pop("v", None)
+        body.pop("rid", None)
+        return body
+
+    @classmethod
+    def from_wire(cls: type[M], body: Any, where: str = "") -> M:
+        """Check a plain map (e.g. a frame decoded by hand) and build the message."""
+        name = where or cls.__name__
+        try:
+            return msgspec.convert(body, cls, builtin_types=_BUFFERS)
+        except msgspec.ValidationError as exc:
+            raise MalformedMessage(_explained(cls, exc, name)) from exc
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_BUFFERS = (bytes, bytearray, memoryview)  # kept as they are by to_wire/from_wire
+_DECODERS: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
+
+
+class _Version(Struct):
+    """A frame's protocol version alone (every other field skipped)."""
+
+    v: Any = None
+
+
+_VERSION = msgspec.msgpack.Decoder(_Version)
+
+
+def encode(message: Message, *, rid: int | None = None) -> bytes:
+    """A framed message: the protocol version and, on a stream, the request id. Anything
+    else with a ``to_wire()`` map (a body made by hand: probes, tests) is framed as it is."""
+    if not isinstance(message, Struct):
+        return encode_message(message.to_wire(), rid=rid)
+    return _ENCODER.encode(msgspec.structs.replace(message, v=PROTOCOL_VERSION, rid=rid))
+
+
+def decode(cls: type[M] | Any, raw: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
+           max_objects: int = MAX_OBJECTS) -> M:
+    """Check one frame straight into ``cls`` (a message, or a union of tagged messages).
+    Over ``max_bytes`` or declaring more than ``max_objects`` objects: InvalidArgument;
+    another protocol version: ProtocolMismatch; anything else wrong: MalformedMessage."""
+    check_frame(raw, max_bytes=max_bytes, max_objects=max_objects)
+    decoder = _DECODERS.get(cls)
+    if decoder is None:
+        decoder = _DECODERS[cls] = msgspec.msgpack.Decoder(cls)
+    try:
+        message = decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        _check_version(raw)
+        raise MalformedMessage(_explained(cls, exc, _name(cls))) from exc
+    except msgspec.DecodeError as exc:
+        raise MalformedMessage(f"message is not valid msgpack ({exc})") from exc
+    except MalformedMessage:
+        _check_version(raw)
+        raise
+    if message.v != PROTOCOL_VERSION:
+        raise version_error(message.v)
+    return message  # type: ignore[no-any-return]
+
+
+class _Rid(Struct):
+    """A frame's request id alone (every other field skipped)."""
+
+    rid: Any = None
+
+
+_RID = msgspec.msgpack.Decoder(_Rid)
+
+
+def frame_rid(raw: bytes) -> int | None:
+    """The ``rid`` of a frame (None when it names none); MalformedMessage when ``raw`` is
+    not a msgpack map."""
+    try:
+        rid = _RID.decode(raw).rid
+    except msgspec.DecodeError as exc:
+        raise MalformedMessage(f"message is not a msgpack map ({exc})") from exc
+    return rid if type(rid) is int else None
+
+
+def _check_version(raw: bytes) -> None:
+    try:
+        version = _VERSION.decode(raw).v
+    except msgspec.DecodeError:
+        return
+    if version != PROTOCOL_VERSION:
+        raise version_error(version)
+
+
+def _name(cls: Any) -> str:
+    """A message class's name; a union's, its members' names joined by ``|``."""
+    return getattr(cls, "__name__", None) or " | ".join(a.__name__ for a in get_args(cls))
+
+
+def _explained(cls: Any, exc: msgspec.ValidationError, name: str) -> str:
+    """The error text, with the message's fields and a hint where a protocol-1 field went."""
+    text = explain(exc, name)
+    if text.startswith(f"{name} has unknown fields") and isinstance(cls, type):
+        fields = sorted(f for f in cls.__struct_fields__ if f not in ("v", "rid"))
+        unknown = text.split("'")[1]
+        hint = cls.moved.get(unknown)
+        text += f"; its fields are {fields}" + (f" ({hint})" if hint else "")
+    return text

@@ -17,7 +17,7 @@ import numpy as np
 
 from services.common.checkpoints.positions import cut_positions
 from services.common.errors import FailedPrecondition, Internal, PersimmonError
-from services.common.wire import encode_message
+from services.common.messages import BatchBody, BatchItem, encode
 from services.loader.batching import Batcher, ChunkTracker, Rows
 from services.loader.config import LoaderConfig
 from services.loader.deadletter import DeadLetters
@@ -117,7 +117,7 @@ class Pipeline:
         batch_id = self.next_batch_id
         self.next_batch_id += 1
         batch = rows.to_batch(batch_id, self.tracker.partition_of)
-        payload = encode_message({"kind": "batch", "batch": batch.to_wire()})
+        payload = encode(BatchItem(batch=BatchBody.of(batch)))
         ids, counts = rows.chunk_counts()
         self.metrics.batches.inc()
         return Outgoing(batch_id, payload, batch.size, ids, counts)

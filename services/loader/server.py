@@ -21,13 +21,14 @@ from services.common.messages import (
     MAX_ACK_IDS,
     AckReply,
     AckRequest,
-    BatchesReply,
+    BatchesEnd,
     BatchesRequest,
     DescribeReply,
     DescribeRequest,
+    decode,
+    encode,
 )
 from services.common.rpc import abort_with, generic_service, unary_handler
-from services.common.wire import decode_message, encode_message
 from services.loader.pipeline import Pipeline
 
 __all__ = ["MAX_ACK_IDS", "SERVICE_NAME", "LoaderServicer"]
@@ -50,7 +51,7 @@ class LoaderServicer:
     async def _batches(self, request: bytes, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[bytes]:
         try:
-            req = BatchesRequest.from_wire(decode_message(request))
+            req = decode(BatchesRequest, request)
             generation = await self.dispatcher.connect(req.rank, req.world_size, req.credits)
             rank = req.rank
         except PersimmonError as exc:
@@ -60,7 +61,7 @@ class LoaderServicer:
         try:
             async for item in self.dispatcher.stream(rank, generation):
                 if item is None:
-                    yield encode_message(BatchesReply(kind="end", rank=rank).to_wire())
+                    yield encode(BatchesEnd(rank=rank))
                     return
                 sent.inc(len(item.payload))
                 yield item.payload
@@ -68,15 +69,14 @@ class LoaderServicer:
             await abort_with(context, exc)
 
     async def _ack(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = AckRequest.from_wire(decode_message(request))
+        req = decode(AckRequest, request)
         acked, unknown = await self.dispatcher.ack(req.batch_ids)
         self.pipeline.acked(acked)
-        return encode_message(AckReply(acked=[o.batch_id for o in acked],
-                                       unknown=list(unknown)).to_wire())
+        return encode(AckReply(acked=[o.batch_id for o in acked], unknown=list(unknown)))
 
     async def _describe(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        DescribeRequest.from_wire(decode_message(request))
-        return encode_message(DescribeReply(**describe(self.pipeline)).to_wire())
+        decode(DescribeRequest, request)
+        return encode(DescribeReply(**describe(self.pipeline)))
 
 
 def describe(pipeline: Pipeline) -> dict[str, Any]:

@@ -25,13 +25,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import msgspec
 import numpy as np
 
 from services.common.codecs import Codec, decode_array, encode_array, get_codec, raw_array
 from services.common.config import config_to_dict
-from services.common.errors import InvalidArgument, PersimmonError, error_to_wire
+from services.common.errors import InvalidArgument, MalformedMessage, PersimmonError
 from services.common.messages import (
     PS_REQUEST_OBJECTS,
+    ErrorBody,
+    ErrorReply,
     LookupReply,
     LookupRequest,
     Message,
@@ -45,11 +48,15 @@ from services.common.messages import (
     PushThenLookupRequest,
     StatsReply,
     StatsRequest,
+    TableInfo,
     TablesReply,
     TablesRequest,
+    TableStats,
+    decode,
+    encode,
 )
 from services.common.rpc import abort_with, generic_service, unary_handler
-from services.common.wire import decode_message, encode_message
+from services.common.wire import frame_rid
 from services.ps.bounds import check_lookup, check_pooled, check_push
 from services.ps.dedup import PushOrigin
 from services.ps.metrics import PSMetrics
@@ -108,19 +115,19 @@ class PSServicer:
             started = time.perf_counter()
             wire.labels(method, "in").inc(len(raw))
             try:
-                body = decode_message(raw, max_bytes=limit, max_objects=PS_REQUEST_OBJECTS)
+                request, rid = _request(request_type, raw, limit)
             except PersimmonError as exc:
                 self.metrics.errors.labels(method, exc.grpc_code.name).inc()
                 await abort_with(context, exc)
                 return
-            rid = body.get("rid")
-            rid = rid if type(rid) is int else None
             try:
-                reply = (await handle(request_type.from_wire(body), codecs)).to_wire()
+                if isinstance(request, PersimmonError):
+                    raise request
+                reply: Message = await handle(request, codecs)
             except PersimmonError as exc:
                 self.metrics.errors.labels(method, exc.grpc_code.name).inc()
-                reply = {"error": error_to_wire(exc)}
-            out = encode_message(reply, rid=rid)
+                reply = ErrorReply(error=ErrorBody.of(exc))
+            out = encode(reply, rid=rid)
             wire.labels(method, "out").inc(len(out))
             self.metrics.latency.labels(method).observe(time.perf_counter() - started)
             yield out
@@ -176,16 +183,31 @@ class PSServicer:
     # ---- unary ------------------------------------------------------------------------------
 
     async def _tables(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        TablesRequest.from_wire(decode_message(raw, max_bytes=self.shard.config.max_message_bytes))
+        decode(TablesRequest, raw, max_bytes=self.shard.config.max_message_bytes)
         cfg = self.shard.config
-        return encode_message(TablesReply(
+        return encode(TablesReply(
             shard_id=cfg.shard_id, num_shards=cfg.num_shards, epoch=self.shard.epoch,
-            tables=[config_to_dict(t.config) for t in self.shard.tables.values()]).to_wire())
+            tables=[msgspec.convert(config_to_dict(t.config), TableInfo)
+                    for t in self.shard.tables.values()]))
 
     async def _stats(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = StatsRequest.from_wire(
-            decode_message(raw, max_bytes=self.shard.config.max_message_bytes))
-        return encode_message(StatsReply(**self.shard.stats(req.table)).to_wire())
+        req = decode(StatsRequest, raw, max_bytes=self.shard.config.max_message_bytes)
+        stats = self.shard.stats(req.table)
+        return encode(StatsReply(
+            shard_id=stats["shard_id"], epoch=stats["epoch"],
+            tables={name: TableStats(**table) for name, table in stats["tables"].items()}))
+
+
+def _request(request_type: type[Message], raw: bytes, limit: int
+             ) -> tuple[Message | MalformedMessage, int | None]:
+    """A stream's request and its ``rid``; a frame that is not this request, the error to
+    answer in-band. Raises (the stream ends) on a frame too big, of another protocol version,
+    or not a msgpack map at all."""
+    try:
+        request = decode(request_type, raw, max_bytes=limit, max_objects=PS_REQUEST_OBJECTS)
+    except MalformedMessage as exc:
+        return exc, frame_rid(raw)
+    return request, request.rid
 
 
 def _codec(name: str, codecs: dict[str, Codec]) -> Codec:

@@ -12,17 +12,18 @@ full queue UNAVAILABLE.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import grpc
 import numpy as np
+from msgspec import Meta
 
 from services.common.codecs import WireArray
 from services.common.codecs.registry import raw_array
 from services.common.errors import InvalidArgument, ResourceExhausted
 from services.common.messages import Message, decode, encode
 from services.common.rpc import generic_service, unary_handler
+from services.common.wire import MAX_ITEMS, Text, UInt
 
 if TYPE_CHECKING:
     from services.serve.batching import MicroBatcher
@@ -32,14 +33,20 @@ __all__ = ["SERVICE_NAME", "PredictReply", "PredictRequest", "ServeServicer"]
 SERVICE_NAME = "persimmon.Serve"
 
 
-@dataclass(kw_only=True, slots=True)
+Value = str | int | float | bool | None  # one field of a record, as JSON has it
+Records = Annotated[list[dict[Text, Value]], Meta(max_length=MAX_ITEMS)]
+Lines = Annotated[list[str], Meta(max_length=MAX_ITEMS)]
+IdLists = Annotated[dict[Text, list[list[UInt]]], Meta(max_length=MAX_ITEMS)]
+Dense = Annotated[list[list[float]], Meta(max_length=MAX_ITEMS)]
+
+
 class PredictRequest(Message):
     """One of ``records``, ``lines`` or ``ids`` (with ``dense``)."""
 
-    records: list[Any] | None = None
-    lines: list[Any] | None = None
-    ids: dict[str, Any] | None = None
-    dense: list[Any] | None = None
+    records: Records | None = None
+    lines: Lines | None = None
+    ids: IdLists | None = None
+    dense: Dense | None = None
 
     def body(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("records", "lines", "ids", "dense")
@@ -50,10 +57,9 @@ class PredictRequest(Message):
         return count_records(records=self.records, lines=self.lines, ids=self.ids)
 
 
-@dataclass(kw_only=True, slots=True)
 class PredictReply(Message):
-    version: str
-    step: int
+    version: Text
+    step: UInt
     probabilities: WireArray
 
 

@@ -1,25 +1,28 @@
-"""The typed wire form of one array: :class:`WireArray`.
+"""The typed wire form of one array: :class:`WireArray`, a msgspec Struct.
 
 On the wire an array is the map ``{"dtype", "shape", "codec", "meta", "data"}``: ``data`` is
 the codec's output buffer (for the ``none`` codec the raw little-endian bytes), ``meta`` the
-codec's parameters. :meth:`WireArray.from_wire` checks the header (dtype, shape, codec name,
-meta, buffer type; a raw array's bytes against its shape) without decoding or allocating
-anything; decoding belongs to the codec the header names
-(:func:`services.common.codecs.decode_array`). No copy is made either way: ``data`` stays the
-memoryview or received bytes it was given.
+codec's parameters (scalars, and one level of nested map for a lossless wrapper's inner
+codec). Decoding a message checks the header (dtype, shape, codec name, meta, buffer type; a
+raw array's bytes against its shape) without decoding or allocating anything; decoding
+belongs to the codec the header names (:func:`services.common.codecs.decode_array`). No copy
+is made either way: ``data`` is the memoryview or bytes it was given, and a received array's
+``data`` a view of the received frame.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import numpy as np
+from msgspec import Meta
 
 from services.common.errors import MalformedMessage
+from services.common.wire import explain
 
-__all__ = ["ALLOWED_DTYPES", "MAX_ARRAY_ELEMENTS", "WireArray"]
+__all__ = ["ALLOWED_DTYPES", "MAX_ARRAY_ELEMENTS", "CodecMeta", "WireArray"]
 
 ALLOWED_DTYPES = frozenset(
     {"float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32",
@@ -30,20 +33,49 @@ ALLOWED_DTYPES = frozenset(
 MAX_ARRAY_ELEMENTS = 2**31
 MAX_DIMS = 8
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
-_KEYS = frozenset({"dtype", "shape", "codec", "meta", "data"})
-_BUFFERS = frozenset({bytes, bytearray, memoryview})
-_MAX_DIM = 2**63
+
+DType = Literal["float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
+                "uint32", "int64", "uint64", "bool"]
+Dim = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Shape = Annotated[tuple[Dim, ...], Meta(max_length=MAX_DIMS)]
+CodecName = Annotated[str, Meta(min_length=1, max_length=64)]
+MetaKey = Annotated[str, Meta(max_length=64)]
+MetaScalar = int | float | str | bool | None
+#: a codec's parameters: scalars, and the inner codec's map under a lossless wrapper
+CodecMeta = Annotated[dict[MetaKey, MetaScalar | Annotated[dict[MetaKey, MetaScalar],
+                                                           Meta(max_length=64)]],
+                      Meta(max_length=64)]
 
 
-@dataclass(kw_only=True, slots=True)
-class WireArray:
-    """One encoded array: header plus the codec's buffer (bytes or a memoryview, not copied)."""
+class BadArray(MalformedMessage, ValueError):
+    """A header whose fields disagree (a ValueError too, so that msgspec names its place)."""
 
-    dtype: str
-    shape: tuple[int, ...]
-    codec: str = "none"
-    meta: dict[str, Any] = field(default_factory=dict)
-    data: Any = b""
+
+class WireArray(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One encoded array: header plus the codec's buffer (bytes or a memoryview, not copied).
+    Construction checks what spans fields: the element count against the limit, a raw
+    array's bytes against its shape, a codec name without parameters."""
+
+    dtype: DType
+    shape: Shape
+    codec: CodecName = "none"
+    meta: CodecMeta = {}
+    data: memoryview = memoryview(b"")
+
+    def __post_init__(self) -> None:
+        count = math.prod(self.shape)  # Python ints: a huge declared shape cannot overflow
+        if count > MAX_ARRAY_ELEMENTS:
+            raise BadArray(f"array of shape {list(self.shape)} needs {count} elements, "
+                                   f"more than the limit of {MAX_ARRAY_ELEMENTS}")
+        if self.codec == "none":
+            nbytes = memoryview(self.data).nbytes
+            if nbytes != count * _ITEMSIZE[self.dtype]:
+                raise BadArray(f"array of shape {list(self.shape)} and dtype "
+                                       f"{self.dtype} needs {count * _ITEMSIZE[self.dtype]} "
+                                       f"bytes, got {nbytes}")
+        elif ":" in self.codec:
+            raise BadArray(f"array codec {self.codec!r} must be a codec name "
+                                   "(parameters travel in meta, never in the name)")
 
     @property
     def nbytes(self) -> int:
@@ -60,56 +92,20 @@ class WireArray:
         return len(self.shape)
 
     def to_wire(self) -> dict[str, Any]:
+        """The array's map (for frames built by hand: tests, probes)."""
         return {"dtype": self.dtype, "shape": list(self.shape), "codec": self.codec,
                 "meta": self.meta, "data": self.data}
 
     @classmethod
     def from_wire(cls, body: Any, where: str = "array") -> WireArray:
-        """Check a received array map; anything malformed is a :class:`MalformedMessage`."""
-        if type(body) is not dict:  # exact types: msgpack gives dict, list, str, bytes
-            if isinstance(body, WireArray):
-                return body
-            raise MalformedMessage(f"{where} must be a map with dtype, shape, codec, meta, data; "
-                                   f"got {type(body).__name__}")
-        if not body.keys() <= _KEYS:
-            extra = sorted(map(str, body.keys() - _KEYS))
-            raise MalformedMessage(f"{where} has unknown keys {extra}")
-        get = body.get
-        dtype, data, codec, meta = get("dtype"), get("data"), get("codec", "none"), get("meta", {})
-        shape: Any = get("shape")
-        if type(dtype) is not str or dtype not in ALLOWED_DTYPES:
-            raise MalformedMessage(f"{where} dtype {_show(dtype)} is not one of "
-                                   f"{sorted(ALLOWED_DTYPES)}")
-        if not _good_shape(shape):
-            raise MalformedMessage(f"{where} shape {_show(shape)} must be a list of at most "
-                                   f"{MAX_DIMS} non-negative ints")
-        count = math.prod(shape)  # Python ints: a huge declared shape cannot overflow
-        if count > MAX_ARRAY_ELEMENTS:
-            raise MalformedMessage(f"{where} of shape {list(shape)} needs {count} elements, "
-                                   f"more than the limit of {MAX_ARRAY_ELEMENTS}")
-        if type(data) not in _BUFFERS:
-            raise MalformedMessage(f"{where} data must be a binary buffer")
-        nbytes = memoryview(data).nbytes  # type: ignore[arg-type]  # a buffer: checked above
-        if codec == "none" and nbytes != count * _ITEMSIZE[dtype]:
-            raise MalformedMessage(f"{where} of shape {list(shape)} and dtype {dtype} needs "
-                                   f"{count * _ITEMSIZE[dtype]} bytes, got {nbytes}")
-        if type(codec) is not str or not codec or ":" in codec:
-            raise MalformedMessage(f"{where} codec {_show(codec)} must be a codec name "
-                                   "(parameters travel in meta, never in the name)")
-        if type(meta) is not dict:
-            raise MalformedMessage(f"{where} codec meta must be a map, got {type(meta).__name__}")
-        return cls(dtype=dtype, shape=tuple(shape), codec=codec, meta=meta, data=data)
+        """Check an array map; anything malformed is a :class:`MalformedMessage` naming
+        the field."""
+        if isinstance(body, WireArray):
+            return body
+        try:
+            return msgspec.convert(body, cls, builtin_types=(bytes, bytearray, memoryview))
+        except msgspec.ValidationError as exc:
+            raise MalformedMessage(explain(exc, where)) from exc
+        except MalformedMessage as exc:
+            raise MalformedMessage(f"{where}: {exc.message}") from exc
 
-
-def _good_shape(shape: Any) -> bool:
-    if type(shape) not in (list, tuple) or len(shape) > MAX_DIMS:
-        return False
-    for s in shape:
-        if type(s) is not int or not 0 <= s < _MAX_DIM:
-            return False
-    return True
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

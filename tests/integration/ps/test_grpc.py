@@ -155,9 +155,9 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
                                                         "ids": raw_array(mine)}},
                                     "PushThenLookup"),
             "string_count": ("lookup", {"tables": ["user"], "counts": [str(mine.size)],
-                                        "ids": raw_array(mine)}, "non-negative int"),
+                                        "ids": raw_array(mine)}, "counts\\[0\\]: Expected `int`"),
             "read_only_int": ("lookup", {"tables": ["user"], "counts": n, "ids": raw_array(mine),
-                                         "read_only": 1}, "true or false"),
+                                         "read_only": 1}, "read_only: Expected `bool"),
         }
         stream, body, match = bodies[case]
         expected = NotFound if case == "unknown_table" else InvalidArgument

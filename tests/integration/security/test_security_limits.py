@@ -16,9 +16,11 @@ from clients.ps_client import PSClient
 from services.common.admin import make_admin_app
 from services.common.auth import ServerSecurity
 from services.common.codecs import raw_array
+from services.common.config import config_to_dict
 from services.common.errors import DeadlineExceeded
 from services.common.rpc import channel_options, generic_service, make_server, unary_handler
 from services.common.wire import decode_message, encode_message
+from services.ps.tables import TableConfig
 from tests.conftest import eventually
 from tests.integration.security.conftest import stream_once, table_state
 
@@ -161,7 +163,7 @@ async def test_the_client_turns_a_missed_deadline_into_deadline_exceeded():
     """A server that accepts streams but never answers: PSClient raises DeadlineExceeded."""
     async def tables(raw: bytes, context) -> bytes:
         return encode_message({"shard_id": 0, "num_shards": 1,
-                               "tables": [{"name": "user", "dim": 8}]})
+                               "tables": [config_to_dict(TableConfig(name="user", dim=8))]})
 
     async def silent(requests, context):
         async for _ in requests:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from services.common import messages as m
 from services.common.batch import Batch, Jagged
 from services.common.errors import MalformedMessage
-from services.common.wire import decode_message, encode_message
 from services.loader.batching import Batcher, ChunkTracker, Rows, take_jagged
 
 
@@ -39,7 +39,8 @@ def sample_batch() -> Batch:
 
 def test_batch_round_trips_through_the_wire():
     batch = sample_batch()
-    back = Batch.from_wire(decode_message(encode_message({"batch": batch.to_wire()}))["batch"])
+    item = m.decode(m.BatchesReply, m.encode(m.BatchItem(batch=m.BatchBody.of(batch))))
+    back = item.batch.to_batch()
     assert back.batch_id == 7 and back.size == 5 and back.num_dense == 2
     assert back.feature_names == ["f", "g"]
     np.testing.assert_array_equal(back.labels, batch.labels)
@@ -57,18 +58,18 @@ def test_batch_round_trips_through_the_wire():
     (lambda w: w.update(batch_id=True), "batch_id"),
     (lambda w: w.update(labels=w["dense"]), "labels must be float32 with 1"),
     (lambda w: w["sparse"]["g"].update(values=w["sparse"]["g"]["lengths"]), "uint64"),
-    (lambda w: w.update(sparse=[1, 2]), "maps"),
-    (lambda w: w.update(positions={"p": [1]}), "first, last"),
-    (lambda w: w["sparse"].update({"h": 3}), "values and lengths"),
+    (lambda w: w.update(sparse=[1, 2]), "batch.sparse must be a map"),
+    (lambda w: w.update(positions={"p": [1]}), "batch.positions"),
+    (lambda w: w["sparse"].update({"h": 3}), "batch.sparse\\[...\\] must be a map"),
     (lambda w: w["labels"].update(data=b"\x00" * 3), "needs 20 bytes"),
 ])
 def test_malformed_batches_are_rejected(mutate, match):
-    wire = decode_message(encode_message({"batch": sample_batch().to_wire()}))["batch"]
+    wire = m.BatchItem(batch=m.BatchBody.of(sample_batch())).to_wire()["batch"]
     mutate(wire)
     with pytest.raises(MalformedMessage, match=match):
-        Batch.from_wire(wire)
+        m.BatchItem.from_wire({"kind": "batch", "batch": wire}).batch.to_batch()
     with pytest.raises(MalformedMessage):
-        Batch.from_wire("not a map")
+        m.BatchItem.from_wire({"kind": "batch", "batch": "not a map"})
 
 
 def test_take_slice_concat_keep_rows_whole():
