@@ -57,6 +57,9 @@ class TrainerConfig:
         "help": "hybrid: batches in flight (S), or auto: the smallest window that hides the "
                 "measured round trip to the PS (1, none, with the shards in this process)"})
     prefetch: int = field(default=8, metadata={"help": "async: lookups ahead of compute"})
+    gil_switch_ms: float = field(default=0.5, metadata={
+        "help": "on CPU, Python's GIL switch interval at most this while a fit's compute thread "
+                "runs, restored after (Python's default: 5; 0: left as it is)"})
     hot_ratio: float = field(default=0.0, metadata={
         "help": "hybrid: tables whose first batch has at most this many distinct ids per "
                 "sample (hot rows) get hot_staleness instead of staleness (0: none; head ids "
@@ -158,6 +161,9 @@ class TrainerConfig:
     gadmm_rho: float = field(default=0.1, metadata={"help": "gadmm: the ADMM penalty rho"})
 
     def __post_init__(self) -> None:
+        if isinstance(self.gil_switch_ms, bool) or not isinstance(self.gil_switch_ms, int | float) \
+                or not 0 <= self.gil_switch_ms <= 1000:
+            raise ConfigError(f"gil_switch_ms must be in [0, 1000], got {self.gil_switch_ms!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if isinstance(self.staleness, str) and self.staleness.strip().isdigit():

@@ -67,7 +67,6 @@ from services.worker.compression import (
     make_comm_hook,
 )
 from services.worker.compute import (
-    CPU_SWITCH_INTERVAL,
     DONE,
     ComputeThread,
     StepPhases,
@@ -450,7 +449,8 @@ class Trainer:
             self.train_step, room=None if self.config.window is not None else self.config.prefetch,
             eval_every=every,
             pause_each_step=self.on_step is not None or self.after_step is not None,
-            switch_interval=CPU_SWITCH_INTERVAL if self.device.type == "cpu" else None)
+            switch_interval=(self.config.gil_switch_ms / 1e3 if self.device.type == "cpu"
+                             and self.config.gil_switch_ms else None))
         self.pipeline.begin(acknowledge=batches.ack if isinstance(batches, LoaderClient) else None)
         compute.mark_started(await self._cpu_seconds())  # again if this fit builds the model
         self.phases.reset()

@@ -14,7 +14,7 @@ from services.common.errors import ConfigError
 from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
 from services.worker.compute import CPU_SWITCH_INTERVAL
-from services.worker.config import ps_table_configs
+from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.embedding.rows import RowsClient
 from services.worker.models import ModelConfig
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve
@@ -98,6 +98,14 @@ async def test_a_cpu_fit_lowers_the_gil_switch_interval_while_it_trains() -> Non
                        on_step=lambda info: seen.append(sys.getswitchinterval())) as t:
         await t.fit(SyntheticDataset(DATA).batches(128, 128 * 3))
     assert seen == [CPU_SWITCH_INTERVAL] * 3 and sys.getswitchinterval() == before
+    assert TrainerConfig().gil_switch_ms / 1e3 == CPU_SWITCH_INTERVAL  # the default setting
+    seen.clear()
+    async with trainer(shards(), mode="hybrid", staleness=2, device="cpu", gil_switch_ms=0,
+                       on_step=lambda info: seen.append(sys.getswitchinterval())) as t:
+        await t.fit(SyntheticDataset(DATA).batches(128, 128 * 3))
+    assert seen == [before] * 3  # 0: left as it is
+    with pytest.raises(ConfigError, match="gil_switch_ms"):
+        TrainerConfig(gil_switch_ms=-1)
 
 
 async def test_recent_losses_are_bounded() -> None:
