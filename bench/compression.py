@@ -28,8 +28,12 @@ Rows, by stream:
   Adagrad's result, changes from run to run whatever the path). Bytes are every byte of the
   embedding messages of the training steps (requests and replies: ids, lengths, rows or
   partial sums, gradients, framing; the held-out lookups are not counted). DCT-MP on that
-  wire: the pooled activations thresholded by the shards and/or their gradients by the
-  worker (:data:`DCT_MP_EVERY`); its ratio counts the pooled payloads both ways.
+  wire (``activation_keep``): each shard sends the entries of its partial sums at least its
+  τ (``dct_mp``: per table, reused for 32 lookups) and the worker sends the gradients back at
+  the same positions; evaluation is not thresholded. Its ``dct_mp_wire_ratio_d{dim}`` is
+  DES's bytes per training step over DES + DCT-MP's, both counted at the socket (a counting
+  TCP proxy between the worker and the shards: HTTP/2 frames, headers, ids and all), at
+  embedding dims :data:`DES_DIMS`, with ΔAUC against DES at the same dim and seed.
 
 Ratio = fp32 bytes / bytes sent; ΔAUC = baseline AUC − AUC (positive = worse). JSON keys
 with goals: ``dense_dct_ratio`` ≥ 100 with ``dense_dct_delta_auc`` ≤ 0.001,
@@ -37,9 +41,9 @@ with goals: ``dense_dct_ratio`` ≥ 100 with ``dense_dct_delta_auc`` ≤ 0.001,
 ≥ 5 with ``onebit_adam_delta_auc`` ≤ 0.001, ``adaquant_ps_ratio`` (qsgd s=15's gradient bytes
 over adaquant's, s following the workers' mean loss from s0 = 2) ≥ 1 with
 ``adaquant_ps_delta_auc`` ≤ 0.002, ``des_bytes_ratio`` (DES's embedding bytes per step over
-the rows path's) ≤ 0.5 with ``des_delta_auc`` ≤ 0.001, ``dct_mp_ratio`` (fp32 bytes of DES's
-pooled activations and gradients over what crossed with DCT-MP) ≥ 20 with
-``dct_mp_delta_auc`` ≤ 0.002 (the paper's figure; not reached here, docs/benchmarks.md).
+the rows path's) ≤ 0.5 with ``des_delta_auc`` ≤ 0.001, ``dct_mp_wire_ratio_d16`` and ``_d64`` ≥ 20 (the paper's
+figure, from wider activations; not reached here, docs/benchmarks.md) with
+``dct_mp_delta_auc_d16`` and ``_d64`` ≤ 0.002.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import save_plot, write_json
+from bench.socket_bytes import CountingProxy
 from services.common.batch import Batch
 from services.common.commands import int_at_least
 from services.common.errors import ConfigError
@@ -82,7 +87,8 @@ GOALS = {"dense_dct_ratio": (">=", 100.0), "dense_dct_delta_auc": ("<=", 0.001),
          "onebit_adam_ratio": (">=", 5.0), "onebit_adam_delta_auc": ("<=", 0.001),
          "adaquant_ps_ratio": (">=", 1.0), "adaquant_ps_delta_auc": ("<=", EMBEDDING_GOAL),
          "des_bytes_ratio": ("<=", 0.5), "des_delta_auc": ("<=", 0.001),
-         "dct_mp_ratio": (">=", 20.0), "dct_mp_delta_auc": ("<=", EMBEDDING_GOAL)}
+         "dct_mp_wire_ratio_d16": (">=", 20.0), "dct_mp_delta_auc_d16": ("<=", EMBEDDING_GOAL),
+         "dct_mp_wire_ratio_d64": (">=", 20.0), "dct_mp_delta_auc_d64": ("<=", EMBEDDING_GOAL)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,20 +110,12 @@ def _case(name: str, stream: str, role: str = "", **settings: Any) -> Case:
 # rounding error is fed back per id (EF-SGD) and never accumulates. Chosen over dct/onebit/qsgd
 # gradients from the multi-seed figures in the README (8 + 6 bytes a 16-wide row: 9.1x).
 UNIFORM_EF = "uniform:bits=2,error_feedback=true"
-# DCT-MP on DES's wire, the pooled activations (partial sums, thresholded by the shards that
-# send them) and their gradients (by the worker): a τ per table and direction, the K-th
-# largest magnitude recomputed every DCT_MP_EVERY steps, or at once when a step's kept
-# density leaves [keep/2, 2·keep] (the dct codec's drift guard: the partial sums grow from
-# the rows' tiny initial values, so the first τ would soon keep everything); no error
-# feedback (a sample's activation is never sent again). Both directions at 25 %, and the
-# gradients alone at 20 %, the largest cut of those tried within ΔAUC 0.002 here (10 % and 15 %
-# lost 0.0023 and 0.0034 over three seeds; docs/benchmarks.md).
-DCT_MP_EVERY = 100
-
-
-def _dct(keep: float) -> str:
-    return f"dct:keep={keep},refresh={DCT_MP_EVERY}"
-
+# DCT-MP on DES's wire (activation_keep): the shards threshold the partial sums they send
+# (τ per table reused for 32 lookups, sooner when a lookup's kept share leaves
+# [keep/2, 2·keep]: the partial sums grow from the rows' tiny initial values), the gradients
+# go back at the same positions. DCT_MP_KEEP: the kept share of the bench's row.
+DCT_MP_KEEP = 0.25
+DES_DIMS = (16, 64)  # embedding dims of the DES rows: the wire's activations are this wide
 
 
 EMBEDDING_PAIR = _case("embedding pair: rows uniform 3-bit + grads uniform 2-bit (EF per id)",
@@ -149,11 +147,8 @@ CASES = [
     _case("activations DCT-MP 25%", "activations", activation_keep=0.25),
     _case("DES: partial sums pooled on the shards (multi-hot data)", "des", "des",
           embedding_path="des"),
-    _case(f"DES + DCT-MP 25% both ways on the wire (τ every {DCT_MP_EVERY} steps)", "des",
-          "dct_mp_both", embedding_path="des", rows_codec=f"{_dct(0.25)},error_feedback=false",
-          grads_codec=_dct(0.25)),
-    _case(f"DES + DCT-MP 20% gradients on the wire (τ every {DCT_MP_EVERY} steps)", "des",
-          "dct_mp", embedding_path="des", grads_codec=_dct(0.2)),
+    _case(f"DES + DCT-MP {DCT_MP_KEEP:.0%}, the same positions both ways", "des", "dct_mp",
+          embedding_path="des", activation_keep=DCT_MP_KEEP),
 ]
 # DES's data: four multi-hot features of long bags (20 ids a sample on average, like a user's
 # history) over vocabularies far larger than a batch's ids, where a sample's partial sums
@@ -235,13 +230,16 @@ async def _des_runs(rank: int, world: int, addresses: list[str], features: list[
                     ) -> list[dict[str, Any]]:
     out = []
     for k, config in enumerate(configs):
-        async with Trainer(model=MODEL, ps_addresses=addresses, config=config,
-                           tables={f: f"d{k}_{f}" for f in features}) as trainer:
+        async with CountingProxy(addresses) as proxy, Trainer(
+                model=MODEL, ps_addresses=proxy.addresses, config=config,
+                tables={f: f"d{k}_{f}" for f in features}) as trainer:
+            await trainer.start()
+            before = proxy.total
             fit = await trainer.fit(train[rank::world])
-            wire = trainer.rows.wire_bytes()  # the training steps' messages only
+            socket_bytes = proxy.total - before  # the training steps' bytes only
             held_out = await trainer.evaluate(test[rank::world])
-        out.append({"steps": fit.steps, "auc": held_out["auc"], "codec_bytes": fit.codec_bytes,
-                    "bytes_per_step": sum(wire.values()) / max(fit.steps, 1)})
+        out.append({"steps": fit.steps, "auc": held_out["auc"],
+                    "bytes_per_step": socket_bytes / max(fit.steps, 1)})
     return out
 
 
@@ -251,54 +249,58 @@ def _des_rank(rank: int, world: int, *args: Any) -> list[dict[str, Any]]:
 
 def _des_rows(cases: list[Case], base: TrainerConfig, *, rows: int, batch_size: int,
               eval_rows: int, seeds: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The rows path and ``cases`` (DES, DES + DCT-MP) on :data:`DES_DATA`, one worker,
-    paired by seed: their table rows and the ``des_*`` / ``dct_mp_*`` keys."""
+    """The rows path and ``cases`` (DES, DES + DCT-MP) on :data:`DES_DATA` at every dim of
+    :data:`DES_DIMS`, one worker, paired by seed: their table rows and the ``des_*`` (dim 16)
+    / ``dct_mp_*_d{dim}`` keys."""
     dataset = SyntheticDataset(DES_DATA)
     train, test = list(dataset.batches(batch_size, rows)), list(
         dataset.batches(4096, eval_rows, "test"))
     features = DES_DATA.sparse_names
     arms = [_case("rows path (multi-hot data)", "des"), *cases]
-    paths = [replace(base, seed=seed, **dict(arm.settings))
-             for seed in range(seeds) for arm in arms]
-    tables = [t for k in range(len(paths)) for t in ps_table_configs(
-        {f: MODEL.table_dim(DIM) for f in features}, prefix=f"d{k}_", lr=0.05)]
+    runs_of = [(dim, seed, arm) for dim in DES_DIMS for seed in range(seeds) for arm in arms]
+    paths = [replace(base, seed=seed, **dict(arm.settings)) for _, seed, arm in runs_of]
+    tables = [t for k, (dim, _, _) in enumerate(runs_of) for t in ps_table_configs(
+        {f: MODEL.table_dim(dim) for f in features}, prefix=f"d{k}_", lr=0.05)]
     console.log(f"DES: {len(paths)} runs of one worker on multi-hot data "
-                f"({seeds} seeds x {len(arms)} paths)")
+                f"({len(DES_DIMS)} dims x {seeds} seeds x {len(arms)} paths)")
     with LocalPS(2, tables) as ps:
         runs = run_local_ranks(_des_rank, 1, ps.addresses, features, paths, train, test,
-                               timeout_s=1200.0)[0]
-    by_arm = [runs[a::len(arms)] for a in range(len(arms))]  # each arm's runs, seed by seed
-    table = [_des_row(arm, side, by_arm[0]) for arm, side in zip(arms, by_arm, strict=True)]
+                               timeout_s=3600.0)[0]
+    table: list[dict[str, Any]] = []
     keys: dict[str, Any] = {}
-    for arm, row in zip(arms[1:], table[1:], strict=True):
-        keys.update({f"{arm.role}_delta_auc": row["delta_auc"],
-                     f"{arm.role}_delta_auc_std": row["delta_auc_std"],
-                     f"{arm.role}_seeds": row["seeds"]})
-        if arm.role == "des":
-            keys["des_bytes_ratio"] = 1 / row["ratio"]
-        else:  # dct_mp, dct_mp_both: the MP bytes, activations and gradients
-            keys[f"{arm.role}_ratio"] = row["mp_ratio"]
+    for d, dim in enumerate(DES_DIMS):
+        mine = runs[d * seeds * len(arms):(d + 1) * seeds * len(arms)]
+        by_arm = [mine[a::len(arms)] for a in range(len(arms))]  # each arm's runs, by seed
+        des = next((k for k, arm in enumerate(arms) if arm.role == "des"), 0)
+        for k, (arm, side) in enumerate(zip(arms, by_arm, strict=True)):
+            against = by_arm[des] if arm.role == "dct_mp" else by_arm[0]
+            row = _des_row(arm, side, against, dim)
+            table.append(row)
+            if arm.role == "des" and dim == DIM:
+                keys.update(des_bytes_ratio=1 / row["ratio"], des_delta_auc=row["delta_auc"],
+                            des_delta_auc_std=row["delta_auc_std"], des_seeds=row["seeds"])
+            elif arm.role == "dct_mp":
+                keys.update({f"dct_mp_wire_ratio_d{dim}": row["ratio"],
+                             f"dct_mp_delta_auc_d{dim}": row["delta_auc"],
+                             f"dct_mp_delta_auc_std_d{dim}": row["delta_auc_std"],
+                             f"dct_mp_seeds_d{dim}": row["seeds"]})
     return table, keys
 
 
-def _des_row(arm: Case, side: list[dict[str, Any]], rows_side: list[dict[str, Any]]
+def _des_row(arm: Case, side: list[dict[str, Any]], against: list[dict[str, Any]], dim: int
              ) -> dict[str, Any]:
-    """A table row of one path, means over the seeds: ratio = the rows path's bytes per step
-    over its; ΔAUC against the rows path of the same seed; ``mp_ratio``, the fp32 bytes of
-    the pooled activations and gradients over what crossed."""
+    """A table row of one path at one dim, means over the seeds: ratio = ``against``'s socket
+    bytes per training step over its (the rows path's; DES's for DCT-MP); ΔAUC against
+    ``against`` of the same seed."""
     per_step = statistics.fmean(r["bytes_per_step"] for r in side)
-    deltas = [r["auc"] - s["auc"] for r, s in zip(rows_side, side, strict=True)]
-    mp = [(*_stream_bytes(r, "pooled_down", "received"),
-           *_stream_bytes(r, "pooled_grads_up", "sent")) for r in side]
-    raw, wire = sum(m[0] + m[2] for m in mp), sum(m[1] + m[3] for m in mp)
-    return {"name": arm.name, "stream": "des", "settings": dict(arm.settings),
-            "auc": statistics.fmean(r["auc"] for r in side),
+    deltas = [r["auc"] - s["auc"] for r, s in zip(against, side, strict=True)]
+    return {"name": f"{arm.name}, dim {dim}", "stream": "des", "settings": dict(arm.settings),
+            "dim": dim, "auc": statistics.fmean(r["auc"] for r in side),
             "delta_auc": statistics.fmean(deltas),
             "delta_auc_std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
             "seeds": [{"seed": k, "delta_auc": d} for k, d in enumerate(deltas)],
             "steps": side[0]["steps"], "bytes_per_step": per_step,
-            "ratio": statistics.fmean(r["bytes_per_step"] for r in rows_side) / per_step,
-            "mp_ratio": raw / wire if wire else 1.0}
+            "ratio": statistics.fmean(r["bytes_per_step"] for r in against) / per_step}
 
 
 def select(words: str | None) -> list[Case]:
