@@ -1,4 +1,5 @@
 """The Trainer: PERSIA hybrid training of a model whose embeddings live on the PS.
+size: one dense replica's state, shared by start, the step, fit and evaluate (no seam left).
 
 One step of one batch::
 
@@ -83,7 +84,6 @@ from services.worker.embedding.rows import (
     RowsReplica,
     RowsSnapshots,
 )
-from services.worker.embedding.window import WindowChoice
 from services.worker.evaluation import EvalAccumulator, gather_accumulator
 from services.worker.models import ModelConfig, pick_device
 from services.worker.pooling import BatchPlan
@@ -144,6 +144,8 @@ class Trainer:
                                  tables=tables, timers=self.progress, worker=rank,
                                  workers=world, head_replica=head_replica)
         self._link: EmbeddingLink | None = None  # the last one connect() built (start())
+        self._given = (RowsCapabilities.of(rows_client) if rows_client is not None else None,
+                       dict(tables) if tables is not None else None)  # known before start()
         self._connected = False  # False again once closed (the link stays to be inspected)
         self.device = pick_device(self.config.device)
         self._model_spec = model
@@ -194,11 +196,6 @@ class Trainer:
         return self.link.pipeline
 
     @property
-    def window_choice(self) -> WindowChoice | None:
-        """What ``staleness auto`` chose (None before :meth:`start`, or with a set window)."""
-        return self._link.window_choice if self._link is not None else None
-
-    @property
     def rows(self) -> RowsClient:
         """The rows client the steps and evaluations use (after :meth:`start`)."""
         return self.link.rows
@@ -207,18 +204,13 @@ class Trainer:
     def rows_snapshots(self) -> RowsSnapshots | None:
         """The rows as a :class:`RowsSnapshots` where they can take snapshots, else None
         (known before :meth:`start`: a client this trainer opens never can)."""
-        if self._link is not None:
-            return self._link.capabilities.snapshots
-        given = self._rows_source["rows_client"]
-        return RowsCapabilities.of(given).snapshots if given is not None else None
+        capabilities = self._link.capabilities if self._link is not None else self._given[0]
+        return capabilities.snapshots if capabilities is not None else None
 
     @property
     def tables(self) -> dict[str, str] | None:
         """Each sparse feature's table (None until given or seen in the first batch)."""
-        if self._link is None:
-            given = self._rows_source["tables"]
-            return dict(given) if given is not None else None
-        return self._link.pipeline.tables
+        return self._link.pipeline.tables if self._link is not None else self._given[1]
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -514,7 +506,7 @@ class Trainer:
             samples_per_s=samples / seconds if seconds > 0 else 0.0,
             loss=float(np.mean(recent[-50:])) if steps_done else math.nan,
             staleness_max=staleness.max, staleness_mean=staleness.mean,
-            window_choice=self.window_choice.as_dict() if self.window_choice else None,
+            window_choice=(choice.as_dict() if (choice := self.link.window_choice) else None),
             hot_tables=list(self.pipeline.hot_tables), head_ids=self.pipeline.head_count(),
             step_wall_ms=timing["step_wall_ms"], step_cpu_ms=timing["step_cpu_ms"],
             batch_wait_ms=timing["batch_wait_ms"], loss_curve=curve.points(),

@@ -24,7 +24,7 @@ from clients.ps_process import PSClientProcess
 from services.common.errors import ConfigError
 from services.worker.compute import distributed
 from services.worker.config import TrainerConfig
-from services.worker.embedding import collectives
+from services.worker.embedding.collectives import global_barrier, head_vote, step_gate
 from services.worker.embedding.exchange import StepTimers, embedding_path
 from services.worker.embedding.pipeline import EmbeddingPipeline
 from services.worker.embedding.rows import RowsCapabilities, RowsClient, RowsReplica
@@ -135,12 +135,12 @@ def _pipeline(config: TrainerConfig, rows: RowsClient, *, chain_rows: RowsClient
         rows, chain_rows=chain_rows, window=window, prefetch=cfg.prefetch, tables=tables,
         timers=timers, hot_ratio=cfg.hot_ratio or None, hot_window=cfg.hot_staleness,
         worker=worker, workers=workers,
-        barrier=collectives.global_barrier() if cfg.mode == "global_sync" else None,
+        barrier=global_barrier() if cfg.mode == "global_sync" else None,
         path=embedding_path(cfg.embedding_path, cfg.pooling,
                             keep=cfg.activation_keep if cfg.embedding_path == "des" else 1.0),
         head_rate=cfg.head_rate or None,
-        hot_barrier=collectives.global_barrier() if hybrid and cfg.global_hot else None,
-        step_gate=(collectives.step_gate()
+        hot_barrier=global_barrier() if hybrid and cfg.global_hot else None,
+        step_gate=(step_gate()
                    if cfg.mode in ("sync", "hybrid") and cfg.global_bound else None),
-        head_vote=collectives.head_vote(workers) if hybrid and cfg.head_rate else None,
+        head_vote=head_vote(workers) if hybrid and cfg.head_rate else None,
         replica=replica)

@@ -1,5 +1,8 @@
 """The embedding pipeline of one worker: planning, staleness slots, riders, lookahead, pushes.
 
+size: feed, riders and pushes share one run's state (slots, chain, seeds) and its order of
+events; the window, hot policy, chain and seeds are modules of their own beside it.
+
 It is the part of a training step that talks to the embedding rows, apart from the model (as
 torchrec's ``TrainPipelineSparseDist`` is): it plans each batch (dedup ids per table, laid out by
 shard), looks its rows up ahead of compute and pushes its row gradients back, through a
