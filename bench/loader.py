@@ -232,7 +232,7 @@ def _main(args: argparse.Namespace) -> int:
         result = loader_kafka.main(args)
         loader_kafka.show(result)
     else:
-        result = run(rows=args.rows, repeat=args.repeat)
+        result = run(rows=args.rows or 200_000, repeat=args.repeat)
     write_json(result, args.json)
     return 0
 
@@ -243,8 +243,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--source", choices=["file", "kafka"], default="file",
                         help="file: parse + hash + batch a file against pandas/csv/pyarrow; "
                              "kafka: the Kafka source against aiokafka (bench/loader_kafka.py)")
-    parser.add_argument("--rows", type=int_at_least(1), default=200_000,
-                        help="rows in the generated file (records in the topic)")
+    parser.add_argument("--rows", type=int_at_least(1),
+                        help="rows in the generated file (default 200,000), records in the "
+                             "topic (default 60,000)")
     parser.add_argument("--repeat", type=int_at_least(1), default=3,
                         help="runs per pipeline (file: best counts; kafka: medians)")
     parser.set_defaults(func=_main)

@@ -2,7 +2,8 @@
 the aiokafka consumer it replaced, in one run.
 
 A librdkafka mock cluster (one broker on loopback, in this process) holds one topic of
-generated Criteo lines over 4 partitions. Each repeat reads the whole topic from the start
+generated Criteo lines over its 4 partitions (at most 60,000 lines: the mock drops a
+partition's oldest records past about 5 MB). Each repeat reads the whole topic from the start
 under a fresh consumer group, into parsed blocks, and stops at the last record:
 
 - persimmon: :class:`~services.loader.sources.kafka.KafkaSource` (confluent-kafka: one
@@ -12,7 +13,8 @@ under a fresh consumer group, into parsed blocks, and stops at the last record:
   the source ran before (``_AiokafkaReader``). aiokafka is imported here only (the ``bench``
   extra installs it).
 
-Both use the same ``poll_records`` and ``poll_timeout_ms`` and the same parser; the sides
+Both use the same ``poll_records``, ``poll_timeout_ms``, bytes per partition fetch
+(``FETCH_PARTITION_BYTES``) and parser; the sides
 alternate, ``--repeat`` times each, and the medians count.
 """
 
@@ -29,14 +31,16 @@ from typing import Any
 
 import numpy as np
 
+from services.common.errors import ConfigError
 from services.loader.config import LoaderConfig, SourceSpec
 from services.loader.sources.base import parsed_block
-from services.loader.sources.kafka import KafkaSource, produce_file
+from services.loader.sources.kafka import FETCH_PARTITION_BYTES, KafkaSource, produce_file
 from services.loader.sources.messages import MessageParser
 
 __all__ = ["run"]
 
 SPEC = "dense=13&sparse=26"
+MOCK_ROWS = 60_000  # fits 4 partitions (about 255 bytes a generated Criteo line)
 
 
 class _AiokafkaReader:
@@ -46,17 +50,19 @@ class _AiokafkaReader:
         self.spec, self.config, self.partitions = spec, config, partitions
         self.parser = MessageParser(spec, config.dense_transform())
 
-    async def read(self, records: int) -> int:
+    async def read(self, records: int) -> float:
+        """Seconds from the first fetch to the last of ``records`` parsed (start excluded)."""
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
         consumer = AIOKafkaConsumer(bootstrap_servers=self.spec.target,
                                     group_id=self.spec.params["group"],
-                                    enable_auto_commit=False, auto_offset_reset="earliest")
+                                    enable_auto_commit=False, auto_offset_reset="earliest",
+                                    max_partition_fetch_bytes=FETCH_PARTITION_BYTES)
         await consumer.start()
         try:
             consumer.assign([TopicPartition(self.spec.topic, p)
                              for p in range(self.partitions)])
-            seen = 0
+            start, seen = time.perf_counter(), 0
             while seen < records:
                 fetched = await consumer.getmany(timeout_ms=self.config.poll_timeout_ms,
                                                  max_records=self.config.poll_records)
@@ -68,7 +74,7 @@ class _AiokafkaReader:
                     block = parsed_block(f"kafka:{tp.partition}", parsed, offsets,
                                          int(offsets[0]), int(offsets[-1]))
                     seen += block.size + len(block.bad)
-            return seen
+            return time.perf_counter() - start
         finally:
             await consumer.stop()
 
@@ -90,10 +96,7 @@ async def _persimmon(spec: SourceSpec, config: LoaderConfig, records: int,
 
 async def _aiokafka(spec: SourceSpec, config: LoaderConfig, records: int,
                     partitions: int) -> float:
-    reader = _AiokafkaReader(spec, config, partitions)
-    start = time.perf_counter()
-    await reader.read(records)
-    return time.perf_counter() - start
+    return await _AiokafkaReader(spec, config, partitions).read(records)
 
 
 async def _repeats(bootstrap: str, topic: str, partitions: int, records: int,
@@ -110,8 +113,11 @@ async def _repeats(bootstrap: str, topic: str, partitions: int, records: int,
     return times
 
 
-def run(*, records: int = 200_000, repeat: int = 3) -> dict[str, Any]:
+def run(*, records: int = MOCK_ROWS, repeat: int = 3) -> dict[str, Any]:
     """Produce ``records`` Criteo lines to a mock cluster, time both readers over them."""
+    if records > MOCK_ROWS:
+        raise ConfigError(f"--rows {records:,}: the mock broker keeps about 5 MB of each of "
+                          f"its 4 partitions; give at most {MOCK_ROWS:,} rows")
     from confluent_kafka.admin import AdminClient
 
     from bench.loader import write_criteo_file
@@ -119,10 +125,10 @@ def run(*, records: int = 200_000, repeat: int = 3) -> dict[str, Any]:
     admin = AdminClient({"test.mock.num.brokers": 1, "log_level": 3})
     broker = next(iter(admin.list_topics(timeout=10).brokers.values()))
     bootstrap, topic = f"{broker.host}:{broker.port}", "bench-loader"
-    partitions = len(admin.list_topics(topic=topic, timeout=10).topics[topic].partitions)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "criteo.txt"
         size = write_criteo_file(path, records)
+        partitions = len(admin.list_topics(topic=topic, timeout=10).topics[topic].partitions)
         asyncio.run(produce_file(bootstrap, topic, str(path)))
     times = asyncio.run(_repeats(bootstrap, topic, partitions, records, repeat))
     median = {name: statistics.median(t) for name, t in times.items()}
@@ -150,4 +156,4 @@ def show(r: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    return run(records=args.rows, repeat=args.repeat)
+    return run(records=args.rows or MOCK_ROWS, repeat=args.repeat)

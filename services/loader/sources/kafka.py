@@ -53,6 +53,9 @@ T = TypeVar("T")
 #: seconds a metadata, committed-offsets or flush request may take before the broker counts
 #: as unreachable
 REQUEST_TIMEOUT_S = 10.0
+#: bytes one fetch may bring of each partition (librdkafka's default is 1 MiB): larger
+#: fetches keep the prefetched queue from running dry between two of them
+FETCH_PARTITION_BYTES = 4 << 20
 
 
 def partitions_of(client: Consumer | Producer, bootstrap: str, topic: str) -> list[int]:
@@ -121,6 +124,7 @@ class KafkaSource:
             "bootstrap.servers": self.spec.target, "group.id": self.group,
             "enable.auto.commit": False, "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest", "log_level": 3,
+            "fetch.message.max.bytes": FETCH_PARTITION_BYTES,
             "client.id": f"persimmon-loader-{self.config.replica}"})
         try:
             parts = partitions_of(consumer, self.spec.target, self.topic)
@@ -162,8 +166,13 @@ class KafkaSource:
     def _fetch(self) -> list[tuple[int, np.ndarray, Parsed]]:
         """One batch from the broker, parsed per partition (runs on the consumer's thread)."""
         assert self._consumer is not None
-        messages = self._consumer.consume(self.config.poll_records,
-                                          self.config.poll_timeout_ms / 1000)
+        # what is queued now, else wait up to poll_timeout_ms for the first record: a batch
+        # never waits for a full poll_records while records are ready
+        want = self.config.poll_records
+        messages = self._consumer.consume(want, 0)
+        if not messages:
+            messages = self._consumer.consume(1, self.config.poll_timeout_ms / 1000)
+            messages += self._consumer.consume(want - 1, 0) if messages and want > 1 else []
         out = []
         for partition, (offsets, values) in sorted(_group(messages).items()):
             out.append((partition, np.asarray(offsets, dtype=np.int64),
