@@ -4,13 +4,16 @@ A step reads and updates a few ids of every table (26 for a Criteo-shaped model)
 table, that is some ten kernel and numpy calls a table each way, whatever the number of ids:
 most of the 0.9 ms of a lookup and 1.6 ms of a push of 2,348 ids over 26 tables (timed alone),
 which the compute thread pays every step for its head ids where the shard is embedded. Where
-every table of a request is plain (:meth:`EmbeddingTable.plain_view`: float32 rows in RAM, no use
-bookkeeping) and holds every id, :func:`lookup_plain` probes and copies all the rows in one
+every table of a request is plain (:meth:`EmbeddingTable.plain_view`: float32 rows in RAM)
+and holds every id, :func:`lookup_plain` probes and copies all the rows in one
 call, and :func:`push_plain` probes the ids, sums each table's duplicates and drops the
 non-finite sums in one call, then runs the tables' optimizer (one call for all where they
 share an Adagrad config, else each table's in turn): the rows, state, counters and
 results of the tables' own ``lookup`` and ``push``, which serve every other case (the callers
-fall back to them on None, nothing changed).
+fall back to them on None, nothing changed). Tables with a row cap (``max_rows``) or a TTL
+are plain too: one more call marks the rows used (tick, uses, time) as their own calls do.
+Held ids create no row, so no cap is crossed here: a request with a new id goes table by
+table, where rows are created and the cap evicts.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from services.ps.arena import (
     nonfinite_rows,
     set_bits,
     sum_rows_by_inverse,
+    touch_slots,
 )
 from services.ps.locks import hold
 from services.ps.optimizers import apply_updates
@@ -58,10 +62,9 @@ def _find_all(buckets, slot_ids, ids, bounds, slots):  # pragma: no cover - numb
 
 
 @njit(cache=True, nogil=True)
-def _find_gather(buckets, slot_ids, rows, ids, bounds, out):  # pragma: no cover - numba
-    """``out[j]``: the row of id ``j`` (table ``t``'s ids at ``bounds[t]:bounds[t + 1]``);
-    False, ``out`` unwritten, if an id has none."""
-    slots = np.empty(ids.shape[0], dtype=np.int64)
+def _find_gather(buckets, slot_ids, rows, ids, bounds, slots, out):  # pragma: no cover - numba
+    """``out[j]``: the row of id ``j`` (table ``t``'s ids at ``bounds[t]:bounds[t + 1]``),
+    ``slots[j]`` its slot; False, ``out`` unwritten, if an id has none."""
     if not _find_all(buckets, slot_ids, ids, bounds, slots):
         return False
     for t in range(len(rows)):
@@ -111,6 +114,32 @@ def _mark(bits, uslots, bounds, kept, flag):  # pragma: no cover - numba
         set_bits(bits[t], uslots[bounds[t]:bounds[t] + kept[t]], flag)
 
 
+@njit(cache=True, nogil=True)
+def _touch(ticks, uses, last_used, slots, bounds, counts, tick, now):  # pragma: no cover
+    """Mark table ``t``'s slots ``slots[bounds[t]:][:counts[t]]`` used at ``tick[t]``,
+    ``now[t]``, where it keeps use bookkeeping (``ticks[t]`` not empty)."""
+    for t in range(len(ticks)):
+        if ticks[t].shape[0]:
+            lo = bounds[t]
+            touch_slots(slots[lo:lo + counts[t]], ticks[t], uses[t], last_used[t], tick[t],
+                        now[t])
+
+
+def _mark_used(views: Sequence[PlainTable], slots: np.ndarray, bounds: np.ndarray,
+               counts: np.ndarray) -> None:
+    """One use of each table that keeps use bookkeeping (its next tick, its clock's time):
+    its slots ``slots[bounds[t]:][:counts[t]]`` marked, as its own lookup or push does."""
+    if all(v.next_use is None for v in views):
+        return
+    tick = np.zeros(len(views), dtype=np.int64)
+    now = np.zeros(len(views), dtype=np.float64)
+    for t, view in enumerate(views):
+        if view.next_use is not None:
+            tick[t], now[t] = view.next_use()
+    _touch(tuple(v.ticks for v in views), tuple(v.uses for v in views),
+           tuple(v.last_used for v in views), slots, bounds, counts, tick, now)
+
+
 @contextlib.contextmanager
 def _plain(tables: Sequence[EmbeddingTable]) -> Iterator[list[PlainTable] | None]:
     """The tables' :class:`PlainTable` views under their locks (taken in name order, as any
@@ -135,11 +164,13 @@ def lookup_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], di
         return None  # the tables' own lookups check them
     bounds = _bounds(ids)
     out = np.empty((int(bounds[-1]), dim), dtype=np.float32)
+    slots = np.empty(int(bounds[-1]), dtype=np.int64)
     with _plain(tables) as views:
         if views is None or not _find_gather(
                 tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
-                tuple(v.rows for v in views), np.concatenate(ids), bounds, out):
+                tuple(v.rows for v in views), np.concatenate(ids), bounds, slots, out):
             return None
+        _mark_used(views, slots, bounds, np.diff(bounds))
         for view, part in zip(views, ids, strict=True):
             view.counters["lookups"] += 1
             view.counters["ids_looked_up"] += part.shape[0]
@@ -181,6 +212,7 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
                                 for view, lo, k in zip(views, bounds.tolist(), kept.tolist(),
                                                        strict=False)], dtype=np.int64)
         _mark(tuple(v.dirty.data for v in views), uslots, bounds, kept, _SET)
+        _mark_used(views, uslots, bounds, kept)
         results = []
         for t, view in enumerate(views):
             k, bad, no = int(kept[t]), int(dropped[t]), int(refused[t])

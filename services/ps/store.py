@@ -188,12 +188,15 @@ class EmbeddingTable(TableSnapshots):
 
     def plain_view(self) -> PlainTable | None:
         """Its arrays for kernels over several tables (:mod:`.multitable`), for a caller that
-        holds :attr:`lock`; None unless a lookup or push of held ids is a probe and an
-        update (float32 rows in RAM, no use bookkeeping: no disk tier, ``max_rows`` or TTL)."""
-        if self._disk is not None or self._tracks_use or self._dtype != np.float32:
+        holds :attr:`lock`; None unless a lookup or push of held ids is a probe, an update
+        and a mark of use (float32 rows in RAM: no disk tier). A ``max_rows`` or TTL table
+        is plain: held ids create no row, so only creation (table by table) evicts."""
+        if self._disk is not None or self._dtype != np.float32:
             return None
         return PlainTable(*self._index.arrays, self._rows, self._seen, self._dirty,
-                          self._counters, self._apply, self.config.optimizer, self._state)
+                          self._counters, self._apply, self.config.optimizer, self._state,
+                          self._ticks, self._uses, self._last_used,
+                          self._next_use if self._tracks_use else None)
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
@@ -395,6 +398,11 @@ class EmbeddingTable(TableSnapshots):
         if self._tracks_use:
             touch_slots(slots, self._ticks, self._uses, self._last_used, self._tick,
                         float(self._clock()))
+
+    def _next_use(self) -> tuple[int, float]:
+        """A use begins (one lookup or push): its tick and time, as :meth:`_mark_used`'s."""
+        self._tick += 1
+        return self._tick, float(self._clock())
 
     def _evict(self, k: int, protected: np.ndarray) -> None:
         high = self._high

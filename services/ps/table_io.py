@@ -22,8 +22,10 @@ class PlainTable(NamedTuple):
     """A plain table's arrays (:meth:`services.ps.store.EmbeddingTable.plain_view`): its index
     (``buckets``, ``slot_ids``: :attr:`~services.ps.slotindex.SlotIndex.arrays`), rows,
     push scratch (``seen``), dirty flags and counters, its optimizer's update of distinct
-    slots (``apply(slots, grads)``), and that optimizer's config and state arrays (indexed
-    by slot, as the rows)."""
+    slots (``apply(slots, grads)``), that optimizer's config and state arrays (indexed
+    by slot, as the rows), and its use bookkeeping (``max_rows``, TTL): per slot its last
+    tick, uses and last-use time (empty arrays where it keeps none), and ``next_use()``,
+    which starts a use (the table's next tick and its clock's time; None: it keeps none)."""
 
     buckets: np.ndarray
     slot_ids: np.ndarray
@@ -34,6 +36,10 @@ class PlainTable(NamedTuple):
     apply: Callable[[np.ndarray, np.ndarray], int]  # returns the rows it refused
     optimizer: OptimizerConfig
     state: dict[str, np.ndarray]
+    ticks: np.ndarray
+    uses: np.ndarray
+    last_used: np.ndarray
+    next_use: Callable[[], tuple[int, float]] | None
 
 
 @dataclass(slots=True)

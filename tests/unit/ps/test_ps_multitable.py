@@ -88,12 +88,10 @@ def test_tables_of_one_adagrad_config_update_in_one_call_as_their_own(kind: str)
         np.testing.assert_array_equal(delta.rows, expected.rows)
 
 
-@pytest.mark.parametrize("extra", [{"dtype": "float16"}, {"max_rows": 100}, {"ttl_s": 60.0}])
-def test_a_table_that_is_not_plain_is_left_to_its_own_lookups_and_pushes(
-        extra: dict[str, object]) -> None:
-    """float16 rows, eviction and TTL (use bookkeeping): None, nothing changed."""
+def test_a_table_that_is_not_plain_is_left_to_its_own_lookups_and_pushes() -> None:
+    """float16 rows: None, nothing changed."""
     ts = tables()
-    ts[2] = EmbeddingTable(TableConfig(name="other", dim=DIM, **extra))  # type: ignore[arg-type]
+    ts[2] = EmbeddingTable(TableConfig(name="other", dim=DIM, dtype="float16"))
     ids = [np.arange(8, dtype=np.uint64)] * len(ts)
     for t, i in zip(ts, ids, strict=True):
         t.lookup(i)
@@ -101,6 +99,70 @@ def test_a_table_that_is_not_plain_is_left_to_its_own_lookups_and_pushes(
     assert lookup_plain(ts, ids, DIM) is None
     assert push_plain(ts, ids, [np.ones((8, DIM), np.float32)] * len(ts)) is None
     assert state(ts) == before
+
+
+class Clock:
+    """A table's clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def capped(clock: Clock) -> list[EmbeddingTable]:
+    """Tables that keep use bookkeeping (an LRU and an LFU row cap, a TTL) and one that
+    keeps none."""
+    kinds: list[dict[str, object]] = [{"max_rows": 40}, {"max_rows": 40, "eviction": "lfu"},
+                                      {"ttl_s": 5.0}, {}]
+    return [EmbeddingTable(TableConfig(name=f"t{k}", dim=DIM, **kind,  # type: ignore[arg-type]
+                                       optimizer=OptimizerConfig(kind="adagrad", lr=0.1)),
+                           clock=clock) for k, kind in enumerate(kinds)]
+
+
+def test_tables_with_a_row_cap_or_ttl_take_the_plain_path_and_track_use_as_their_own() -> None:
+    """Row caps (LRU, LFU), a TTL and a table without either: lookups and pushes of held ids in one call each (no
+    fallback), leaving the same rows, state, counters and use bookkeeping (tick, uses) as
+    the tables' own; then new rows past the cap evict, and the clock expires, the same rows
+    (a kernel that marked no use, or marked the wrong slots or ticks, evicts others)."""
+    clock_a, clock_b = Clock(), Clock()
+    fused, own = capped(clock_a), capped(clock_b)
+    rng = np.random.default_rng(3)
+    every = [np.arange(30, dtype=np.uint64)] * 4
+    for t, ids in zip(fused + own, every + every, strict=True):
+        t.lookup(ids)
+    for step in range(5):
+        for clock in (clock_a, clock_b):
+            clock.now += 1.0
+        ids = [rng.integers(0, 12 + 4 * step, 20).astype(np.uint64) for _ in range(4)]
+        grads = [rng.normal(size=(20, DIM)).astype(np.float32) for _ in range(4)]
+        grads[step % 4][2] = np.nan
+        results = push_plain(fused, ids, grads)
+        assert results is not None  # the plain path served it
+        assert results == [t.push(i, g) for t, i, g in zip(own, ids, grads, strict=True)]
+        reads = [rng.integers(0, 8 + 3 * step, 15).astype(np.uint64) for _ in range(4)]
+        rows = lookup_plain(fused, reads, DIM)
+        assert rows is not None
+        np.testing.assert_array_equal(
+            rows, np.concatenate([t.lookup(i) for t, i in zip(own, reads, strict=True)]))
+    assert state(fused) == state(own)
+    for a, b in zip(fused, own, strict=True):
+        got, want = a.snapshot().meta, b.snapshot().meta
+        assert got.keys() == want.keys() and ("tick" in got) == (a is not fused[3])
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    fresh = np.arange(1000, 1025, dtype=np.uint64)  # 25 new rows: 15 evicted in a capped one
+    for clock in (clock_a, clock_b):
+        clock.now += 3.5  # rows untouched since the first steps pass the TTL
+    for a, b in zip(fused, own, strict=True):
+        a.lookup(fresh)
+        b.lookup(fresh)
+        assert a.expire() == b.expire()
+        np.testing.assert_array_equal(a.ids(), b.ids())
+    assert [t.stats()["evictions"] for t in fused] == [15, 15, 0, 0]
+    assert fused[2].stats()["expired"] > 0
+    assert state(fused) == state(own)
 
 
 def test_an_id_without_a_row_changes_nothing_and_the_next_push_is_exact() -> None:
