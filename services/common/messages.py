@@ -374,6 +374,7 @@ class OptimizerInfo(Struct, kw_only=True, forbid_unknown_fields=True):
     ftrl_l1: float
     ftrl_l2: float
     weight_bound: float | None = None
+    grad_clip: float | None = None
 
 
 class StorageInfo(Struct, kw_only=True, forbid_unknown_fields=True):

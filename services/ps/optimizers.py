@@ -23,6 +23,8 @@ FTRL-Proximal (McMahan et al. 2013), with ``alpha = lr``::
 
 ``weight_decay`` (SGD, both Adagrads, Adam) adds ``weight_decay·w`` to a pushed row's gradient
 before its update (L2 as TorchRec/FBGEMM apply it: lazily, only rows a push touches).
+``grad_clip`` clips every element of a row's gradient to ``[-grad_clip, grad_clip]`` first (so
+the update is the one of the clipped gradient, then checked for finite values as any).
 ``weight_bound`` clips every updated weight of every kind to ``[-bound, bound]``; rows
 stored as float16 saturate at its largest finite value the same way. An update that would
 leave a row's weights or optimizer state NaN or ±Inf (a finite but huge gradient: FTRL or
@@ -274,6 +276,14 @@ def _bound(config: OptimizerConfig, storage: np.dtype) -> np.float32:
     return _F32(top if config.weight_bound is None else min(config.weight_bound, top))
 
 
+def _clipped(config: OptimizerConfig, grads: np.ndarray) -> np.ndarray:
+    """``grads`` as float32, each element clipped to the table's ``grad_clip`` (if any)."""
+    grads = np.ascontiguousarray(grads, dtype=np.float32)
+    if config.grad_clip is None:
+        return grads
+    return np.clip(grads, _F32(-config.grad_clip), _F32(config.grad_clip))
+
+
 def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.ndarray,
                  state: dict[str, np.ndarray], slots: np.ndarray, grads: np.ndarray, *,
                  storage: np.dtype | type = np.float32) -> int:
@@ -287,7 +297,7 @@ def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.
     """
     wi = np.ascontiguousarray(weight_index, dtype=np.int64)
     si = np.ascontiguousarray(slots, dtype=np.int64)
-    grads = np.ascontiguousarray(grads, dtype=np.float32)
+    grads = _clipped(config, grads)
     bound = _bound(config, np.dtype(storage))
     lr, wd = _F32(config.lr), _F32(config.weight_decay)
     if config.kind is OptimizerKind.SGD:
@@ -317,8 +327,7 @@ def apply_updates(config: OptimizerConfig, weights: Sequence[np.ndarray],
         return None
     refused = np.zeros(len(weights), dtype=np.int64)
     kernel(tuple(weights), tuple(state["accum"] for state in states),
-           np.ascontiguousarray(slots, dtype=np.int64),
-           np.ascontiguousarray(grads, dtype=np.float32),
+           np.ascontiguousarray(slots, dtype=np.int64), _clipped(config, grads),
            np.ascontiguousarray(starts, dtype=np.int64),
            np.ascontiguousarray(counts, dtype=np.int64),
            _F32(config.lr), _F32(config.eps), _F32(config.weight_decay),

@@ -104,8 +104,9 @@ class OptimizerConfig:
     ``ftrl_beta``, ``ftrl_l1``, ``ftrl_l2`` are its other parameters. ``initial_accumulator``
     starts both Adagrads' accumulators (0 makes every element's first step ``±lr`` whatever
     the gradient's size). ``weight_decay`` is L2 added to a pushed row's gradient (not FTRL:
-    use ``ftrl_l2``). ``weight_bound`` clips every updated weight to
-    ``[-weight_bound, weight_bound]``.
+    use ``ftrl_l2``). ``grad_clip`` clips every element of a pushed row's gradient (its
+    duplicates summed) to ``[-grad_clip, grad_clip]`` before the update; ``weight_bound``
+    clips every updated weight to ``[-weight_bound, weight_bound]``.
     """
 
     kind: OptimizerKind = OptimizerKind.ADAGRAD
@@ -119,6 +120,7 @@ class OptimizerConfig:
     ftrl_l1: float = 0.0
     ftrl_l2: float = 0.0
     weight_bound: float | None = None
+    grad_clip: float | None = None
 
     def __post_init__(self) -> None:
         if str(getattr(self.kind, "value", self.kind)).startswith("onebit"):
@@ -140,6 +142,9 @@ class OptimizerConfig:
         if self.weight_bound is not None:
             self.weight_bound = _number(self.weight_bound, "optimizer.weight_bound",
                                         low=0.0, low_open=True)
+        if self.grad_clip is not None:
+            self.grad_clip = _number(self.grad_clip, "optimizer.grad_clip", low=0.0,
+                                     low_open=True)
 
 
 @dataclass(kw_only=True, slots=True)
