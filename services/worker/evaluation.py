@@ -7,7 +7,8 @@ running logloss sum; :func:`gather_accumulator` merges the accumulators of all r
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -27,6 +28,7 @@ __all__ = [
     "EvalAccumulator",
     "EvalResult",
     "auc",
+    "evaluate_overlapped",
     "gather_accumulator",
     "logloss",
     "logloss_from_logits",
@@ -34,6 +36,7 @@ __all__ = [
 
 
 T = TypeVar("T")
+Item = TypeVar("Item")
 
 
 @dataclass(slots=True, frozen=True)
@@ -139,3 +142,35 @@ def gather_accumulator(acc: EvalAccumulator, group: object | None = None) -> Eva
         merged._bce_sum += bce
         merged._count += py.size
     return merged
+
+
+async def evaluate_overlapped(batches: AsyncIterable[Any],
+                              look_up: Callable[[Any], Awaitable[Item]],
+                              score: Callable[[Item], Awaitable[np.ndarray]]
+                              ) -> dict[str, float]:
+    """Held-out ``auc``, ``logloss`` and ``samples`` of ``batches`` (objects with
+    ``labels``), every rank's merged (:func:`gather_accumulator`): each batch is looked up
+    (``look_up``, e.g. its rows from the PS) while the one before it is scored (``score``
+    gives its logits), so the two overlap."""
+    acc = EvalAccumulator("the evaluation data")
+    iterator = batches.__aiter__()
+
+    async def fetch() -> tuple[Any, Item] | None:
+        try:
+            batch = await iterator.__anext__()
+        except StopAsyncIteration:
+            return None
+        return batch, await look_up(batch)
+
+    pending = asyncio.create_task(fetch())
+    try:
+        while (got := await pending) is not None:
+            pending = asyncio.create_task(fetch())  # the next lookup overlaps this scoring
+            batch, item = got
+            acc.update(batch.labels, await score(item))
+    finally:
+        if not pending.done():
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+    result = gather_accumulator(acc).result()
+    return {"auc": result.auc, "logloss": result.logloss, "samples": result.count}

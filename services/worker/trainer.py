@@ -77,6 +77,7 @@ from services.worker.compute import (
 from services.worker.config import TrainerConfig
 from services.worker.dense_optimizers import ONEBIT_OPTIMIZERS, make_optimizer
 from services.worker.embedding.builder import EmbeddingLink, check_rows_source, connect
+from services.worker.embedding.exchange import lookup_groups
 from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
 from services.worker.embedding.rows import (
     RowsCapabilities,
@@ -84,9 +85,8 @@ from services.worker.embedding.rows import (
     RowsReplica,
     RowsSnapshots,
 )
-from services.worker.evaluation import EvalAccumulator, gather_accumulator
+from services.worker.evaluation import EvalAccumulator, evaluate_overlapped, gather_accumulator
 from services.worker.models import ModelConfig, pick_device
-from services.worker.pooling import BatchPlan
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve, StalenessStats
 from services.worker.sync import SyncStrategy
 from services.worker.warmup import warm_up_step
@@ -569,31 +569,17 @@ class Trainer:
 
     async def evaluate(self, batches: Batches) -> dict[str, float]:
         """Held-out ``auc``, ``logloss`` and ``samples`` (over every rank's batches when a
-        process group is initialised: then every rank must call it)."""
+        process group is initialised: then every rank must call it), looked up on the path
+        serving computes (:meth:`EmbeddingPath.for_evaluation`)."""
         await self.start()
-        acc = EvalAccumulator("the evaluation data")
-        iterator = iterate(batches).__aiter__()
-        pending: asyncio.Task[Any] | None = None
+        path = self.pipeline.path.for_evaluation()
 
-        async def fetch() -> tuple[Batch, BatchPlan, list[np.ndarray]] | None:
-            try:
-                batch = await iterator.__anext__()
-            except StopAsyncIteration:
-                return None
+        async def look_up(batch: Batch) -> Prepared:
             plan = await self.pipeline.plan(batch)
-            return batch, plan, await self.pipeline.lookup(plan)
+            return Prepared(batch, plan, await lookup_groups(path, self.rows, plan), 0)
 
-        pending = asyncio.create_task(fetch())
-        try:
-            while (got := await pending) is not None:
-                pending = asyncio.create_task(fetch())  # the next lookup overlaps compute
-                batch, plan, rows = got
-                await self._ensure_model(batch)
-                item = Prepared(batch, plan, rows, 0)
-                acc.update(batch.labels, await asyncio.to_thread(self._eval_step, item))
-        finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
-        result = gather_accumulator(acc).result()
-        return {"auc": result.auc, "logloss": result.logloss, "samples": result.count}
+        async def score(item: Prepared) -> np.ndarray:
+            await self._ensure_model(item.batch)
+            return await asyncio.to_thread(self._eval_step, item)
+
+        return await evaluate_overlapped(iterate(batches), look_up, score)

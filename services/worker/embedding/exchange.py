@@ -33,6 +33,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from services.common.codecs.masked import REFRESH as DCT_MP_REFRESH
+from services.common.codecs.masked import PooledMasks
 from services.common.errors import ConfigError, InvalidArgument
 from services.worker.embedding.rows import PooledRows, RowsClient
 from services.worker.pooling import POOLING_MODES, BatchPlan, PooledBatch, pool_batch
@@ -41,6 +43,7 @@ __all__ = ["EMBEDDING_PATHS", "EmbeddingPath", "PooledPath", "RowsPath", "StepTi
            "embedding_path", "lookup_groups"]
 
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
+MAX_HELD = 256  # DES with DCT-MP: batches whose kept positions wait for their push
 
 
 class _Histogram(Protocol):
@@ -91,6 +94,11 @@ class EmbeddingPath(Protocol):
         """The model's pooled inputs; their leaves' gradients are what :meth:`push` sends."""
         ...
 
+    def for_evaluation(self) -> EmbeddingPath:
+        """The path evaluation looks up with: what serving computes (no training-only
+        compression of the activations)."""
+        ...
+
 
 class RowsPath:
     """Unique rows down, row gradients up: one message per shard and group."""
@@ -103,6 +111,9 @@ class RowsPath:
 
     def check(self, rows: RowsClient) -> None:
         """Every rows client serves rows."""
+
+    def for_evaluation(self) -> RowsPath:
+        return self
 
     async def lookup(self, rows: RowsClient, plan: BatchPlan, group: int) -> np.ndarray:
         return await rows.lookup_sharded(plan.groups[group].layout)
@@ -125,13 +136,32 @@ class RowsPath:
 
 class PooledPath:
     """DES: per-sample partial sums down, per-sample pooled gradients up, one message per
-    shard and feature (each shard gets the ids it owns with their samples' counts)."""
+    shard and feature (each shard gets the ids it owns with their samples' counts).
+
+    ``keep < 1`` is DCT-MP on this wire: the shards send only their partial sums' entries at
+    least τ (codec ``dct_mp``, τ per table reused for ``refresh`` lookups), and the push sends
+    each shard the gradient at the positions its partial sums kept. The kept positions of a
+    batch wait here, by plan, from its lookup to its push (at most :data:`MAX_HELD` batches;
+    a push whose lookup is no longer held sends every position). :meth:`for_evaluation` is
+    the same path without thresholding: evaluation sees what serving sees."""
 
     name = "des"
     unique_rows = False
 
-    def __init__(self, mode: str = "sum") -> None:
+    def __init__(self, mode: str = "sum", *, keep: float = 1.0,
+                 refresh: int = DCT_MP_REFRESH) -> None:
         self.mode = _checked_mode(mode)
+        if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0 < keep <= 1:
+            raise ConfigError(f"activation keep must be a fraction in (0, 1], got {keep!r}")
+        if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1:
+            raise ConfigError(f"activation refresh must be an int >= 1, got {refresh!r}")
+        self.keep, self.refresh = float(keep), refresh
+        # (id(plan), group) -> (plan, per feature the shards' kept positions)
+        self._held: dict[tuple[int, int], tuple[BatchPlan, list[PooledMasks]]] = {}
+
+    def for_evaluation(self) -> PooledPath:
+        """This path without DCT-MP (itself when it has none)."""
+        return self if self.keep >= 1 else PooledPath(self.mode)
 
     def check(self, rows: RowsClient) -> None:
         if not isinstance(rows, PooledRows):
@@ -150,9 +180,19 @@ class PooledPath:
         return out
 
     async def lookup(self, rows: RowsClient, plan: BatchPlan, group: int) -> np.ndarray:
-        client = _pooled(rows)
-        parts = await asyncio.gather(*(client.pooled_lookup(table, ids, lengths, mode=self.mode)
-                                       for table, ids, lengths in self._bags(plan, group)))
+        client, bags = _pooled(rows), self._bags(plan, group)
+        if self.keep >= 1:
+            parts = await asyncio.gather(*(client.pooled_lookup(table, ids, lengths,
+                                                                mode=self.mode)
+                                           for table, ids, lengths in bags))
+        else:
+            got = await asyncio.gather(*(client.pooled_lookup_masked(
+                table, ids, lengths, mode=self.mode, keep=self.keep, refresh=self.refresh)
+                for table, ids, lengths in bags))
+            parts = [pooled for pooled, _ in got]
+            while len(self._held) >= MAX_HELD:  # lookups never pushed: the oldest go
+                del self._held[next(iter(self._held))]
+            self._held[(id(plan), group)] = (plan, [masks for _, masks in got])
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def push(self, rows: RowsClient, plan: BatchPlan, group: int,
@@ -162,8 +202,11 @@ class PooledPath:
         if grads.shape[0] != len(bags) * size:
             raise InvalidArgument(f"pooled grads of group {group} must be "
                                   f"({len(bags) * size}, dim), got {grads.shape}")
+        held = self._held.pop((id(plan), group), None)
+        masks = held[1] if held is not None and held[0] is plan else [None] * len(bags)
         await asyncio.gather(*(client.pooled_push(table, ids, lengths,
-                                                  grads[k * size:(k + 1) * size], mode=self.mode)
+                                                  grads[k * size:(k + 1) * size], mode=self.mode,
+                                                  masks=masks[k])
                                for k, (table, ids, lengths) in enumerate(bags)))
 
     async def push_then_lookup(self, rows: RowsClient, plan: BatchPlan, group: int,
@@ -205,12 +248,13 @@ def _pooled(rows: RowsClient) -> PooledRows:
     return rows
 
 
-def embedding_path(name: str, pooling: str = "sum") -> EmbeddingPath:
-    """The path called ``name`` (:data:`EMBEDDING_PATHS`) pooling with ``pooling``."""
+def embedding_path(name: str, pooling: str = "sum", *, keep: float = 1.0) -> EmbeddingPath:
+    """The path called ``name`` (:data:`EMBEDDING_PATHS`) pooling with ``pooling``; ``keep``:
+    DCT-MP's kept share on DES's wire (``des`` only)."""
     if name == "rows":
         return RowsPath(pooling)
     if name == "des":
-        return PooledPath(pooling)
+        return PooledPath(pooling, keep=keep)
     raise ConfigError(f"embedding_path must be one of {sorted(EMBEDDING_PATHS)}, got {name!r}")
 
 

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from services.common.codecs import WireStats
+from services.common.codecs.masked import PooledMasks
 from services.common.sharding import ShardedIds
 
 __all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsCapabilities",
@@ -105,9 +106,15 @@ class PooledRows(Protocol):
         """Per-sample pooled rows ``(len(lengths), dim)`` of a jagged feature."""
         ...
 
+    async def pooled_lookup_masked(self, table: str, ids: Any, lengths: Any, mode: str = "sum",
+                                   *, keep: float, refresh: int) -> tuple[np.ndarray, PooledMasks]:
+        """:meth:`pooled_lookup` with DCT-MP on the wire, and each shard's kept positions."""
+        ...
+
     async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any,
-                          mode: str = "sum") -> PushCounts:
-        """Apply the gradient of :meth:`pooled_lookup`'s output, ``(len(lengths), dim)``."""
+                          mode: str = "sum", *, masks: PooledMasks | None = None) -> PushCounts:
+        """Apply the gradient of :meth:`pooled_lookup`'s output, ``(len(lengths), dim)``
+        (``masks``: sent at the positions :meth:`pooled_lookup_masked` kept only)."""
         ...
 
 
