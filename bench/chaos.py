@@ -18,7 +18,8 @@ killed shard restarts with ``--restore job`` (with ``--wal``: from its log, then
 over REST), the living shards restore the cut over their admin API, then the loader (at the
 cut's positions; the first cut names every partition at 0) and the workers (at the cut's
 step) start again. A process that dies by no fault also restarts the job:
-``unplanned_restarts``.
+``unplanned_restarts``, each with its cause in ``unplanned_causes`` (the process, its exit
+code; a worker's exit file and the last line of its stderr, kept in the work directory).
 
 Figures, from the final cut's PS files against the records produced (not the job's logs):
 ``records_lost`` (records whose row is 0), ``applied_twice`` (applications beyond the first,
@@ -392,6 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 console.print(f"[red]chaos: could not unmount {unmounted}")
     return {"kills": sum(kills.values()), "kills_by_role": kills, **result,
             "wal": args.wal_fsync if args.wal else None, "unplanned_restarts": job.unplanned,
+            "unplanned_causes": job.unplanned_causes,
             "recovery_s": {role: {"median": statistics.median(v), "max": max(v)}
                            for role, v in recovery.items() if v},
             "records": args.records, "steps": job.steps, "cut_every": args.cut_every,

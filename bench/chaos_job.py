@@ -263,6 +263,7 @@ class ChaosJob:
         self.workers: list[subprocess.Popen[bytes]] = []
         self.run = 0
         self.unplanned = 0  # restarts after a failure no fault caused
+        self.unplanned_causes: list[str] = []  # what failed, each (exit code, last words)
         self.loop = asyncio.new_event_loop()  # the probes' (--wal): gRPC keeps to one loop
         self.mounts = WalMounts(work)  # --wal: a tmpfs per shard's log
         self.zombies = ZombieCount(self)
@@ -325,16 +326,22 @@ class ChaosJob:
             rank, k = self.proxied = (self.run % WORLD, (self.run // WORLD) % SHARDS)
             self.proxy = TcpProxy(self.ps_addresses[k])
             ps[rank][k] = self.proxy.address
-        self.workers = [subprocess.Popen(
-            [*_SERVICE, "bench.chaos", "--root", str(self.root), "--run", str(self.run),
-             "--ps", ",".join(ps[r]), "--ps-admin", ",".join(self.ps_admin),
-             "--loader", self.loader_address, "--loader-admin", self.loader_admin,
-             "--started", str(self.started_file(r)), "--exit-file", str(self.exit_file(self.run, r)),
-             "--rank", str(r),
-             "--steps", str(self.steps), "--cut-every", str(a.cut_every),
-             "--window", str(a.window), "--step-ms", str(a.step_ms),
-             "--retry-s", str(RETRY_S if a.wal else 0.0)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(WORLD)]
+        self.workers = [self._start_worker(r, ps[r]) for r in range(WORLD)]
+
+    def _start_worker(self, rank: int, ps: list[str]) -> subprocess.Popen[bytes]:
+        """Rank ``rank`` of this run, its stderr kept in :meth:`log_file`."""
+        a = self.args
+        with open(self.log_file(self.run, rank), "wb") as log:
+            return subprocess.Popen(
+                [*_SERVICE, "bench.chaos", "--root", str(self.root), "--run", str(self.run),
+                 "--ps", ",".join(ps), "--ps-admin", ",".join(self.ps_admin),
+                 "--loader", self.loader_address, "--loader-admin", self.loader_admin,
+                 "--started", str(self.started_file(rank)),
+                 "--exit-file", str(self.exit_file(self.run, rank)), "--rank", str(rank),
+                 "--steps", str(self.steps), "--cut-every", str(a.cut_every),
+                 "--window", str(a.window), "--step-ms", str(a.step_ms),
+                 "--retry-s", str(RETRY_S if a.wal else 0.0)],
+                stdout=subprocess.DEVNULL, stderr=log)
 
     @property
     def steps(self) -> int:
@@ -345,6 +352,9 @@ class ChaosJob:
 
     def exit_file(self, run: int, rank: int) -> Path:
         return self.work / f"run-{run}-rank-{rank}.exit"
+
+    def log_file(self, run: int, rank: int) -> Path:
+        return self.work / f"run-{run}-rank-{rank}.log"
 
     def started(self) -> bool:
         return all(self.started_file(r).exists() for r in range(WORLD))
@@ -363,8 +373,26 @@ class ChaosJob:
         if not self.failed():
             return False
         self.unplanned += 1
+        self.unplanned_causes.append(self.failure())
         self.restart()
         return True
+
+    def failure(self) -> str:
+        """What died that no fault killed: each process, its exit code and, for a worker,
+        how it ended (its exit file) and its log's last line."""
+        died = []
+        for rank, proc in enumerate(self.workers):
+            if proc.poll() not in (None, 0):
+                ended = self.exit_file(self.run, rank)
+                lines = self.log_file(self.run, rank).read_text(errors="replace").splitlines()
+                died.append(f"run {self.run} rank {rank} exited {proc.poll()} "
+                            f"({ended.read_text() if ended.exists() else 'no exit file'}): "
+                            f"{lines[-1] if lines else 'no log'}")
+        for name, proc in [*((f"ps {k}", p) for k, p in enumerate(self.ps)),
+                           ("loader", self.loader)]:
+            if proc is not None and proc.poll() is not None:
+                died.append(f"{name} exited {proc.poll()}")
+        return "; ".join(died)
 
     def cuts_done(self) -> int:
         """Complete cuts of the current run."""

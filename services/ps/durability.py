@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import FailedPrecondition, NotFound, StaleEpoch
+from services.common.errors import FailedPrecondition, NotFound, StaleEpoch, Unavailable
 from services.common.files import atomic_write
 from services.ps.checkpoint import (
     check_checkpoint_id,
@@ -104,7 +104,14 @@ class Durable:
                                         incremental=incremental, parent=parent,
                                         pushes=self.pushes.snapshot(), epoch=self.epoch)
             if self.wal is not None:  # the log restarts from this state
-                self.wal.start(checkpoint_id, self.epoch)
+                try:
+                    self.wal.start(checkpoint_id, self.epoch)
+                except OSError as exc:  # e.g. its disk full: the log goes on where it was
+                    raise Unavailable(
+                        f"shard {self.config.shard_id} wrote checkpoint {checkpoint_id} but "
+                        f"its write-ahead log cannot start a segment after it ({exc}); ask "
+                        "again once the log's disk has room (the part counts as written)"
+                    ) from exc
             return manifest
 
     def checkpoints(self) -> list[dict[str, Any]]:

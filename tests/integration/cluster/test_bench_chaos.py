@@ -29,11 +29,8 @@ def test_bench_chaos_wal_faults_smoke(tmp_path) -> None:
     assert result["kills_by_role"] == {role: 1 for role in (
         "ps", "loader", "worker", "ps-cut", "enospc", "restore", "partition")}
     for key in ZERO:
-        if key != "unplanned_restarts":
-            assert result[key] == 0, (key, result)
-    # at this tiny size about one run in four sees one restart no fault planned (not yet
-    # understood; see the closing note of issue 45); it is recovered with nothing lost above
-    assert result["unplanned_restarts"] <= 1, result
+        assert result[key] == 0, (key, result)
+    assert result["unplanned_causes"] == [], result
     assert result["wal_fault_pushes_refused"] > 0  # the full log refused pushes: it bit
     assert result["stale_pushes_refused"] > 0 and result["workers_stale"] > 0  # fenced
     assert result["partition_retries_refused"] == result["partitioned_exited"] == 1
