@@ -62,6 +62,7 @@ MAX_TEXT = 4096  # the longest string a message may hold unless a field says les
 UInt = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
 M = TypeVar("M")
+_S = TypeVar("_S", bound=Struct)
 
 # What follows each msgpack type byte from 0xc0 on: ("fixed", bytes to skip),
 # ("blob", width of the length, extra bytes: ext's type byte), ("array"/"map", width of the
@@ -210,7 +211,7 @@ class Message(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=Tr
         """The message as a plain map, without the envelope (buffers kept as they are;
         defaults left out)."""
         body: dict[str, Any] = msgspec.to_builtins(
-            self, builtin_types=_BUFFERS)
+            _canonical(self), builtin_types=_BUFFERS)
         body.pop("v", None)
         body.pop("rid", None)
         return body
@@ -244,7 +245,40 @@ def encode(message: Message, *, rid: int | None = None) -> bytes:
     else with a ``to_wire()`` map (a body made by hand: probes, tests) is framed as it is."""
     if not isinstance(message, Struct):
         return encode_message(message.to_wire(), rid=rid)
-    return _ENCODER.encode(msgspec.structs.replace(message, v=PROTOCOL_VERSION, rid=rid))
+    return _ENCODER.encode(_canonical(message, v=PROTOCOL_VERSION, rid=rid))
+
+
+#: per message class, its fields whose default is a str, int, float or bytes
+_SCALAR_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _scalar_defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    found = _SCALAR_DEFAULTS.get(cls)
+    if found is None:
+        found = _SCALAR_DEFAULTS[cls] = tuple(
+            (f.name, f.default) for f in msgspec.structs.fields(cls)
+            if type(f.default) in (str, int, float, bytes))
+    return found
+
+
+def _canonical(message: _S, **envelope: Any) -> _S:
+    """``message`` (with ``envelope`` set) where every field equal to its default holds the
+    default itself, in nested messages too. msgspec's ``omit_defaults`` leaves a scalar out
+    only when it *is* the default object, so an equal value made elsewhere (unpickled in the
+    PS client process, parsed from a flag) would travel: the same message would take more
+    bytes one way than another."""
+    changes = envelope
+    for name, default in _scalar_defaults(type(message)):
+        value = getattr(message, name)
+        if value is not default and type(value) is type(default) and value == default:
+            changes[name] = default
+    for name in message.__struct_fields__:
+        value = getattr(message, name)
+        if isinstance(value, Message):
+            inner = _canonical(value)
+            if inner is not value:
+                changes[name] = inner
+    return msgspec.structs.replace(message, **changes) if changes else message
 
 
 def decode(cls: type[M] | Any, raw: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,

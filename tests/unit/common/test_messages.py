@@ -3,6 +3,7 @@ missing fields, wrong types, unknown fields, oversized lists and fields that dis
 
 from __future__ import annotations
 
+import pickle
 import typing
 
 import msgpack
@@ -255,3 +256,22 @@ def test_frames_pack_messages_and_arrays_inside_plain_maps():
     body = decode_message(raw)
     assert m.PushRequest.from_wire(body["push"]).tables == ["user"]
     np.testing.assert_array_equal(decode_array(body["a"]), IDS)
+
+
+def test_a_default_made_elsewhere_is_left_out_as_the_default_is():
+    """msgspec leaves a scalar default out only when it is the default object; a value equal
+    to it that was made elsewhere (unpickled in the PS client process, read from a flag) must
+    give the same frame, nested messages included."""
+    made_elsewhere = pickle.loads(pickle.dumps("none"))
+    default = next(f.default for f in msgspec.structs.fields(m.LookupRequest)
+                   if f.name == "codec")
+    assert made_elsewhere == default and made_elsewhere is not default
+    here = msgspec.structs.replace(_lookup(), codec="none")
+    there = msgspec.structs.replace(_lookup(), codec=made_elsewhere)
+    assert m.encode(there, rid=4) == m.encode(here, rid=4)
+    assert "codec" not in there.to_wire() and there.codec is made_elsewhere  # not changed
+    assert (m.encode(m.PushThenLookupRequest(push=_push(), lookup=there))
+            == m.encode(m.PushThenLookupRequest(push=_push(), lookup=here)))
+    pooled = {"table": "user", "ids": raw_array(IDS), "lengths": raw_array(IDS)}
+    assert (m.encode(m.PooledLookupRequest(**pooled, codec=made_elsewhere))
+            == m.encode(m.PooledLookupRequest(**pooled)))
