@@ -197,24 +197,27 @@ async def test_an_error_in_a_training_step_ends_fit_with_that_error(
 
 @pytest.mark.parametrize("mode", ["sync", "hybrid"])
 async def test_waiting_batches_ride_on_the_push_that_frees_their_slot(
-        cluster: LocalPS, data: SyntheticDataset, mode: str) -> None:
+        cluster: LocalPS, data: SyntheticDataset, mode: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch waiting for a staleness slot is looked up in the same messages as the push
     that frees it: one message per shard for such a step, not two (sync mode: every step
     after the first; hybrid: whenever the window is full when its plan is ready)."""
     calls = {"lookup": 0, "ride": 0}
-    t = trainer(cluster, "le_", mode=mode, staleness=2, head_rate=0.0)  # every row windowed
-    lookup, ride = t.ps.lookup_sharded, t.ps.push_then_lookup
+    async with trainer(cluster, "le_", mode=mode, staleness=2,
+                       head_rate=0.0) as t:  # every row windowed
+        rows = t.rows  # the rows client start() connected, which the steps call
+        lookup, ride = rows.lookup_sharded, rows.push_then_lookup
 
-    async def counted_lookup(*args: object) -> np.ndarray:
-        calls["lookup"] += 1
-        return await lookup(*args)  # type: ignore[arg-type]
+        async def counted_lookup(*args: object) -> np.ndarray:
+            calls["lookup"] += 1
+            return await lookup(*args)  # type: ignore[arg-type]
 
-    async def counted_ride(*args: object) -> object:
-        calls["ride"] += 1
-        return await ride(*args)  # type: ignore[arg-type]
+        async def counted_ride(*args: object) -> object:
+            calls["ride"] += 1
+            return await ride(*args)  # type: ignore[arg-type]
 
-    t.ps.lookup_sharded, t.ps.push_then_lookup = counted_lookup, counted_ride  # type: ignore
-    async with t:
+        monkeypatch.setattr(rows, "lookup_sharded", counted_lookup)
+        monkeypatch.setattr(rows, "push_then_lookup", counted_ride)
         summary = await t.fit(data.batches(128, 128 * 20))
     assert summary.steps == 20 and summary.staleness_max <= (0 if mode == "sync" else 1)
     assert calls["lookup"] + calls["ride"] == 20
