@@ -48,6 +48,7 @@ class WorkerProgress:
         self.staleness_counts: Tally[int] = Tally()  # steps per staleness seen
         self.loss_curve = LossCurve(points=256)
         self.state = "starting"
+        self.window: dict[str, float] | None = None  # staleness auto's latest measurement
         self._losses: deque[float] = deque(maxlen=loss_window)
         self._started: float | None = None
         self.registry = r = CollectorRegistry()
@@ -56,6 +57,11 @@ class WorkerProgress:
         self._rate = Gauge("persimmon_worker_samples_per_second", "samples/s since the start",
                            registry=r)
         self._loss = Gauge("persimmon_worker_loss", "training loss (moving average)", registry=r)
+        self._window = Gauge("persimmon_worker_window",
+                             "staleness window (staleness auto: as last measured)", registry=r)
+        self._round_trip = Gauge("persimmon_worker_round_trip_ms",
+                                 "median wall ms of a batch's lookup, as last measured",
+                                 registry=r)
         self._stale = Gauge("persimmon_worker_staleness",
                             "earlier pushes unacknowledged at the latest lookup", registry=r)
         self._auc = Gauge("persimmon_worker_eval_auc", "latest held-out AUC", registry=r)
@@ -103,6 +109,12 @@ class WorkerProgress:
         self._loss.set(self.loss)
         self._stale.set(staleness)
 
+    def record_window(self, entry: dict[str, float]) -> None:
+        """``staleness auto`` measured again: its step, round trip, step compute and window."""
+        self.window = dict(entry)
+        self._window.set(entry["window"])
+        self._round_trip.set(entry["round_trip_ms"])
+
     def record_eval(self, entry: dict[str, float]) -> None:
         self.last_eval = dict(entry)
         self.evals.append(self.last_eval)
@@ -116,7 +128,7 @@ class WorkerProgress:
                 "samples_per_s": self.samples_per_s,
                 "loss": None if math.isnan(loss) else loss,
                 "staleness": self.staleness, "staleness_max": self.staleness_max,
-                "eval": self.last_eval}
+                "window": self.window, "eval": self.last_eval}
 
     def curves(self) -> dict[str, Any]:
         """The loss curve (``[first step, mean loss]`` of spans of steps), the held-out

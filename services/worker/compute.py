@@ -183,6 +183,10 @@ class ComputeThread(Generic[Item]):
         except BaseException as exc:  # raised by the loop, which awaits results only
             self._report(exc)
 
+    def compute_so_far(self) -> tuple[int, float]:
+        """The training steps this thread has taken and their wall seconds."""
+        return self._steps_done, self._wall
+
     def timing(self) -> dict[str, float]:
         """Mean ms per step: ``step_wall_ms`` and ``step_cpu_ms`` of this thread's training
         steps (wall beyond CPU is time spent waiting for a core or for the GIL), and

@@ -467,6 +467,8 @@ class Trainer:
                 if self._shared_loss:
                     await self._report_grads_loss(shared)
                 self.pipeline.push(item, grads)
+                if await self.pipeline.retune(*compute.compute_so_far()):
+                    self.progress.record_window(self.pipeline.tuner.choice.remeasured[-1])
                 train_acc.add_step(item.batch.labels, logits, loss)
                 self.recent_losses.append(loss)
                 curve.add(self.step, loss)

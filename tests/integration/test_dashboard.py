@@ -64,6 +64,8 @@ class LiveAdmin:
                 self.progress.lookup_seconds.observe(0.002 + 0.0001 * i)
             self.progress.record_eval({"step": self.progress.step, "auc": 0.6 + 0.01 * steps,
                                        "logloss": 0.5, "samples": self.progress.samples})
+            self.progress.record_window({"step": self.progress.step, "window": 2 + steps % 3,
+                                         "round_trip_ms": 0.5 + steps, "step_ms": 4.0})
         self.call(steps_)
 
     def get(self, path: str) -> httpx.Response:
@@ -152,6 +154,8 @@ def test_the_page_shows_what_the_admin_api_serves(admin: LiveAdmin, browser: Any
     assert shown["world"] == progress["world_size"] == 2
     assert shown["auc"] == progress["eval"]["auc"]
     assert shown["staleness"] == [progress["staleness"], progress["staleness_max"]]
+    assert shown["window"] == [progress["window"]["window"], progress["window"]["round_trip_ms"]]
+    assert progress["window"]["round_trip_ms"] == 30.5  # the latest measurement, not the first
 
     metrics = {s.name: s.value for f in text_string_to_metric_families(admin.get("/metrics").text)
                for s in f.samples if not s.labels}

@@ -28,7 +28,7 @@ from services.worker.embedding.collectives import global_barrier, head_vote, ste
 from services.worker.embedding.exchange import StepTimers, embedding_path
 from services.worker.embedding.pipeline import EmbeddingPipeline
 from services.worker.embedding.rows import RowsCapabilities, RowsClient, RowsReplica
-from services.worker.embedding.window import WindowChoice, choose_window
+from services.worker.embedding.window import WindowChoice, WindowTuner, choose_window
 
 __all__ = ["EmbeddingLink", "check_rows_source", "connect"]
 
@@ -115,7 +115,10 @@ async def connect(config: TrainerConfig, *, ps_addresses: Sequence[str] = (),
         pipeline = _pipeline(config, rows, chain_rows=ps if process is not None else None,
                              window=choice.window if choice is not None else config.window,
                              tables=tables, timers=timers, worker=worker, workers=workers,
-                             replica=head_replica)
+                             replica=head_replica,
+                             tuner=(WindowTuner(choice, most=config.window or 1)
+                                    if choice is not None and choice.round_trip_ms > 0
+                                    and workers == 1 else None))
         pipeline.check_tables()
     except BaseException:
         if process is not None:
@@ -128,7 +131,8 @@ async def connect(config: TrainerConfig, *, ps_addresses: Sequence[str] = (),
 
 def _pipeline(config: TrainerConfig, rows: RowsClient, *, chain_rows: RowsClient | None,
               window: int | None, tables: Mapping[str, str] | None, timers: StepTimers | None,
-              worker: int, workers: int, replica: RowsReplica | None) -> EmbeddingPipeline:
+              worker: int, workers: int, replica: RowsReplica | None,
+              tuner: WindowTuner | None) -> EmbeddingPipeline:
     cfg = config
     hybrid = cfg.mode == "hybrid"
     return EmbeddingPipeline(
@@ -143,4 +147,4 @@ def _pipeline(config: TrainerConfig, rows: RowsClient, *, chain_rows: RowsClient
         step_gate=(step_gate()
                    if cfg.mode in ("sync", "hybrid") and cfg.global_bound else None),
         head_vote=head_vote(workers) if hybrid and cfg.head_rate else None,
-        replica=replica)
+        replica=replica, tuner=tuner)

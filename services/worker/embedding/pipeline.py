@@ -83,6 +83,7 @@ from services.worker.embedding.replica_seeds import ReplicaSeeds, Seeds
 from services.worker.embedding.routes import DirectHot, HotPolicy, RouteSettings
 from services.worker.embedding.rows import RowsCapabilities, RowsClient, RowsReplica
 from services.worker.embedding.slots import Rider, Slots
+from services.worker.embedding.window import WindowTuner
 from services.worker.pooling import BatchPlan, plan_batch
 from services.worker.readahead import READ_AHEAD, ReadAhead
 
@@ -150,7 +151,8 @@ class EmbeddingPipeline:
     has a batch for the step (the bound across workers; see the module doc); ``head_vote``:
     decides the head ids with every worker's counts (:mod:`services.worker.embedding.head_vote`);
     ``replica``: keeps the head rows where the rows are remote and this is the only worker
-    (:mod:`services.worker.embedding.routes`)."""
+    (:mod:`services.worker.embedding.routes`); ``tuner``: sizes the window again as the run
+    goes (:meth:`retune`, ``staleness auto``)."""
 
     def __init__(self, rows: RowsClient, *, window: int | None, prefetch: int = 8,
                  chain_rows: RowsClient | None = None,
@@ -162,7 +164,8 @@ class EmbeddingPipeline:
                  hot_barrier: Callable[[], Awaitable[Any]] | None = None,
                  step_gate: Callable[[bool], Awaitable[bool]] | None = None,
                  head_vote: Callable[[Ballot], Awaitable[dict[int, np.ndarray]]] | None = None,
-                 replica: RowsReplica | None = None) -> None:
+                 replica: RowsReplica | None = None, tuner: WindowTuner | None = None
+                 ) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
             raise ConfigError(f"window must be an int >= 1 or None, got {window!r}")
@@ -203,6 +206,7 @@ class EmbeddingPipeline:
         self._slots = Slots(window)  # the staleness window (services.worker.embedding.slots)
         self._pushes: set[asyncio.Task[None]] = set()
         self._acknowledge: Callable[[Batch], Awaitable[Any]] | None = None
+        self.tuner = tuner  # staleness auto: the window measured again as the job runs
 
     # ---- tables and plans ---------------------------------------------------------------
 
@@ -307,6 +311,18 @@ class EmbeddingPipeline:
     def _copy(self, seeds: Seeds) -> Awaitable[Any]:
         return self._seeding.copy(self.rows, seeds) if self._seeding else asyncio.sleep(0)
 
+    async def retune(self, steps: int, compute_wall_s: float) -> bool:
+        """Measure the window again (``staleness auto``: :class:`WindowTuner`) after
+        ``steps`` steps of ``compute_wall_s`` compute, and resize it where that changes it;
+        whether it was measured now."""
+        if self.tuner is None or self._read_ahead is not None:
+            return False
+        measured = len(self.tuner.choice.remeasured)
+        if (window := self.tuner.measure(steps, compute_wall_s)) is not None:
+            await self._slots.resize(window)
+            self.window = window
+        return len(self.tuner.choice.remeasured) > measured
+
     def head_count(self) -> int:
         """Head ids now (0 without head ids)."""
         return self.heads.head_count() if self.heads is not None else 0
@@ -362,7 +378,8 @@ class EmbeddingPipeline:
         plan, a lookup or ``put``) goes to ``fail`` instead. ``first(batch)`` runs once, after
         the first batch's plan (a model built from it)."""
         ahead: asyncio.Queue[_Ahead | None] = asyncio.Queue(
-            maxsize=self.window or self.prefetch)
+            maxsize=(self.tuner.most if self.tuner is not None else self.window)
+            or self.prefetch)
         feeder = asyncio.create_task(self._hand_over(ahead, put, fail))
         try:
             taken = 0
@@ -432,7 +449,10 @@ class EmbeddingPipeline:
 
     async def _look_up(self, plan: BatchPlan, staleness: int, seeds: Seeds) -> tuple[Rows, int]:
         """The windowed groups' rows (the replica copies ``seeds`` meanwhile)."""
+        started = time.perf_counter()
         done = await asyncio.gather(self.lookup(plan, self._windowed), self._copy(seeds))
+        if self.tuner is not None:
+            self.tuner.lookup_took(time.perf_counter() - started)
         return cast(Rows, done[0]), staleness
 
     async def _ride(self, rider: Rider, seeds: Seeds) -> tuple[Rows, int]:
@@ -508,6 +528,8 @@ class EmbeddingPipeline:
                 state.rows = await self._push_then_lookup(plan, sent, rider.plan)
                 if self._timers is not None:
                     self._timers.lookup_seconds.observe(time.perf_counter() - started)
+                if self.tuner is not None:
+                    self.tuner.lookup_took(time.perf_counter() - started)
             if hot_push is not None:
                 await hot_push
             if self._timers is not None:

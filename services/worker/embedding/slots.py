@@ -9,6 +9,11 @@ brought back. A slot freed while a rider is still carried waits (spare) until no
 goes to the next rider (slot only: it came after the pushes had left) or back to the
 semaphore: lookups start in batch order, so that a batch's lookup never starts before an
 earlier batch's, whose push (not even computed) it would miss beyond the bound.
+
+:meth:`Slots.resize` changes the number of slots as a run goes (``staleness auto``
+re-measured): a larger window's new slots are free at once; a smaller one keeps the slots it
+loses as a debt, paid by the next slots freed, so no lookup ever sees more earlier pushes
+unacknowledged than the size it started under.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.errors import InvalidArgument
 from services.worker.pooling import BatchPlan
 
 __all__ = ["Rider", "Slots"]
@@ -43,7 +49,9 @@ class Slots:
 
     def reset(self, size: int | None) -> None:
         """Every slot free, no rider (a run's start)."""
+        self.size = size
         self._free = asyncio.Semaphore(size) if size is not None else None
+        self._debt = 0  # slots a smaller window took away, not yet back
         self._riders: collections.deque[Rider] = collections.deque()
         self.unacked = 0  # batches whose lookup started and whose push is not acknowledged
         self._carried = 0  # riders whose lookup travels with a push not yet acknowledged
@@ -67,8 +75,9 @@ class Slots:
         return rider
 
     def carry(self) -> Rider | None:
-        """The rider the push leaving now carries (None: none waits)."""
-        if not self._riders:
+        """The rider the push leaving now carries (None: none waits, or the slot it frees
+        pays a smaller window's debt)."""
+        if not self._riders or self._debt:
             return None
         self._carried += 1
         return self._riders.popleft()
@@ -87,7 +96,29 @@ class Slots:
         self._spare += 1
         self._pass_spare()
 
+    async def resize(self, size: int) -> None:
+        """``size`` slots from now on (see the module doc); not for an unbounded window."""
+        if self.size is None or self._free is None:
+            raise InvalidArgument("an unbounded window (async mode) has no slots to resize")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise InvalidArgument(f"a window must be an int >= 1, got {size!r}")
+        grown = size - self.size
+        self.size = size
+        if grown < 0:
+            self._debt -= grown
+            while self._debt and not self._free.locked():  # free slots go first (at once)
+                await self._free.acquire()
+                self._debt -= 1
+            return
+        repaid = min(grown, self._debt)  # slots still owed are simply not taken back
+        self._debt -= repaid
+        self._spare += grown - repaid
+        self._pass_spare()
+
     def _pass_spare(self) -> None:
+        while self._spare and self._debt:  # a smaller window: freed slots pay its debt
+            self._spare -= 1
+            self._debt -= 1
         while self._spare and not self._carried:
             self._spare -= 1
             rider = self._riders.popleft() if self._riders else None

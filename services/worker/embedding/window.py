@@ -9,6 +9,13 @@ requests) and picks the smallest window that hides it behind the compute of a st
 process or answer within :data:`NO_ROUND_TRIP_MS`, else one batch in flight
 per :data:`STEP_FLOOR_MS` of round trip, at most :data:`MAX_AUTO_WINDOW`. A number given
 for the staleness pins the window instead.
+
+As the job runs, :class:`WindowTuner` measures again, every :data:`RETUNE_STEPS` steps, what
+the window hides and what hides it: the median wall time of the batches' own lookups (their
+rows, queueing and payloads included, which a probe of the tables' description does not
+carry) against the compute of a step as the compute thread timed it, and sizes the window
+(:func:`window_for`) to hide the one behind the other. Each measurement goes to the summary's
+``window_choice["remeasured"]`` and to the live page.
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from services.worker.embedding.rows import DirectRows, RowsClient
 
-__all__ = ["MAX_AUTO_WINDOW", "NO_ROUND_TRIP_MS", "STEP_FLOOR_MS", "WindowChoice",
-           "auto_window", "choose_window", "probe_round_trip_ms"]
+__all__ = ["MAX_AUTO_WINDOW", "NO_ROUND_TRIP_MS", "RETUNE_STEPS", "STEP_FLOOR_MS",
+           "WindowChoice", "WindowTuner", "auto_window", "choose_window", "probe_round_trip_ms",
+           "window_for"]
 
 # a round trip this short is a call in this process: there is nothing to hide
 NO_ROUND_TRIP_MS = 0.05
@@ -31,6 +40,7 @@ NO_ROUND_TRIP_MS = 0.05
 STEP_FLOOR_MS = 2.0
 MAX_AUTO_WINDOW = 8
 PROBES = 16
+RETUNE_STEPS = 200  # steps between two measurements of a running job
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +50,11 @@ class WindowChoice:
     window: int
     round_trip_ms: float
     reason: str
+    remeasured: list[dict[str, float]] = field(default_factory=list)  # WindowTuner's
 
     def as_dict(self) -> dict[str, object]:
         return {"window": self.window, "round_trip_ms": round(self.round_trip_ms, 4),
-                "reason": self.reason}
+                "reason": self.reason, "remeasured": list(self.remeasured)}
 
 
 def auto_window(round_trip_ms: float) -> int:
@@ -54,6 +65,55 @@ def auto_window(round_trip_ms: float) -> int:
     if round_trip_ms < NO_ROUND_TRIP_MS:
         return 1
     return min(MAX_AUTO_WINDOW, 1 + math.ceil(round_trip_ms / STEP_FLOOR_MS))
+
+
+def window_for(round_trip_ms: float, step_ms: float, *, most: int = MAX_AUTO_WINDOW) -> int:
+    """The smallest window whose ``window - 1`` steps of ``step_ms`` compute hide a round trip
+    of ``round_trip_ms`` (1 where there is none), at most ``most``."""
+    if not round_trip_ms >= 0 or not step_ms > 0:
+        raise ValueError(f"round_trip_ms must be >= 0 and step_ms > 0, got {round_trip_ms!r} "
+                         f"and {step_ms!r}")
+    if round_trip_ms < NO_ROUND_TRIP_MS:
+        return 1
+    return max(1, min(most, 1 + math.ceil(round_trip_ms / step_ms)))
+
+
+class WindowTuner:
+    """The window of a running job, measured again every ``every`` steps (see the module
+    doc): ``lookup_took`` gets each batch lookup's wall seconds, ``measure`` the compute
+    thread's steps and wall seconds so far, and returns the window to use from now on when
+    it changes. Each measurement is appended to ``choice.remeasured``."""
+
+    def __init__(self, choice: WindowChoice, *, most: int = MAX_AUTO_WINDOW,
+                 every: int | None = None) -> None:
+        every = RETUNE_STEPS if every is None else every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        self.choice, self.most, self.every = choice, most, every
+        self.window = choice.window
+        self.round_trip_ms = choice.round_trip_ms
+        self._trips: list[float] = []
+        self._last = (0, 0.0)  # (steps, compute wall seconds) at the last measurement
+
+    def lookup_took(self, seconds: float) -> None:
+        self._trips.append(seconds * 1e3)
+
+    def measure(self, steps: int, wall_s: float) -> int | None:
+        """The new window after ``steps`` steps of ``wall_s`` compute (both since the job's
+        start) where it is time to measure and the window changes, else None."""
+        done, spent = steps - self._last[0], wall_s - self._last[1]
+        if done < self.every or not self._trips or spent <= 0:
+            return None
+        self._last = (steps, wall_s)
+        self.round_trip_ms = statistics.median(self._trips)
+        self._trips.clear()
+        step_ms = spent * 1e3 / done
+        window = window_for(self.round_trip_ms, step_ms, most=self.most)
+        entry: dict[str, Any] = {"step": steps, "round_trip_ms": round(self.round_trip_ms, 4),
+                                 "step_ms": round(step_ms, 4), "window": window}
+        self.choice.remeasured.append(entry)
+        changed, self.window = window != self.window, window
+        return window if changed else None
 
 
 async def probe_round_trip_ms(rows: RowsClient, probes: int = PROBES) -> float:

@@ -17,6 +17,7 @@ from services.ps.tables import TableConfig
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
+from services.worker.embedding import window
 from services.worker.embedding.window import MAX_AUTO_WINDOW, auto_window, choose_window
 
 DATA = SyntheticConfig(seed=2)
@@ -71,3 +72,32 @@ async def test_a_round_trip_to_hide_gets_a_window() -> None:
                 assert 0 < summary.staleness_max < summary.staleness
     finally:
         await shard.close()
+
+
+async def test_a_running_job_measures_its_window_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every few steps (here 4) the job times its own lookups through the proxy against its
+    steps' compute, and the summary and the live figures carry each measurement."""
+    monkeypatch.setattr(window, "RETUNE_STEPS", 4)
+    tables = [from_dict(TableConfig, t, where="table") for t in TABLES]
+    shard = PSService(PSConfig(shard_id=0, num_shards=1, grpc_port=0, admin_port=0,
+                               tables=tables))
+    await shard.start()
+    try:
+        with LatencyProxy([shard.address], rtt_ms=6.0) as proxy:
+            async with PSClient(proxy.addresses) as rows:
+                batches = list(SyntheticDataset(DATA).batches(128, 128 * 14))
+                async with Trainer(model=ModelConfig(name="dlrm"), rows_client=rows,
+                                   lr=3e-3) as trainer:
+                    summary = await trainer.fit(batches)
+                    live = trainer.progress.as_dict()["window"]
+    finally:
+        await shard.close()
+    remeasured = summary.window_choice["remeasured"]
+    assert [m["step"] for m in remeasured] == [4, 8, 12]
+    for m in remeasured:  # a batch's lookup crosses the proxy: at least its round trip
+        assert m["round_trip_ms"] >= 5.0 and m["step_ms"] > 0
+        assert m["window"] >= 2  # a 6 ms trip hides behind at least one step in flight
+    assert live == remeasured[-1]
+    assert summary.staleness == remeasured[-1]["window"]
+    assert summary.staleness_max < max([summary.window_choice["window"],
+                                        *(m["window"] for m in remeasured)])
