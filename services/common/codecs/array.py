@@ -22,7 +22,7 @@ from msgspec import Meta
 from services.common.errors import MalformedMessage
 from services.common.wire import explain
 
-__all__ = ["ALLOWED_DTYPES", "MAX_ARRAY_ELEMENTS", "CodecMeta", "WireArray"]
+__all__ = ["ALLOWED_DTYPES", "MAX_ARRAY_ELEMENTS", "MAX_WRAPPERS", "CodecMeta", "WireArray"]
 
 ALLOWED_DTYPES = frozenset(
     {"float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32",
@@ -41,10 +41,21 @@ Shape = Annotated[tuple[Dim, ...], Meta(max_length=MAX_DIMS)]
 CodecName = Annotated[str, Meta(min_length=1, max_length=64)]
 MetaKey = Annotated[str, Meta(max_length=64)]
 MetaScalar = int | float | str | bool | None
-#: a codec's parameters: scalars, and the inner codec's map under a lossless wrapper
-CodecMeta = Annotated[dict[MetaKey, MetaScalar | Annotated[dict[MetaKey, MetaScalar],
-                                                           Meta(max_length=64)]],
-                      Meta(max_length=64)]
+#: lossless wrappers a codec may stack (the depth of its meta; bounds what decoders cache)
+MAX_WRAPPERS = 2
+
+
+def _nested_meta(wrappers: int) -> Any:
+    """A codec's meta under ``wrappers`` lossless wrappers: scalars, and each wrapper's
+    inner codec's meta as a map (``"m"``), as deep as the wrappers go."""
+    meta: Any = Annotated[dict[MetaKey, MetaScalar], Meta(max_length=64)]
+    for _ in range(wrappers):
+        meta = Annotated[dict[MetaKey, MetaScalar | meta], Meta(max_length=64)]
+    return meta
+
+
+#: a codec's parameters: scalars, and the inner codec's map under each lossless wrapper
+CodecMeta = _nested_meta(MAX_WRAPPERS)
 
 
 class BadArray(MalformedMessage, ValueError):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from services.common.codecs.array import WireArray
+from services.common.codecs.array import MAX_WRAPPERS, WireArray
 from services.common.codecs.base import Codec
 from services.common.codecs.floats import BF16Codec, FP16Codec, NoneCodec
 from services.common.codecs.lossless import WRAPPERS, LosslessCodec
@@ -37,7 +37,6 @@ __all__ = [
 ]
 
 CODECS: dict[str, type[Codec]] = {}
-MAX_WRAPPERS = 2  # bounds the names decoder() can cache
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:

@@ -171,10 +171,10 @@ def _push_body() -> dict:
     ({"client": None}, "needs the field 'client'"),
     ({"seq": None}, "needs the field 'seq'"),
     ({"seq": 0}, "seq must be a push sequence number >= 1"),
-    ({"seq": -1}, "non-negative int"),
-    ({"client": 2**63}, "non-negative int"),
-    ({"client": "3"}, "non-negative int"),
-    ({"seq": 1.5}, "non-negative int"),
+    ({"seq": -1}, r"\.seq: Expected `int` >= 0"),
+    ({"client": 2**63}, r"\.client: Expected `int` <= 9223372036854775807"),
+    ({"client": "3"}, r"\.client: Expected `int`, got `str`"),
+    ({"seq": 1.5}, r"\.seq: Expected `int`, got `float`"),
 ])
 def test_push_messages_need_a_well_formed_origin(change, match):
     body = {k: v for k, v in (_push_body() | change).items() if v is not None}
