@@ -93,7 +93,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +167,7 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
 
         stream = batches.batches()
         while step < steps:
-            batch = await anext(stream)
+            batch = await _next_batch(stream, pushes)
             while len(pushes) >= window:
                 done, _ = await asyncio.wait(pushes, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -186,6 +186,21 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
             if step % cut_every == 0 or step == steps:
                 await cut.cut(step, drain=drain, dense=json.dumps({"step": step}).encode())
     return step
+
+
+async def _next_batch(stream: AsyncIterator[Any], pushes: set[asyncio.Task[None]]) -> Any:
+    """The next batch of ``stream``; a push of ``pushes`` that fails meanwhile raises first
+    (a fenced worker ends on its StaleEpoch, not on a loader gone meanwhile)."""
+    waiting = asyncio.ensure_future(anext(stream))
+    try:
+        while not waiting.done():
+            done, _ = await asyncio.wait({waiting, *pushes}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {waiting}:
+                pushes.discard(task)
+                task.result()
+        return waiting.result()
+    finally:
+        waiting.cancel()
 
 
 def _worker_main(argv: list[str]) -> int:
