@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -22,12 +23,15 @@ from clients._stream import MultiplexedStream
 from services.common import messages as msg
 from services.common.auth import ClientSecurity
 from services.common.codecs import Codec, RowEncoder, codec_without_feedback
-from services.common.errors import error_from_grpc
+from services.common.errors import FailedPrecondition, error_from_grpc
+from services.common.registry import discover_shards, open_registry
 from services.common.rpc import CLIENT_ID_KEY, open_channel
 
-__all__ = ["PushNumbers", "ShardConnection", "ShardOwner"]
+__all__ = ["PushNumbers", "Resolver", "ShardAddresses", "ShardConnection", "ShardSettings",
+           "registry_resolver"]
 
 R = TypeVar("R", bound=msg.Message)
+Resolver = Callable[[], Awaitable[Sequence[str]]]  # the shards' addresses, in shard order
 SERVICE = "/persimmon.PS/"
 
 
@@ -47,32 +51,59 @@ class PushNumbers:
         return next(counter)
 
 
-class ShardOwner(Protocol):
-    """What a shard connection reads of the client that owns it (a ``PSClient``)."""
+class ShardAddresses:
+    """The shards' addresses in shard order, refreshed from ``resolver`` where there is one
+    (e.g. a registry: a restarted shard may come back on another port); the number of shards
+    must not change. The client and each of its shard connections share one."""
 
-    @property
-    def addresses(self) -> Sequence[str]: ...
-    @property
-    def grads_codec(self) -> str: ...
-    @property
-    def retry_s(self) -> float: ...
-    @property
-    def max_message_bytes(self) -> int: ...
-    @property
-    def security(self) -> ClientSecurity: ...
-    @property
-    def push_numbers(self) -> PushNumbers: ...
+    def __init__(self, addresses: Sequence[str], resolver: Resolver | None) -> None:
+        self.addresses = list(addresses)
+        self.resolver = resolver
 
-    async def resolve(self) -> None: ...
+    async def resolve(self) -> None:
+        """Refresh the addresses from the resolver (none: nothing to do)."""
+        if self.resolver is None:
+            return
+        addresses = list(await self.resolver())
+        if self.addresses and len(addresses) != len(self.addresses):
+            raise FailedPrecondition(f"the PS now has {len(addresses)} shards, the client "
+                                     f"was connected to {len(self.addresses)}")
+        self.addresses = addresses
+
+
+def registry_resolver(url: str, timeout_s: float) -> Resolver:
+    """A resolver of the shards registered at ``url`` (waiting up to ``timeout_s`` for every
+    one of them)."""
+    async def resolve() -> list[str]:
+        registry = open_registry(url)
+        try:
+            shards = await discover_shards(registry, timeout_s=timeout_s)
+        finally:
+            await registry.close()
+        return [m.address for m in shards]
+
+    return resolve
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSettings:
+    """What every shard connection of one client is opened with."""
+
+    grads_codec: str
+    retry_s: float
+    max_message_bytes: int
+    security: ClientSecurity
+    push_numbers: PushNumbers
 
 
 class ShardConnection:
-    """Channel and streams to shard ``index`` of ``client``; reopened on failure."""
+    """Channel and streams to shard ``index`` of ``shards``, opened with ``settings``;
+    reopened (at the address resolved again) on failure."""
 
-    def __init__(self, client: ShardOwner, index: int) -> None:
-        self.client = client
+    def __init__(self, settings: ShardSettings, shards: ShardAddresses, index: int) -> None:
+        self.settings, self.shards = settings, shards
         self.index = index
-        self.address = client.addresses[index]
+        self.address = shards.addresses[index]
         self.epoch = 0  # the shard's epoch as last learned (0: a shard without epochs)
         self.channel = self._open()
         self._reconnecting = asyncio.Lock()
@@ -80,11 +111,11 @@ class ShardConnection:
         self.push = self._stream("Push")
         self.push_then_lookup = self._stream("PushThenLookup")
         self.grads_encoders: dict[str, RowEncoder] = {}  # per table: residuals per id
-        self.grads_encoder = RowEncoder(client.grads_codec)  # a whole message's, no residuals
+        self.grads_encoder = RowEncoder(settings.grads_codec)  # a whole message's, no residuals
         self.grads_per_table = self.grads_encoder.feedback is not None
         self.pooled_lookup = self._stream("PooledLookup")
         self.pooled_push = self._stream("PooledPush")
-        self.pooled_grads_codec: Codec = codec_without_feedback(client.grads_codec)[0]
+        self.pooled_grads_codec: Codec = codec_without_feedback(settings.grads_codec)[0]
 
     def grads_codecs(self) -> list[Codec]:
         """Every codec this shard's gradients go through (whole messages, per table, pooled)."""
@@ -93,24 +124,24 @@ class ShardConnection:
 
     def next_seq(self) -> int:
         """The sequence number of the next push message to this shard."""
-        return self.client.push_numbers.next(self.index)
+        return self.settings.push_numbers.next(self.index)
 
     def _open(self) -> grpc.aio.Channel:
-        return open_channel(self.address, self.client.security, self.client.max_message_bytes)
+        return open_channel(self.address, self.settings.security, self.settings.max_message_bytes)
 
     def _stream(self, method: str) -> MultiplexedStream:
-        identity = ((CLIENT_ID_KEY, str(self.client.push_numbers.client_id)),)
+        identity = ((CLIENT_ID_KEY, str(self.settings.push_numbers.client_id)),)
         return MultiplexedStream(self.channel, SERVICE + method, reconnect=self.reconnect,
-                                 retry_s=self.client.retry_s,
-                                 metadata=(self.client.security.metadata() or ()) + identity)
+                                 retry_s=self.settings.retry_s,
+                                 metadata=(self.settings.security.metadata() or ()) + identity)
 
     async def reconnect(self, failed: grpc.aio.Channel) -> grpc.aio.Channel:
         """A fresh channel to this shard's (re-resolved) address, once per failed channel."""
         async with self._reconnecting:
             ready = failed.get_state() == grpc.ChannelConnectivity.READY
             if failed is self.channel and not ready:  # a READY channel is kept: no cascade
-                await self.client.resolve()
-                self.address = self.client.addresses[self.index]
+                await self.shards.resolve()
+                self.address = self.shards.addresses[self.index]
                 self.channel = self._open()
                 for stream in vars(self).values():
                     if isinstance(stream, MultiplexedStream):
@@ -122,7 +153,7 @@ class ShardConnection:
         call = self.channel.unary_unary(SERVICE + method)
         try:
             return msg.decode(reply, await call(
-                msg.encode(request), timeout=timeout, metadata=self.client.security.metadata()))
+                msg.encode(request), timeout=timeout, metadata=self.settings.security.metadata()))
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), f"{self.address}: {exc.details()}") from exc
 

@@ -24,14 +24,21 @@ restored state calls :meth:`PSClient.resync` and goes on.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 
-from clients._ps_shard import PushNumbers, ShardConnection
+from clients._ps_shard import (
+    PushNumbers,
+    Resolver,
+    ShardAddresses,
+    ShardConnection,
+    ShardSettings,
+    registry_resolver,
+)
 from services.common import messages as msg
 from services.common.auth import ClientSecurity
 from services.common.codecs import (
@@ -51,7 +58,6 @@ from services.common.errors import (
     NotFound,
     Unavailable,
 )
-from services.common.registry import discover_shards, open_registry
 from services.common.retry import RetryPolicy
 from services.common.sharding import ShardedIds, split_by_shard
 from services.common.tls import ClientTLS
@@ -60,7 +66,6 @@ from services.common.wire import MAX_MESSAGE_BYTES
 __all__ = ["PSClient", "PushAck"]
 
 T = TypeVar("T")
-Resolver = Callable[[], Awaitable[Sequence[str]]]
 
 
 @dataclass(slots=True)
@@ -135,12 +140,11 @@ class PSClient:
             raise InvalidArgument(f"retry_s must be >= 0, got {retry_s}")
         get_codec(rows_codec)  # fail early on a bad name
         get_codec(grads_codec)
-        self.addresses = list(addresses)
+        self._book = ShardAddresses(addresses, resolver)
         self.rows_codec = rows_codec
         self.grads_codec = grads_codec
         self.timeout = timeout
         self.retry_s = retry_s
-        self.resolver = resolver
         self.max_message_bytes = max_message_bytes
         self.security = ClientSecurity.resolve(token=token, tls=tls)
         self._shards: list[ShardConnection] = []
@@ -153,15 +157,7 @@ class PSClient:
     def from_registry(cls, url: str, *, discover_timeout_s: float = 60.0,
                       **kwargs: Any) -> PSClient:
         """A client whose shard addresses come from the registry at ``url``."""
-        async def resolve() -> list[str]:
-            registry = open_registry(url)
-            try:
-                shards = await discover_shards(registry, timeout_s=discover_timeout_s)
-            finally:
-                await registry.close()
-            return [m.address for m in shards]
-
-        return cls([], resolver=resolve, **kwargs)
+        return cls([], resolver=registry_resolver(url, discover_timeout_s), **kwargs)
 
     @property
     def num_shards(self) -> int:
@@ -179,15 +175,14 @@ class PSClient:
             raise DeadlineExceeded(f"no reply from the PS within {self._budget_s:g} s "
                                    "(timeout + retry_s)") from exc
 
+    @property
+    def addresses(self) -> list[str]:
+        """The shards' addresses, in shard order (as last resolved)."""
+        return self._book.addresses
+
     async def resolve(self) -> None:
         """Refresh ``addresses`` from the resolver (the shard count must not change)."""
-        if self.resolver is None:
-            return
-        addresses = list(await self.resolver())
-        if self.addresses and len(addresses) != len(self.addresses):
-            raise FailedPrecondition(f"the PS now has {len(addresses)} shards, the client "
-                                     f"was connected to {len(self.addresses)}")
-        self.addresses = addresses
+        await self._book.resolve()
 
     async def _tables_of_every_shard(self) -> list[msg.TablesReply]:
         retrying = RetryPolicy(deadline_s=self.retry_s).begin(what="PS Tables")
@@ -204,7 +199,10 @@ class PSClient:
     async def connect(self) -> PSClient:
         """Open channels and check that address ``i`` serves shard ``i`` of ``len(addresses)``."""
         await self.resolve()
-        self._shards = [ShardConnection(self, i) for i in range(len(self.addresses))]
+        settings = ShardSettings(self.grads_codec, self.retry_s, self.max_message_bytes,
+                                 self.security, self.push_numbers)
+        self._shards = [ShardConnection(settings, self._book, i)
+                        for i in range(len(self.addresses))]
         infos = await self._tables_of_every_shard()
         for i, info in enumerate(infos):
             if info.shard_id != i or info.num_shards != self.num_shards:

@@ -290,8 +290,9 @@ class Trainer:
 
     def codec_rows(self) -> list[dict[str, Any]]:
         """Raw and wire bytes per stream and codec: the PS payloads, the dense exchange this
-        trainer set up and DCT-MP activations (exported as ``persimmon_codec_bytes_total``)."""
-        rows = self.pipeline.codec_stats().rows()
+        trainer set up and DCT-MP activations (exported as ``persimmon_codec_bytes_total``; no PS
+        payloads before :meth:`start`)."""
+        rows = self._link.pipeline.codec_stats().rows() if self._link is not None else []
         dense = (self.config.dense_optimizer if self.config.dense_optimizer in ONEBIT_OPTIMIZERS
                  else self.config.dense_codec)
         for stream, codec, stats in (("dense_allreduce", dense, self._dense_stats),
