@@ -379,15 +379,19 @@ class ChaosJob:
 
     def failure(self) -> str:
         """What died that no fault killed: each process, its exit code and, for a worker,
-        how it ended (its exit file) and its log's last line."""
+        how it ended (its exit file) and its log's last line (a living worker's too: what
+        it was waiting for)."""
         died = []
         for rank, proc in enumerate(self.workers):
-            if proc.poll() not in (None, 0):
+            lines = self.log_file(self.run, rank).read_text(errors="replace").splitlines()
+            last = lines[-1] if lines else "no log"
+            if proc.poll() is None:
+                died.append(f"run {self.run} rank {rank} alive: {last}")
+            elif proc.poll() != 0:
                 ended = self.exit_file(self.run, rank)
-                lines = self.log_file(self.run, rank).read_text(errors="replace").splitlines()
                 died.append(f"run {self.run} rank {rank} exited {proc.poll()} "
                             f"({ended.read_text() if ended.exists() else 'no exit file'}): "
-                            f"{lines[-1] if lines else 'no log'}")
+                            f"{last}")
         for name, proc in [*((f"ps {k}", p) for k, p in enumerate(self.ps)),
                            ("loader", self.loader)]:
             if proc is not None and proc.poll() is not None:
