@@ -10,6 +10,12 @@ Layout (the service file set of STYLE.md):
 - ``parsers`` (one-pass text parser), ``arrow`` (Parquet/JSON), ``schema``, ``hashing``
 - ``batching`` (rows, shuffle, ack accounting), ``dispatch`` (credits), ``pipeline``
 - ``planted``: the planted data set and its oracle metrics
+- ``featurize``: a model version's :class:`FeatureSpec`, how raw records become model inputs
+  exactly as the loader made them in training (serving featurizes with it)
 
 The batch type workers receive is :class:`services.common.batch.Batch`.
 """
+
+from services.loader.featurize import Features, FeatureSpec, spec_from_source
+
+__all__ = ["FeatureSpec", "Features", "spec_from_source"]

@@ -16,11 +16,11 @@ Layout (the service file set of STYLE.md):
 
 from __future__ import annotations
 
+from services.loader import Features, FeatureSpec, spec_from_source
 from services.serve.export import list_versions, prune, read_manifest, write_version
 from services.serve.predictor import Predictor
 from services.serve.rows import InitialRows, TableRows
 from services.serve.sources import export_job_checkpoint, export_trainer
-from services.serve.spec import Features, FeatureSpec, spec_from_source
 
 __all__ = ["FeatureSpec", "Features", "InitialRows", "Predictor", "TableRows",
            "export_job_checkpoint", "export_trainer", "list_versions", "prune",

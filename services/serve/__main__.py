@@ -21,11 +21,11 @@ from services.common.commands import add_service_command, run_commands
 from services.common.config import add_flags, flag_values, from_dict, load_config, print_config
 from services.common.errors import ConfigError, NotFound
 from services.common.lifecycle import run_service
+from services.loader import spec_from_source
 from services.serve.config import ExportConfig, ServeConfig
 from services.serve.export import list_versions
 from services.serve.rows import InitialRows
 from services.serve.sources import ReadShards, export_job_checkpoint
-from services.serve.spec import spec_from_source
 from services.worker.models import ModelConfig
 
 __all__ = ["export_from_flags", "load_export_config", "load_serve_config", "main",

@@ -22,8 +22,8 @@ import numpy as np
 
 from services.common.errors import Internal, InvalidArgument, PersimmonError, Unavailable
 from services.common.lifecycle import cancel_and_wait
+from services.loader import Features
 from services.serve.predictor import Predictor
-from services.serve.spec import Features
 
 __all__ = ["Answer", "MicroBatcher"]
 

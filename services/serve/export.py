@@ -4,7 +4,7 @@ Layout (``DIR`` is the model directory ``persimmon serve --model-dir`` watches):
 
     DIR/<version-id>/manifest.json        written last: a version is complete once it exists
                     /dense.safetensors    the model's state_dict (services/serve/weights.py)
-                    /feature_spec.json    how raw records become inputs (services/serve/spec.py)
+                    /feature_spec.json    how raw records become inputs (services/loader/featurize.py)
                     /t<i>-ids.npy, t<i>-rows.npy[, t<i>-scale.npy]   rows (services/serve/rows.py)
                     [/t<i>-tombstones.npy]   ids deleted since the base (incremental only)
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.files import publish_dir, read_json, write_durable
+from services.loader import FeatureSpec
 from services.serve.rows import (
     ROW_DTYPES,
     EmbeddingRows,
@@ -54,7 +55,6 @@ from services.serve.rows import (
     encode_rows,
     find_sorted,
 )
-from services.serve.spec import FeatureSpec
 from services.serve.weights import DENSE, check_dense_state, dense_bytes
 from services.worker.models import ModelConfig
 from services.worker.pooling import POOLING_MODES

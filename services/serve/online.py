@@ -32,9 +32,9 @@ from typing import Any
 import httpx
 
 from services.common.errors import ConfigError, PersimmonError
+from services.loader import FeatureSpec, spec_from_source
 from services.loader.hashing import DenseTransform
 from services.serve.sources import ReadShards, export_job_checkpoint
-from services.serve.spec import FeatureSpec, spec_from_source
 from services.worker.config import TrainerConfig
 from services.worker.job_checkpoints import JobCheckpointer, dense_part
 from services.worker.models import ModelConfig

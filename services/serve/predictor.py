@@ -27,9 +27,9 @@ import torch
 from services.common.batch import Jagged
 from services.common.config import from_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
+from services.loader import Features, FeatureSpec
 from services.serve.export import SPEC, open_tables, verify_version, version_chain
 from services.serve.rows import EmbeddingRows, InitialRows, PSLookup, PSRows, lookup_tables
-from services.serve.spec import Features, FeatureSpec
 from services.serve.weights import read_dense
 from services.worker.models import ModelConfig
 from services.worker.pooling import plan_batch, pool_batch

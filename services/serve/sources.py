@@ -19,8 +19,8 @@ from typing import Any
 
 from services.common.checkpoints import read_job_manifest, read_part
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.loader import FeatureSpec
 from services.serve.export import SnapshotLike, tables_from_snapshots, write_version
-from services.serve.spec import FeatureSpec
 from services.worker.job_checkpoints import load_dense_part
 from services.worker.models import ModelConfig
 

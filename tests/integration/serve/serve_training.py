@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from services.common.batch import Batch
+from services.loader import FeatureSpec
 from services.ps.checkpoint import read_checkpoint
 from services.ps.config import PSConfig
 from services.ps.service import PSService
@@ -20,7 +21,6 @@ from services.serve.config import ServeConfig
 from services.serve.export import write_version
 from services.serve.rows import TableRows
 from services.serve.service import ServeService
-from services.serve.spec import FeatureSpec
 from services.worker.models import ModelConfig
 from services.worker.pooling import pool_batch
 from services.worker.trainer import Trainer

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.loader import FeatureSpec
 from services.ps.tables import TableConfig, initial_rows
 from services.serve.export import write_version
 from services.serve.rows import TableRows
-from services.serve.spec import FeatureSpec
 from services.worker.models import ModelConfig
 
 SPEC = FeatureSpec(layout="json", dense=["I1", "I2"], sparse=["C1", "C2", "C3"],

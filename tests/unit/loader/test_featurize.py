@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from services.common.errors import ConfigError, InvalidArgument
+from services.loader import FeatureSpec, spec_from_source
 from services.loader.hashing import DenseTransform, hash_value
 from services.loader.parsers import TextParser
 from services.loader.schema import criteo_layout
-from services.serve.spec import FeatureSpec, spec_from_source
 
 LAYOUT = criteo_layout(2, 3, multi_hot=",", buckets=0)
 SPEC = FeatureSpec.from_layout(LAYOUT, DenseTransform(clip_max=50.0), kind="criteo")
