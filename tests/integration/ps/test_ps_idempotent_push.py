@@ -105,8 +105,8 @@ async def test_one_number_from_two_clients_is_two_pushes(shard):
     ({"seq": 5000, "ids": raw_array(IDS[:3]), "counts": [3],
       "grads": [raw_array(count_grads(3))]}, FailedPrecondition, "already used"),
     ({"seq": 0}, InvalidArgument, "seq must be"),
-    ({"seq": -3}, InvalidArgument, "non-negative int"),
-    ({"client": "me"}, InvalidArgument, "non-negative int"),
+    ({"seq": -3}, InvalidArgument, "PushRequest.seq: Expected `int` >= 0"),
+    ({"client": "me"}, InvalidArgument, "PushRequest.client: Expected `int`"),
     ({"client": None}, InvalidArgument, "needs the field 'client'"),
     ({"seq": None}, InvalidArgument, "needs the field 'seq'"),
 ])
