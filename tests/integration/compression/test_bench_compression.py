@@ -9,7 +9,7 @@ import math
 import subprocess
 import sys
 
-from bench.compression import CASES, DES_DIMS, EMBEDDING_PAIR, GOALS, select
+from bench.compression import CASES, DCT_MP_KEEPS, DES_DIMS, EMBEDDING_PAIR, GOALS, select
 
 
 def test_bench_compression_smoke(tmp_path) -> None:
@@ -36,7 +36,7 @@ def test_bench_compression_smoke(tmp_path) -> None:
     assert names[2:] == ["grads qsgd s=15", "grads adaquant", EMBEDDING_PAIR.name,
                          "dense dct 0.5%", "1-bit Adam",
                          *(f"{name}, dim {dim}" for dim in DES_DIMS for name in (
-                             "rows path (multi-hot data)", CASES[-2].name, CASES[-1].name))]
+                             "rows path (multi-hot data)", *(c.name for c in CASES[-3:])))]
     assert result["embedding_best"] == EMBEDDING_PAIR.name and result["seeds"] == 2
     seeds = result["embedding_best_seeds"]
     assert [s["seed"] for s in seeds] == [0, 1]
@@ -55,7 +55,14 @@ def test_bench_compression_smoke(tmp_path) -> None:
     assert [s["seed"] for s in result["des_seeds"]] == [0, 1]
     # DCT-MP's bytes at the socket: ids and framing are not thresholded, so the wider the
     # activations the larger the cut
-    assert 1 < result["dct_mp_wire_ratio_d16"] < result["dct_mp_wire_ratio_d64"]
+    ratios = {(r["dim"], r["settings"]["activation_keep"]): r["ratio"]
+              for r in result["rows_table"] if "DCT-MP" in r["name"] and "dim" in r}
+    assert sorted(ratios) == [(dim, keep) for dim in DES_DIMS for keep in DCT_MP_KEEPS]
+    for keep in DCT_MP_KEEPS:
+        assert 1 < ratios[16, keep] < ratios[64, keep]
+    for dim in DES_DIMS:  # each dim's figure is one of its rows
+        assert (result[f"dct_mp_wire_ratio_d{dim}"]
+                == ratios[dim, result[f"dct_mp_keep_d{dim}"]])
 
 
 def test_case_selection_keeps_the_baselines() -> None:
