@@ -108,8 +108,11 @@ def _probe_kill_restart(job: ChaosJob, k: int, n: int) -> tuple[int, float]:
     wait_ready(job.ps[k], job.ps_admin[k], timeout=300)
     recovered = time.monotonic() - killed_at
     lost = int((job.loop.run_until_complete(probe(push=False))[:, 0] < 1).sum())
-    wait(lambda: job.cuts_done() > cuts or job.finished() or job.failed(), 300,
-         "a cut after the shard's restart")
+    try:
+        wait(lambda: job.cuts_done() > cuts or job.finished() or job.failed(), 300,
+             "a cut after the shard's restart")
+    except RuntimeError as exc:  # the job hangs: say what each worker last logged
+        raise RuntimeError(f"{exc}; {job.failure()}") from exc
     return lost, recovered
 
 
