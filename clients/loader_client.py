@@ -114,7 +114,7 @@ class LoaderClient:
                 async for raw in call:
                     retrying = None
                     self.bytes_in += len(raw)
-                    item = msg.decode(msg.BatchesReply, raw, max_bytes=self._max_message_bytes)
+                    item: msg.BatchItem | msg.BatchesEnd = msg.decode(msg.BatchesReply, raw, max_bytes=self._max_message_bytes)
                     if isinstance(item, msg.BatchesEnd):
                         return
                     batch = item.batch.to_batch()

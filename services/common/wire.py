@@ -342,8 +342,9 @@ def _explained(cls: Any, exc: msgspec.ValidationError, name: str) -> str:
     """The error text, with the message's fields and a hint where a protocol-1 field went."""
     text = explain(exc, name)
     if text.startswith(f"{name} has unknown fields") and isinstance(cls, type):
-        fields = sorted(f for f in cls.__struct_fields__ if f not in ("v", "rid"))
+        fields = sorted(f for f in getattr(cls, "__struct_fields__", ())
+                        if f not in ("v", "rid"))
         unknown = text.split("'")[1]
-        hint = cls.moved.get(unknown)
+        hint = getattr(cls, "moved", {}).get(unknown)
         text += f"; its fields are {fields}" + (f" ({hint})" if hint else "")
     return text

@@ -51,7 +51,7 @@ class LoaderServicer:
     async def _batches(self, request: bytes, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[bytes]:
         try:
-            req = decode(BatchesRequest, request)
+            req: BatchesRequest = decode(BatchesRequest, request)
             generation = await self.dispatcher.connect(req.rank, req.world_size, req.credits)
             rank = req.rank
         except PersimmonError as exc:
@@ -69,7 +69,7 @@ class LoaderServicer:
             await abort_with(context, exc)
 
     async def _ack(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = decode(AckRequest, request)
+        req: AckRequest = decode(AckRequest, request)
         acked, unknown = await self.dispatcher.ack(req.batch_ids)
         self.pipeline.acked(acked)
         return encode(AckReply(acked=[o.batch_id for o in acked], unknown=list(unknown)))

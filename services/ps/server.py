@@ -191,7 +191,8 @@ class PSServicer:
                     for t in self.shard.tables.values()]))
 
     async def _stats(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = decode(StatsRequest, raw, max_bytes=self.shard.config.max_message_bytes)
+        req: StatsRequest = decode(StatsRequest, raw,
+                                   max_bytes=self.shard.config.max_message_bytes)
         stats = self.shard.stats(req.table)
         return encode(StatsReply(
             shard_id=stats["shard_id"], epoch=stats["epoch"],
@@ -204,7 +205,8 @@ def _request(request_type: type[Message], raw: bytes, limit: int
     answer in-band. Raises (the stream ends) on a frame too big, of another protocol version,
     or not a msgpack map at all."""
     try:
-        request = decode(request_type, raw, max_bytes=limit, max_objects=PS_REQUEST_OBJECTS)
+        request: Message = decode(request_type, raw, max_bytes=limit,
+                                  max_objects=PS_REQUEST_OBJECTS)
     except MalformedMessage as exc:
         return exc, frame_rid(raw)
     return request, request.rid

@@ -74,7 +74,7 @@ class ServeServicer:
         return generic_service(SERVICE_NAME, {"Predict": unary_handler(self._predict)})
 
     async def _predict(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        request = decode(PredictRequest, raw)
+        request: PredictRequest = decode(PredictRequest, raw)
         records = request.count()
         check_records(records, self.max_request_records)
         answer = await self.batcher.submit(request.body(), records)

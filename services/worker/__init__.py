@@ -21,10 +21,9 @@ from services.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from services.worker.config import TrainerConfig, ps_table_configs
-    from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
+    from services.worker.embedding.rows import RowsClient
     from services.worker.local_ranks import run_local_training
     from services.worker.models import ModelConfig
-    from services.worker.pooling import BatchPlan, plan_batch, pool_batch
     from services.worker.summary import FitSummary, LossCurve
     from services.worker.sync import SyncConfig, SyncStrategy, make_sync
     from services.worker.trainer import Trainer

@@ -6,8 +6,8 @@ running logloss sum; :func:`gather_accumulator` merges the accumulators of all r
 
 from __future__ import annotations
 
-import math
 import asyncio
+import math
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast

@@ -140,9 +140,9 @@ class Trainer:
         self.progress = WorkerProgress(rank=rank, world_size=world)
         cfg = self.config
         check_rows_source(cfg, ps_addresses=ps_addresses, rows_client=rows_client)
-        self._rows_source = dict(ps_addresses=ps_addresses, rows_client=rows_client,
-                                 tables=tables, timers=self.progress, worker=rank,
-                                 workers=world, head_replica=head_replica)
+        self._rows_source: dict[str, Any] = dict(
+            ps_addresses=ps_addresses, rows_client=rows_client, tables=tables,
+            timers=self.progress, worker=rank, workers=world, head_replica=head_replica)
         self._link: EmbeddingLink | None = None  # the last one connect() built (start())
         self._given = (RowsCapabilities.of(rows_client) if rows_client is not None else None,
                        dict(tables) if tables is not None else None)  # known before start()
@@ -468,8 +468,7 @@ class Trainer:
                 if self._shared_loss:
                     await self._report_grads_loss(shared)
                 self.pipeline.push(item, grads)
-                if await self.pipeline.retune(*compute.compute_so_far()):
-                    self.progress.record_window(self.pipeline.tuner.choice.remeasured[-1])
+                await self._retune(compute)
                 train_acc.add_step(item.batch.labels, logits, loss)
                 self.recent_losses.append(loss)
                 curve.add(self.step, loss)
@@ -535,6 +534,14 @@ class Trainer:
                                     if self._activations is not None else {})
         summary.history = list(self.history)
         return summary
+
+    async def _retune(self, compute: ComputeThread[Prepared]) -> None:
+        """``staleness auto``: the window measured again when it is time (the live page
+        gets each measurement)."""
+        if await self.pipeline.retune(*compute.compute_so_far()):
+            tuner = self.pipeline.tuner
+            assert tuner is not None  # it measured
+            self.progress.record_window(tuner.choice.remeasured[-1])
 
     async def _first_batch(self, batch: Batch, compute: ComputeThread[Prepared]) -> None:
         """Before a fit's first step, once planned its first batch (none of it training

@@ -41,21 +41,13 @@ Shape = Annotated[tuple[Dim, ...], Meta(max_length=MAX_DIMS)]
 CodecName = Annotated[str, Meta(min_length=1, max_length=64)]
 MetaKey = Annotated[str, Meta(max_length=64)]
 MetaScalar = int | float | str | bool | None
-#: lossless wrappers a codec may stack (the depth of its meta; bounds what decoders cache)
+#: lossless wrappers a codec may stack (bounds what decoders cache); CodecMeta nests this deep
 MAX_WRAPPERS = 2
-
-
-def _nested_meta(wrappers: int) -> Any:
-    """A codec's meta under ``wrappers`` lossless wrappers: scalars, and each wrapper's
-    inner codec's meta as a map (``"m"``), as deep as the wrappers go."""
-    meta: Any = Annotated[dict[MetaKey, MetaScalar], Meta(max_length=64)]
-    for _ in range(wrappers):
-        meta = Annotated[dict[MetaKey, MetaScalar | meta], Meta(max_length=64)]
-    return meta
-
-
-#: a codec's parameters: scalars, and the inner codec's map under each lossless wrapper
-CodecMeta = _nested_meta(MAX_WRAPPERS)
+_BaseMeta = Annotated[dict[MetaKey, MetaScalar], Meta(max_length=64)]
+_WrappedOnce = Annotated[dict[MetaKey, MetaScalar | _BaseMeta], Meta(max_length=64)]
+#: a codec's parameters: scalars, and the inner codec's map (``"m"``) under each lossless
+#: wrapper, as deep as :data:`MAX_WRAPPERS` wrappers go
+CodecMeta = Annotated[dict[MetaKey, MetaScalar | _WrappedOnce], Meta(max_length=64)]
 
 
 class BadArray(MalformedMessage, ValueError):

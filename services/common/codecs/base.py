@@ -45,7 +45,7 @@ class CodecStats:
                 "arrays": self.arrays, "ratio": self.ratio}
 
 
-_DTYPE_NAMES: dict[np.dtype, str] = {}
+_DTYPE_NAMES: dict[np.dtype, Any] = {}  # a dtype -> its name (a WireArray DType)
 
 
 class Codec:
@@ -80,7 +80,7 @@ class Codec:
             x = np.ascontiguousarray(x)  # (never for a 0-d array, whose shape it would change)
         data, meta = self.encode(x, key=key)
         self.stats.add(x.nbytes, memoryview(data).nbytes)
-        name = _DTYPE_NAMES.get(x.dtype)
+        name: Any = _DTYPE_NAMES.get(x.dtype)
         if name is None:  # dtype.name is slow (Python code in numpy): cache it per dtype
             name = _DTYPE_NAMES[x.dtype] = x.dtype.name
         return WireArray(dtype=name, shape=x.shape, codec=self.name, meta=meta, data=data)

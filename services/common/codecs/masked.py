@@ -40,7 +40,7 @@ from services.common.errors import InvalidArgument, MalformedMessage
 
 __all__ = ["REFRESH", "DCTMPCodec", "PooledMasks", "encode_at", "kept_mask"]
 
-_VALUES = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}
+_VALUES: dict[str, np.dtype[Any]] = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}
 REFRESH = 32  # calls a threshold is reused (reconstructed: the paper gives no MP figure)
 # DES: per shard holding any of a feature's ids, the positions its partial sums kept (None:
 # that shard's reply was not dct_mp); what a pooled push needs to send the gradient back

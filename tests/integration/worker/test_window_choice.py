@@ -15,10 +15,10 @@ from services.ps.inprocess import InProcessShards
 from services.ps.service import PSService
 from services.ps.tables import TableConfig
 from services.worker.config import TrainerConfig, ps_table_configs
-from services.worker.models import ModelConfig
-from services.worker.trainer import Trainer
 from services.worker.embedding import window
 from services.worker.embedding.window import MAX_AUTO_WINDOW, auto_window, choose_window
+from services.worker.models import ModelConfig
+from services.worker.trainer import Trainer
 
 DATA = SyntheticConfig(seed=2)
 TABLES = ps_table_configs({f: 8 for f in DATA.sparse_names})
