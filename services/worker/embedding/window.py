@@ -10,7 +10,8 @@ process or answer within :data:`NO_ROUND_TRIP_MS`, else one batch in flight
 per :data:`STEP_FLOOR_MS` of round trip, at most :data:`MAX_AUTO_WINDOW`. A number given
 for the staleness pins the window instead.
 
-As the job runs, :class:`WindowTuner` measures again, every :data:`RETUNE_STEPS` steps, what
+As the job runs, :class:`WindowTuner` measures again, after :data:`FIRST_RETUNE_STEPS` steps
+and then every :data:`RETUNE_STEPS`, what
 the window hides and what hides it: the median wall time of the batches' own lookups (their
 rows, queueing and payloads included, which a probe of the tables' description does not
 carry) against the compute of a step as the compute thread timed it, and sizes the window
@@ -28,7 +29,8 @@ from typing import Any
 
 from services.worker.embedding.rows import DirectRows, RowsClient
 
-__all__ = ["MAX_AUTO_WINDOW", "NO_ROUND_TRIP_MS", "RETUNE_STEPS", "STEP_FLOOR_MS",
+__all__ = ["FIRST_RETUNE_STEPS", "MAX_AUTO_WINDOW", "NO_ROUND_TRIP_MS", "RETUNE_STEPS",
+           "STEP_FLOOR_MS",
            "WindowChoice", "WindowTuner", "auto_window", "choose_window", "probe_round_trip_ms",
            "window_for"]
 
@@ -41,6 +43,7 @@ STEP_FLOOR_MS = 2.0
 MAX_AUTO_WINDOW = 8
 PROBES = 16
 RETUNE_STEPS = 200  # steps between two measurements of a running job
+FIRST_RETUNE_STEPS = 16  # the first measurement: as soon as a median of lookups means something
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +82,8 @@ def window_for(round_trip_ms: float, step_ms: float, *, most: int = MAX_AUTO_WIN
 
 
 class WindowTuner:
-    """The window of a running job, measured again every ``every`` steps (see the module
+    """The window of a running job, measured again after its first :data:`FIRST_RETUNE_STEPS`
+    steps, then every ``every`` steps (see the module
     doc): ``lookup_took`` gets each batch lookup's wall seconds, ``measure`` the compute
     thread's steps and wall seconds so far, and returns the window to use from now on when
     it changes. Each measurement is appended to ``choice.remeasured``."""
@@ -102,7 +106,8 @@ class WindowTuner:
         """The new window after ``steps`` steps of ``wall_s`` compute (both since the job's
         start) where it is time to measure and the window changes, else None."""
         done, spent = steps - self._last[0], wall_s - self._last[1]
-        if done < self.every or not self._trips or spent <= 0:
+        due = self.every if self.choice.remeasured else min(FIRST_RETUNE_STEPS, self.every)
+        if done < due or not self._trips or spent <= 0:
             return None
         self._last = (steps, wall_s)
         self.round_trip_ms = statistics.median(self._trips)

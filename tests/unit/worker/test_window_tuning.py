@@ -117,3 +117,11 @@ async def test_resizing_refuses_a_bad_size_and_an_unbounded_window() -> None:
     assert slots.size == 2 and await _taken(slots) == 0 and await _taken(slots) == 1
     with pytest.raises(InvalidArgument, match="unbounded"):
         await Slots(None).resize(2)
+
+
+def test_the_first_measurement_comes_early_then_every_so_many_steps() -> None:
+    tuner = _tuner(every=200)
+    for step in (15, 16, 215, 216):
+        tuner.lookup_took(0.004)
+        tuner.measure(step, step * 0.004)
+    assert [m["step"] for m in tuner.choice.remeasured] == [16, 216]
