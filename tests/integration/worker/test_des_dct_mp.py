@@ -21,12 +21,12 @@ from services.common.codecs.sparse import kept_count
 from services.common.errors import ConfigError
 from services.common.sharding import shard_of
 from services.loader.planted import SyntheticConfig, SyntheticDataset
-from services.ps.config import PSConfig
 from services.ps.service import PSService
 from services.ps.tables import OptimizerConfig, OptimizerKind, TableConfig
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
+from tests.integration.worker.conftest import running_shards
 
 DATA = SyntheticConfig(seed=5, vocab_sizes=[50, 200, 1000, 400, 300], num_multi_hot=2,
                        mean_multi_hot_length=4.0, zipf_exponent=1.2)
@@ -47,15 +47,8 @@ def _tables() -> list[TableConfig]:
 
 @pytest.fixture
 async def shards() -> AsyncIterator[list[PSService]]:
-    services = []
-    for k in range(2):
-        service = PSService(PSConfig(shard_id=k, num_shards=2, grpc_port=0, admin_port=0,
-                                     tables=_tables()))
-        await service.start()
-        services.append(service)
-    yield services
-    for service in services:
-        await service.close()
+    async with running_shards(_tables()) as services:
+        yield services
 
 
 def _bags(seed: int, samples: int = 32) -> tuple[np.ndarray, np.ndarray]:

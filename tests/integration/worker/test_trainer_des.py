@@ -20,13 +20,13 @@ import torch
 from clients.ps_process import PSClientProcess
 from services.common.errors import ConfigError
 from services.loader.planted import SyntheticConfig, SyntheticDataset
-from services.ps.config import PSConfig
 from services.ps.inprocess import InProcessShards
 from services.ps.service import PSService
 from services.ps.tables import OptimizerConfig, TableConfig
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
+from tests.integration.worker.conftest import running_shards
 
 # multi-hot features (2 of 5, up to 8 ids a sample) and vocabularies that spread over shards
 DATA = SyntheticConfig(seed=5, vocab_sizes=[50, 200, 1000, 400, 300], num_multi_hot=2,
@@ -44,15 +44,8 @@ def _tables() -> list[TableConfig]:
 
 @pytest.fixture
 async def shards() -> AsyncIterator[list[PSService]]:
-    services = []
-    for k in range(2):
-        service = PSService(PSConfig(shard_id=k, num_shards=2, grpc_port=0, admin_port=0,
-                                     tables=_tables()))
-        await service.start()
-        services.append(service)
-    yield services
-    for service in services:
-        await service.close()
+    async with running_shards(_tables()) as services:
+        yield services
 
 
 @pytest.fixture(scope="module")

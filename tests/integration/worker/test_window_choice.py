@@ -10,15 +10,14 @@ from bench.netem import LatencyProxy
 from clients.ps_client import PSClient
 from services.common.config import from_dict
 from services.loader.planted import SyntheticConfig, SyntheticDataset
-from services.ps.config import PSConfig
 from services.ps.inprocess import InProcessShards
-from services.ps.service import PSService
 from services.ps.tables import TableConfig
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.embedding import window
 from services.worker.embedding.window import MAX_AUTO_WINDOW, auto_window, choose_window
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
+from tests.integration.worker.conftest import running_shards
 
 DATA = SyntheticConfig(seed=2)
 TABLES = ps_table_configs({f: 8 for f in DATA.sparse_names})
@@ -56,10 +55,7 @@ async def test_embedded_shards_get_no_window() -> None:
 
 async def test_a_round_trip_to_hide_gets_a_window() -> None:
     tables = [from_dict(TableConfig, t, where="table") for t in TABLES]
-    shard = PSService(PSConfig(shard_id=0, num_shards=1, grpc_port=0, admin_port=0,
-                               tables=tables))
-    await shard.start()
-    try:
+    async with running_shards(tables, 1) as (shard,):
         with LatencyProxy([shard.address], rtt_ms=6.0) as proxy:
             async with PSClient(proxy.addresses) as rows:
                 choice = await choose_window(rows)
@@ -70,8 +66,6 @@ async def test_a_round_trip_to_hide_gets_a_window() -> None:
                     summary = await trainer.fit(batches)
                 assert summary.staleness == summary.window_choice["window"] >= 2
                 assert 0 < summary.staleness_max < summary.staleness
-    finally:
-        await shard.close()
 
 
 async def test_a_running_job_measures_its_window_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,10 +73,7 @@ async def test_a_running_job_measures_its_window_again(monkeypatch: pytest.Monke
     steps' compute, and the summary and the live figures carry each measurement."""
     monkeypatch.setattr(window, "RETUNE_STEPS", 4)
     tables = [from_dict(TableConfig, t, where="table") for t in TABLES]
-    shard = PSService(PSConfig(shard_id=0, num_shards=1, grpc_port=0, admin_port=0,
-                               tables=tables))
-    await shard.start()
-    try:
+    async with running_shards(tables, 1) as (shard,):
         with LatencyProxy([shard.address], rtt_ms=6.0) as proxy:
             async with PSClient(proxy.addresses) as rows:
                 batches = list(SyntheticDataset(DATA).batches(128, 128 * 14))
@@ -90,8 +81,6 @@ async def test_a_running_job_measures_its_window_again(monkeypatch: pytest.Monke
                                    lr=3e-3) as trainer:
                     summary = await trainer.fit(batches)
                     live = trainer.progress.as_dict()["window"]
-    finally:
-        await shard.close()
     remeasured = summary.window_choice["remeasured"]
     assert [m["step"] for m in remeasured] == [4, 8, 12]
     for m in remeasured:  # a batch's lookup crosses the proxy: at least its round trip
