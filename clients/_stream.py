@@ -87,12 +87,7 @@ class MultiplexedStream:
             async with self._write_lock:
                 call = self._ensure_open()
                 self._pending[rid] = (future, call)
-                try:
-                    await call.write(raw)
-                except grpc.aio.AioRpcError as exc:  # the call had ended (e.g. its peer died,
-                    # INTERNAL "Internal error from Core"): this request was not served on it
-                    raise Unavailable(f"{self._method} stream ended before the request was "
-                                      f"written: {exc.code().name} {exc.details()}") from exc
+                await self._write(call, raw, future)
             self.bytes_out += len(raw)
             response = await future
         except grpc.aio.AioRpcError as exc:
@@ -106,6 +101,27 @@ class MultiplexedStream:
             elif not future.cancelled():
                 future.exception()  # retrieved: a failed write leaves nobody awaiting it
         return response
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, raw: bytes,
+                     answered: asyncio.Future[bytes]) -> None:
+        """Write ``raw`` on ``call``, or give up the write once ``answered`` is done (when the
+        call ends, its reader fails ``answered`` with the error the caller then raises):
+        grpc.aio leaves a write pending for ever on a call that its channel's close cancelled
+        before the connection was up, and the write lock with it."""
+        writing = asyncio.ensure_future(call.write(raw))
+        try:
+            await asyncio.wait((writing, answered), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not writing.done():
+                writing.cancel()
+        if writing.cancelled():
+            return
+        try:
+            writing.result()
+        except grpc.aio.AioRpcError as exc:  # the call had ended (e.g. its peer died,
+            # INTERNAL "Internal error from Core"): this request was not served on it
+            raise Unavailable(f"{self._method} stream ended before the request was "
+                              f"written: {exc.code().name} {exc.details()}") from exc
 
     def _ensure_open(self) -> grpc.aio.StreamStreamCall:
         if self._call is None or self._call.done():

@@ -32,6 +32,7 @@ PUSHES = 400  # of the lost-replies test
 MAX_PUSHES = 4000  # of the SIGKILL test: a bound, not a goal (it stops after KILLS kills)
 KILLS = 3
 IN_FLIGHT = 4
+CUT_EVERY = 10  # of the lost-replies test: every tenth group of pushes loses its replies
 MARKERS = 1_000_000  # push i's own id: MARKERS + i
 SHARED = 64
 
@@ -226,34 +227,29 @@ async def test_pushes_whose_replies_are_lost_are_applied_exactly_once(tmp_path):
     await proxy.start()
     rng = random.Random(21)
     members = [rng.sample(range(SHARED), 8) for _ in range(PUSHES)]
-    done = asyncio.Event()
-
-    async def chaos() -> None:
-        while not done.is_set():
-            await asyncio.sleep(rng.uniform(0.02, 0.1))
-            await proxy.cut(rng.uniform(0.005, 0.03))
 
     async def push(ps: PSClient, i: int) -> None:
         ids = np.array([MARKERS + i, *members[i]], dtype=np.uint64)
         assert (await ps.push("count", ids, count_grads(ids.size))).applied == ids.size
 
-    cutting = asyncio.ensure_future(chaos())
     try:
         async with PSClient([proxy.address], retry_s=60, timeout=5) as ps:
-            for first in range(0, PUSHES, IN_FLIGHT):
-                await asyncio.gather(*(push(ps, first + j) for j in range(IN_FLIGHT)))
-        done.set()
-        await cutting
+            for group, first in enumerate(range(0, PUSHES, IN_FLIGHT)):
+                pushes = [push(ps, first + j) for j in range(IN_FLIGHT)]
+                if group % CUT_EVERY == 0:
+                    # The cut's task runs first: replies are already lost when these
+                    # pushes reach the shard, so each is applied and then retried.
+                    pushes.insert(0, proxy.cut(rng.uniform(0.01, 0.03)))
+                await asyncio.gather(*pushes)
         table = service.shard.table("count")
         markers = applied_counts(table.lookup(np.arange(MARKERS, MARKERS + PUSHES,
                                                         dtype=np.uint64)))
         shared_rows = applied_counts(table.lookup(np.arange(SHARED, dtype=np.uint64)))
         retries = service.shard.pushes.stats()["retries"]
     finally:
-        done.set()
         await proxy.close()
         await service.close()
-    assert proxy.cuts >= 5
+    assert proxy.cuts == PUSHES // IN_FLIGHT // CUT_EVERY
     assert markers.tolist() == [1.0] * PUSHES  # none lost, none applied twice
     expected = np.zeros(SHARED)
     for shared in members:
