@@ -1,8 +1,11 @@
 """The disk tier of an embedding table: cold rows in a memory-mapped, slot-addressed arena file.
 
-A tiered :class:`~services.ps.store.EmbeddingTable` keeps its hot rows in the RAM arena and
-moves the least recently used ones here (demotion); a row read or pushed again moves back
-(promotion). A row lives in exactly one tier. Each disk slot is one record of
+A tiered :class:`~services.ps.store.EmbeddingTable` (``storage.tier: disk``) keeps its hot rows
+in its RAM arena (:class:`~services.ps.ram.RamArena`); past ``storage.ram_rows`` rows there,
+:meth:`DiskTier.spill` moves the least recently used ones here with their state and
+bookkeeping (demotion, after each batch, down to 7/8 of ``ram_rows``), and
+:meth:`DiskTier.promote` moves a row read or pushed again back (promotion), so every update
+runs on the RAM arena, bit-identically. A row lives in exactly one tier. Each disk slot is one record of
 :func:`record_dtype` — id, eviction bookkeeping, the row in its storage dtype and its
 optimizer state — so a row's move touches one place of the file. The id → slot index
 (:class:`~services.ps.slotindex.SlotIndex`: 4 bytes a bucket, the ids read from the records)
@@ -31,7 +34,10 @@ import numpy as np
 from numba import njit
 
 from services.common.errors import ConfigError
+from services.ps.arena import smallest_keys
+from services.ps.hashtable import unique_inverse
 from services.ps.prefetch import PREFETCH_DISTANCE, prefetch_row
+from services.ps.ram import RamArena
 from services.ps.slotindex import SlotIndex
 
 __all__ = ["DiskTier", "record_dtype"]
@@ -215,6 +221,52 @@ class DiskTier:
     def mark_dirty(self, ids: np.ndarray) -> None:
         slots = self.find(ids)
         self._dirty[slots[slots >= 0]] = True
+
+    def read_into(self, ids: np.ndarray, present: np.ndarray, out: dict[str, np.ndarray]
+                  ) -> None:
+        """Fill ``out`` (record field -> array in ``ids`` order) where not ``present`` from the
+        rows here, and mark those present; moves nothing."""
+        if present.all():
+            return
+        cold = np.flatnonzero(~present)
+        rec, found = self.read(ids[cold])
+        for name, arr in out.items():
+            arr[cold[found]] = rec[name][found]
+        present[cold[found]] = True
+
+    # ----------------------------------------------------------------- moves with RAM
+
+    def promote(self, ram: RamArena, ids: np.ndarray, slots: np.ndarray) -> int:
+        """Move the rows here of ``ids`` absent from ``ram`` (``slots`` -1) into it, with
+        their dirty flags; fills their ``slots``; returns how many rows moved."""
+        if not self._rows:
+            return 0
+        pos = np.flatnonzero(slots < 0)
+        on_disk = self.find(ids[pos])
+        hit = pos[on_disk >= 0]
+        if not hit.shape[0]:
+            return 0
+        uids, inv = unique_inverse(ids[hit])
+        dslots = np.empty(uids.shape[0], dtype=np.int64)
+        dslots[inv] = on_disk[on_disk >= 0]  # the disk slot of each uid
+        new = ram.add(uids)
+        ram.dirty[new] = self.take(dslots, ram.columns(), new)
+        slots[hit] = new[inv]
+        return int(uids.shape[0])
+
+    def spill(self, ram: RamArena, ram_rows: int) -> int:
+        """Past ``ram_rows`` rows in ``ram``, move the least recently used here (down to 7/8
+        of ``ram_rows``); returns how many rows moved."""
+        if ram.count <= ram_rows:
+            return 0
+        live = np.flatnonzero(ram.live[:ram.high])
+        k = ram.count - (ram_rows - ram_rows // 8)
+        ids = ram.index.slot_ids[live]
+        # in slot order: the write-back reads the arena's columns front to back
+        victims = np.sort(live[smallest_keys(k, ram.ticks[live], ram.uses[live], ids)])
+        self.put(ram.columns(), victims, ram.dirty[victims])
+        ram.release(victims)
+        return k
 
     # ----------------------------------------------------------------- whole tier
 

@@ -1,22 +1,18 @@
-"""The in-memory embedding table of one PS shard: hash index + row arena + optimizer state.
+"""The in-memory embedding table of one PS shard: its rows, their optimizer and life cycle.
 
-Layout: a :class:`~services.ps.slotindex.SlotIndex` maps id ↔ slot; slot ``s`` owns ``rows[s]``
-(storage dtype), the optimizer state rows ``state[name][s]`` and per-slot bookkeeping (live and
-dirty flags, a bit each; last-use tick and time and use count only where eviction, TTL or the disk
-tier reads them: 24 bytes a slot less without). Freed slots go on a free list; the arena and the
-index grow by doubling. Every public method works on whole batches (numpy and numba, no Python
-loop per id) and holds the table's lock, so the gRPC server may call it from worker threads.
+Its rows live in a RAM arena (:class:`~services.ps.ram.RamArena`: id ↔ slot index, rows,
+optimizer state, per-slot bookkeeping) and, with ``storage.tier: disk``, those beyond
+``storage.ram_rows`` in a disk tier (:class:`~services.ps.disk.DiskTier`), which moves rows
+out of the arena and back in when touched, so every update runs on the RAM arena. Eviction, TTL,
+deletes, snapshots and restores see both tiers. Every public method works on whole batches
+(numpy and numba, no Python loop per id) and holds the table's lock, so the gRPC server may
+call it from worker threads.
 
 Row life cycle: a row is created on first sight (lookup or push) once admitted, with the
 deterministic :func:`~services.ps.tables.initial_rows`; it is dropped by eviction (when
 ``max_rows`` is reached, LRU or LFU, never an id of the batch being served), by TTL
 (:meth:`EmbeddingTable.expire`) or by :meth:`EmbeddingTable.delete`, leaving a tombstone for the
 next snapshot. An id without a row always reads as its initial row.
-
-Disk tier (``storage.tier: disk``): past ``storage.ram_rows``, the least recently used rows move
-with their state and bookkeeping to a :class:`~services.ps.disk.DiskTier` (after each batch, down
-to 7/8 of ``ram_rows``) and move back when touched, so every update runs on the RAM arena,
-bit-identically. Eviction, TTL, deletes, snapshots and restores see both tiers.
 
 Snapshots (full or incremental) and restores are the table's
 :class:`~services.ps.table_snapshots.TableSnapshots` part.
@@ -33,8 +29,6 @@ from typing import Any
 import numpy as np
 
 from services.ps.arena import (
-    SlotBits,
-    committed,
     dedup_slots,
     gather_rows,
     nonfinite_rows,
@@ -45,7 +39,7 @@ from services.ps.arena import (
 from services.ps.disk import DiskTier, record_dtype
 from services.ps.hashtable import IdHashTable, unique_inverse
 from services.ps.optimizers import apply_update, init_state, state_layout
-from services.ps.slotindex import SlotIndex
+from services.ps.ram import RamArena
 from services.ps.table_io import (
     PlainTable,
     PushResult,
@@ -81,31 +75,18 @@ class EmbeddingTable(TableSnapshots):
         self.lock = threading.RLock()  # held by every read or change of its arrays
         self._dtype = config.storage_dtype
         cap = int(config.initial_capacity)
-        self._index = SlotIndex(cap)
-        self._pending = IdHashTable(64)  # sightings of ids not admitted yet
-        self._rows = committed((cap, self.dim), self._dtype)
-        self._state = {name: committed((cap, *shape), dt)
-                       for name, (shape, dt) in state_layout(config.optimizer, self.dim).items()}
-        self._live, self._dirty = SlotBits(cap), SlotBits(cap)
-        self._seen = SlotBits(cap)  # push scratch (dedup_slots), all clear between pushes
+        layout = state_layout(config.optimizer, self.dim)
+        tiered = config.storage.tier is StorageTier.DISK
         # last-use tick and time, use count: read by eviction, TTL and the disk tier only
-        self._tracks_use = (config.max_rows is not None or config.ttl_s is not None
-                            or config.storage.tier is StorageTier.DISK)
-        used = cap if self._tracks_use else 0
-        self._ticks = committed((used,), np.int64)
-        self._uses = committed((used,), np.int64)
-        self._last_used = committed((used,), np.float64)
-        self._free = np.empty(0, dtype=np.int64)  # stack of freed slots below _high
-        self._high = 0  # slots >= _high were never used
-        self._num_live = 0
+        self._ram = RamArena(cap, self.dim, self._dtype, layout, tracks_use=(
+            config.max_rows is not None or config.ttl_s is not None or tiered))
+        self._disk = (DiskTier(str(config.storage.path), config.name,
+                               record_dtype(self.dim, self._dtype, layout), cap)
+                      if tiered else None)
+        self._pending = IdHashTable(64)  # sightings of ids not admitted yet
         self._tick = 0
         self._tombstones: list[np.ndarray] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._disk: DiskTier | None = None
-        if config.storage.tier is StorageTier.DISK:
-            layout = state_layout(config.optimizer, self.dim)
-            self._disk = DiskTier(str(config.storage.path), config.name,
-                                  record_dtype(self.dim, self._dtype, layout), cap)
 
     # ----------------------------------------------------------------- validation
 
@@ -122,7 +103,8 @@ class EmbeddingTable(TableSnapshots):
 
     @property
     def num_rows(self) -> int:
-        return self._num_live
+        """Rows held, in both tiers."""
+        return self._ram.count + (0 if self._disk is None else len(self._disk))
 
     def initial_rows(self, ids: Any) -> np.ndarray:
         """The deterministic initial rows of ``ids`` (float32); stores nothing."""
@@ -132,9 +114,10 @@ class EmbeddingTable(TableSnapshots):
         """``(rows, present)``: current rows (initial rows where absent); changes nothing."""
         ids = self.validate_lookup(ids)
         with self.lock:
-            slots = self._index.find(ids)
+            slots = self._ram.index.find(ids)
             rows, present = self._gather(ids, slots), slots >= 0
-            self._read_cold(ids, present, {"row": rows})
+            if self._disk is not None:
+                self._disk.read_into(ids, present, {"row": rows})
             return rows, present
 
     def state_of(self, ids: Any) -> dict[str, np.ndarray]:
@@ -144,23 +127,15 @@ class EmbeddingTable(TableSnapshots):
         out = {k: np.empty((ids.shape[0], *shape), dt) for k, (shape, dt)
                in state_layout(self.config.optimizer, self.dim).items()}
         with self.lock:
-            slots = self._index.find(ids)
+            slots = self._ram.index.find(ids)
             present = slots >= 0
             for k, arr in out.items():
-                arr[present] = self._state[k][slots[present]]
-            self._read_cold(ids, present, {f"state:{k}": arr for k, arr in out.items()})
+                arr[present] = self._ram.state[k][slots[present]]
+            if self._disk is not None:
+                self._disk.read_into(ids, present, {f"state:{k}": a for k, a in out.items()})
         absent = np.flatnonzero(~present)
         init_state(self.config.optimizer, out, absent, initial_rows(self.config, ids[absent]))
         return out
-
-    def _read_cold(self, ids: np.ndarray, present: np.ndarray, out: dict[str, Any]) -> None:
-        """Fill ``out`` (disk field -> array) from the disk tier where not ``present``."""
-        if self._disk is not None and not present.all():
-            cold = np.flatnonzero(~present)
-            rec, found = self._disk.read(ids[cold])
-            for name, arr in out.items():
-                arr[cold[found]] = rec[name][found]
-            present[cold[found]] = True
 
     def ids(self) -> np.ndarray:
         """Every id that has a row, sorted."""
@@ -173,7 +148,7 @@ class EmbeddingTable(TableSnapshots):
         with self.lock:
             self._counters["lookups"] += 1
             self._counters["ids_looked_up"] += ids.shape[0]
-            slots = self._index.find(ids)
+            slots = self._ram.index.find(ids)
             self._promote(ids, slots)
             missing = slots < 0
             if missing.any():
@@ -193,18 +168,18 @@ class EmbeddingTable(TableSnapshots):
         is plain: held ids create no row, so only creation (table by table) evicts."""
         if self._disk is not None or self._dtype != np.float32:
             return None
-        return PlainTable(*self._index.arrays, self._rows, self._seen, self._dirty,
-                          self._counters, self._apply, self.config.optimizer, self._state,
-                          self._ticks, self._uses, self._last_used,
-                          self._next_use if self._tracks_use else None)
+        ram = self._ram
+        return PlainTable(*ram.index.arrays, ram.rows, ram.seen, ram.dirty, self._counters,
+                          self._apply, self.config.optimizer, ram.state, ram.ticks, ram.uses,
+                          ram.last_used, self._next_use if ram.tracks_use else None)
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         if self._dtype == np.float32:
-            gather_rows(self._rows, slots, out)
+            gather_rows(self._ram.rows, slots, out)
         else:
             valid = slots >= 0
-            out[valid] = self._rows[slots[valid]]
+            out[valid] = self._ram.rows[slots[valid]]
         absent = slots < 0
         if absent.any():
             out[absent] = initial_rows(self.config, ids[absent])
@@ -220,7 +195,7 @@ class EmbeddingTable(TableSnapshots):
         with self.lock:
             self._counters["pushes"] += 1
             self._counters["ids_pushed"] += ids.shape[0]
-            slots = self._index.find(ids)
+            slots = self._ram.index.find(ids)
             self._promote(ids, slots)
             missing = slots < 0
             dropped = not_admitted = 0
@@ -234,7 +209,7 @@ class EmbeddingTable(TableSnapshots):
             self._counters["dropped_nonfinite"] += dropped
             self._counters["not_admitted"] += not_admitted
             refused = self._apply(uslots, summed)
-            self._dirty[uslots] = True
+            self._ram.dirty[uslots] = True
             self._mark_used(uslots)
             self._spill()
             return PushResult(applied=int(uslots.shape[0]) - refused,
@@ -263,7 +238,7 @@ class EmbeddingTable(TableSnapshots):
         """(unique slots >= 0, their summed gradients); no copy when nothing repeats."""
         n = slots.shape[0]
         uslots, first, inv = (np.empty(n, dtype=np.int64) for _ in range(3))
-        k, dups = dedup_slots(slots, self._seen.data, uslots, first, inv)
+        k, dups = dedup_slots(slots, self._ram.seen.data, uslots, first, inv)
         uslots = uslots[:k]
         if not dups:
             summed = grads if k == n else grads[first[:k]]
@@ -275,14 +250,14 @@ class EmbeddingTable(TableSnapshots):
     def _apply(self, slots: np.ndarray, grads: np.ndarray) -> int:
         """The optimizer's update of distinct ``slots``; returns (and counts) the rows it
         refused because their new values would not all be finite."""
-        opt = self.config.optimizer
+        opt, ram = self.config.optimizer, self._ram
         if self._dtype == np.float32:
-            refused = apply_update(opt, self._rows, slots, self._state, slots, grads)
+            refused = apply_update(opt, ram.rows, slots, ram.state, slots, grads)
         else:
-            wide = self._rows[slots].astype(np.float32)
-            refused = apply_update(opt, wide, np.arange(slots.shape[0]), self._state, slots,
+            wide = ram.rows[slots].astype(np.float32)
+            refused = apply_update(opt, wide, np.arange(slots.shape[0]), ram.state, slots,
                                    grads, storage=self._dtype)
-            self._rows[slots] = wide.astype(self._dtype)
+            ram.rows[slots] = wide.astype(self._dtype)
         self._counters["refused_nonfinite"] += refused
         return refused
 
@@ -300,7 +275,7 @@ class EmbeddingTable(TableSnapshots):
         with self.lock:
             self._pending.remove(ids)
             uids = np.unique(ids)
-            slots = self._index.find(uids)
+            slots = self._ram.index.find(uids)
             slots = slots[slots >= 0]
             self._drop(slots, "deleted")
             return int(slots.shape[0]) + self._drop_disk(uids, "deleted")
@@ -310,9 +285,9 @@ class EmbeddingTable(TableSnapshots):
         if self.config.ttl_s is None:
             return 0
         with self.lock:
-            now = self._clock()
-            high = self._high
-            old = self._live[:high] & (now - self._last_used[:high] > self.config.ttl_s)
+            now, ram = self._clock(), self._ram
+            high = ram.high
+            old = ram.live[:high] & (now - ram.last_used[:high] > self.config.ttl_s)
             slots = np.flatnonzero(old)
             self._drop(slots, "expired")
             on_disk = (0 if self._disk is None else
@@ -334,10 +309,10 @@ class EmbeddingTable(TableSnapshots):
                 admit &= admission_uniform(cfg, mids, seen) < cfg.admit_probability
         pos = np.flatnonzero(admit)
         if cfg.max_rows is not None and pos.shape[0]:
-            excess = self._num_live + pos.shape[0] - cfg.max_rows
+            excess = self.num_rows + pos.shape[0] - cfg.max_rows
             if excess > 0:
                 self._evict(excess, protected)
-            pos = pos[:max(0, cfg.max_rows - self._num_live)]
+            pos = pos[:max(0, cfg.max_rows - self.num_rows)]
         if pos.shape[0]:
             new_ids = mids[pos]
             out[pos] = self._create(new_ids)
@@ -345,58 +320,26 @@ class EmbeddingTable(TableSnapshots):
                 self._pending.remove(new_ids)
         return out
 
-    def _allocate(self, n: int) -> np.ndarray:
-        take = min(n, self._free.shape[0])
-        reused = self._free[self._free.shape[0] - take:][::-1]
-        self._free = self._free[:self._free.shape[0] - take]
-        fresh = np.arange(self._high, self._high + n - take, dtype=np.int64)
-        self._high += n - take
-        if self._high > self._rows.shape[0]:
-            self._grow(self._high)
-        return np.concatenate([reused, fresh])
-
-    def _grow(self, need: int) -> None:
-        cap = self._rows.shape[0]
-        while cap < need:
-            cap *= 2
-
-        def grown(a: np.ndarray, fill: int = 0) -> np.ndarray:
-            b = committed((cap, *a.shape[1:]), a.dtype, fill)
-            b[:a.shape[0]] = a
-            return b
-
-        self._rows = grown(self._rows)
-        self._state = {k: grown(v) for k, v in self._state.items()}
-        for name in self._use_columns():
-            setattr(self, name, grown(getattr(self, name)))
-        self._live, self._dirty = self._live.grown(cap), self._dirty.grown(cap)
-        self._index.grow_slots(cap)
-        self._seen = SlotBits(cap)
-
     def _create(self, ids: np.ndarray) -> np.ndarray:
         """New rows (initial values, fresh state) for unique absent ids; returns their slots."""
-        slots = self._allocate(ids.shape[0])
-        self._index.insert(ids, slots)
+        ram = self._ram
+        slots = ram.add(ids)
         rows = initial_rows(self.config, ids)
-        self._rows[slots] = rows
-        init_state(self.config.optimizer, self._state, slots, rows)
-        self._live[slots] = self._dirty[slots] = True
-        if self._tracks_use:
-            self._uses[slots] = 0
-            self._ticks[slots] = self._tick
-            self._last_used[slots] = self._clock()
-        self._num_live += ids.shape[0]
+        ram.rows[slots] = rows
+        init_state(self.config.optimizer, ram.state, slots, rows)
+        ram.dirty[slots] = True
+        if ram.tracks_use:
+            ram.uses[slots] = 0
+            ram.ticks[slots] = self._tick
+            ram.last_used[slots] = self._clock()
         self._counters["misses"] += ids.shape[0]
         return slots
 
-    def _use_columns(self) -> tuple[str, ...]:
-        """The per-slot arrays of the use bookkeeping, where this table keeps it."""
-        return ("_ticks", "_uses", "_last_used") if self._tracks_use else ()
-
     def _mark_used(self, slots: np.ndarray) -> None:
         self._tick += 1
-        if self._tracks_use:
-            touch_slots(slots, self._ticks, self._uses, self._last_used, self._tick,
+        ram = self._ram
+        if ram.tracks_use:
+            touch_slots(slots, ram.ticks, ram.uses, ram.last_used, self._tick,
                         float(self._clock()))
 
     def _next_use(self) -> tuple[int, float]:
@@ -405,11 +348,11 @@ class EmbeddingTable(TableSnapshots):
         return self._tick, float(self._clock())
 
     def _evict(self, k: int, protected: np.ndarray) -> None:
-        high = self._high
-        candidates = self._live[:high].copy()
+        ram = self._ram
+        candidates = ram.live[:ram.high].copy()
         candidates[protected[protected >= 0]] = False
         cand = np.flatnonzero(candidates)
-        ticks, uses, ids = self._ticks[cand], self._uses[cand], self._index.slot_ids[cand]
+        ticks, uses, ids = ram.ticks[cand], ram.uses[cand], ram.index.slot_ids[cand]
         if self._disk is not None:
             dslots = self._disk.live_slots()
             ticks, uses, ids = (np.concatenate([mine, self._disk.field(name, dslots)]) for
@@ -422,21 +365,11 @@ class EmbeddingTable(TableSnapshots):
         self._drop(cand[picked[in_ram]], "evictions")
         self._drop_disk(ids[picked[~in_ram]], "evictions")
 
-    def _release(self, slots: np.ndarray) -> np.ndarray:
-        """Free RAM slots (their rows leave the RAM tier); returns their ids."""
-        ids = self._index.slot_ids[slots]
-        self._index.remove(ids)
-        self._live[slots] = False
-        self._dirty[slots] = False
-        self._free = np.concatenate([self._free, slots.astype(np.int64)])
-        return ids
-
     def _drop(self, slots: np.ndarray, counter: str | None) -> None:
         """Free rows; with a counter name, count them and leave tombstones."""
         if not slots.shape[0]:
             return
-        ids = self._release(slots)
-        self._num_live -= slots.shape[0]
+        ids = self._ram.release(slots)
         if counter is not None:
             self._tombstones.append(ids)
             self._counters[counter] += slots.shape[0]
@@ -446,7 +379,6 @@ class EmbeddingTable(TableSnapshots):
         if self._disk is None or not ids.shape[0]:
             return 0
         gone = self._disk.remove(ids)
-        self._num_live -= gone.shape[0]
         if counter is not None and gone.shape[0]:
             self._tombstones.append(gone)
             self._counters[counter] += gone.shape[0]
@@ -456,58 +388,26 @@ class EmbeddingTable(TableSnapshots):
 
     def _promote(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Move the disk rows of ``ids`` absent from RAM (``slots`` -1) into RAM; fills slots."""
-        if self._disk is None or not len(self._disk):
-            return
-        pos = np.flatnonzero(slots < 0)
-        on_disk = self._disk.find(ids[pos])
-        hit = pos[on_disk >= 0]
-        if not hit.shape[0]:
-            return
-        uids, inv = unique_inverse(ids[hit])
-        dslots = np.empty(uids.shape[0], dtype=np.int64)
-        dslots[inv] = on_disk[on_disk >= 0]  # the disk slot of each uid
-        new = self._allocate(uids.shape[0])
-        self._index.insert(uids, new)
-        self._dirty[new] = self._disk.take(dslots, self._columns(), new)
-        self._live[new] = True
-        slots[hit] = new[inv]
-        self._counters["promoted"] += uids.shape[0]
+        if self._disk is not None:
+            self._counters["promoted"] += self._disk.promote(self._ram, ids, slots)
 
     def _spill(self) -> None:
         """Past ``ram_rows`` rows in RAM, move the least recently used to disk (to 7/8)."""
-        limit = int(self.config.storage.ram_rows or 0)
-        if self._disk is None or self._num_live - len(self._disk) <= limit:
-            return
-        live = np.flatnonzero(self._live[:self._high])
-        k = self._num_live - len(self._disk) - (limit - limit // 8)
-        ids = self._index.slot_ids[live]
-        # in slot order: the write-back reads the arena's columns front to back
-        victims = np.sort(live[smallest_keys(k, self._ticks[live], self._uses[live], ids)])
-        self._disk.put(self._columns(), victims, self._dirty[victims])
-        self._release(victims)
-        self._counters["demoted"] += k
-
-    def _columns(self) -> dict[str, np.ndarray]:
-        """The RAM arena's per-slot arrays (those a disk record has) by record field name."""
-        use = {"tick": self._ticks, "uses": self._uses,
-               "last_used": self._last_used} if self._tracks_use else {}
-        return {"id": self._index.slot_ids, **use, "row": self._rows,
-                **{f"state:{k}": v for k, v in self._state.items()}}
+        if self._disk is not None:
+            self._counters["demoted"] += self._disk.spill(
+                self._ram, int(self.config.storage.ram_rows or 0))
 
     def nbytes(self) -> int:
         """Bytes held in RAM: arena, optimizer state, bookkeeping, both tiers' indexes."""
-        arrays = [self._rows, self._ticks, self._uses, self._last_used, *self._state.values()]
         disk = 0 if self._disk is None else self._disk.nbytes_ram
-        bits = self._live.nbytes + self._dirty.nbytes + self._seen.nbytes
-        return int(sum(a.nbytes for a in arrays) + bits + self._index.nbytes
-                   + self._pending.nbytes + disk)
+        return self._ram.nbytes + self._pending.nbytes + disk
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes of this table (a JSON-ready dict)."""
         with self.lock:
             disk = self._disk
-            return {"name": self.config.name, "rows": self._num_live,
-                    "capacity": int(self._rows.shape[0]), "bytes": self.nbytes(),
+            return {"name": self.config.name, "rows": self.num_rows,
+                    "capacity": self._ram.capacity, "bytes": self.nbytes(),
                     "disk_rows": 0 if disk is None else len(disk),
                     "disk_bytes": 0 if disk is None else disk.nbytes_disk,
                     "pending_admission": len(self._pending), **self._counters}

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.ps.arena import SlotBits
 from services.ps.disk import DiskTier
-from services.ps.slotindex import SlotIndex
+from services.ps.ram import RamArena
 from services.ps.table_io import TableSnapshot, check_snapshot
 from services.ps.tables import TableConfig
 
@@ -35,28 +34,16 @@ class TableSnapshots:
     lock: threading.RLock
     _dtype: np.dtype
     _clock: Callable[[], float]
-    _index: SlotIndex
-    _rows: np.ndarray
-    _state: dict[str, np.ndarray]
-    _live: SlotBits
-    _dirty: SlotBits
-    _tracks_use: bool
-    _ticks: np.ndarray
-    _uses: np.ndarray
-    _last_used: np.ndarray
-    _high: int
-    _num_live: int
+    _ram: RamArena
+    _disk: DiskTier | None
     _tick: int
     _tombstones: list[np.ndarray]
-    _disk: DiskTier | None
 
     if TYPE_CHECKING:  # what the table provides
-        def _columns(self) -> dict[str, np.ndarray]: ...
         def _drop(self, slots: np.ndarray, counter: str | None) -> None: ...
         def _drop_disk(self, ids: np.ndarray, counter: str | None) -> int: ...
         def _spill(self) -> None: ...
         def _promote(self, ids: np.ndarray, slots: np.ndarray) -> None: ...
-        def _allocate(self, n: int) -> np.ndarray: ...
 
     def snapshot(self, *, incremental: bool = False) -> TableSnapshot:
         """All rows (or those changed since the last snapshot) and tombstones; resets both."""
@@ -66,22 +53,23 @@ class TableSnapshots:
                     else np.empty(0, dtype=np.uint64))
             snap = TableSnapshot(config=self.config, ids=cols["id"],
                                  rows=cols["row"].astype(np.float32),
-                                 state={k: cols[f"state:{k}"] for k in self._state},
+                                 state={k: cols[f"state:{k}"] for k in self._ram.state},
                                  tombstones=tomb, incremental=incremental,
                                  meta={k: cols[k] for k in ("tick", "uses") if k in cols})
-            self._dirty[:self._high] = False
+            self._ram.dirty[:self._ram.high] = False
             if self._disk is not None:
                 self._disk.set_clean()
             self._tombstones = []
             return snap
 
     def _all_rows(self, *, dirty_only: bool) -> dict[str, np.ndarray]:
-        """:meth:`_columns` of both tiers' rows (only those changed since the last snapshot
-        if ``dirty_only``), ids ascending; rows in their storage dtype."""
-        high = self._high
-        sel = self._live[:high] & self._dirty[:high] if dirty_only else self._live[:high]
+        """:meth:`RamArena.columns` of both tiers' rows (only those changed since the last
+        snapshot if ``dirty_only``), ids ascending; rows in their storage dtype."""
+        ram = self._ram
+        high = ram.high
+        sel = ram.live[:high] & ram.dirty[:high] if dirty_only else ram.live[:high]
         slots = np.flatnonzero(sel)
-        cols = {name: arr[slots] for name, arr in self._columns().items()}
+        cols = {name: arr[slots] for name, arr in ram.columns().items()}
         if self._disk is not None:
             rec = self._disk.records(self._disk.live_slots(dirty_only=dirty_only))
             cols = {name: np.concatenate([arr, rec[name]]) for name, arr in cols.items()}
@@ -92,8 +80,8 @@ class TableSnapshots:
         """Undo the reset of a snapshot that could not be saved: its rows and tombstones
         go into the next snapshot again."""
         with self.lock:
-            slots = self._index.find(snap.ids)
-            self._dirty[slots[slots >= 0]] = True
+            slots = self._ram.index.find(snap.ids)
+            self._ram.dirty[slots[slots >= 0]] = True
             if self._disk is not None:
                 self._disk.mark_dirty(snap.ids)
             if snap.tombstones.shape[0]:
@@ -114,7 +102,7 @@ class TableSnapshots:
             tomb = tomb[np.asarray(keep(tomb), dtype=bool)]
         pos = np.flatnonzero(sel)
         with self.lock:
-            gone = self._index.find(tomb)
+            gone = self._ram.index.find(tomb)
             self._drop(gone[gone >= 0], None)
             self._drop_disk(np.unique(tomb), None)
             step = max(1, pos.shape[0] if self._disk is None else self.config.storage.ram_rows or 1)
@@ -124,26 +112,22 @@ class TableSnapshots:
 
     def _restore_rows(self, snap: TableSnapshot, all_ids: np.ndarray, pos: np.ndarray) -> None:
         """Load the snapshot's rows ``pos`` into RAM (created or overwritten), as clean rows."""
-        ids = all_ids[pos]
-        slots = self._index.find(ids)
+        ram, ids = self._ram, all_ids[pos]
+        slots = ram.index.find(ids)
         self._promote(ids, slots)
         new = slots < 0
         if new.any():
-            fresh = self._allocate(int(new.sum()))
-            self._index.insert(ids[new], fresh)
-            slots[new] = fresh
-            self._live[fresh] = True
-            self._num_live += fresh.shape[0]
-        self._rows[slots] = snap.rows[pos].astype(self._dtype)
-        for key, arr in self._state.items():
+            slots[new] = ram.add(ids[new])
+        ram.rows[slots] = snap.rows[pos].astype(self._dtype)
+        for key, arr in ram.state.items():
             arr[slots] = snap.state[key][pos]
-        self._dirty[slots] = False
-        if self._tracks_use:
-            self._last_used[slots] = self._clock()
-            for key, arr, absent in (("tick", self._ticks, self._tick), ("uses", self._uses, 0)):
+        ram.dirty[slots] = False
+        if ram.tracks_use:
+            ram.last_used[slots] = self._clock()
+            for key, arr, absent in (("tick", ram.ticks, self._tick), ("uses", ram.uses, 0)):
                 arr[slots] = snap.meta[key][pos] if key in snap.meta else absent
             if slots.shape[0]:
-                self._tick = max(self._tick, int(self._ticks[slots].max()))
+                self._tick = max(self._tick, int(ram.ticks[slots].max()))
 
     def content_digest(self) -> str:
         """sha256 of every live id with its stored row and optimizer state (order-free)."""
@@ -151,6 +135,6 @@ class TableSnapshots:
             cols = self._all_rows(dirty_only=False)
             h = hashlib.sha256(cols["id"].tobytes())
             h.update(np.ascontiguousarray(cols["row"]).tobytes())
-            for key in sorted(self._state):
+            for key in sorted(self._ram.state):
                 h.update(key.encode() + np.ascontiguousarray(cols[f"state:{key}"]).tobytes())
             return h.hexdigest()
