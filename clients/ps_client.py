@@ -26,46 +26,32 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import numpy as np
 
+from clients._ps_messages import ShardMessages, check_grads
+from clients._ps_pooled import PooledCalls
 from clients._ps_shard import (
     PushNumbers,
     Resolver,
     ShardAddresses,
-    ShardConnection,
     ShardSettings,
     registry_resolver,
 )
+from clients._ps_shard_set import ShardSet
 from services.common import messages as msg
 from services.common.auth import ClientSecurity
-from services.common.codecs import (
-    RowEncoder,
-    WireArray,
-    WireStats,
-    decode_array,
-    get_codec,
-    raw_array,
-)
+from services.common.codecs import Codec, WireStats, get_codec
 from services.common.codecs.masked import REFRESH as DCT_MP_REFRESH
-from services.common.codecs.masked import DCTMPCodec, PooledMasks, encode_at, kept_mask
-from services.common.errors import (
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
-from services.common.retry import RetryPolicy
+from services.common.codecs.masked import DCTMPCodec, PooledMasks
+from services.common.errors import InvalidArgument
 from services.common.sharding import ShardedIds, split_by_shard
 from services.common.tls import ClientTLS
 from services.common.wire import MAX_MESSAGE_BYTES
 
 __all__ = ["PSClient", "PushAck"]
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -104,16 +90,6 @@ def sum_duplicates(inverse: np.ndarray, num_unique: int, grads: np.ndarray) -> n
     return np.add.reduceat(grads[order], starts, axis=0)
 
 
-def _tag(layout: ShardedIds) -> list[int] | None:
-    """The layout's step tag as it travels (services.ps.staleness counts it)."""
-    return None if layout.tag is None else list(layout.tag)
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in ("sum", "mean"):
-        raise InvalidArgument(f"pooling mode must be 'sum' or 'mean', got {mode!r}")
-
-
 def _sum_acks(replies: Sequence[msg.PushReply | PushAck]) -> PushAck:
     ack = PushAck()
     for reply in replies:
@@ -140,18 +116,20 @@ class PSClient:
             raise InvalidArgument(f"retry_s must be >= 0, got {retry_s}")
         get_codec(rows_codec)  # fail early on a bad name
         get_codec(grads_codec)
-        self._book = ShardAddresses(addresses, resolver)
         self.rows_codec = rows_codec
         self.grads_codec = grads_codec
         self.timeout = timeout
         self.retry_s = retry_s
         self.max_message_bytes = max_message_bytes
         self.security = ClientSecurity.resolve(token=token, tls=tls)
-        self._shards: list[ShardConnection] = []
         self.push_numbers = PushNumbers()  # this client's id and per-shard push numbers
-        self.dims: dict[str, int] = {}
         # array payloads per stream (rows_down, grads_up, pooled_down, pooled_grads_up) and codec
         self.codec_stats = WireStats()
+        self._shards = ShardSet(ShardAddresses(addresses, resolver), ShardSettings(
+            grads_codec, retry_s, max_message_bytes, self.security, self.push_numbers), timeout)
+        self._messages = ShardMessages(rows_codec, grads_codec, self.push_numbers.client_id,
+                                       self.codec_stats)
+        self._pooled = PooledCalls(self._shards, self._messages)
 
     @classmethod
     def from_registry(cls, url: str, *, discover_timeout_s: float = 60.0,
@@ -159,83 +137,51 @@ class PSClient:
         """A client whose shard addresses come from the registry at ``url``."""
         return cls([], resolver=registry_resolver(url, discover_timeout_s), **kwargs)
 
+    # ---- the connections -----------------------------------------------------------------
+
     @property
     def num_shards(self) -> int:
         return len(self.addresses)
 
     @property
-    def _budget_s(self) -> float:
-        return self.timeout + self.retry_s
-
-    async def _within(self, pending: Awaitable[T]) -> T:
-        """``pending`` within the call budget, else :class:`DeadlineExceeded`."""
-        try:
-            return await asyncio.wait_for(pending, self._budget_s)
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"no reply from the PS within {self._budget_s:g} s "
-                                   "(timeout + retry_s)") from exc
-
-    @property
     def addresses(self) -> list[str]:
         """The shards' addresses, in shard order (as last resolved)."""
-        return self._book.addresses
+        return self._shards.book.addresses
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """Each known table's dim (learned at :meth:`connect` and by :meth:`tables`)."""
+        return self._shards.dims
 
     async def resolve(self) -> None:
         """Refresh ``addresses`` from the resolver (the shard count must not change)."""
-        await self._book.resolve()
-
-    async def _tables_of_every_shard(self) -> list[msg.TablesReply]:
-        retrying = RetryPolicy(deadline_s=self.retry_s).begin(what="PS Tables")
-        while True:
-            try:
-                return await asyncio.gather(*(
-                    s.unary("Tables", msg.TablesRequest(), msg.TablesReply, self.timeout)
-                    for s in self._shards))
-            except Unavailable as exc:
-                await retrying.wait(exc)
-            for s in self._shards:
-                await s.reconnect(s.channel)
+        await self._shards.book.resolve()
 
     async def connect(self) -> PSClient:
         """Open channels and check that address ``i`` serves shard ``i`` of ``len(addresses)``."""
-        await self.resolve()
-        settings = ShardSettings(self.grads_codec, self.retry_s, self.max_message_bytes,
-                                 self.security, self.push_numbers)
-        self._shards = [ShardConnection(settings, self._book, i)
-                        for i in range(len(self.addresses))]
-        infos = await self._tables_of_every_shard()
-        for i, info in enumerate(infos):
-            if info.shard_id != i or info.num_shards != self.num_shards:
-                raise FailedPrecondition(
-                    f"{self.addresses[i]} is shard {info.shard_id} of {info.num_shards}, but "
-                    f"the client lists it as shard {i} of {self.num_shards}: give the "
-                    "addresses in shard order")
-            for table in info.tables:
-                self.dims[table.name] = table.dim
-            self._shards[i].epoch = info.epoch or 0
+        await self._shards.open()
         return self
 
     @property
     def epochs(self) -> list[int]:
         """Each shard's epoch as this client last learned it (0: a shard without epochs)."""
-        return [s.epoch for s in self._shards]
+        return self._shards.epochs
 
     async def resync(self) -> list[int]:
         """Learn every shard's epoch anew (after a :class:`StaleEpoch`): later pushes go to
         the restored state. Returns the epochs."""
-        for shard, info in zip(self._shards, await self._tables_of_every_shard(), strict=True):
-            shard.epoch = info.epoch or 0
-        return self.epochs
+        return await self._shards.resync()
 
     async def close(self) -> None:
-        await asyncio.gather(*(s.close() for s in self._shards))
-        self._shards = []
+        await self._shards.close()
 
     async def __aenter__(self) -> PSClient:
         return await self.connect()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    # ---- one table's ids ---------------------------------------------------------------
 
     async def lookup(self, table: str, ids: Any, *, read_only: bool = False) -> np.ndarray:
         """Rows (float32, ``len(ids) × dim``) in request order; duplicates fetched once.
@@ -267,126 +213,7 @@ class PSClient:
         """
         return await self.push_tables({table: uniq}, {table: grads})
 
-    # ---- several tables per message: one request per shard for a worker's whole step ------
-
-    async def lookup_sharded(self, layout: ShardedIds, *, read_only: bool = False
-                             ) -> np.ndarray:
-        """Rows ``(len(layout.ids), dim)`` of a layout whose tables share one dim, aligned with
-        ``layout.ids``: one Lookup message per shard with ids."""
-        return await self._rows_of(await self._lookups(layout, read_only=read_only), layout)
-
-    async def lookup_state_sharded(self, layout: ShardedIds
-                                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """:meth:`lookup_sharded` with exact rows (no rows codec) and each row's optimizer
-        state by name, as the shards hold them: what a worker's replica starts from."""
-        replies = await self._lookups(layout, with_state=True)
-        state: dict[str, list[np.ndarray]] = {}
-        for reply in replies:
-            for name, arr in (reply.state or {}).items():
-                state.setdefault(name, []).append(self._received("rows_down", arr))
-        return await self._rows_of(replies, layout), {k: np.concatenate(v)
-                                                      for k, v in state.items()}
-
-    async def _lookups(self, layout: ShardedIds, *, read_only: bool = False,
-                       with_state: bool = False) -> list[msg.LookupReply]:
-        """One Lookup message per shard with ids of ``layout``: the replies in shard order."""
-        bounds = layout.bounds
-        return list(await self._within(asyncio.gather(*(
-            self._shards[k].lookup.request(
-                self._lookup_body(k, layout, read_only, with_state=with_state), msg.LookupReply)
-            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
-
-    async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushAck:
-        """Gradients ``(len(layout.ids), dim)`` of a layout's ids: one Push message per shard
-        (error feedback per id as in :meth:`push_unique`)."""
-        self._check_grads(layout, grads)
-        bounds = layout.bounds
-        return _sum_acks(await self._within(asyncio.gather(*(
-            self._shards[k].push.request(self._push_body(k, layout, grads), msg.PushReply)
-            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
-
-    async def push_then_lookup(self, layout: ShardedIds, grads: np.ndarray,
-                               then: ShardedIds) -> tuple[PushAck, np.ndarray]:
-        """:meth:`push_sharded` of ``layout``, then :meth:`lookup_sharded` of ``then``, in one
-        message per shard that has ids of both: each shard applies the push before it looks
-        up, so the rows include it (half the messages of a training step)."""
-        self._check_grads(layout, grads)
-        pushed, asked = layout.bounds, then.bounds
-        requests: list[Awaitable[msg.PushThenLookupReply | msg.PushReply | msg.LookupReply]] = []
-        for k in range(self.num_shards):
-            shard = self._shards[k]
-            lookup = self._lookup_body(k, then) if asked[k + 1] > asked[k] else None
-            if pushed[k + 1] > pushed[k]:
-                push = self._push_body(k, layout, grads)
-                requests.append(shard.push.request(push, msg.PushReply) if lookup is None else
-                                shard.push_then_lookup.request(msg.PushThenLookupRequest(
-                                    push=push, lookup=lookup), msg.PushThenLookupReply))
-            elif lookup is not None:
-                requests.append(shard.lookup.request(lookup, msg.LookupReply))
-        acks: list[msg.PushReply] = []
-        rows: list[msg.LookupReply] = []  # in shard order
-        for reply in await self._within(asyncio.gather(*requests)):
-            if isinstance(reply, msg.PushThenLookupReply):
-                acks.append(reply.push)
-                rows.append(reply.lookup)
-            elif isinstance(reply, msg.PushReply):
-                acks.append(reply)
-            else:
-                rows.append(reply)
-        return _sum_acks(acks), await self._rows_of(rows, then)
-
-    def _lookup_body(self, k: int, layout: ShardedIds, read_only: bool = False, *,
-                     with_state: bool = False) -> msg.LookupRequest:
-        lo, hi = layout.bounds[k], layout.bounds[k + 1]
-        return msg.LookupRequest(tables=list(layout.tables), counts=layout.counts[k].tolist(),
-                                 ids=raw_array(layout.ids[lo:hi]),
-                                 codec="none" if with_state else self.rows_codec,
-                                 tag=_tag(layout), read_only=True if read_only else None,
-                                 with_state=True if with_state else None)
-
-    def _push_body(self, k: int, layout: ShardedIds, grads: np.ndarray) -> msg.PushRequest:
-        lo, hi = int(layout.bounds[k]), int(layout.bounds[k + 1])
-        return msg.PushRequest(client=self.push_numbers.client_id,
-                               seq=self._shards[k].next_seq(), tables=list(layout.tables),
-                               counts=layout.counts[k].tolist(),
-                               ids=raw_array(layout.ids[lo:hi]),
-                               grads=self._grads_body(k, layout, lo, grads),
-                               tag=_tag(layout), epoch=self._shards[k].epoch or None)
-
-    async def _rows_of(self, replies: Sequence[msg.LookupReply], layout: ShardedIds) -> np.ndarray:
-        """The rows of the replies (in shard order) as one writable float32 array."""
-        parts = [self._received("rows_down", reply.rows) for reply in replies]
-        if not parts:
-            return np.empty((0, await self._dim(layout.tables[0])), dtype=np.float32)
-        rows = np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])  # writable
-        return rows if rows.dtype == np.float32 else rows.astype(np.float32)
-
-    @staticmethod
-    def _check_grads(layout: ShardedIds, grads: np.ndarray) -> None:
-        if grads.ndim != 2 or grads.shape[0] != layout.ids.size:
-            raise InvalidArgument(f"grads must be ({layout.ids.size}, dim), got {grads.shape}")
-
-    def _grads_body(self, k: int, layout: ShardedIds, lo: int, grads: np.ndarray
-                    ) -> list[WireArray]:
-        """Shard ``k``'s gradients on the wire: one array, or one per table when the codec
-        keeps a residual per id (and so per table)."""
-        shard = self._shards[k]
-        hi = int(layout.bounds[k + 1])
-        if not shard.grads_per_table:
-            body = shard.grads_encoder.to_wire(layout.ids[lo:hi], grads[lo:hi])
-            self._sent("grads_up", body, grads[lo:hi])
-            return [body]
-        bodies = []
-        for table, count in zip(layout.tables, layout.counts[k].tolist(), strict=True):
-            encoder = shard.grads_encoders.get(table)
-            if encoder is None:
-                encoder = shard.grads_encoders[table] = RowEncoder(self.grads_codec)
-            ids, g = layout.ids[lo:lo + count], grads[lo:lo + count]
-            body = encoder.to_wire(ids, g, key=table)
-            self._sent("grads_up", body, g)
-            bodies.append(body)
-            lo += count
-        return bodies
+    # ---- several tables per message: one request per shard and dim -----------------------
 
     async def lookup_tables(self, uniq: Mapping[str, np.ndarray], *,
                             read_only: bool = False) -> dict[str, np.ndarray]:
@@ -423,34 +250,84 @@ class PSClient:
         """The tables of ``uniq`` grouped by their dim (unknown tables: NotFound)."""
         groups: dict[int, list[str]] = {}
         for table in uniq:
-            dim = self.dims.get(table)
-            groups.setdefault(dim if dim is not None else await self._dim(table),
-                              []).append(table)
+            groups.setdefault(await self._shards.dim(table), []).append(table)
         return list(groups.values())
 
-    # ---- DES-style partial pooling: each shard pools the rows it owns ---------------------
+    # ---- a laid-out step: one message per shard with ids -----------------------------------
 
-    def _pooled_parts(self, ids: Any, lengths: Any) -> tuple[np.ndarray, list[tuple[
-            int, np.ndarray, np.ndarray, np.ndarray]]]:
-        """Checked lengths and, per shard with ids: (shard, its ids in sample order, the samples
-        holding any, their counts in the smallest unsigned type that holds them)."""
-        lengths = np.asarray(lengths)
-        if lengths.ndim != 1 or lengths.dtype.kind not in "iu" \
-                or (lengths.size and int(lengths.min()) < 0):
-            raise InvalidArgument("lengths must be a 1-d array of non-negative ints")
-        ids = as_ids(ids).reshape(-1)
-        if int(lengths.sum()) != ids.size:
-            raise InvalidArgument(f"lengths add up to {int(lengths.sum())} but there are "
-                                  f"{ids.size} ids")
-        sample = np.repeat(np.arange(lengths.size), lengths)
-        parts = []
-        for k, pos in enumerate(split_by_shard(ids, self.num_shards)):
-            if pos.size:
-                counts = np.bincount(sample[pos], minlength=lengths.size)
-                held = np.flatnonzero(counts)
-                small = np.min_scalar_type(int(counts.max()))  # uint8 for bags under 256 ids
-                parts.append((k, ids[pos], held, counts[held].astype(small)))
-        return lengths, parts
+    async def lookup_sharded(self, layout: ShardedIds, *, read_only: bool = False
+                             ) -> np.ndarray:
+        """Rows ``(len(layout.ids), dim)`` of a layout whose tables share one dim, aligned with
+        ``layout.ids``: one Lookup message per shard with ids."""
+        return await self._rows_of(await self._lookups(layout, read_only=read_only), layout)
+
+    async def lookup_state_sharded(self, layout: ShardedIds
+                                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """:meth:`lookup_sharded` with exact rows (no rows codec) and each row's optimizer
+        state by name, as the shards hold them: what a worker's replica starts from."""
+        replies = await self._lookups(layout, with_state=True)
+        state: dict[str, list[np.ndarray]] = {}
+        for reply in replies:
+            for name, arr in (reply.state or {}).items():
+                state.setdefault(name, []).append(self._messages.received("rows_down", arr))
+        return await self._rows_of(replies, layout), {k: np.concatenate(v)
+                                                      for k, v in state.items()}
+
+    async def _lookups(self, layout: ShardedIds, *, read_only: bool = False,
+                       with_state: bool = False) -> list[msg.LookupReply]:
+        """One Lookup message per shard with ids of ``layout``: the replies in shard order."""
+        bounds, shards, messages = layout.bounds, self._shards.connections, self._messages
+        return list(await self._shards.within(asyncio.gather(*(
+            shards[k].lookup.request(
+                messages.lookup(k, layout, read_only, with_state=with_state), msg.LookupReply)
+            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
+
+    async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushAck:
+        """Gradients ``(len(layout.ids), dim)`` of a layout's ids: one Push message per shard
+        (error feedback per id as in :meth:`push_unique`)."""
+        check_grads(layout, grads)
+        bounds, shards, messages = layout.bounds, self._shards.connections, self._messages
+        return _sum_acks(await self._shards.within(asyncio.gather(*(
+            shards[k].push.request(messages.push(shards[k], k, layout, grads), msg.PushReply)
+            for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
+
+    async def push_then_lookup(self, layout: ShardedIds, grads: np.ndarray,
+                               then: ShardedIds) -> tuple[PushAck, np.ndarray]:
+        """:meth:`push_sharded` of ``layout``, then :meth:`lookup_sharded` of ``then``, in one
+        message per shard that has ids of both: each shard applies the push before it looks
+        up, so the rows include it (half the messages of a training step)."""
+        check_grads(layout, grads)
+        pushed, asked, messages = layout.bounds, then.bounds, self._messages
+        requests: list[Awaitable[msg.PushThenLookupReply | msg.PushReply | msg.LookupReply]] = []
+        for k, shard in enumerate(self._shards.connections):
+            lookup = messages.lookup(k, then) if asked[k + 1] > asked[k] else None
+            if pushed[k + 1] > pushed[k]:
+                push = messages.push(shard, k, layout, grads)
+                requests.append(shard.push.request(push, msg.PushReply) if lookup is None else
+                                shard.push_then_lookup.request(msg.PushThenLookupRequest(
+                                    push=push, lookup=lookup), msg.PushThenLookupReply))
+            elif lookup is not None:
+                requests.append(shard.lookup.request(lookup, msg.LookupReply))
+        acks: list[msg.PushReply] = []
+        rows: list[msg.LookupReply] = []  # in shard order
+        for reply in await self._shards.within(asyncio.gather(*requests)):
+            if isinstance(reply, msg.PushThenLookupReply):
+                acks.append(reply.push)
+                rows.append(reply.lookup)
+            elif isinstance(reply, msg.PushReply):
+                acks.append(reply)
+            else:
+                rows.append(reply)
+        return _sum_acks(acks), await self._rows_of(rows, then)
+
+    async def _rows_of(self, replies: Sequence[msg.LookupReply], layout: ShardedIds
+                       ) -> np.ndarray:
+        """The rows of the replies (in shard order) as one writable float32 array."""
+        if replies:
+            return self._messages.rows(replies)
+        return np.empty((0, await self._shards.dim(layout.tables[0])), dtype=np.float32)
+
+    # ---- DES-style partial pooling: each shard pools the rows it owns ---------------------
 
     async def pooled_lookup(self, table: str, ids: Any, lengths: Any,
                             mode: str = "sum") -> np.ndarray:
@@ -458,7 +335,8 @@ class PSClient:
         holds the next ``lengths[b]`` ids), ``mode`` ``sum`` or ``mean``; empty samples give
         zeros. Each shard returns the partial sums of the rows it owns, only for the samples
         that have any; equal to pooling :meth:`lookup`'s rows up to float rounding."""
-        return (await self._pooled(table, ids, lengths, mode, self.rows_codec))[0]
+        return (await self._pooled.lookup(table, as_ids(ids), lengths, mode,
+                                          self.rows_codec))[0]
 
     async def pooled_lookup_masked(self, table: str, ids: Any, lengths: Any, mode: str = "sum",
                                    *, keep: float, refresh: int = DCT_MP_REFRESH
@@ -469,30 +347,8 @@ class PSClient:
         :meth:`pooled_push` to send the gradient at exactly those."""
         if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0 < keep <= 1:
             raise InvalidArgument(f"keep must be a fraction in (0, 1], got {keep!r}")
-        return await self._pooled(table, ids, lengths, mode,
-                                  f"{DCTMPCodec.name}:keep={keep},refresh={refresh}")
-
-    async def _pooled(self, table: str, ids: Any, lengths: Any, mode: str, codec: str
-                      ) -> tuple[np.ndarray, PooledMasks]:
-        _check_mode(mode)
-        lengths, parts = self._pooled_parts(ids, lengths)
-        replies = await self._within(asyncio.gather(*(
-            self._shards[k].pooled_lookup.request(msg.PooledLookupRequest(
-                table=table, ids=raw_array(ids_k), lengths=raw_array(counts),
-                codec=codec), msg.PooledLookupReply)
-            for k, ids_k, _, counts in parts)))
-        dim = self.dims.get(table)
-        if dim is None:
-            dim = await self._dim(table)
-        out = np.zeros((lengths.size, dim), dtype=np.float32)
-        masks = []
-        for (_, _, held, _), reply in zip(parts, replies, strict=True):
-            out[held] += self._received("pooled_down", reply.pooled)
-            masks.append(kept_mask(reply.pooled) if reply.pooled.codec == DCTMPCodec.name
-                         else None)
-        if mode == "mean":
-            out /= np.maximum(lengths, 1)[:, None]
-        return out, tuple(masks)
+        return await self._pooled.lookup(table, as_ids(ids), lengths, mode,
+                                         f"{DCTMPCodec.name}:keep={keep},refresh={refresh}")
 
     async def pooled_push(self, table: str, ids: Any, lengths: Any, grads: Any,
                           mode: str = "sum", *, masks: PooledMasks | None = None) -> PushAck:
@@ -502,49 +358,25 @@ class PSClient:
         returned for the same ids and lengths; each shard then gets the gradient at the
         positions its partial sums kept only (``dct_mp``), whatever the grads codec. Returns
         the shards' counts."""
-        _check_mode(mode)
-        lengths, parts = self._pooled_parts(ids, lengths)
-        if masks is not None and len(masks) != len(parts):
-            raise InvalidArgument(f"masks are needed for {len(parts)} shards' partial sums, "
-                                  f"got {len(masks)}")
-        grads = np.asarray(grads, dtype=np.float32)
-        if grads.ndim != 2 or grads.shape[0] != lengths.size:
-            raise InvalidArgument(f"pooled grads must be (len(lengths), dim) = "
-                                  f"({lengths.size}, dim), got {grads.shape}")
-        if mode == "mean":  # float32 on the wire, as the other gradients
-            grads = grads / np.maximum(lengths, 1).astype(np.float32)[:, None]
-        requests = []
-        for j, (k, ids_k, held, counts) in enumerate(parts):
-            shard = self._shards[k]
-            mask = None if masks is None else masks[j]
-            body = (shard.pooled_grads_codec.to_wire(grads[held], key=table)  # τ per table
-                    if mask is None else encode_at(grads[held], mask))
-            self._sent("pooled_grads_up", body, grads[held])
-            requests.append(shard.pooled_push.request(msg.PooledPushRequest(
-                client=self.push_numbers.client_id, seq=shard.next_seq(), table=table,
-                ids=raw_array(ids_k), lengths=raw_array(counts), grads=body,
-                epoch=shard.epoch or None),
-                msg.PooledPushReply))
-        return _sum_acks(await self._within(asyncio.gather(*requests)))
+        return _sum_acks(await self._pooled.push(table, as_ids(ids), lengths, grads, mode,
+                                                 masks))
 
-    def _received(self, stream: str, arr: WireArray) -> np.ndarray:
-        out = decode_array(arr, stream)
-        self.codec_stats.add(stream, arr.codec, "received", 4 * out.size, arr.nbytes)
-        return out
+    # ---- codecs, tables, statistics ---------------------------------------------------------
 
-    def _sent(self, stream: str, arr: WireArray, x: np.ndarray) -> None:
-        self.codec_stats.add(stream, arr.codec, "sent", 4 * x.size, arr.nbytes)
+    def grads_codecs(self) -> list[Codec]:
+        """Every codec the gradients go through, shard by shard (whole messages, per table,
+        pooled), with its state: thresholds, levels, arrays sent."""
+        return self._shards.grads_codecs()
 
     async def report_loss(self, loss: float) -> int | None:
         """Feed the training loss (the workers' mean) to every shard's adaptive grads codec
         (``adaquant``); returns the s its next pushes use (None when the codec does not adapt).
         A bad loss is an InvalidArgument and changes no codec."""
         levels = None
-        for shard in self._shards:
-            for codec in shard.grads_codecs():
-                report = getattr(codec, "report_loss", None)
-                if callable(report):
-                    levels = report(loss)
+        for codec in self.grads_codecs():
+            report = getattr(codec, "report_loss", None)
+            if callable(report):
+                levels = report(loss)
         return levels
 
     def grads_residual(self, table: str, ids: Any) -> np.ndarray:
@@ -552,39 +384,19 @@ class PSClient:
         ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
         out = np.zeros((ids.size, self.dims[table]), dtype=np.float32)
         for k, pos in enumerate(split_by_shard(ids, self.num_shards)):
-            encoder = self._shards[k].grads_encoders.get(table)
+            encoder = self._shards.connections[k].grads_encoders.get(table)
             if encoder is not None and pos.size:
                 out[pos] = encoder.residual(ids[pos], out.shape[1])
         return out
 
-    async def _dim(self, table: str) -> int:
-        await self.tables()
-        if table not in self.dims:
-            raise NotFound(f"table {table!r} does not exist")
-        return self.dims[table]
-
     async def tables(self) -> list[dict[str, Any]]:
         """Table configs as the first shard reports them (tables exist on every shard)."""
-        info = await self._shards[0].unary("Tables", msg.TablesRequest(), msg.TablesReply,
-                                           self.timeout)
-        for table in info.tables:
-            self.dims[table.name] = table.dim
-        return [msgspec.to_builtins(table) for table in info.tables]
+        return [msgspec.to_builtins(table) for table in await self._shards.tables()]
 
     async def stats(self, table: str | None = None) -> list[dict[str, Any]]:
         """Per-shard statistics: ``{shard_id, tables: {name: stats}}`` per shard."""
-        replies = await asyncio.gather(*(
-            s.unary("Stats", msg.StatsRequest(table=table), msg.StatsReply, self.timeout)
-            for s in self._shards))
-        return [reply.to_wire() for reply in replies]
+        return [reply.to_wire() for reply in await self._shards.stats(table)]
 
     def wire_bytes(self) -> dict[str, int]:
         """Bytes this client sent and received per stream."""
-        return {  # pooled lookups/pushes count as lookups/pushes, PushThenLookup as a push
-            "lookup_out": sum(s.lookup.bytes_out + s.pooled_lookup.bytes_out for s in self._shards),
-            "lookup_in": sum(s.lookup.bytes_in + s.pooled_lookup.bytes_in for s in self._shards),
-            "push_out": sum(s.push.bytes_out + s.pooled_push.bytes_out
-                            + s.push_then_lookup.bytes_out for s in self._shards),
-            "push_in": sum(s.push.bytes_in + s.pooled_push.bytes_in
-                           + s.push_then_lookup.bytes_in for s in self._shards),
-        }
+        return self._shards.wire_bytes()

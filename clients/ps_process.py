@@ -129,7 +129,8 @@ class PSClientProcess:
     must pickle. With ``registry`` (a URL) the child discovers the shards there, as
     :meth:`PSClient.from_registry`, and finds them again after a shard moves. ``nice``: how
     much lower the child's priority is. ``num_shards``, the shard ``addresses`` and the tables'
-    ``dims`` are known once connected.
+    ``dims`` are known once connected; ``pid`` while the child runs, ``returncode`` once it
+    exited.
     """
 
     def __init__(self, addresses: Sequence[str] = (), *, registry: str | None = None,
@@ -141,6 +142,7 @@ class PSClientProcess:
         self._options = options
         self._nice = nice
         self._process: subprocess.Popen[bytes] | None = None
+        self.returncode: int | None = None  # the child's exit status, once closed
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._answers: asyncio.Task[None] | None = None
@@ -154,6 +156,12 @@ class PSClientProcess:
     @property
     def num_shards(self) -> int:
         return len(self.addresses)
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id while it runs (None before :meth:`connect` and once
+        closed)."""
+        return self._process.pid if self._process is not None else None
 
     async def connect(self) -> PSClientProcess:
         """Start the child and wait until its PSClient is connected (idempotent)."""
@@ -298,6 +306,7 @@ class PSClientProcess:
                 log.warning("the PS client process did not exit; killing it")
                 process.kill()
                 await asyncio.to_thread(process.wait)
+            self.returncode = process.returncode
 
     async def __aenter__(self) -> PSClientProcess:
         return await self.connect()

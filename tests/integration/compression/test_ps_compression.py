@@ -18,7 +18,7 @@ from services.common.messages import (
 )
 from services.common.sharding import shard_of
 from services.worker.pooling import plan_batch, pool_batch
-from tests.integration.ps.conftest import digest, start_cluster
+from tests.integration.ps.conftest import digest, shard_stream, start_cluster
 
 SGD_LR = 0.5  # table "item" of tests/integration/ps/conftest.py: SGD, lr 0.5, dim 4
 
@@ -187,28 +187,29 @@ async def test_bad_pooled_requests_get_clear_errors_and_change_nothing(cluster, 
     n = mine.size
     ok_lengths = np.array([n - 2, 2])
     bodies = {
-        "short_lengths": ("pooled_lookup", {"lengths": raw_array(np.array([n - 1]))}, "add up"),
-        "negative_lengths": ("pooled_lookup", {"lengths": raw_array(np.array([n + 1, -1]))},
+        "short_lengths": ("PooledLookup", {"lengths": raw_array(np.array([n - 1]))}, "add up"),
+        "negative_lengths": ("PooledLookup", {"lengths": raw_array(np.array([n + 1, -1]))},
                              ">= 0"),
-        "float_lengths": ("pooled_push", {"lengths": raw_array(np.array([n * 1.0])),
+        "float_lengths": ("PooledPush", {"lengths": raw_array(np.array([n * 1.0])),
                                           "grads": raw_array(np.ones((1, 8), np.float32))},
                           "integer"),
-        "grads_rows": ("pooled_push", {"lengths": raw_array(ok_lengths),
+        "grads_rows": ("PooledPush", {"lengths": raw_array(ok_lengths),
                                        "grads": raw_array(np.ones((3, 8), np.float32))},
                        "samples, dim"),
-        "grads_dim": ("pooled_push", {"lengths": raw_array(ok_lengths),
+        "grads_dim": ("PooledPush", {"lengths": raw_array(ok_lengths),
                                       "grads": raw_array(np.ones((2, 5), np.float32))}, "dim"),
     }
-    stream, extra, message = bodies[case]
+    method, extra, message = bodies[case]
+    request, reply = {"PooledLookup": (PooledLookupRequest, PooledLookupReply),
+                      "PooledPush": (PooledPushRequest, PooledPushReply)}[method]
     async with PSClient(_addresses(cluster)) as ps:
         await ps.lookup("user", ids)
         state = digest(cluster)
-        with pytest.raises(InvalidArgument, match=message):
-            request, reply = {"pooled_lookup": (PooledLookupRequest, PooledLookupReply),
-                              "pooled_push": (PooledPushRequest, PooledPushReply)}[stream]
-            await getattr(ps._shards[0], stream).request(
-                request(table="user", ids=raw_array(mine), **extra,
-                        **({"client": 1, "seq": 1} if stream == "pooled_push" else {})), reply)
+        async with shard_stream(cluster[0].address, method) as stream:
+            with pytest.raises(InvalidArgument, match=message):
+                await stream.request(request(
+                    table="user", ids=raw_array(mine), **extra,
+                    **({"client": 1, "seq": 1} if method == "PooledPush" else {})), reply)
         assert digest(cluster) == state
         with pytest.raises(InvalidArgument, match="add up"):  # checked before sending, too
             await ps.pooled_lookup("user", ids, [39])

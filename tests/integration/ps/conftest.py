@@ -1,12 +1,16 @@
-"""Real PS shards on port 0 inside the test's event loop, and a digest of their tables."""
+"""Real PS shards on port 0 inside the test's event loop, a digest of their tables, and a
+stream to one shard for requests built by hand."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 
 import pytest
 
+from clients._stream import MultiplexedStream
+from services.common.rpc import open_channel
 from services.ps.config import PSConfig
 from services.ps.service import PSService
 from services.ps.tables import OptimizerConfig, TableConfig
@@ -37,6 +41,19 @@ async def cluster(tmp_path) -> AsyncIterator[list[PSService]]:
     yield services
     for s in services:
         await s.close()
+
+
+@contextlib.asynccontextmanager
+async def shard_stream(address: str, method: str) -> AsyncIterator[MultiplexedStream]:
+    """A ``persimmon.PS`` stream of ``method`` to the shard at ``address``, apart from any
+    client: requests built by hand (bad ones too) get their reply or in-band error."""
+    channel = open_channel(address)
+    stream = MultiplexedStream(channel, f"/persimmon.PS/{method}")
+    try:
+        yield stream
+    finally:
+        await stream.close()
+        await channel.close()
 
 
 def digest(services: list[PSService]) -> str:

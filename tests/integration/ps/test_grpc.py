@@ -18,10 +18,16 @@ from services.common.errors import (
     ProtocolMismatch,
     WrongShard,
 )
-from services.common.messages import LookupReply, PushReply, PushThenLookupReply
+from services.common.messages import (
+    LookupReply,
+    LookupRequest,
+    PushReply,
+    PushRequest,
+    PushThenLookupReply,
+)
 from services.common.sharding import ShardedIds, shard_of
 from services.common.wire import PROTOCOL_VERSION, encode_message
-from tests.integration.ps.conftest import digest
+from tests.integration.ps.conftest import digest, shard_stream
 
 
 class Raw:
@@ -129,7 +135,6 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
         await ps.lookup("user", np.arange(30, dtype=np.uint64))
         state = digest(cluster)
         ids = np.arange(10, dtype=np.uint64)
-        shard0 = ps._shards[0]
         mine = ids[shard_of(ids, 2) == 0]
         n = [mine.size]
         grads = [raw_array(np.ones((mine.size, 8), np.float32))]
@@ -159,24 +164,27 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(cluster, case):
             "read_only_int": ("lookup", {"tables": ["user"], "counts": n, "ids": raw_array(mine),
                                          "read_only": 1}, "read_only: Expected `bool"),
         }
-        stream, body, match = bodies[case]
-        expected = NotFound if case == "unknown_table" else InvalidArgument
+    method, body, match = bodies[case]
+    expected = NotFound if case == "unknown_table" else InvalidArgument
+    good = {"lookup": (LookupRequest(tables=["user"], counts=n, ids=raw_array(mine)),
+                       LookupReply),
+            "push": (PushRequest(**origin(), tables=["user"], counts=n, ids=raw_array(mine),
+                                 grads=grads), PushReply)}[method]
+    async with shard_stream(cluster[0].address, method.capitalize()) as stream:
         with pytest.raises(expected, match=match) as info:
-            await getattr(shard0, stream).request(Raw(body), LookupReply)
+            await stream.request(Raw(body), LookupReply)
         assert info.value.message
         assert digest(cluster) == state
-        # the stream survives a bad request
-        rows = await ps.lookup("user", ids)
-        assert rows.shape == (10, 8)
+        assert isinstance(await stream.request(*good), good[1])  # the stream survives it
 
 
 async def test_ids_of_another_shard_are_rejected(cluster):
     ids = np.arange(64, dtype=np.uint64)
     foreign = ids[shard_of(ids, 2) == 1]
-    async with PSClient(addresses(cluster)) as ps:
-        state = digest(cluster)
+    state = digest(cluster)
+    async with shard_stream(cluster[0].address, "Push") as stream:
         with pytest.raises(WrongShard, match="do not belong to shard 0"):
-            await ps._shards[0].push.request(Raw({
+            await stream.request(Raw({
                 **origin(), "tables": ["user"], "counts": [foreign.size], "ids": raw_array(foreign),
                 "grads": [raw_array(np.ones((foreign.size, 8), np.float32))]}), PushReply)
     assert digest(cluster) == state
@@ -234,9 +242,9 @@ async def test_truncated_array_buffer_is_invalid_argument(cluster):
     grads["data"] = bytes(grads["data"])[:-4]
     body = {**origin(), "tables": ["user"], "counts": [1],
             "ids": raw_array(np.array([2], np.uint64)), "grads": [grads]}
-    async with PSClient(addresses(cluster)) as ps:
+    async with shard_stream(cluster[int(shard_of(2, 2))].address, "Push") as stream:
         with pytest.raises(InvalidArgument, match="needs 32 bytes"):
-            await ps._shards[int(shard_of(2, 2))].push.request(Raw(body), PushReply)
+            await stream.request(Raw(body), PushReply)
     assert digest(cluster) == state
 
 
@@ -308,9 +316,9 @@ async def test_multi_table_message_is_one_request_per_shard_in_layout_order(clus
     async with PSClient(addresses(cluster)) as ps:
         rows = await ps.lookup_sharded(layout)
         np.testing.assert_array_equal(rows[where["user"]], await ps.lookup("user", ids["user"]))
-        sent = sum(s.lookup.bytes_out for s in ps._shards)
+        sent = ps.wire_bytes()["lookup_out"]
         await ps.lookup_sharded(layout)
-        assert sum(s.lookup.bytes_out for s in ps._shards) > sent
+        assert ps.wire_bytes()["lookup_out"] > sent
         ack = await ps.push_sharded(layout, np.ones((layout.ids.size, 8), np.float32))
         with pytest.raises(InvalidArgument, match="grads must be"):
             await ps.push_sharded(layout, np.ones((3, 8), np.float32))
@@ -348,15 +356,18 @@ def _push_body(case: str) -> dict:
 async def test_multi_table_push_with_a_bad_part_changes_nothing(cluster, case):
     async with PSClient(addresses(cluster)) as ps:
         await ps.lookup_tables({"user": np.arange(30, dtype=np.uint64)})
-        state = digest(cluster)
+    state = digest(cluster)
+    async with shard_stream(cluster[0].address, "Push") as push, \
+            shard_stream(cluster[0].address, "Lookup") as lookup:
         with pytest.raises(InvalidArgument) as info:
-            await ps._shards[0].push.request(Raw(_push_body(case)), PushReply)
+            await push.request(Raw(_push_body(case)), PushReply)
         assert info.value.message
         assert digest(cluster) == state  # no part was applied
         with pytest.raises(InvalidArgument):
-            await ps._shards[0].lookup.request(Raw({"tables": ["user"], "counts": [1], "ids": 5}),
-                                               LookupReply)
-        assert (await ps.lookup("user", _MINE)).shape == (_MINE.size, 8)  # the stream goes on
+            await lookup.request(Raw({"tables": ["user"], "counts": [1], "ids": 5}), LookupReply)
+        rows = await lookup.request(LookupRequest(tables=["user"], counts=[_MINE.size],
+                                                  ids=raw_array(_MINE)), LookupReply)
+        assert list(rows.rows.shape) == [_MINE.size, 8]  # the stream goes on
 
 
 async def test_push_then_lookup_rows_include_the_push(cluster):
@@ -367,8 +378,10 @@ async def test_push_then_lookup_rows_include_the_push(cluster):
     grads = np.full((pushed.ids.size, 8), 0.25, np.float32)
     async with PSClient(addresses(cluster)) as ps:
         before = await ps.lookup_sharded(asked)
+        sent = ps.wire_bytes()
         ack, rows = await ps.push_then_lookup(pushed, grads, asked)
-        assert all(s.push_then_lookup.bytes_out > 0 for s in ps._shards)  # its own method
+        assert ps.wire_bytes()["lookup_out"] == sent["lookup_out"]  # the lookups rode the
+        assert ps.wire_bytes()["push_out"] > sent["push_out"]  # pushes: PushThenLookup
         after = await ps.lookup_sharded(asked)
         only_lookup, _ = ShardedIds.of_tables({"user": np.array([5000], np.uint64)}, 2)
         empty = ShardedIds.of_tables({"user": np.empty(0, np.uint64)}, 2)[0]
@@ -384,12 +397,13 @@ async def test_push_then_lookup_rows_include_the_push(cluster):
 async def test_push_with_a_bad_lookup_part_applies_nothing(cluster):
     async with PSClient(addresses(cluster)) as ps:
         await ps.lookup_tables({"user": np.arange(30, dtype=np.uint64)})
-        state = digest(cluster)
+    state = digest(cluster)
+    async with shard_stream(cluster[0].address, "PushThenLookup") as stream:
         for lookup in ({"tables": ["nope"], "counts": [_MINE.size], "ids": raw_array(_MINE)},
                        {"tables": ["user"], "counts": [_MINE.size + 1], "ids": raw_array(_MINE)},
                        ["not", "a", "map"]):
             with pytest.raises((InvalidArgument, NotFound)):
-                await ps._shards[0].push_then_lookup.request(Raw({
+                await stream.request(Raw({
                     "push": _push_body("two_dims") | {"tables": ["user"], "counts": [_MINE.size],
                                                       "ids": raw_array(_MINE),
                                                       "grads": [raw_array(np.ones(
@@ -408,8 +422,9 @@ async def test_state_lookup_reads_each_rows_exact_optimizer_state(cluster):
         await ps.push("user", pushed, np.full((pushed.size, 8), 0.5, np.float32))
         layout, where = ShardedIds.of_tables({"user": ids}, 2)
         rows, state = await ps.lookup_state_sharded(layout)
+    async with shard_stream(cluster[0].address, "PushThenLookup") as stream:
         with pytest.raises(InvalidArgument, match="optimizer state up with Lookup"):
-            await ps._shards[0].push_then_lookup.request(Raw({
+            await stream.request(Raw({
                 "push": _push_body("two_dims") | {"tables": ["user"], "counts": [0],
                                                   "ids": raw_array(np.empty(0, np.uint64)),
                                                   "grads": [raw_array(np.ones((0, 8),

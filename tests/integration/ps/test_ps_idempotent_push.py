@@ -14,7 +14,6 @@ from clients.ps_client import PSClient
 from services.common.codecs import raw_array
 from services.common.errors import FailedPrecondition, InvalidArgument, StaleEpoch
 from services.common.messages import (
-    LookupReply,
     LookupRequest,
     PooledPushRequest,
     PushReply,
@@ -25,6 +24,7 @@ from services.common.messages import (
 from services.common.wire import decode_message
 from services.ps.config import PSConfig
 from services.ps.service import PSService
+from tests.integration.ps.conftest import shard_stream
 from tests.unit.ps.counting import applied_counts, count_grads, counting_table
 
 IDS = np.arange(12, dtype=np.uint64)
@@ -111,16 +111,16 @@ async def test_one_number_from_two_clients_is_two_pushes(shard):
     ({"seq": None}, InvalidArgument, "needs the field 'seq'"),
 ])
 async def test_bad_push_numbers_get_clear_errors_and_change_nothing(shard, change, error, match):
-    async with PSClient([shard.address]) as ps:
-        await ps._shards[0].push.request(push(seq=5000), PushReply)
+    async with shard_stream(shard.address, "Push") as stream:
+        first = await stream.request(push(seq=5000), PushReply)
         before = counts(shard)
         body = {k: v for k, v in (push().to_wire() | change).items() if v is not None}
         with pytest.raises(error, match=match):
-            await ps._shards[0].push.request(_Raw(body), PushReply)
+            await stream.request(_Raw(body), PushReply)
         assert counts(shard) == before == [1] * IDS.size
-        rows = await ps._shards[0].lookup.request(
-            LookupRequest(tables=["count"], counts=[1], ids=raw_array(IDS[:1])), LookupReply)
-        assert rows.rows.shape == (1, 2)  # the stream goes on
+        again = await stream.request(push(seq=5000), PushReply)  # the stream goes on
+        assert again.applied == first.applied == IDS.size
+        assert counts(shard) == before  # (a retry: the first ack again, nothing applied)
 
 
 class _Raw:

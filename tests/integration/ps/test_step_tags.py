@@ -13,7 +13,7 @@ from services.common.codecs import raw_array
 from services.common.errors import InvalidArgument
 from services.common.messages import PushReply
 from services.common.sharding import ShardedIds, shard_of
-from tests.integration.ps.conftest import digest
+from tests.integration.ps.conftest import digest, shard_stream
 
 IDS = np.arange(40, dtype=np.uint64)  # ids of both shards
 
@@ -44,15 +44,16 @@ async def test_a_malformed_tag_is_refused_and_changes_nothing(cluster, tag):
     mine = IDS[shard_of(IDS, 2) == 0]
     async with PSClient([s.address for s in cluster]) as ps:
         await ps.lookup("user", mine)
-        state = digest(cluster)
-        body = {"client": 7, "seq": 1, "tables": ["user"], "counts": [mine.size],
-                "ids": raw_array(mine), "grads": [raw_array(np.ones((mine.size, 8), np.float32))],
-                "tag": tag}
+    state = digest(cluster)
+    body = {"client": 7, "seq": 1, "tables": ["user"], "counts": [mine.size],
+            "ids": raw_array(mine), "grads": [raw_array(np.ones((mine.size, 8), np.float32))],
+            "tag": tag}
 
-        class Raw:
-            def to_wire(self):
-                return body
+    class Raw:
+        def to_wire(self):
+            return body
 
+    async with shard_stream(cluster[0].address, "Push") as stream:
         with pytest.raises(InvalidArgument, match="tag"):
-            await ps._shards[0].push.request(Raw(), PushReply)
-        assert digest(cluster) == state
+            await stream.request(Raw(), PushReply)
+    assert digest(cluster) == state

@@ -139,7 +139,8 @@ async def test_dct_mp_on_the_des_wire_keeps_its_density_and_reuses_its_threshold
     async with _trainer(shards, "dc_", mode="sync", embedding_path="des",
                         rows_codec=codec + ",error_feedback=false", grads_codec=codec) as t:
         summary = await t.fit(train)
-        grads_codecs = [shard.pooled_grads_codec for shard in t.ps._shards]
+        assert t.ps is not None
+        grads_codecs = t.ps.grads_codecs()  # DES pushes pooled gradients only
     for stream, direction in (("pooled_down", "received"), ("pooled_grads_up", "sent")):
         stats = summary.codec_bytes[stream]["dct"][direction]
         density = (stats["wire_bytes"] / 6) / (stats["raw_bytes"] / 4)
