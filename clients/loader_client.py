@@ -87,19 +87,18 @@ class LoaderClient:
             raise error_from_grpc(exc.code(), exc.details() or "") from exc
         return msg.decode(reply, raw, max_bytes=self._max_message_bytes)
 
-    async def describe(self) -> dict[str, Any]:
-        """Feature names, dense width, batch size and world size of the loader (the fields of
-        :class:`~services.common.messages.DescribeReply`)."""
-        reply = await self._unary("Describe", msg.DescribeRequest(), msg.DescribeReply)
-        return reply.to_wire()
+    async def describe(self) -> msg.DescribeReply:
+        """Feature names, dense width, batch size and world size of the loader."""
+        return await self._unary("Describe", msg.DescribeRequest(), msg.DescribeReply)
 
-    async def ack(self, batches: Batch | int | Iterable[Batch | int]) -> dict[str, Any]:
-        """Acknowledge batches (objects or ids); returns ``{acked, unknown}``."""
+    async def ack(self, batches: Batch | int | Iterable[Batch | int]) -> msg.AckReply:
+        """Acknowledge batches (objects or ids); returns the ids ``acked`` and those the
+        loader did not know (``unknown``: acknowledged before, or never sent)."""
         items = [batches] if isinstance(batches, Batch | int) else list(batches)
         ids = [b.batch_id if isinstance(b, Batch) else int(b) for b in items]
         reply = await self._unary("Ack", msg.AckRequest(batch_ids=ids), msg.AckReply)
         self._outstanding.difference_update(ids)
-        return reply.to_wire()
+        return reply
 
     async def batches(self) -> AsyncGenerator[Batch, None]:
         """This rank's batches until the loader's end marker, reconnecting on failures."""
@@ -160,10 +159,10 @@ class SyncLoaderClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> msg.DescribeReply:
         return self._run(self._client.describe())
 
-    def ack(self, batches: Batch | int | Iterable[Batch | int]) -> dict[str, Any]:
+    def ack(self, batches: Batch | int | Iterable[Batch | int]) -> msg.AckReply:
         return self._run(self._client.ack(batches))
 
     def batches(self) -> Iterator[Batch]:

@@ -55,7 +55,8 @@ async def test_reconnect_redelivers_unacked_batches(start_loader):
     first = await drain(loader.address, credits=4, limit=4, ack=False)
     assert [b.batch_id for b in first] == [0, 1, 2, 3]
     async with LoaderClient(loader.address, credits=4) as client:
-        await client.ack([first[1], 2])
+        answer = await client.ack([first[1], 2, 2])
+        assert (answer.acked, answer.unknown) == ([1, 2], [2])  # 2 again: no longer held
         rest = []
         async for batch in client.batches():
             rest.append(batch)
@@ -95,9 +96,9 @@ async def test_describe_and_sync_client(start_loader):
             return before, client.describe(), batches
 
     before, info, batches = await asyncio.to_thread(blocking)
-    assert before["world_size"] == 0  # not known until a worker connects
-    assert info["sparse_features"] == [f"C{i}" for i in range(1, 9)]
-    assert info["num_dense"] == 4 and info["batch_size"] == 100 and info["world_size"] == 1
+    assert before.world_size == 0  # not known until a worker connects
+    assert info.sparse_features == [f"C{i}" for i in range(1, 9)]
+    assert info.num_dense == 4 and info.batch_size == 100 and info.world_size == 1
     assert [b.size for b in batches] == [100, 100, 50]
 
 

@@ -64,7 +64,7 @@ def test_synth_then_a_loader_process_serves_the_files(tmp_path):
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
     assert sum(sizes) == 3000 and sizes[0] == 512
-    assert info["sparse_features"] == [f"C{i}" for i in range(1, 9)] and info["num_dense"] == 4
+    assert info.sparse_features == [f"C{i}" for i in range(1, 9)] and info.num_dense == 4
     assert "effective loader config" in output
 
 

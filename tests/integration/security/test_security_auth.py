@@ -146,7 +146,7 @@ async def test_the_loader_admin_and_grpc_are_guarded_too(monkeypatch):
                                                                         timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         async with LoaderClient(loader.address, token=TOKEN) as client:
-            assert (await client.describe())["batch_size"] == 100
+            assert (await client.describe()).batch_size == 100
         async with LoaderClient(loader.address, token="wrong") as client:
             with pytest.raises(PermissionDenied):
                 await client.describe()
