@@ -7,6 +7,9 @@ A codec instance belongs to one stream (rows down, gradients up, activations, de
 all-reduce). Encoding may keep state between calls (error-feedback residuals, a cached
 threshold); decoding is a pure function of ``(data, meta, dtype, shape)`` so a receiver
 never needs the sender's state. Every encode updates :class:`CodecStats`.
+
+:class:`FloatCodec` is the base of the lossy codecs of float arrays: it owns the checks every
+one of them makes before its own encoding and decoding.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from services.common.codecs.array import WireArray
-from services.common.errors import MalformedMessage
+from services.common.codecs.bits import NONFINITE, all_finite, decode_nonfinite, float_input
+from services.common.errors import InvalidArgument, MalformedMessage
 
-__all__ = ["Codec", "CodecStats", "ErrorFeedback"]
+__all__ = ["Codec", "CodecStats", "ErrorFeedback", "FloatCodec"]
 
 
 @dataclass(slots=True)
@@ -95,6 +99,52 @@ class Codec:
             raise
         except Exception as exc:
             raise MalformedMessage(f"cannot decode {self.name} array: {exc}") from exc
+
+
+class FloatCodec(Codec):
+    """A lossy codec of float arrays; subclasses implement :meth:`encode_float` and
+    :meth:`decode_float`, which this class calls after the checks they share.
+
+    Encoding takes the input as flat float32 (another dtype is an InvalidArgument), refuses
+    more than ``max_elements`` elements (None: no bound of its own) and, where
+    ``nonfinite_flag`` is set, ships an input holding NaN/Inf as no data and
+    ``{"nonfinite": 1}``. Decoding gives that flag's all-NaN array and refuses a non-float
+    dtype (MalformedMessage). Codecs without the flag (int8, uniform) carry NaN/Inf rows in
+    their own payload.
+    """
+
+    nonfinite_flag: ClassVar[bool] = True
+    max_elements: ClassVar[int | None] = None
+
+    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
+        flat = float_input(x, self.name)
+        if self.max_elements is not None and flat.size > self.max_elements:
+            raise InvalidArgument(f"{self.name} encodes at most {self.max_elements} elements, "
+                                  f"got {flat.size}")
+        if self.nonfinite_flag and not all_finite(flat):
+            return b"", {NONFINITE: 1}
+        return self.encode_float(flat, x.shape, key)
+
+    def decode(self, data: Any, meta: dict[str, Any], dtype: np.dtype,
+               shape: tuple[int, ...]) -> np.ndarray:
+        if self.nonfinite_flag:
+            nan = decode_nonfinite(data, meta, dtype, shape, self.name)
+            if nan is not None:
+                return nan
+        if dtype.kind != "f":
+            raise MalformedMessage(f"{self.name} cannot decode to dtype {dtype}")
+        return self.decode_float(data, meta, dtype, shape)
+
+    def encode_float(self, flat: np.ndarray, shape: tuple[int, ...],
+                     key: Any) -> tuple[Any, dict[str, Any]]:
+        """``(buffer, meta)`` of ``flat`` (float32, the input of ``shape`` flattened; finite
+        where ``nonfinite_flag`` is set)."""
+        raise NotImplementedError
+
+    def decode_float(self, data: Any, meta: dict[str, Any], dtype: np.dtype,
+                     shape: tuple[int, ...]) -> np.ndarray:
+        """The array of ``dtype`` (a float) and ``shape`` that ``encode_float`` sent."""
+        raise NotImplementedError
 
 
 class ErrorFeedback:

@@ -28,14 +28,13 @@ from services.common.codecs.bits import (
     NONFINITE,
     all_finite,
     byte_view,
-    decode_nonfinite,
     expect_nbytes,
     float_input,
     meta_choice,
     meta_int,
     numel,
 )
-from services.common.codecs.sparse import FP16_MAX, MAX_INDEX, DCTCodec
+from services.common.codecs.sparse import FP16_MAX, DCTCodec
 from services.common.errors import InvalidArgument, MalformedMessage
 
 __all__ = ["REFRESH", "DCTMPCodec", "PooledMasks", "encode_at", "kept_mask"]
@@ -58,13 +57,9 @@ class DCTMPCodec(DCTCodec):
         super().__init__(keep=keep, refresh=refresh, threshold=threshold, drift=drift,
                          values=values, error_feedback=False)
 
-    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-        flat = float_input(x, self.name)
+    def encode_float(self, flat: np.ndarray, shape: tuple[int, ...],
+                     key: Any) -> tuple[Any, dict[str, Any]]:
         n = flat.size
-        if n > MAX_INDEX:
-            raise InvalidArgument(f"{self.name} encodes at most {MAX_INDEX} elements, got {n}")
-        if not all_finite(flat):
-            return b"", {NONFINITE: 1}
         idx = self._select(flat, np.abs(flat), key)
         self._last_density[key] = idx.size / n if n else 1.0
         self.kept_total += idx.size
@@ -75,12 +70,8 @@ class DCTMPCodec(DCTCodec):
         mask[idx] = True
         return _pack(flat, mask, self.values)
 
-    def decode(self, data, meta, dtype, shape):
-        nan = decode_nonfinite(data, meta, dtype, shape, self.name)
-        if nan is not None:
-            return nan
-        if dtype.kind != "f":
-            raise MalformedMessage(f"{self.name} cannot decode to dtype {dtype}")
+    def decode_float(self, data: Any, meta: dict[str, Any], dtype: np.dtype,
+                     shape: tuple[int, ...]) -> np.ndarray:
         n = numel(shape)
         if meta_choice(meta, "mode", ("masked", "dense"), self.name) == "dense":
             expect_nbytes(data, 4 * n, f"{self.name} dense array of {n} elements")

@@ -25,18 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from services.common.codecs.base import Codec
-from services.common.codecs.bits import (
-    NONFINITE,
-    all_finite,
-    decode_nonfinite,
-    expect_nbytes,
-    float_input,
-    meta_int,
-    numel,
-    pack_uint,
-    unpack_uint,
-)
+from services.common.codecs.base import FloatCodec
+from services.common.codecs.bits import expect_nbytes, meta_int, numel, pack_uint, unpack_uint
 from services.common.errors import ConfigError, InvalidArgument, MalformedMessage
 
 __all__ = ["MAX_LEVELS", "AdaQuantCodec", "QSGDCodec", "adapts_to_loss", "code_width"]
@@ -65,7 +55,7 @@ def _bucket_of(bucket: int, n: int) -> int:
     return min(bucket, n) if bucket else n
 
 
-class QSGDCodec(Codec):
+class QSGDCodec(FloatCodec):
     """``levels`` (s) quantization levels per sign, one norm per ``bucket`` elements (0 = one norm)."""
 
     name = "qsgd"
@@ -81,10 +71,8 @@ class QSGDCodec(Codec):
         """The s used by the next :meth:`encode`."""
         return self._levels
 
-    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-        flat = float_input(x, self.name)
-        if not all_finite(flat):
-            return b"", {NONFINITE: 1}
+    def encode_float(self, flat: np.ndarray, shape: tuple[int, ...],
+                     key: Any) -> tuple[Any, dict[str, Any]]:
         s, n = self.levels, flat.size
         b = _bucket_of(self.bucket, n)
         if n == 0:
@@ -106,12 +94,8 @@ class QSGDCodec(Codec):
         out[4 * nb:] = packed
         return out.data, {"s": s, "b": b}
 
-    def decode(self, data, meta, dtype, shape):
-        nan = decode_nonfinite(data, meta, dtype, shape, self.name)
-        if nan is not None:
-            return nan
-        if dtype.kind != "f":
-            raise MalformedMessage(f"{self.name} cannot decode to dtype {dtype}")
+    def decode_float(self, data: Any, meta: dict[str, Any], dtype: np.dtype,
+                     shape: tuple[int, ...]) -> np.ndarray:
         n = numel(shape)
         s = meta_int(meta, "s", 1, MAX_LEVELS, self.name)
         b = meta_int(meta, "b", 1 if n else 0, max(n, 1), self.name)

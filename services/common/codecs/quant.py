@@ -27,13 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from services.common.codecs.base import Codec, ErrorFeedback
+from services.common.codecs.base import ErrorFeedback, FloatCodec
 from services.common.codecs.bits import (
-    NONFINITE,
     all_finite,
-    decode_nonfinite,
     expect_nbytes,
-    float_input,
     meta_int,
     numel,
     pack_signs,
@@ -67,14 +64,15 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
     return (numel(shape[:-1]) if width else 0), width
 
 
-class Int8Codec(Codec):
+class Int8Codec(FloatCodec):
     """Symmetric int8 with one float32 scale per row (``max|row| / 127``)."""
 
     name = "int8"
+    nonfinite_flag = False  # a NaN/Inf row travels as a NaN scale
 
-    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-        flat = float_input(x, self.name)
-        rows, width = _rows(x.shape)
+    def encode_float(self, flat: np.ndarray, shape: tuple[int, ...],
+                     key: Any) -> tuple[Any, dict[str, Any]]:
+        rows, width = _rows(shape)
         if rows == 0:
             return b"", {}
         x2 = flat.reshape(rows, width)
@@ -91,9 +89,8 @@ class Int8Codec(Codec):
         out[4 * rows:] = q.reshape(-1).view(np.uint8)
         return out.data, {}
 
-    def decode(self, data, meta, dtype, shape):
-        if dtype.kind != "f":
-            raise MalformedMessage(f"int8 cannot decode to dtype {dtype}")
+    def decode_float(self, data: Any, meta: dict[str, Any], dtype: np.dtype,
+                     shape: tuple[int, ...]) -> np.ndarray:
         rows, width = _rows(shape)
         expect_nbytes(data, 4 * rows + rows * width, f"int8 array of shape {list(shape)}")
         if rows == 0:
@@ -113,7 +110,7 @@ def _bf16_scales(amax: np.ndarray, q: int) -> np.ndarray:
     return bits
 
 
-class UniformCodec(Codec):
+class UniformCodec(FloatCodec):
     """``bits``-bit symmetric uniform quantization per row, nearest rounding, bf16 scale.
 
     Bound (tested): each element within half the row's scale, ``s / 2`` with ``s`` ≤
@@ -122,6 +119,7 @@ class UniformCodec(Codec):
     """
 
     name = "uniform"
+    nonfinite_flag = False  # a NaN/Inf row travels as a NaN scale
 
     def __init__(self, *, bits: int = 4, error_feedback: bool = False) -> None:
         super().__init__()
@@ -135,16 +133,16 @@ class UniformCodec(Codec):
         self.feedback = ErrorFeedback()
         setattr(self, "stateful", error_feedback)  # noqa: B010
 
-    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-        flat = float_input(x, self.name)
-        rows, width = _rows(x.shape)
+    def encode_float(self, flat: np.ndarray, shape: tuple[int, ...],
+                     key: Any) -> tuple[Any, dict[str, Any]]:
+        rows, width = _rows(shape)
         if rows == 0:
             return b"", {"bits": self.bits}
         feedback = self.error_feedback and all_finite(flat)  # a NaN push keeps the residual
         a = self.feedback.add(key, flat) if feedback else flat
         data = self._quantize(a.reshape(rows, width))
         if feedback:
-            sent = self.decode(data, {"bits": self.bits}, np.dtype(np.float32), x.shape)
+            sent = self.decode_float(data, {"bits": self.bits}, np.dtype(np.float32), shape)
             self.feedback.keep(key, a, sent.reshape(-1))
         return data, {"bits": self.bits}
 
@@ -163,9 +161,8 @@ class UniformCodec(Codec):
         out[2 * rows:] = packed
         return out.data
 
-    def decode(self, data, meta, dtype, shape):
-        if dtype.kind != "f":
-            raise MalformedMessage(f"uniform cannot decode to dtype {dtype}")
+    def decode_float(self, data: Any, meta: dict[str, Any], dtype: np.dtype,
+                     shape: tuple[int, ...]) -> np.ndarray:
         b = meta_int(meta, "bits", 2, 8, self.name)
         rows, width = _rows(shape)
         n = rows * width
@@ -208,7 +205,7 @@ def onebit_values(scales: np.ndarray, signs: np.ndarray, chunk: int) -> np.ndarr
     return np.repeat(scales, chunk)[: signs.size] * signs
 
 
-class OneBitCodec(Codec):
+class OneBitCodec(FloatCodec):
     """Sign bits plus one RMS scale per chunk, with per-key error feedback.
 
     ``chunk``: elements per scale (default 2048, i.e. 1 + 32/2048 bits per element).
@@ -226,10 +223,8 @@ class OneBitCodec(Codec):
         self.error_feedback = bool(error_feedback)
         self.feedback = ErrorFeedback()
 
-    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-        flat = float_input(x, self.name)
-        if not all_finite(flat):
-            return b"", {NONFINITE: 1}
+    def encode_float(self, flat: np.ndarray, shape: tuple[int, ...],
+                     key: Any) -> tuple[Any, dict[str, Any]]:
         a = self.feedback.add(key, flat) if self.error_feedback else flat
         scales = chunk_rms(a, self.chunk)
         bits = pack_signs(a)
@@ -241,12 +236,8 @@ class OneBitCodec(Codec):
         out[4 * scales.size:] = bits
         return out.data, {"chunk": self.chunk}
 
-    def decode(self, data, meta, dtype, shape):
-        nan = decode_nonfinite(data, meta, dtype, shape, self.name)
-        if nan is not None:
-            return nan
-        if dtype.kind != "f":
-            raise MalformedMessage(f"onebit cannot decode to dtype {dtype}")
+    def decode_float(self, data: Any, meta: dict[str, Any], dtype: np.dtype,
+                     shape: tuple[int, ...]) -> np.ndarray:
         chunk = meta_int(meta, "chunk", 1, MAX_CHUNK, self.name)
         n = numel(shape)
         chunks = -(-n // chunk)

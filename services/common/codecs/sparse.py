@@ -28,18 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from services.common.codecs.base import Codec, ErrorFeedback
-from services.common.codecs.bits import (
-    NONFINITE,
-    all_finite,
-    decode_nonfinite,
-    expect_nbytes,
-    float_input,
-    meta_choice,
-    meta_int,
-    numel,
-)
-from services.common.errors import ConfigError, InvalidArgument, MalformedMessage
+from services.common.codecs.base import ErrorFeedback, FloatCodec
+from services.common.codecs.bits import expect_nbytes, meta_choice, meta_int, numel
+from services.common.errors import ConfigError, MalformedMessage
 
 __all__ = ["DCTCodec", "TopKCodec"]
 
@@ -63,10 +54,11 @@ class _Threshold:
     seen: int = 0
 
 
-class _SparseCodec(Codec):
+class _SparseCodec(FloatCodec):
     """Shared encode/decode of the index+value codecs; subclasses choose the kept indices."""
 
     stateful = True
+    max_elements = MAX_INDEX
 
     def __init__(self, *, keep: float = 0.01, values: str = "fp16",
                  error_feedback: bool = True) -> None:
@@ -88,13 +80,9 @@ class _SparseCodec(Codec):
     def _select(self, a: np.ndarray, absa: np.ndarray, key: Any) -> np.ndarray:
         raise NotImplementedError
 
-    def encode(self, x: np.ndarray, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-        flat = float_input(x, self.name)
+    def encode_float(self, flat: np.ndarray, shape: tuple[int, ...],
+                     key: Any) -> tuple[Any, dict[str, Any]]:
         n = flat.size
-        if n > MAX_INDEX:
-            raise InvalidArgument(f"{self.name} encodes at most {MAX_INDEX} elements, got {n}")
-        if not all_finite(flat):
-            return b"", {NONFINITE: 1}
         if self.error_feedback and key not in self._clean:
             a = self.feedback.add(key, flat)
         else:
@@ -132,12 +120,8 @@ class _SparseCodec(Codec):
                 self.feedback.keep(key, a, sent)
         return payload, meta
 
-    def decode(self, data, meta, dtype, shape):
-        nan = decode_nonfinite(data, meta, dtype, shape, self.name)
-        if nan is not None:
-            return nan
-        if dtype.kind != "f":
-            raise MalformedMessage(f"{self.name} cannot decode to dtype {dtype}")
+    def decode_float(self, data: Any, meta: dict[str, Any], dtype: np.dtype,
+                     shape: tuple[int, ...]) -> np.ndarray:
         n = numel(shape)
         mode = meta_choice(meta, "mode", ("sparse", "dense"), self.name)
         if mode == "dense":

@@ -128,6 +128,33 @@ def test_nonfinite_flag_with_data_is_malformed():
         decode_array(body)
 
 
+FLOAT_CODECS = ["int8", "uniform", "onebit", "topk", "dct", "dct_mp", "qsgd", "adaquant"]
+FLAGGED = ["onebit", "topk", "dct", "dct_mp", "qsgd", "adaquant"]  # NaN input: {nonfinite: 1}
+
+
+@pytest.mark.parametrize("name", FLOAT_CODECS)
+def test_every_float_codec_refuses_other_dtypes_by_name(name):
+    with pytest.raises(InvalidArgument, match=f"codec {name} encodes float arrays"):
+        get_codec(name).encode(np.arange(12).reshape(3, 4))
+    body = _body(name)
+    with pytest.raises(MalformedMessage, match=f"{name} cannot decode to dtype int32"):
+        decoder(name).decode(body["data"], body["meta"], np.dtype(np.int32), (16, 40))
+
+
+@pytest.mark.parametrize("name", FLOAT_CODECS)
+def test_nonfinite_input_travels_as_the_flag_or_in_the_payload(name):
+    x = np.ones((4, 5), dtype=np.float32)
+    x[1, 2] = np.inf
+    data, meta = get_codec(name).encode(x)
+    got = decoder(name).decode(data, meta, np.dtype(np.float32), x.shape)
+    if name in FLAGGED:
+        assert meta == {"nonfinite": 1} and bytes(data) == b"" and np.isnan(got).all()
+    else:  # int8, uniform: the row's scale is NaN; the flag is not theirs
+        assert np.isnan(got[1]).all() and np.isfinite(np.delete(got, 1, axis=0)).all()
+        with pytest.raises(MalformedMessage):
+            decoder(name).decode(b"", {"nonfinite": 1}, np.dtype(np.float32), x.shape)
+
+
 def test_codec_spec_validates_at_config_time():
     from services.common.codecs import CodecSpec
 
