@@ -71,6 +71,7 @@ from services.common.wire import (
     MAX_ITEMS,
     PROTOCOL_VERSION,
     Message,
+    Record,
     Text,
     UInt,
     check_frame,
@@ -191,7 +192,7 @@ _PARTS_MOVED = {"table": "name one table as tables=[name], counts=[len(ids)]"}
 
 # ---- errors ---------------------------------------------------------------------------------
 
-class ErrorBody(Struct, forbid_unknown_fields=True):
+class ErrorBody(Record, kw_only=True):
     """A failed request's error: class name, gRPC status name, message."""
 
     error: Text
@@ -360,7 +361,7 @@ class TablesRequest(Message):
     pass
 
 
-class OptimizerInfo(Struct, kw_only=True, forbid_unknown_fields=True):
+class OptimizerInfo(Record, kw_only=True):
     """A table's server-side optimizer (services.ps.tables.OptimizerConfig)."""
 
     kind: Text
@@ -377,7 +378,7 @@ class OptimizerInfo(Struct, kw_only=True, forbid_unknown_fields=True):
     grad_clip: float | None = None
 
 
-class StorageInfo(Struct, kw_only=True, forbid_unknown_fields=True):
+class StorageInfo(Record, kw_only=True):
     """Where a table's rows live (services.ps.tables.StorageConfig)."""
 
     tier: Text
@@ -385,7 +386,7 @@ class StorageInfo(Struct, kw_only=True, forbid_unknown_fields=True):
     ram_rows: UInt | None = None
 
 
-class TableInfo(Struct, kw_only=True, forbid_unknown_fields=True):
+class TableInfo(Record, kw_only=True):
     """One table's config as a shard reports it (services.ps.tables.TableConfig)."""
 
     name: Text
@@ -421,10 +422,10 @@ class StatsRequest(Message):
     table: Text | None = None
 
 
-class TableStats(Struct, kw_only=True, forbid_unknown_fields=True):
+class TableStats(Record, kw_only=True):
     """One table's counters and sizes, and the staleness its tagged lookups saw (the mean
-    and max of the earlier pushes they missed: of every worker, of their own worker, of any
-    one worker)."""
+    and max of the earlier pushes they missed: the most of any one worker's, of their own
+    worker's, of every worker's summed)."""
 
     name: Text
     rows: UInt
@@ -451,7 +452,8 @@ class TableStats(Struct, kw_only=True, forbid_unknown_fields=True):
     global_staleness_mean: float
     own_staleness_max: UInt
     own_staleness_mean: float
-    worker_staleness_max: UInt
+    total_staleness_max: UInt
+    total_staleness_mean: float
 
 
 class StatsReply(Message):

@@ -72,7 +72,7 @@ async def _train_one(rank: int, world: int, addresses: list[str], tables: dict[s
                       if name in tables.values()]
             summary["ps_staleness"] = {key: max((int(t.get(key, 0)) for t in counts), default=0)
                                        for key in ("global_staleness_max", "own_staleness_max",
-                                                   "worker_staleness_max")}
+                                                   "total_staleness_max")}
         return summary
 
 

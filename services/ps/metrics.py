@@ -26,11 +26,14 @@ _COUNTERS = {"lookups": "Lookup requests", "pushes": "Push requests",
                                   "would have become NaN/Inf",
              "not_admitted": "Ids not (yet) admitted"}
 _STALENESS = {  # services.ps.staleness
-    "global_staleness_max": "Most earlier pushes, of every worker, a tagged lookup missed",
-    "global_staleness_mean": "Mean earlier pushes, of every worker, a tagged lookup missed",
+    "global_staleness_max": "Most earlier pushes of any one worker a tagged lookup missed",
+    "global_staleness_mean": "Mean of the most earlier pushes of any one worker a tagged "
+                             "lookup missed",
     "own_staleness_max": "Most earlier pushes of its own worker a tagged lookup missed",
     "own_staleness_mean": "Mean earlier pushes of its own worker a tagged lookup missed",
-    "worker_staleness_max": "Most earlier pushes of any one worker a tagged lookup missed"}
+    "total_staleness_max": "Most earlier pushes, of every worker summed, a tagged lookup missed",
+    "total_staleness_mean": "Mean earlier pushes, of every worker summed, a tagged lookup "
+                            "missed"}
 
 
 class _TableCollector(Collector):

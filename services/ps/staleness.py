@@ -1,13 +1,13 @@
 """The staleness of the lookups a PS shard serves, counted over every worker's pushes.
 
 A worker's own pipeline knows how many of *its* earlier pushes a lookup missed (the per-worker
-figure its summary reports). Only the PS sees every worker's pushes, so the global figure is
-counted here: a step call may carry a :data:`StepTag` (worker rank, training step, number
-of workers) for its
-push and for its lookup (``ShardedIds.tag`` on the worker's side); whoever serves the call
-(the gRPC servicer, the in-process shards) runs it inside :func:`step_tags`, and the shard
-reports to its :class:`GlobalStaleness` where it applies a push and where it reads rows.
-Untagged calls (evaluations, tools) are not counted.
+figure its summary reports). Only the PS sees every worker's pushes, so the global figure (the
+most pushes of any one worker a lookup missed) is counted here: a step call may carry a
+:data:`StepTag` (worker rank, training step, number of workers) for its push and for its
+lookup (``ShardedIds.tag`` on the worker's side); whoever serves the call (the gRPC servicer,
+the in-process shards) runs it inside :func:`step_tags`, and the shard reports to its
+:class:`GlobalStaleness` where it applies a push and where it reads rows. Untagged calls
+(evaluations, tools) are not counted.
 
 Usage (a server)::
 
@@ -55,25 +55,24 @@ def step_tags(push: StepTag | None = None, lookup: StepTag | None = None) -> Ite
 
 
 class GlobalStaleness:
-    """How many earlier pushes, of every worker, each tagged lookup did not see, per table.
+    """How many earlier pushes of each worker each tagged lookup did not see, per table.
 
-    Training is data-parallel in lockstep (dense gradients are all-reduced every step), so
-    a lookup tagged (worker w, step t) should see the push of every step before t of every
+    A lookup tagged (worker w, step t) should see the push of every step before t of every
     worker. For each table the shard keeps the last step applied of each worker (a worker's
     pushes reach a shard in step order; one not heard of yet has applied none); the lookup
-    missed
-    ``Σ_v max(0, t - 1 - last_v)`` pushes (``global``), of which ``max(0, t - 1 - last_w)``
-    its own worker's (``own``); ``worker`` is the most of any one worker's
-    (``max_v max(0, t - 1 - last_v)``: what the bound across workers, SSP, bounds by S). A
-    step whose push held no id of the table on this shard
-    counts as missed until that worker's next push here: the figure is an upper bound where
-    a table is sparse on a shard, exact where every step touches it (hot tables).
+    missed ``m_v = max(0, t - 1 - last_v)`` pushes of worker v (all t of one not heard of).
+    Per lookup it counts ``global`` = ``max_v m_v``, the most of any one worker's (what the
+    bound across workers, stale synchronous parallel, bounds by the window S), ``own`` =
+    ``m_w`` (its own worker's, bounded by S - 1) and ``total`` = ``Σ_v m_v`` (every worker's
+    summed, at most N·S - 1 under that bound). A step whose push held no id of the table on
+    this shard counts as missed until that worker's next push here: the figures are upper
+    bounds where a table is sparse on a shard, exact where every step touches it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[str, dict[int, int]] = {}  # table -> worker -> last step applied
-        # table -> [lookups, global sum, global max, own sum, own max, any one worker's max]
+        # table -> [lookups, global sum, global max, own sum, own max, total sum, total max]
         self._sums: dict[str, list[int]] = {}
 
     def pushed(self, tables: Iterable[str]) -> None:
@@ -96,24 +95,24 @@ class GlobalStaleness:
         with self._lock:  # O(workers heard of), whatever number of workers the tag names
             last = self._last.get(table, {})
             heard = [max(0, step - 1 - s) for v, s in last.items() if v < workers]
-            total = sum(heard) + (workers - len(heard)) * step  # the unheard missed every step
+            unheard = workers - len(heard)  # each missed every earlier step
+            total = sum(heard) + unheard * step
+            worst = step if unheard else max(heard, default=0)
             own = max(0, step - 1 - last.get(worker, -1))
-            worst = step if len(heard) < workers else max(heard, default=0)
-            sums = self._sums.setdefault(table, [0, 0, 0, 0, 0, 0])
+            sums = self._sums.setdefault(table, [0] * 7)
             sums[0] += 1
-            sums[1] += total
-            sums[2] = max(sums[2], total)
-            sums[3] += own
-            sums[4] = max(sums[4], own)
-            sums[5] = max(sums[5], worst)
+            for k, value in ((1, worst), (3, own), (5, total)):
+                sums[k] += value
+                sums[k + 1] = max(sums[k + 1], value)
 
     def stats(self, table: str) -> dict[str, Any]:
         """``tagged_lookups`` of ``table`` and the earlier pushes they missed, max and mean:
-        ``global_staleness_*`` (every worker's), ``own_staleness_*`` (their worker's), and
-        ``worker_staleness_max`` (the most of any one worker's)."""
+        ``global_staleness_*`` (the most of any one worker's), ``own_staleness_*`` (their
+        own worker's) and ``total_staleness_*`` (every worker's, summed)."""
         with self._lock:
-            n, g_sum, g_max, o_sum, o_max, w_max = self._sums.get(table, [0, 0, 0, 0, 0, 0])
-        return {"tagged_lookups": n, "global_staleness_max": g_max,
-                "global_staleness_mean": g_sum / n if n else 0.0,
-                "own_staleness_max": o_max, "own_staleness_mean": o_sum / n if n else 0.0,
-                "worker_staleness_max": w_max}
+            n, *sums = self._sums.get(table, [0] * 7)
+        out: dict[str, Any] = {"tagged_lookups": n}
+        for k, name in enumerate(("global", "own", "total")):
+            out[f"{name}_staleness_max"] = sums[2 * k + 1]
+            out[f"{name}_staleness_mean"] = sums[2 * k] / n if n else 0.0
+        return out

@@ -162,8 +162,8 @@ def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str
     async def get_shards() -> dict[str, Any]:
         """Per PS shard, its tables summed: rows (in RAM and on disk), bytes, ids looked up,
         misses (ids that had no row) and their ratio, ids pushed, and the global staleness of
-        its step-tagged lookups (pushes of every worker they missed: mean, max); empty
-        without a PS."""
+        its step-tagged lookups (the most pushes of any one worker they missed: mean, max);
+        empty without a PS."""
         return {"shards": [_shard_summary(s) for s in await shards()] if shards else []}
 
     @app.get("/dashboard", tags=["training"], response_class=HTMLResponse)

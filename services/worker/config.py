@@ -52,7 +52,8 @@ class TrainerConfig:
     """
 
     mode: str = field(default="hybrid", metadata={
-        "help": "sync, global_sync (sync across the workers), hybrid or async"})
+        "help": "sync, global_sync (sync across the workers), hybrid or async (no staleness "
+                "bound)"})
     staleness: int | str = field(default="auto", metadata={
         "help": "hybrid: batches in flight (S), or auto: the smallest window that hides the "
                 "measured round trip to the PS (1, none, with the shards in this process)"})

@@ -24,6 +24,7 @@ from clients.ps_process import PSClientProcess
 from services.common.errors import ConfigError
 from services.worker.compute import distributed
 from services.worker.config import TrainerConfig
+from services.worker.embedding.bound import staleness_bound
 from services.worker.embedding.collectives import global_barrier, head_vote, step_gate
 from services.worker.embedding.exchange import StepTimers, embedding_path
 from services.worker.embedding.pipeline import EmbeddingPipeline
@@ -120,6 +121,7 @@ async def connect(config: TrainerConfig, *, ps_addresses: Sequence[str] = (),
                                     if choice is not None and choice.round_trip_ms > 0
                                     and workers == 1 else None))
         pipeline.check_tables()
+        _log_bound(config, pipeline, workers)
     except BaseException:
         if process is not None:
             await process.close()
@@ -127,6 +129,16 @@ async def connect(config: TrainerConfig, *, ps_addresses: Sequence[str] = (),
             await ps.close()
         raise
     return EmbeddingLink(pipeline, ps=ps, process=process, window_choice=choice)
+
+
+def _log_bound(config: TrainerConfig, pipeline: EmbeddingPipeline, workers: int) -> None:
+    """Say what the run's lookups may miss (async: that nothing bounds them)."""
+    bound = staleness_bound(config.mode, workers=workers, global_bound=config.global_bound,
+                            window=(pipeline.tuner.most if pipeline.tuner is not None
+                                    else pipeline.window))
+    log.info("staleness bound: %s", bound.describe() if bound is not None else
+             f"none (mode async: lookups run up to {config.prefetch} batches ahead, pushes "
+             "are never waited for, no step gate, no head ids)")
 
 
 def _pipeline(config: TrainerConfig, rows: RowsClient, *, chain_rows: RowsClient | None,

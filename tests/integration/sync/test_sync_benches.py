@@ -84,13 +84,16 @@ def test_bench_staleness_reports_every_bound(tmp_path: Path) -> None:
         assert finite(r["auc"]) and 0 < r["auc"] < 1
     assert runs[0]["auc_gap"] == 0.0 and runs[0]["staleness_max"] == 0
     assert runs[1]["staleness_max"] <= 2
-    # the PS's count: with a slowed worker no lookup misses more than its window of any
-    # worker's pushes (the step gate), and global_sync misses none
+    # the PS's count: with a slowed worker no lookup misses more than its bound of any
+    # worker's pushes (the step gate), global_sync misses none, and async has no bound
     assert [r["window"] for r in runs] == [1, 2, None, 1, 8, 8]
+    assert [r["bound"] for r in runs] == [1, 2, None, 0, 8, 8]
     for r in runs:
-        if r["window"] is not None:
-            assert 0 <= r["worker_staleness_max"] <= r["window"], r
-    assert runs[3]["worker_staleness_max"] == 0
+        assert 0 <= r["global_staleness_max"] <= r["total_staleness_max"], r
+        if r["bound"] is not None:
+            assert r["global_staleness_max"] <= r["bound"], r
+            assert r["total_staleness_max"] <= max(result["workers"] * r["bound"] - 1, 0), r
+    assert runs[3]["total_staleness_max"] == 0
     assert result["global_bound_holds"] is True
 
 
