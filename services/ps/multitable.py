@@ -12,8 +12,12 @@ share an Adagrad config, else each table's in turn): the rows, state, counters a
 results of the tables' own ``lookup`` and ``push``, which serve every other case (the callers
 fall back to them on None, nothing changed). Tables with a row cap (``max_rows``) or a TTL
 are plain too: one more call marks the rows used (tick, uses, time) as their own calls do.
-Held ids create no row, so no cap is crossed here: a request with a new id goes table by
-table, where rows are created and the cap evicts.
+A lookup with new ids creates their rows first, table by table, where the tables would create
+one for every new id and evict none (:attr:`EmbeddingTable.creates_freely`), then goes on in
+one call: in a first epoch most of a step's tables have new ids (1.7 -> 1.2 ms of CPU a step,
+26 Criteo tables, batch 512, fresh Zipf ids). Elsewhere (admission, a row cap) a request
+with a new id goes table by table, where the table admits, creates and evicts; so does a push
+with an id that has no row.
 """
 
 from __future__ import annotations
@@ -59,6 +63,18 @@ def _find_all(buckets, slot_ids, ids, bounds, slots):  # pragma: no cover - numb
             if slots[j] < 0:
                 return False
     return True
+
+
+@njit(cache=True, nogil=True)
+def _find_absent(buckets, slot_ids, ids, bounds, slots, absent):  # pragma: no cover - numba
+    """``slots`` as :func:`_find_all` fills them, for every table; ``absent[t]``: how many
+    of table ``t``'s ids have no slot."""
+    for t in range(len(buckets)):
+        lo, hi = bounds[t], bounds[t + 1]
+        find_slots(buckets[t], slot_ids[t], ids[lo:hi], slots[lo:hi])
+        absent[t] = 0
+        for j in range(lo, hi):
+            absent[t] += slots[j] < 0
 
 
 @njit(cache=True, nogil=True)
@@ -157,24 +173,49 @@ def _bounds(parts: Sequence[np.ndarray]) -> np.ndarray:
 def lookup_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], dim: int
                  ) -> np.ndarray | None:
     """The rows of ``ids[t]`` of ``tables[t]`` (tables of dim ``dim``), one after the other,
-    as the tables' lookups give them; None, nothing changed, unless every table is plain and
-    holds every id."""
+    as the tables' lookups give them (absent ids' rows created, see the module doc); None,
+    nothing changed, unless every table is plain and holds every id or creates freely."""
     if not all(part.dtype == np.uint64 and part.ndim == 1 for part in ids) \
             or any(t.dim != dim for t in tables):
         return None  # the tables' own lookups check them
     bounds = _bounds(ids)
     out = np.empty((int(bounds[-1]), dim), dtype=np.float32)
     slots = np.empty(int(bounds[-1]), dtype=np.int64)
+    flat = np.concatenate(ids)
     with _plain(tables) as views:
-        if views is None or not _find_gather(
-                tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
-                tuple(v.rows for v in views), np.concatenate(ids), bounds, slots, out):
+        if views is None:
             return None
+        if not _find_gather(tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
+                            tuple(v.rows for v in views), flat, bounds, slots, out):
+            if not _create_absent(tables, views, ids, flat, bounds, slots):
+                return None
+            views = [view for t in tables if (view := t.plain_view()) is not None]
+            if len(views) != len(tables) or not _find_gather(
+                    tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
+                    tuple(v.rows for v in views), flat, bounds, slots, out):
+                return None
         _mark_used(views, slots, bounds, np.diff(bounds))
         for view, part in zip(views, ids, strict=True):
             view.counters["lookups"] += 1
             view.counters["ids_looked_up"] += part.shape[0]
     return out
+
+
+def _create_absent(tables: Sequence[EmbeddingTable], views: Sequence[PlainTable],
+                   ids: Sequence[np.ndarray], flat: np.ndarray, bounds: np.ndarray,
+                   slots: np.ndarray) -> bool:
+    """Create the rows of the ids that have none, as the tables' lookups would, where every
+    table with such ids admits every id and has no row cap (a row made there evicts none and
+    counts no admission); False, nothing changed, where one has not."""
+    absent = np.empty(len(views), dtype=np.int64)
+    _find_absent(tuple(v.buckets for v in views), tuple(v.slot_ids for v in views), flat,
+                 bounds, slots, absent)
+    short = np.flatnonzero(absent).tolist()
+    if not all(tables[t].creates_freely for t in short):
+        return False
+    for t in short:
+        tables[t].create_rows(np.unique(ids[t][slots[bounds[t]:bounds[t + 1]] < 0]))
+    return True
 
 
 def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],

@@ -329,9 +329,13 @@ class Shard(Durable):
     def _lookup_slices(self, parts: list[tuple[str, np.ndarray]], dim: int, num_ids: int, *,
                        read_only: bool = False, state: dict[str, np.ndarray] | None = None
                        ) -> np.ndarray:
+        held = [self.table(name) for name, _ in parts]
         if not read_only and state is None and (out := lookup_plain(
-                [self.table(name) for name, _ in parts], [p for _, p in parts], dim)) is not None:
-            for name, _ in parts:
+                held, [p for _, p in parts], dim)) is not None:
+            for (name, _), table in zip(parts, held, strict=True):
+                if self.tables.get(name) is not table:  # dropped while the lookup waited
+                    self.table(name)  # NotFound
+                    raise NotFound(f"table {name!r} was dropped during the lookup")
                 self.staleness.looked_up(name)
             return out
         out = np.empty((num_ids, dim), dtype=np.float32)

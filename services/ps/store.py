@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from services.common.errors import InvalidArgument
 from services.ps.arena import (
     dedup_slots,
     gather_rows,
@@ -160,6 +161,21 @@ class EmbeddingTable(TableSnapshots):
             out = self._gather(ids, slots)
             self._spill()
             return out
+
+    @property
+    def creates_freely(self) -> bool:
+        """Whether a lookup makes a row for every absent id, evicting none (every id
+        admitted, no row cap): :meth:`create_rows` may run ahead of it."""
+        return self.config.admits_all and self.config.max_rows is None
+
+    def create_rows(self, ids: np.ndarray) -> None:
+        """The rows a lookup of the absent ``ids`` (unique uint64) creates, before it: for
+        kernels over several tables (:mod:`.multitable`) whose caller holds :attr:`lock`;
+        only where :attr:`creates_freely` (else InvalidArgument, nothing changed)."""
+        if not self.creates_freely:
+            raise InvalidArgument(f"table {self.config.name!r} admits ids or caps its rows: "
+                                  "its lookups create its rows")
+        self._create(ids)
 
     def plain_view(self) -> PlainTable | None:
         """Its arrays for kernels over several tables (:mod:`.multitable`), for a caller that

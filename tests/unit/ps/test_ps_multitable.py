@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from services.common.errors import InvalidArgument
 from services.ps.multitable import lookup_plain, push_plain
 from services.ps.store import EmbeddingTable
 from services.ps.tables import OptimizerConfig, TableConfig
@@ -165,9 +166,9 @@ def test_tables_with_a_row_cap_or_ttl_take_the_plain_path_and_track_use_as_their
     assert state(fused) == state(own)
 
 
-def test_an_id_without_a_row_changes_nothing_and_the_next_push_is_exact() -> None:
-    """One absent id among many held ones: None, no row created, no counter moved, and the
-    push scratch is left clean (the next push equals the tables' own)."""
+def test_a_push_of_an_id_without_a_row_changes_nothing_and_the_next_push_is_exact() -> None:
+    """One absent id among many held ones: the push is None, no row created, no counter
+    moved, and the push scratch is left clean (the next push equals the tables' own)."""
     fused, own = tables(), tables()
     held = [np.arange(10, dtype=np.uint64)] * len(KINDS)
     for t, ids in zip(fused + own, held + held, strict=True):
@@ -176,13 +177,50 @@ def test_an_id_without_a_row_changes_nothing_and_the_next_push_is_exact() -> Non
     absent = [*held[:-1], np.array([1, 1, 99], dtype=np.uint64)]
     grads = [np.ones((ids.size, DIM), np.float32) for ids in absent]
     assert push_plain(fused, absent, grads) is None
-    assert lookup_plain(fused, absent, DIM) is None
     assert state(fused) == before
     again = [np.array([3, 3, 4], dtype=np.uint64)] * len(KINDS)
     grads = [np.full((3, DIM), 0.5, np.float32)] * len(KINDS)
     assert push_plain(fused, again, grads) == [
         t.push(i, g) for t, i, g in zip(own, again, grads, strict=True)]
     assert state(fused) == state(own)
+
+
+def test_a_lookup_of_new_ids_creates_their_rows_as_the_tables_own_lookups_do() -> None:
+    """New ids (duplicated, beside held ones, in some tables only): the same rows, optimizer
+    state, counters (a miss per new id, a lookup per table) and use marks as the tables' own
+    lookups, and the pushes after them agree too."""
+    fused, own = tables(max_rows=None), tables(max_rows=None)
+    held = [np.arange(10, dtype=np.uint64)] * len(KINDS)
+    for t, ids in zip(fused + own, held + held, strict=True):
+        t.lookup(ids)
+    reads = [held[0], np.array([3, 40, 40, 41, 5], dtype=np.uint64), held[2],
+             np.array([77, 2], dtype=np.uint64)]
+    rows = lookup_plain(fused, reads, DIM)
+    assert rows is not None
+    np.testing.assert_array_equal(
+        rows, np.concatenate([t.lookup(i) for t, i in zip(own, reads, strict=True)]))
+    assert state(fused) == state(own)
+    assert [t.stats()["misses"] for t in fused] == [10, 12, 10, 11]
+    grads = [np.full((ids.size, DIM), 0.25, np.float32) for ids in reads]
+    assert push_plain(fused, reads, grads) == [
+        t.push(i, g) for t, i, g in zip(own, reads, grads, strict=True)]
+    assert state(fused) == state(own)
+
+
+@pytest.mark.parametrize("extra", [{"max_rows": 12}, {"admit_min_count": 2}])
+def test_a_lookup_of_new_ids_in_a_table_that_admits_or_caps_changes_nothing(extra) -> None:
+    """Where a table admits ids or caps its rows, its own lookup decides which rows exist:
+    None, nothing created, no counter moved."""
+    fused = tables(**extra)
+    held = [np.arange(10, dtype=np.uint64)] * len(KINDS)
+    for t, ids in zip(fused, held, strict=True):
+        t.lookup(ids)
+    before = state(fused)
+    assert lookup_plain(fused, [*held[:-1], np.array([1, 99], dtype=np.uint64)], DIM) is None
+    assert state(fused) == before
+    with pytest.raises(InvalidArgument, match="t0"):
+        fused[0].create_rows(np.array([50], dtype=np.uint64))
+    assert state(fused) == before
 
 
 def test_ids_gradients_or_dims_that_do_not_fit_are_left_to_the_tables_own_checks() -> None:
