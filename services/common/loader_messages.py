@@ -1,11 +1,6 @@
-"""persimmon.Loader's messages (see :mod:`services.common.messages` for the protocol)::
-
-    Batches (server stream) {rank, world_size, credits} → {kind: "batch", batch}: BatchItem
-                                                          ... then {kind: "end", rank}: BatchesEnd
-    Ack             {batch_ids: [int]}                → {acked: [int], unknown: [int]}
-    Describe        {}                                → {source, batch_size, world_size,
-                                                         num_dense, dense_features,
-                                                         sparse_features, multi_hot, buckets}
+"""persimmon.Loader's messages: Batches (a server stream of :class:`BatchItem` then one
+:class:`BatchesEnd`), Ack and Describe. The protocol's table, and its other service, are in
+:mod:`services.common.messages`, which exports these too.
 
 A batch travels as a :class:`BatchBody`, its arrays raw; :meth:`BatchBody.to_batch` checks
 dtypes and shapes as it builds the :class:`~services.common.batch.Batch`.
@@ -15,12 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from msgspec import Meta, Struct
+from msgspec import Meta
 
 from services.common.batch import Batch, Jagged
 from services.common.codecs.array import WireArray
 from services.common.codecs.registry import decode_array, raw_array
-from services.common.wire import MAX_ITEMS, Message, Text, UInt
+from services.common.wire import Items, Message, Record, Text, TextMap, UInt
 
 __all__ = [
     "MAX_ACK_IDS",
@@ -38,7 +33,6 @@ __all__ = [
 
 MAX_ACK_IDS = 100_000
 Ids = Annotated[list[UInt], Meta(max_length=MAX_ACK_IDS)]
-TextList = Annotated[list[Text], Meta(max_length=MAX_ITEMS)]
 
 
 class BatchesRequest(Message):
@@ -49,28 +43,29 @@ class BatchesRequest(Message):
     credits: UInt
 
 
-class JaggedBody(Struct, forbid_unknown_fields=True):
+class JaggedBody(Record, kw_only=True):
     """One sparse feature of a batch: ``values`` uint64 (total,), ``lengths`` int32 (B,)."""
 
     values: WireArray
     lengths: WireArray
 
 
-class BatchBody(Struct, kw_only=True, forbid_unknown_fields=True):
+class BatchBody(Record, kw_only=True):
     """A :class:`~services.common.batch.Batch` on the wire, arrays raw."""
 
     batch_id: UInt
     labels: WireArray
     dense: WireArray
-    sparse: Annotated[dict[Text, JaggedBody], Meta(max_length=MAX_ITEMS)]
-    positions: Annotated[dict[Text, tuple[int, int]], Meta(max_length=MAX_ITEMS)] = {}
+    sparse: TextMap[JaggedBody]
+    positions: TextMap[tuple[int, int]] = {}
 
     @classmethod
     def of(cls, batch: Batch) -> BatchBody:
         """The wire form of ``batch`` (zero-copy views: encode before mutating it)."""
         return cls(batch_id=batch.batch_id, labels=raw_array(batch.labels),
                    dense=raw_array(batch.dense),
-                   sparse={name: JaggedBody(raw_array(f.values), raw_array(f.lengths))
+                   sparse={name: JaggedBody(values=raw_array(f.values),
+                                            lengths=raw_array(f.lengths))
                            for name, f in batch.sparse.items()},
                    positions={key: (int(a), int(b)) for key, (a, b) in batch.positions.items()})
 
@@ -120,7 +115,7 @@ class DescribeReply(Message):
     batch_size: UInt
     world_size: UInt
     num_dense: UInt
-    dense_features: TextList
-    sparse_features: TextList
-    multi_hot: Annotated[dict[Text, Text], Meta(max_length=MAX_ITEMS)]
-    buckets: Annotated[dict[Text, UInt], Meta(max_length=MAX_ITEMS)]
+    dense_features: Items[Text]
+    sparse_features: Items[Text]
+    multi_hot: TextMap[Text]
+    buckets: TextMap[UInt]

@@ -29,14 +29,17 @@ from services.common.errors import InvalidArgument, MalformedMessage, ProtocolMi
 
 __all__ = [
     "ENVELOPE_KEYS",
+    "Items",
     "Message",
     "MAX_ITEMS",
     "MAX_MESSAGE_BYTES",
     "MAX_OBJECTS",
     "PROTOCOL_VERSION",
     "MAX_TEXT",
+    "Record",
     "SCAN_FROM",
     "Text",
+    "TextMap",
     "UInt",
     "check_frame",
     "count_objects",
@@ -62,6 +65,11 @@ MAX_TEXT = 4096  # the longest string a message may hold unless a field says les
 UInt = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
 M = TypeVar("M")
+T = TypeVar("T")
+#: a list, and a map with Text keys, of at most MAX_ITEMS entries (``TextMap[UInt]``); a
+#: field bounded tighter spells its own bound
+Items = Annotated[list[T], Meta(max_length=MAX_ITEMS)]
+TextMap = Annotated[dict[Text, T], Meta(max_length=MAX_ITEMS)]
 _S = TypeVar("_S", bound=Struct)
 
 # What follows each msgpack type byte from 0xc0 on: ("fixed", bytes to skip),
@@ -198,7 +206,13 @@ def decode_message(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
 
 # ---- typed messages: msgspec Structs decoded straight from a frame ------------------------
 
-class Message(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+class Record(Struct, forbid_unknown_fields=True):
+    """Base of the records a message nests (a batch, a table's config, an error) and of
+    :class:`Message`: an unknown field is refused, naming it. A subclass built by keyword
+    only says ``kw_only=True`` (msgspec applies it to a class's own fields)."""
+
+
+class Message(Record, kw_only=True, omit_defaults=True):
     """Base of every message. ``v`` and ``rid`` are the frame's envelope: :func:`encode` sets
     them, :func:`decode` checks ``v``; a reply echoes its request's ``rid``."""
 

@@ -20,7 +20,7 @@ import numpy as np
 from msgspec import Meta
 
 from services.common.errors import MalformedMessage
-from services.common.wire import explain
+from services.common.wire import Record, explain
 
 __all__ = ["ALLOWED_DTYPES", "MAX_ARRAY_ELEMENTS", "MAX_WRAPPERS", "CodecMeta", "WireArray"]
 
@@ -54,7 +54,7 @@ class BadArray(MalformedMessage, ValueError):
     """A header whose fields disagree (a ValueError too, so that msgspec names its place)."""
 
 
-class WireArray(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class WireArray(Record, kw_only=True):
     """One encoded array: header plus the codec's buffer (bytes or a memoryview, not copied).
     Construction checks what spans fields: the element count against the limit, a raw
     array's bytes against its shape, a codec name without parameters."""

@@ -13,10 +13,10 @@ import pytest
 
 from services.common import messages as m
 from services.common.batch import Batch, Jagged
-from services.common.codecs import decode_array, get_codec, raw_array
+from services.common.codecs import WireArray, decode_array, get_codec, raw_array
 from services.common.config import config_to_dict
 from services.common.errors import MalformedMessage, ProtocolMismatch
-from services.common.wire import decode_message, encode_message
+from services.common.wire import Record, decode_message, encode_message
 from services.ps.tables import TableConfig
 
 IDS = np.array([3, 9, 12], dtype=np.uint64)
@@ -106,6 +106,35 @@ def test_no_message_field_is_an_untyped_map():
         for info in msgspec.inspect.type_info(cls).fields:
             if info.name not in ("v", "rid"):
                 assert "AnyType" not in repr(info.type), (cls.__name__, info.name)
+
+
+def _structs_below(types: typing.Iterable[typing.Any]) -> set[type]:
+    """Every Struct class the types hold, at any depth."""
+    found: set[type] = set()
+    todo: list[typing.Any] = list(msgspec.inspect.multi_type_info(list(types)))
+    while todo:
+        t = todo.pop()
+        if isinstance(t, msgspec.inspect.StructType):
+            if t.cls not in found:
+                found.add(t.cls)
+                todo.extend(f.type for f in t.fields)
+            continue
+        for attr in ("type", "item_type", "key_type", "value_type"):
+            if hasattr(t, attr):
+                todo.append(getattr(t, attr))
+        todo.extend(getattr(t, "types", ()) or getattr(t, "item_types", ()))
+    return found
+
+
+def test_every_struct_of_the_protocol_is_a_record():
+    """One base config (services.common.wire.Record) for messages and what they nest:
+    unknown fields refused everywhere."""
+    structs = _structs_below(SAMPLES)
+    assert {m.BatchBody, m.JaggedBody, m.ErrorBody, m.TableInfo, m.TableStats,
+            WireArray} <= structs
+    for cls in structs:
+        assert issubclass(cls, Record), cls
+        assert cls.__struct_config__.forbid_unknown_fields, cls
 
 
 def test_the_batches_stream_items_are_told_apart_by_kind():
