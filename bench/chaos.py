@@ -1,13 +1,14 @@
 """``python -m bench chaos``: every record's gradient applied exactly once under SIGKILLs.
 
 A job reads a Kafka topic of ``--records`` records (librdkafka's mock cluster, held by this
-process) through a loader process under ``--checkpoint-dir`` into 2 worker processes, which
-push counting gradients to 2 PS shard processes: one table, SGD with lr = 1 on zero rows, a
-gradient of -1 per id occurrence, so each row equals the occurrences the PS applied. Each
-record carries a feature unique to it (its row counts how many times the record's gradient
-was applied) and two drawn from small vocabularies. The workers run no dense model: what is
-measured is the data path (loader, pushes, cuts), not model quality. Every ``--cut-every``
-steps the workers cut the job (:class:`~services.worker.job_checkpoints.ConsistentCut`).
+process) through a loader process under ``--checkpoint-dir`` into 2 worker processes
+(:mod:`bench.chaos_worker`), which push counting gradients to 2 PS shard processes: one
+table, SGD with lr = 1 on zero rows, a gradient of -1 per id occurrence, so each row equals
+the occurrences the PS applied. Each record carries a feature unique to it (its row counts
+how many times the record's gradient was applied) and two drawn from small vocabularies.
+The workers run no dense model: what is measured is the data path (loader, pushes, cuts),
+not model quality. Every ``--cut-every`` steps the workers cut the job
+(:class:`~services.worker.job_checkpoints.ConsistentCut`).
 
 A seeded schedule of ``--kills`` faults cycles over four roles (seven with ``--wal``,
 below), SIGKILLs of: a PS shard, the loader, a worker, and a PS shard while a cut is in
@@ -64,6 +65,8 @@ schedule, and ``ps`` changes (:mod:`bench.chaos_faults`):
   that worker (the others and the loader SIGKILLed, every shard restored, fresh workers);
   once they stepped, the proxy breaks the held connections (the worker's client retries its
   push on a new one, held too), then heals: the retry reaches the shard in its new epoch.
+  A worker that failed first (an ack to its killed loader) waits for its held push to end
+  (:meth:`~bench.chaos_worker.PushWindow.settle`), so the retry is tried either way.
   ``partition_retries_refused``: partitioned workers that ended with StaleEpoch;
   ``partitioned_exited``: those that exited (both must equal the partitions).
 
@@ -82,18 +85,14 @@ zombie that survived into the final cut would also show in ``applied_twice``. Wi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import json
 import logging
-import os
 import random
 import signal
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,120 +108,16 @@ from bench.chaos_faults import (
     restore_fault,
     sigkill,
 )
-from bench.chaos_job import SHARDS, STAMP, TABLE, WORLD, ChaosJob, stamp_ids
+from bench.chaos_job import SHARDS, TABLE, WORLD, ChaosJob
 from services.common.commands import float_at_least, int_at_least
 
-__all__ = ["counting_worker", "expected_counts", "produce_records", "register_bench", "run",
-           "source_records"]
+__all__ = ["expected_counts", "produce_records", "register_bench", "run", "source_records"]
 
 console = Console(stderr=True)
 ROLES = ("ps", "loader", "worker", "ps-cut")
 WAL_ROLES = (*ROLES, "enospc", "restore", "partition")  # with --wal
 WAL_FAULTS = {"ps": kill_with_wal, "enospc": enospc_fault, "restore": restore_fault,
               "partition": partition_fault}
-
-
-# ---- a worker process: python -m bench.chaos --rank R ... -----------------------------------
-
-async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_admin: list[str],
-                          loader: str, loader_admin: str | None, steps: int, cut_every: int,
-                          window: int = 4, step_ms: int = 0, started: str | None = None,
-                          leave_after: int | None = None, retry_s: float = 0.0) -> int:
-    """Rank ``rank`` of the job from the newest complete cut under ``root``: push counting
-    gradients of every batch (``window`` pushes in flight), cut every ``cut_every`` steps and
-    at ``steps``; ``leave_after``: stop after that step with no cut, as a crash would;
-    ``retry_s``: pushes and the cut's checkpoint calls wait that long for a shard that is
-    down (one restarting from its write-ahead log). Returns the step reached."""
-    from clients.loader_client import LoaderClient
-    from clients.ps_client import PSClient
-    from services.common.checkpoints import latest_complete
-    from services.common.checkpoints.positions import cut_positions
-    from services.worker.job_checkpoints import ConsistentCut, JobCheckpointer
-
-    manifest = latest_complete(root)
-    step = int(manifest["step"]) if manifest else 0
-    stamps = {STAMP: stamp_ids(int(run) + 1)[-1]}  # this run's row on every shard
-    checkpointer = JobCheckpointer(root, admin_urls=ps_admin,
-                                   retry_s=retry_s) if rank == 0 else None
-    cut = ConsistentCut(root, rank=rank, world=WORLD, run=run, checkpointer=checkpointer,
-                        positions=cut_positions(root), loader_admin_url=loader_admin)
-    pushes: set[asyncio.Task[None]] = set()
-    async with PSClient(ps, retry_s=retry_s) as client, LoaderClient(
-            loader, rank=rank, world_size=WORLD, credits=window + 2) as batches:
-
-        if STAMP not in client.dims:  # shards without the stamp table (a test's)
-            stamps.clear()
-
-        async def push(batch: Any) -> None:  # one message per shard: counts and the stamp
-            ids, counts = np.unique(np.concatenate([f.values for f in batch.sparse.values()]),
-                                    return_counts=True)
-            await client.push_tables({TABLE: ids, **stamps}, {
-                TABLE: -counts[:, None].astype(np.float32),
-                **{name: np.full((SHARDS, 1), -1.0, np.float32) for name in stamps}})
-            await batches.ack(batch)
-
-        async def drain() -> None:
-            await asyncio.gather(*pushes)
-            pushes.clear()
-
-        stream = batches.batches()
-        while step < steps:
-            batch = await _next_batch(stream, pushes)
-            while len(pushes) >= window:
-                done, _ = await asyncio.wait(pushes, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()
-                pushes.difference_update(done)
-            pushes.add(asyncio.create_task(push(batch)))
-            cut.trained(batch.positions)
-            step += 1
-            if step_ms:
-                await asyncio.sleep(step_ms / 1000)
-            if started is not None and not os.path.exists(started):
-                Path(started).touch()
-            if step == leave_after:
-                await drain()
-                break
-            if step % cut_every == 0 or step == steps:
-                await cut.cut(step, drain=drain, dense=json.dumps({"step": step}).encode())
-    return step
-
-
-async def _next_batch(stream: AsyncIterator[Any], pushes: set[asyncio.Task[None]]) -> Any:
-    """The next batch of ``stream``; a push of ``pushes`` that fails meanwhile raises first
-    (a fenced worker ends on its StaleEpoch, not on a loader gone meanwhile)."""
-    waiting = asyncio.ensure_future(anext(stream))
-    try:
-        while not waiting.done():
-            done, _ = await asyncio.wait({waiting, *pushes}, return_when=asyncio.FIRST_COMPLETED)
-            for task in done - {waiting}:
-                pushes.discard(task)
-                task.result()
-        return waiting.result()
-    finally:
-        waiting.cancel()
-
-
-def _worker_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos")
-    for name in ("--root", "--run", "--ps", "--ps-admin", "--loader", "--loader-admin",
-                 "--started", "--exit-file"):
-        parser.add_argument(name, required=True)
-    for name in ("--rank", "--steps", "--cut-every", "--window", "--step-ms"):
-        parser.add_argument(name, type=int, required=True)
-    parser.add_argument("--retry-s", type=float, default=0.0)
-    a = parser.parse_args(argv)
-    try:
-        asyncio.run(counting_worker(
-            root=a.root, run=a.run, rank=a.rank, ps=a.ps.split(","),
-            ps_admin=a.ps_admin.split(","), loader=a.loader, loader_admin=a.loader_admin,
-            steps=a.steps, cut_every=a.cut_every, window=a.window, step_ms=a.step_ms,
-            started=a.started, retry_s=a.retry_s))
-    except BaseException as exc:  # how it ended, for the bench (StaleEpoch: fenced)
-        Path(a.exit_file).write_text(type(exc).__name__)
-        raise
-    Path(a.exit_file).write_text("done")
-    return 0
 
 
 # ---- the source: records produced to the mock cluster, and their expected counts -------------
@@ -486,6 +381,3 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="seconds the job may take after the last kill")
     parser.set_defaults(func=_main)
 
-
-if __name__ == "__main__":
-    raise SystemExit(_worker_main(sys.argv[1:]))

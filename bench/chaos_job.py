@@ -333,8 +333,9 @@ class ChaosJob:
         a = self.args
         with open(self.log_file(self.run, rank), "wb") as log:
             return subprocess.Popen(
-                [*_SERVICE, "bench.chaos", "--root", str(self.root), "--run", str(self.run),
-                 "--ps", ",".join(ps), "--ps-admin", ",".join(self.ps_admin),
+                [*_SERVICE, "bench.chaos_worker", "--root", str(self.root),
+                 "--run", str(self.run), "--ps", ",".join(ps),
+                 "--ps-admin", ",".join(self.ps_admin),
                  "--loader", self.loader_address, "--loader-admin", self.loader_admin,
                  "--started", str(self.started_file(rank)),
                  "--exit-file", str(self.exit_file(self.run, rank)), "--rank", str(rank),

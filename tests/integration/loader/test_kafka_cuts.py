@@ -1,7 +1,7 @@
 """Exactly once across a crash: a Kafka job cut by its workers, stopped after pushes the cut
 does not hold, then resumed from the cut (PS restored, loader at the cut's positions), counts
 every record once. Real PS shards and loader on port 0, librdkafka's mock cluster; the
-workers are two ranks of ``bench.chaos.counting_worker`` in this event loop."""
+workers are two ranks of ``bench.chaos_worker.counting_worker`` in this event loop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from bench.chaos import counting_worker, expected_counts, produce_records, source_records
+from bench.chaos import expected_counts, produce_records, source_records
+from bench.chaos_worker import counting_worker
 from clients.ps_client import PSClient
 from services.common.checkpoints import latest_complete
 from services.common.checkpoints.positions import POSITIONS_PART, cut_positions, encode_positions
