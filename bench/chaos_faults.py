@@ -15,7 +15,6 @@ import random
 import signal
 import subprocess
 import time
-from typing import Any
 
 import numpy as np
 
@@ -195,11 +194,11 @@ def restore_fault(job: ChaosJob, role: str, rng: random.Random, max_gap: float,
     job.zombies.close(k)
     started = time.monotonic()
 
-    async def restore() -> dict[str, Any]:
+    async def restore() -> int:
         async with AdminClient(job.ps_admin[k]) as admin:
-            return await admin.restore(cut["checkpoint_id"])
+            return (await admin.restore(cut["checkpoint_id"])).epoch
 
-    epoch = int(asyncio.run(restore())["epoch"])
+    epoch = asyncio.run(restore())
     job.zombies.open(k, cut["checkpoint_id"], job.run + 1)
     wait(lambda: any(w.poll() is not None for w in job.workers) or job.finished(), 120,
          "a worker failing on its refused push")

@@ -28,7 +28,6 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from clients._ps_messages import ShardMessages, check_grads
@@ -389,13 +388,15 @@ class PSClient:
                 out[pos] = encoder.residual(ids[pos], out.shape[1])
         return out
 
-    async def tables(self) -> list[dict[str, Any]]:
-        """Table configs as the first shard reports them (tables exist on every shard)."""
-        return [msgspec.to_builtins(table) for table in await self._shards.tables()]
+    async def tables(self) -> list[msg.TableInfo]:
+        """Table configs as the first shard reports them (tables exist on every shard);
+        refreshes ``dims``."""
+        return await self._shards.tables()
 
-    async def stats(self, table: str | None = None) -> list[dict[str, Any]]:
-        """Per-shard statistics: ``{shard_id, tables: {name: stats}}`` per shard."""
-        return [reply.to_wire() for reply in await self._shards.stats(table)]
+    async def stats(self, table: str | None = None) -> list[msg.StatsReply]:
+        """Each shard's statistics (its id, epoch, and counters of ``table`` or of every
+        table), in shard order."""
+        return await self._shards.stats(table)
 
     def wire_bytes(self) -> dict[str, int]:
         """Bytes this client sent and received per stream."""

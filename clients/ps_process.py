@@ -41,6 +41,7 @@ from services.common.codecs.masked import REFRESH as DCT_MP_REFRESH
 from services.common.codecs.masked import PooledMasks
 from services.common.errors import InvalidArgument, PersimmonError, Unavailable
 from services.common.lifecycle import freeze_startup_objects
+from services.common.messages import TableInfo
 from services.common.sharding import ShardedIds
 
 __all__ = ["PSClientProcess"]
@@ -266,10 +267,10 @@ class PSClientProcess:
         """:meth:`PSClient.pooled_push`, in the child."""
         return await self._call("pooled_push", table, ids, lengths, grads, mode, masks=masks)
 
-    async def tables(self) -> list[dict[str, Any]]:
+    async def tables(self) -> list[TableInfo]:
         """:meth:`PSClient.tables`, in the child; refreshes ``dims``."""
-        tables: list[dict[str, Any]] = await self._call("tables")
-        self.dims.update({t["name"]: int(t["dim"]) for t in tables})
+        tables: list[TableInfo] = await self._call("tables")
+        self.dims.update({t.name: t.dim for t in tables})
         return tables
 
     async def report_loss(self, loss: float) -> int | None:

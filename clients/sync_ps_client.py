@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from clients.ps_client import PSClient, PushAck
+from services.common.messages import StatsReply, TableInfo
 
 __all__ = ["SyncPSClient"]
 
@@ -36,10 +37,10 @@ class SyncPSClient:
     def push(self, table: str, ids: Any, grads: Any) -> PushAck:
         return self._run(self._client.push(table, ids, grads))
 
-    def tables(self) -> list[dict[str, Any]]:
+    def tables(self) -> list[TableInfo]:
         return self._run(self._client.tables())
 
-    def stats(self, table: str | None = None) -> list[dict[str, Any]]:
+    def stats(self, table: str | None = None) -> list[StatsReply]:
         return self._run(self._client.stats(table))
 
     def resync(self) -> list[int]:

@@ -116,6 +116,7 @@ __all__ = [
     "StatsReply",
     "StatsRequest",
     "StorageInfo",
+    "TableCounters",
     "TableInfo",
     "TableStats",
     "TablesReply",
@@ -422,10 +423,8 @@ class StatsRequest(Message):
     table: Text | None = None
 
 
-class TableStats(Record, kw_only=True):
-    """One table's counters and sizes, and the staleness its tagged lookups saw (the mean
-    and max of the earlier pushes they missed: the most of any one worker's, of their own
-    worker's, of every worker's summed)."""
+class TableCounters(Record, kw_only=True):
+    """One table's counters and sizes (as a shard's admin API serves them)."""
 
     name: Text
     rows: UInt
@@ -447,6 +446,13 @@ class TableStats(Record, kw_only=True):
     not_admitted: UInt
     promoted: UInt
     demoted: UInt
+
+
+class TableStats(TableCounters, kw_only=True):
+    """One table's counters and sizes, and the staleness its tagged lookups saw (the mean
+    and max of the earlier pushes they missed: the most of any one worker's, of their own
+    worker's, of every worker's summed)."""
+
     tagged_lookups: UInt
     global_staleness_max: UInt
     global_staleness_mean: float

@@ -68,11 +68,12 @@ async def _train_one(rank: int, world: int, addresses: list[str], tables: dict[s
                                                  eval_batches=test[rank::world]))
         if rank == 0 and trainer.ps is not None:
             shards = await trainer.ps.stats()
-            counts = [t for shard in shards for name, t in shard["tables"].items()
+            counts = [t for shard in shards for name, t in shard.tables.items()
                       if name in tables.values()]
-            summary["ps_staleness"] = {key: max((int(t.get(key, 0)) for t in counts), default=0)
-                                       for key in ("global_staleness_max", "own_staleness_max",
-                                                   "total_staleness_max")}
+            summary["ps_staleness"] = {
+                "global_staleness_max": max((t.global_staleness_max for t in counts), default=0),
+                "own_staleness_max": max((t.own_staleness_max for t in counts), default=0),
+                "total_staleness_max": max((t.total_staleness_max for t in counts), default=0)}
         return summary
 
 

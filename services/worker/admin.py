@@ -15,15 +15,17 @@ import math
 import time
 from collections import Counter as Tally
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, RedirectResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from services.common.admin import make_admin_app
+from services.common.messages import StatsReply
 from services.worker.summary import LossCurve
 
 __all__ = ["WorkerProgress", "make_worker_admin"]
@@ -139,7 +141,8 @@ class WorkerProgress:
                               for k in sorted(self.staleness_counts)]}
 
 
-ShardStats = Callable[[], Awaitable[list[dict[str, Any]]]]  # the PS client's stats()
+# the PS client's stats() (the in-process shards': dicts of the same fields, as yet)
+ShardStats = Callable[[], Awaitable[Sequence[StatsReply | dict[str, Any]]]]
 
 
 def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str, Any]],
@@ -178,19 +181,19 @@ def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str
     return app
 
 
-def _shard_summary(stats: dict[str, Any]) -> dict[str, Any]:
-    """One shard's Stats (``{shard_id, tables: {name: counters}}``), its tables summed."""
-    tables = stats["tables"].values()
-    total = {key: sum(int(t.get(key, 0)) for t in tables)
+def _shard_summary(stats: StatsReply | dict[str, Any]) -> dict[str, Any]:
+    """One shard's Stats, its tables summed (a dict: the in-process shards' stats, as yet)."""
+    if not isinstance(stats, StatsReply):
+        stats = msgspec.convert(stats, StatsReply)
+    tables = stats.tables.values()
+    total = {key: sum(getattr(t, key) for t in tables)
              for key in ("rows", "disk_rows", "bytes", "ids_looked_up", "misses", "ids_pushed")}
-    looked, tagged = total["ids_looked_up"], sum(int(t.get("tagged_lookups", 0)) for t in tables)
-    return {"shard_id": stats["shard_id"], "tables": len(tables), **total,
+    looked, tagged = total["ids_looked_up"], sum(t.tagged_lookups for t in tables)
+    return {"shard_id": stats.shard_id, "tables": len(tables), **total,
             "miss_ratio": total["misses"] / looked if looked else None,
-            "global_staleness_mean": sum(t.get("global_staleness_mean", 0.0)
-                                         * t.get("tagged_lookups", 0) for t in tables) / tagged
-            if tagged else None,
-            "global_staleness_max": max((int(t.get("global_staleness_max", 0)) for t in tables),
-                                        default=0)}
+            "global_staleness_mean": sum(t.global_staleness_mean * t.tagged_lookups
+                                         for t in tables) / tagged if tagged else None,
+            "global_staleness_max": max((t.global_staleness_max for t in tables), default=0)}
 
 
 @functools.cache

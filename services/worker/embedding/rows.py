@@ -67,9 +67,9 @@ class RowsClient(Protocol):
     @property
     def codec_stats(self) -> WireStats: ...
 
-    async def tables(self) -> list[dict[str, Any]]:
-        """Every table's config (a dict with at least ``name`` and ``dim``); refreshes
-        ``dims``."""
+    async def tables(self) -> list[Any]:
+        """Every table's config (a :class:`~services.common.messages.TableInfo`, or a dict
+        with at least ``name`` and ``dim``); refreshes ``dims``."""
         ...
 
     async def lookup_sharded(self, layout: ShardedIds) -> np.ndarray:

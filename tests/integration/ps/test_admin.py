@@ -8,7 +8,13 @@ import pytest
 
 from clients.admin_client import AdminClient
 from clients.ps_client import PSClient
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    MalformedMessage,
+    NotFound,
+)
 from tests.integration.ps.conftest import digest, start_cluster
 
 
@@ -36,10 +42,12 @@ async def test_create_list_describe_delete_table(shard):
     async with AdminClient(shard.admin_url) as admin:
         created = await admin.create_table({"name": "ads", "dim": 6,
                                             "optimizer": {"kind": "adam", "lr": 0.01}})
-        assert created["dim"] == 6
-        assert {t["name"] for t in await admin.tables()} == {"user", "item", "ads"}
+        assert (created.name, created.dim, created.rows, created.optimizer.kind) == (
+            "ads", 6, 0, "adam")
+        assert {t.name for t in await admin.tables()} == {"user", "item", "ads"}
         described = await admin.table("ads")
-        assert described["config"]["optimizer"]["kind"] == "adam"
+        assert described.config.optimizer.kind == "adam" and described.config.dim == 6
+        assert described.stats.rows == 0 and described.epoch == 1
         with pytest.raises(AlreadyExists):
             await admin.create_table({"name": "ads", "dim": 6})
         async with PSClient([shard.address]) as ps:
@@ -73,12 +81,13 @@ async def test_bad_table_bodies_are_400_and_change_nothing(shard, body):
 async def test_rows_and_optimizer_patch(shard):
     async with AdminClient(shard.admin_url) as admin, PSClient([shard.address]) as ps:
         absent = await admin.row("item", 42)
-        assert absent["present"] is False
+        assert absent.id == 42 and absent.present is False
         looked = await ps.lookup("item", np.array([42], np.uint64))
-        np.testing.assert_allclose(absent["row"], looked[0], rtol=1e-7)
-        assert (await admin.row("item", 42))["present"] is True
+        np.testing.assert_allclose(absent.row, looked[0], rtol=1e-7)
+        assert (await admin.row("item", 42)).present is True
         patched = await admin.set_optimizer("item", lr=2.0)
-        assert patched["lr"] == 2.0
+        assert (patched.kind, patched.lr) == ("sgd", 2.0)
+        assert (await admin.table_stats("item")).lookups == 1
         await ps.push("item", np.array([42], np.uint64), np.ones((1, 4), np.float32))
         after = await ps.lookup("item", np.array([42], np.uint64))
         np.testing.assert_allclose(after[0], looked[0] - 2.0, rtol=1e-6)
@@ -110,14 +119,27 @@ async def test_checkpoint_and_restore_over_rest(shard):
         await ps.push("user", ids, np.random.default_rng(0).normal(size=(200, 8)).astype(np.float32))
         saved = await ps.lookup("user", ids)
         manifest = await admin.checkpoint("ck-1")
-        assert manifest["checkpoint_id"] == "ck-1"
+        assert (manifest.checkpoint_id, manifest.shard_id, manifest.epoch) == ("ck-1", 0, 1)
+        assert manifest.tables["user"].rows == 200 and manifest.tables["user"].config.dim == 8
         await ps.push("user", ids, np.ones((200, 8), np.float32))
         assert not np.array_equal(await ps.lookup("user", ids), saved)
         listed = await admin.checkpoints()
-        assert [m["checkpoint_id"] for m in listed] == ["ck-1"]
+        assert [m.checkpoint_id for m in listed] == ["ck-1"]
+        assert listed[0].complete and listed[0].tables["user"] == 200
+        assert listed[0].parts == [manifest]
         restored = await admin.restore("ck-1")
-        assert restored["rows"]["user"] == 200
+        assert (restored.checkpoint_id, restored.rows["user"], restored.epoch) == ("ck-1", 200, 2)
         np.testing.assert_array_equal(await ps.lookup("user", ids), saved)
+
+
+async def test_an_answer_of_another_shape_is_malformed_naming_the_field():
+    """A broken or foreign peer's answer is refused whole, naming what does not fit."""
+    tables = [{"name": "user", "dim": "wide", "dtype": "float32", "rows": 0,
+               "optimizer": {"kind": "sgd"}}]
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=tables))
+    async with AdminClient("http://ps", transport=transport) as admin:
+        with pytest.raises(MalformedMessage, match=r"GET /v1/tables .*\$\[0\]\.dim"):
+            await admin.tables()
 
 
 async def test_checkpoint_without_directory_is_412():

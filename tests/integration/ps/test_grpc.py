@@ -291,8 +291,10 @@ async def test_unary_tables_and_stats(cluster):
         await ps.lookup("item", np.arange(10, dtype=np.uint64))
         tables = await ps.tables()
         stats = await ps.stats("item")
-    assert {t["name"] for t in tables} == {"user", "item"}
-    assert sum(s["tables"]["item"]["rows"] for s in stats) == 10
+    assert {(t.name, t.dim, t.optimizer.kind) for t in tables} == {("user", 8, "adagrad"),
+                                                                    ("item", 4, "sgd")}
+    assert [s.shard_id for s in stats] == [0, 1] and all(s.epoch == 1 for s in stats)
+    assert sum(s.tables["item"].rows for s in stats) == 10 and set(stats[0].tables) == {"item"}
 
 
 async def test_multi_table_messages_equal_one_table_at_a_time(cluster):

@@ -80,7 +80,7 @@ def test_two_shard_processes_round_trip_checkpoint_and_reshard(tmp_path):
         with SyncPSClient([s[1] for s in shards], rows_codec="fp16") as ps:
             np.testing.assert_array_equal(ps.lookup("user", ids), rows)
             stats = ps.stats("user")
-        assert sum(s["tables"]["user"]["rows"] for s in stats) == 1000
+        assert sum(s.tables["user"].rows for s in stats) == 1000
     finally:
         for p, _, _ in shards:
             stop(p)

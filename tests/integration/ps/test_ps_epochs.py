@@ -46,7 +46,7 @@ async def test_a_retry_from_before_a_restore_is_refused(shard):
             at_checkpoint = await ps.lookup("item", IDS)
             await stream.request(push_request(1, 1), msg.PushReply)  # applied, ack lost
             answer = await admin.restore("c1")
-            assert answer["epoch"] == 2 and answer["rows"]["item"] == IDS.size
+            assert answer.epoch == 2 and answer.rows["item"] == IDS.size
             with pytest.raises(StaleEpoch, match="epoch 1 .* epoch 2"):
                 await stream.request(push_request(1, 1), msg.PushReply)  # the retry
             with pytest.raises(StaleEpoch, match="carries no epoch .* epoch 2"):
@@ -54,8 +54,8 @@ async def test_a_retry_from_before_a_restore_is_refused(shard):
             with pytest.raises(StaleEpoch, match="epoch 1 .* epoch 2"):  # surfaced, not retried
                 await ps.push("item", IDS, GRADS)
             np.testing.assert_array_equal(await ps.lookup("item", IDS), at_checkpoint)
-            assert [s["epoch"] for s in await ps.stats()] == [2]
-            assert (await admin.table("item"))["epoch"] == 2
+            assert [s.epoch for s in await ps.stats()] == [2]
+            assert (await admin.table("item")).epoch == 2
             assert await ps.resync() == [2]
             assert (await ps.push("item", IDS, GRADS)).applied == IDS.size
         async with PSClient([shard.address]) as fresh:  # a job restarting learns it

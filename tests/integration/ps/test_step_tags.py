@@ -33,11 +33,11 @@ async def test_each_shard_counts_the_earlier_pushes_of_every_worker_a_lookup_mis
         await ps.push_then_lookup(tagged(1, 1), grads, tagged(0, 2))  # sees every push
         stats = await ps.stats("user")
     for shard in stats:
-        s = shard["tables"]["user"]
-        assert s["tagged_lookups"] == 2
-        assert (s["global_staleness_max"], s["own_staleness_max"]) == (1, 1)
-        assert s["global_staleness_mean"] == pytest.approx(0.5)
-        assert (s["total_staleness_max"], s["total_staleness_mean"]) == (1, pytest.approx(0.5))
+        s = shard.tables["user"]
+        assert s.tagged_lookups == 2
+        assert (s.global_staleness_max, s.own_staleness_max) == (1, 1)
+        assert s.global_staleness_mean == pytest.approx(0.5)
+        assert (s.total_staleness_max, s.total_staleness_mean) == (1, pytest.approx(0.5))
 
 
 @pytest.mark.parametrize("tag", [[0, 1], [2, 0, 2], [0, -1, 2], [0, 1, 2, 3]])

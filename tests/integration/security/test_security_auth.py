@@ -119,7 +119,7 @@ async def test_admin_writes_need_the_token(start_ps):
             await intruder.set_optimizer("user", lr=1.0)
     assert ps.shard.table("user").config.optimizer.lr == pytest.approx(0.1)
     async with AdminClient(ps.admin_url, token=TOKEN) as admin:
-        assert (await admin.create_table(table))["name"] == "extra"
+        assert (await admin.create_table(table)).name == "extra"
         await admin.delete_table("extra")
     assert sorted(ps.shard.tables) == ["item", "user"]
 

@@ -82,7 +82,7 @@ async def test_admin_over_https(start_ps, certs):
     tls = ClientTLS(ca=str(certs.ca))
     async with AdminClient(url, tls=tls, token=TOKEN) as admin:
         assert await admin.healthy()
-        assert (await admin.create_table({"name": "extra", "dim": 2}))["name"] == "extra"
+        assert (await admin.create_table({"name": "extra", "dim": 2})).name == "extra"
     async with httpx.AsyncClient(timeout=5) as plain:
         with pytest.raises(httpx.HTTPError):
             await plain.get(f"http://127.0.0.1:{ps.admin_port}/healthz")

@@ -164,7 +164,7 @@ async def test_bad_settings_and_inputs_are_clear_errors(cluster: LocalPS,
             await t.fit([partial])
         assert t.step == 0 and not t.recent_losses
         stats = await t.ps.stats("bad_C1")
-        assert sum(s["tables"]["bad_C1"]["rows"] for s in stats) == 0  # nothing was pushed
+        assert sum(s.tables["bad_C1"].rows for s in stats) == 0  # nothing was pushed
 
 
 class _FailsAtThirdStep(torch.nn.Module):

@@ -72,7 +72,7 @@ async def test_killed_worker_restarts_and_finishes_without_corrupting_the_ps(tmp
         async with PSClient(cluster.addresses) as ps:
             stats = await ps.stats()
             for shard in stats:
-                for name, table in shard["tables"].items():
-                    assert table["dropped_nonfinite"] == 0, name
+                for name, table in shard.tables.items():
+                    assert table.dropped_nonfinite == 0, name
             ids = np.random.default_rng(0).integers(0, 2**63, 50, dtype=np.uint64)
             assert np.isfinite(await ps.lookup("C1", ids)).all()
