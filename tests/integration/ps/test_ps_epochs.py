@@ -9,14 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clients._stream import MultiplexedStream
 from clients.admin_client import AdminClient
 from clients.ps_client import PSClient
 from services.common import messages as msg
 from services.common.codecs import raw_array
 from services.common.errors import InvalidArgument, StaleEpoch
-from services.common.rpc import open_channel
-from tests.integration.ps.conftest import start_cluster
+from tests.integration.ps.conftest import shard_stream, start_cluster
 
 IDS = np.arange(16, dtype=np.uint64)
 GRADS = np.ones((IDS.size, 4), dtype=np.float32)
@@ -36,9 +34,7 @@ def push_request(seq: int, epoch: int | None) -> msg.PushRequest:
 
 
 async def test_a_retry_from_before_a_restore_is_refused(shard):
-    channel = open_channel(shard.address)
-    stream = MultiplexedStream(channel, "/persimmon.PS/Push")
-    try:
+    async with shard_stream(shard.address, "Push") as stream:
         async with AdminClient(shard.admin_url) as admin, PSClient([shard.address]) as ps:
             assert ps.epochs == [1]
             await ps.push("item", IDS, GRADS)
@@ -60,26 +56,18 @@ async def test_a_retry_from_before_a_restore_is_refused(shard):
             assert (await ps.push("item", IDS, GRADS)).applied == IDS.size
         async with PSClient([shard.address]) as fresh:  # a job restarting learns it
             assert fresh.epochs == [2]
-    finally:
-        await stream.close()
-        await channel.close()
 
 
 async def test_a_bad_epoch_is_refused_naming_the_field_and_no_epoch_is_an_old_client(shard):
-    channel = open_channel(shard.address)
-    stream = MultiplexedStream(channel, "/persimmon.PS/Push")
-    try:
-        async with PSClient([shard.address]) as ps:
-            before = await ps.lookup("item", IDS)
-            for bad in (-1, "2", 2**63):
-                with pytest.raises(InvalidArgument, match="PushRequest.epoch"):
-                    await stream.request(push_request(1, bad), msg.PushReply)  # type: ignore[arg-type]
-            np.testing.assert_array_equal(await ps.lookup("item", IDS), before)
-            ack = await stream.request(push_request(1, None), msg.PushReply)  # epoch 0: none
-            assert ack.applied == IDS.size
-    finally:
-        await stream.close()
-        await channel.close()
+    async with shard_stream(shard.address, "Push") as stream, \
+            PSClient([shard.address]) as ps:
+        before = await ps.lookup("item", IDS)
+        for bad in (-1, "2", 2**63):
+            with pytest.raises(InvalidArgument, match="PushRequest.epoch"):
+                await stream.request(push_request(1, bad), msg.PushReply)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(await ps.lookup("item", IDS), before)
+        ack = await stream.request(push_request(1, None), msg.PushReply)  # epoch 0: none
+        assert ack.applied == IDS.size
 
 
 async def test_a_restart_from_the_same_checkpoint_gets_a_newer_epoch(tmp_path):
