@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from services.common.errors import FailedPrecondition, NotFound, StaleEpoch, Unavailable
 from services.common.files import atomic_write
 from services.ps.checkpoint import (
@@ -43,7 +45,8 @@ from services.ps.config import PSConfig
 from services.ps.dedup import PushOrigin, PushWindow
 from services.ps.store import EmbeddingTable, PushResult
 from services.ps.tables import OptimizerConfig, TableConfig
-from services.ps.wal import PushPart, WriteAheadLog, read_push
+from services.ps.wal import LoggedRecord, PushPart, WriteAheadLog
+from services.ps.wal_records import CreateRecord, DropRecord, PushRecord
 
 __all__ = ["Durable"]
 
@@ -191,27 +194,24 @@ class Durable:
             await asyncio.to_thread(wal.start, None, self.epoch)
         return {**counts, "dropped_bytes": wal.dropped_bytes}
 
-    def _replay(self, records: Iterable[dict[str, Any]]) -> dict[str, int]:
+    def _replay(self, records: Iterable[LoggedRecord]) -> dict[str, int]:
         counts = {"pushes": 0, "skipped": 0, "changes": 0}
         for record in records:
-            op = record.get("op")
-            if op == "push":
+            if isinstance(record, PushRecord):
                 counts["pushes" if self._replay_push(record) else "skipped"] += 1
                 continue
-            if op == "create":
-                self.create_table(record["config"])
-            elif op == "drop":
-                self.drop_table(record["table"])
-            elif op == "optimizer":
-                self.set_optimizer(record["table"], record["changes"])
+            if isinstance(record, CreateRecord):
+                self.create_table(msgspec.to_builtins(record.config))
+            elif isinstance(record, DropRecord):
+                self.drop_table(record.table)
             else:
-                raise FailedPrecondition(f"write-ahead log record of unknown kind {op!r}")
+                self.set_optimizer(record.table, record.changes)
             counts["changes"] += 1
         return counts
 
-    def _replay_push(self, record: dict[str, Any]) -> bool:
+    def _replay_push(self, record: PushRecord) -> bool:
         """Apply a logged push unless the window says it is held already (False)."""
-        origin, fp, parts = read_push(record)
+        origin, fp, parts = record.origin, record.fp, record.arrays()
         retries = self.pushes.retries
         try:
             with self._holding([name for name, _, _ in parts]):

@@ -1,7 +1,7 @@
 """The files of a PS shard's write-ahead log: how a record is framed, written and read back.
 
 A record is ``u32 length | u32 CRC-32 of the length | u32 CRC-32 of the length and the
-payload | payload`` (a msgpack map, :mod:`services.common.wire`), little-endian: format 2.
+payload | payload`` (a typed record, :mod:`services.ps.wal_records`), little-endian: format 2.
 Format 1 (``u32 length | u32 CRC-32 of the payload``: a flipped length bit went unseen) is
 refused by name; recover such a log with the release that wrote it and take a checkpoint.
 
@@ -15,8 +15,9 @@ end is judged by one rule:
   CRC, or zeros from the record to the end. It is cut off the file (``dropped``).
 - **corruption**, anything else: a length whose own CRC fails (a bit flip: its length
   cannot be trusted, so what follows cannot be found), a record failing its CRC with more
-  bytes after it, a record that does not decode, any bad record in an older segment. A
-  :class:`FailedPrecondition` naming the file and the byte offset; nothing is cut.
+  bytes after it, a record that passes its CRC but is not a well-formed record (naming its
+  field), any bad record in an older segment. A :class:`FailedPrecondition` naming the file
+  and the byte offset; nothing is cut. So is a record of another version (its field ``v``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import struct
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import BinaryIO, Protocol
 
-from services.common.errors import FailedPrecondition, PersimmonError
-from services.common.wire import decode_message, encode_message
+from services.common.errors import FailedPrecondition, MalformedMessage
+from services.ps.wal_records import AnyRecord, WalRecord, decode_record, encode_record_into
 
 __all__ = ["FORMAT", "OsSegmentFile", "SegmentFile", "SegmentOpener", "SegmentRecords", "frame"]
 
@@ -75,12 +76,14 @@ class OsSegmentFile:
         os.close(self.fd)
 
 
-def frame(record: dict[str, Any]) -> bytes:
-    """``record`` framed as the log stores it."""
-    payload = encode_message(record)
-    length = _LENGTH.pack(len(payload))
-    head = zlib.crc32(length)
-    return _FRAME.pack(len(payload), head, zlib.crc32(payload, head)) + payload
+def frame(record: WalRecord) -> bytearray:
+    """``record`` framed as the log stores it (encoded in place after the frame's head)."""
+    data = bytearray(_FRAME.size)
+    encode_record_into(record, data, _FRAME.size)
+    size = len(data) - _FRAME.size
+    head = zlib.crc32(_LENGTH.pack(size))
+    _FRAME.pack_into(data, 0, size, head, zlib.crc32(memoryview(data)[_FRAME.size:], head))
+    return data
 
 
 class SegmentRecords:
@@ -94,7 +97,7 @@ class SegmentRecords:
         self.dropped = 0
         self.end = 0
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[AnyRecord]:
         with open(self.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             offset = 0
@@ -106,7 +109,7 @@ class SegmentRecords:
                 offset = self.end = stop
                 yield record
 
-    def _next(self, f: BinaryIO, offset: int, size: int) -> tuple[dict[str, Any] | None, int]:
+    def _next(self, f: BinaryIO, offset: int, size: int) -> tuple[AnyRecord | None, int]:
         """The record at ``offset`` and where it stops; None: a torn tail starts there."""
         head = f.read(_FRAME.size)
         if len(head) < _FRAME.size:
@@ -131,10 +134,13 @@ class SegmentRecords:
                 return None, offset
             raise self._corrupt(offset, size, "it fails its CRC and more records follow")
         try:
-            return decode_message(payload), stop
-        except PersimmonError as exc:
-            raise self._corrupt(offset, size, f"it passes its CRC but does not decode: "
-                                              f"{exc}") from exc
+            return decode_record(payload), stop
+        except MalformedMessage as exc:
+            raise self._corrupt(offset, size, f"it passes its CRC but is not a well-formed "
+                                              f"record: {exc.message}") from exc
+        except FailedPrecondition as exc:  # another version: not applied, not cut
+            raise FailedPrecondition(f"WAL segment {self.path}, the record at byte {offset}: "
+                                     f"{exc.message}") from exc
 
     def _torn(self, offset: int, what: str) -> None:
         if not self.last:

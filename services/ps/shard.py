@@ -56,7 +56,14 @@ from services.ps.segments import OsSegmentFile, SegmentOpener
 from services.ps.staleness import GlobalStaleness
 from services.ps.store import EmbeddingTable, PushResult
 from services.ps.tables import OptimizerConfig, TableConfig
-from services.ps.wal import PushPart, WalFsync, WriteAheadLog, push_record
+from services.ps.wal import PushPart, WalFsync, WriteAheadLog
+from services.ps.wal_records import (
+    CreateRecord,
+    DropRecord,
+    OptimizerRecord,
+    PushRecord,
+    WalRecord,
+)
 
 __all__ = ["INLINE_IDS", "Shard"]
 
@@ -119,14 +126,14 @@ class Shard(Durable):
                 raise ResourceExhausted(
                     f"shard holds the maximum of {self.config.max_tables} tables")
             table = EmbeddingTable(table_config)  # built, then logged: a failed one never is
-            self._log({"op": "create", "config": config_to_dict(table_config)})
+            self._log(CreateRecord.of, table_config)
             self._locks[table_config.name] = threading.RLock()
             self.tables[table_config.name] = table
         return table
 
     def drop_table(self, name: str) -> None:
         with self._layout, self._locked(name):
-            self._log({"op": "drop", "table": name})
+            self._log(DropRecord.of, name)
             del self.tables[name]
             del self._locks[name]
 
@@ -151,7 +158,7 @@ class Shard(Durable):
                 table.config.optimizer_with(changes)  # checked first,
             except ConfigError as exc:
                 raise InvalidArgument(f"bad optimizer settings {changes}: {exc}") from exc
-            self._log({"op": "optimizer", "table": name, "changes": changes})  # logged,
+            self._log(OptimizerRecord.of, name, changes)  # logged,
             return table.set_optimizer(**changes)  # then applied
 
     # ---- lookups and pushes -------------------------------------------------------------
@@ -224,7 +231,7 @@ class Shard(Durable):
         the epoch, the window, the log and the rows change together."""
         self.check_epoch(fence)
         if origin is None or not self.config.idempotent_pushes:
-            self._log(push_record, None, 0, parts)
+            self._log(PushRecord.of, None, 0, parts)
             return self._apply(parts)
         window = self.pushes
         fp = content()
@@ -232,7 +239,7 @@ class Shard(Durable):
         if done is not None:
             return done
         try:
-            self._log(push_record, origin, fp, parts)
+            self._log(PushRecord.of, origin, fp, parts)
             result = self._apply(parts)
         except BaseException:
             window.abandon(origin)
@@ -253,9 +260,9 @@ class Shard(Durable):
         its first, :meth:`check_epoch`); the shard's for an in-process call (no origin)."""
         return origin.epoch if origin is not None else self.epoch
 
-    def _log(self, record: dict[str, Any] | Callable[..., dict[str, Any]], *args: Any) -> None:
-        if self.wal is not None:  # a push's record is built only when there is a log
-            self.wal.append(record(*args) if callable(record) else record)
+    def _log(self, record: Callable[..., WalRecord], *args: Any) -> None:
+        if self.wal is not None:  # a record is built only when there is a log
+            self.wal.append(record(*args))
 
     async def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         return await self._serve([name], np.size(ids), self.lookup_sync, name, ids)

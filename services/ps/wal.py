@@ -4,8 +4,9 @@ Layout: ``<wal_dir>/shard-<k>-of-<n>/<serial>.wal``, segments in serial order. A
 starts with a header record: the format, the shard's *epoch* (see :mod:`services.ps.durability`),
 and its *base*, the checkpoint whose state the records follow (None: the shard's configured
 tables, empty), or ``rotated``: it goes on from the segment before it. Then one record per
-push the shard applied, in the order it applied them per table. Records are framed and read
-as :mod:`services.ps.segments` says (a CRC over length and payload).
+push the shard applied, in the order it applied them per table, and per table change. Records
+are typed and versioned (:mod:`services.ps.wal_records`), framed and read as
+:mod:`services.ps.segments` says (a CRC over length and payload).
 
 - **Append before ack.** The shard appends a push (tables, ids, gradients, its origin
   ``(client, seq, epoch)`` and fingerprint, :mod:`services.ps.dedup`) after validating it and
@@ -36,11 +37,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from services.common.codecs import decode_array, raw_array
 from services.common.errors import ConfigError, FailedPrecondition, Unavailable
 from services.common.files import fsync_dir
 from services.ps.segments import (
@@ -51,10 +48,21 @@ from services.ps.segments import (
     SegmentRecords,
     frame,
 )
+from services.ps.wal_records import (
+    AnyRecord,
+    CreateRecord,
+    DropRecord,
+    OptimizerRecord,
+    PushPart,
+    PushRecord,
+    SegmentHeader,
+    WalRecord,
+)
 
-__all__ = ["PushPart", "WalFsync", "WriteAheadLog", "push_record", "read_push"]
+__all__ = ["LoggedRecord", "PushPart", "WalFsync", "WriteAheadLog"]
 
-PushPart = tuple[str, np.ndarray, np.ndarray]  # table, ids, float32 grads (one row per id)
+#: what a segment holds after its header
+LoggedRecord = PushRecord | CreateRecord | DropRecord | OptimizerRecord
 
 log = logging.getLogger("persimmon.ps.wal")
 
@@ -126,7 +134,7 @@ class WriteAheadLog:
         return sorted(p for p in self.directory.iterdir()
                       if p.suffix == _SUFFIX and p.stem.isdigit())
 
-    def read(self) -> tuple[str | None, Iterator[dict[str, Any]]]:
+    def read(self) -> tuple[str | None, Iterator[LoggedRecord]]:
         """The log's base checkpoint and its records, streamed from the newest base segment
         through every later one (none: ``(None, no records)``); sets ``epoch``; a torn tail
         is cut off the newest segment (``dropped_bytes``) as the records are read."""
@@ -135,22 +143,25 @@ class WriteAheadLog:
         if not segments:
             return None, iter(())
         heads = [(path, _header(path)) for path in segments]
-        start = max((i for i, (_, head) in enumerate(heads) if not head.get("rotated")),
-                    default=None)
+        start = max((i for i, (_, head) in enumerate(heads) if not head.rotated), default=None)
         if start is None:
             raise FailedPrecondition(f"WAL {self.directory} has no base segment (only rotated "
                                      "ones); move it aside")
         head = heads[start][1]
-        self.epoch = int(head.get("epoch") or 0)
-        self._read = (segments[-1], head.get("base"), self.epoch)
-        return head.get("base"), self._records(segments[start:])
+        self.epoch = head.epoch
+        self._read = (segments[-1], head.base, self.epoch)
+        return head.base, self._records(segments[start:])
 
-    def _records(self, paths: Sequence[Path]) -> Iterator[dict[str, Any]]:
+    def _records(self, paths: Sequence[Path]) -> Iterator[LoggedRecord]:
         for path in paths:
             reader = SegmentRecords(path, last=path == paths[-1])
             records = iter(reader)
             next(records, None)  # the header, read already
-            yield from records
+            for record in records:
+                if isinstance(record, SegmentHeader):
+                    raise FailedPrecondition(f"WAL segment {path} holds a second header after "
+                                             "its first record; move the log aside")
+                yield record
             self.dropped_bytes += reader.dropped
 
     def resume(self) -> None:
@@ -163,14 +174,14 @@ class WriteAheadLog:
         """Begin a new segment following checkpoint ``base`` in ``epoch`` (durably), then
         delete the older ones: the log restarts from that state."""
         old = self.segments()
-        path = self._new_segment({"base": base, "epoch": epoch}, old)
+        path = self._new_segment(SegmentHeader.of(FORMAT, base, epoch), old)
         self._open(path, base, epoch)
         for p in old:
             p.unlink()
         if old:
             fsync_dir(self.directory)
 
-    def _new_segment(self, header: dict[str, Any], old: list[Path]) -> Path:
+    def _new_segment(self, header: SegmentHeader, old: list[Path]) -> Path:
         """A new newest segment holding ``header``, written and synced under a temporary name
         and then renamed: a segment file never lacks its header."""
         serial = int(old[-1].stem) + 1 if old else 1
@@ -179,8 +190,7 @@ class WriteAheadLog:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                _write_all(functools.partial(os.write, fd),
-                           frame({"op": "header", "format": FORMAT, **header}))
+                _write_all(functools.partial(os.write, fd), frame(header))
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -212,10 +222,12 @@ class WriteAheadLog:
 
     # ---- appending ----------------------------------------------------------------------
 
-    def append(self, record: dict[str, Any]) -> None:
-        """Write ``record`` (a map of msgpack values and arrays) to the log before returning;
-        fsync it first under the ``always`` policy. :class:`Unavailable` when the log has
+    def append(self, record: WalRecord) -> None:
+        """Write ``record`` to the log before returning; fsync it first under the ``always``
+        policy. :class:`Unavailable` when the log has
         failed (this or an earlier write or fsync) and cannot be cut back yet."""
+        if not isinstance(record, WalRecord):  # a map would be written, then never read
+            raise TypeError(f"the log takes typed records, got {type(record).__name__}")
         data = frame(record)
         with self._lock:
             file = self._writable()
@@ -250,8 +262,8 @@ class WriteAheadLog:
         try:
             assert self._file is not None
             self._file.fsync()  # the records a rotated-away segment holds are durable
-            path = self._new_segment({"base": self.base, "epoch": self.epoch, "rotated": True},
-                                     self.segments())
+            path = self._new_segment(SegmentHeader.of(FORMAT, self.base, self.epoch,
+                                                      rotated=True), self.segments())
             file = self._open_file(path)
         except OSError as exc:
             raise self._fail(exc, "a rotation to a new segment") from exc
@@ -312,27 +324,13 @@ class WriteAheadLog:
                 self._swap(None, None, 0, 0)
 
 
-def push_record(origin: tuple[int, ...] | None, fp: int,
-                parts: Sequence[PushPart]) -> dict[str, Any]:
-    """The record of a push: its origin (client, seq, epoch; None: an in-process push
-    without one), its fingerprint and what it applies to each table."""
-    return {"op": "push", "origin": None if origin is None else list(origin), "fp": fp,
-            "parts": [[name, raw_array(ids), raw_array(grads)] for name, ids, grads in parts]}
-
-
-def read_push(record: dict[str, Any]) -> tuple[tuple[int, ...] | None, int, list[PushPart]]:
-    """``(origin, fingerprint, parts)`` of a :func:`push_record`."""
-    origin = record["origin"]
-    return (None if origin is None else tuple(origin), record["fp"],
-            [(name, decode_array(ids, "wal ids"), decode_array(grads, "wal grads"))
-             for name, ids, grads in record["parts"]])
-
-
-def _header(path: Path) -> dict[str, Any]:
-    header = next(iter(SegmentRecords(path, last=False)), None)
-    if header is None or header.get("op") != "header" or header.get("format") != FORMAT:
+def _header(path: Path) -> SegmentHeader:
+    header: AnyRecord | None = next(iter(SegmentRecords(path, last=False)), None)
+    if not isinstance(header, SegmentHeader) or header.format != FORMAT:
+        got = (f"format {header.format}" if isinstance(header, SegmentHeader) else
+               "no record" if header is None else f"a {type(header).__name__}")
         raise FailedPrecondition(f"WAL segment {path} has no header of format {FORMAT}, got "
-                                 f"{header}; move it aside")
+                                 f"{got}; move it aside")
     return header
 
 
@@ -342,7 +340,7 @@ def _header_size(path: Path) -> int:
     return reader.end
 
 
-def _write_all(write: Callable[[memoryview], int], data: bytes) -> None:
+def _write_all(write: Callable[[memoryview], int], data: bytes | bytearray) -> None:
     view = memoryview(data)
     while view:
         view = view[write(view):]
