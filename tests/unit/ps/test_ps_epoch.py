@@ -89,7 +89,7 @@ def test_a_push_without_an_epoch_is_refused_once_a_restore_bumped_the_epoch(tmp_
                                 origin=PushOrigin(7, 1)))  # never restored: applied
     assert counts(shard).tolist() == [1] * 10
     asyncio.run(shard.checkpoint("c1"))
-    fence = shard._fence(PushOrigin(7, 2))  # what the shard's async entry points take
+    fence = PushOrigin(7, 2).epoch  # the fence the shard's async entry points take: 0
     asyncio.run(shard.restore("c1"))
     with pytest.raises(FailedPrecondition, match="carries no epoch .* now in epoch 2"):
         shard.push_many_sync(["count"], [IDS.size], IDS, count_grads(IDS.size),

@@ -26,7 +26,7 @@ def test_a_lookup_waiting_while_its_table_is_dropped_answers_not_found():
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             got.append(exc)
 
-    with shard._locks["a"]:  # the lookup validates both tables, then waits for a's lock
+    with shard.table("a").lock:  # the lookup validates both tables, then waits for a's
         waiting = threading.Thread(target=lookup)
         waiting.start()
         time.sleep(0.2)
