@@ -69,7 +69,10 @@ class PooledCalls:
                 table=table, ids=raw_array(ids_k), lengths=raw_array(counts),
                 codec=codec), msg.PooledLookupReply)
             for k, ids_k, _, counts in parts)))
-        out = np.zeros((lengths.size, await self.shards.dim(table)), dtype=np.float32)
+        dim = self.shards.dims.get(table)
+        if dim is None:
+            dim = await self.shards.dim(table)
+        out = np.zeros((lengths.size, dim), dtype=np.float32)
         masks = []
         for (_, _, held, _), reply in zip(parts, replies, strict=True):
             out[held] += self.messages.received("pooled_down", reply.pooled)

@@ -234,7 +234,7 @@ class PSClient:
             layout, where = ShardedIds.of_tables({t: uniq[t] for t in tables}, self.num_shards)
             if layout.ids.size != sum(np.size(uniq[t]) for t in tables):
                 raise InvalidArgument("push_tables needs unique ids per table; use push()")
-            fused = np.zeros((layout.ids.size, self.dims[tables[0]]), dtype=np.float32)
+            fused = np.zeros((layout.ids.size, self._shards.dims[tables[0]]), dtype=np.float32)
             for t in tables:
                 g = np.asarray(grads[t], dtype=np.float32)
                 if g.shape != (np.size(uniq[t]), fused.shape[1]):
@@ -248,8 +248,11 @@ class PSClient:
     async def _by_dim(self, uniq: Mapping[str, Any]) -> list[list[str]]:
         """The tables of ``uniq`` grouped by their dim (unknown tables: NotFound)."""
         groups: dict[int, list[str]] = {}
+        dims = self._shards.dims
         for table in uniq:
-            groups.setdefault(await self._shards.dim(table), []).append(table)
+            dim = dims.get(table)
+            groups.setdefault(dim if dim is not None else await self._shards.dim(table),
+                              []).append(table)
         return list(groups.values())
 
     # ---- a laid-out step: one message per shard with ids -----------------------------------
