@@ -28,6 +28,12 @@ Reconnect = Callable[[grpc.aio.Channel], Awaitable[grpc.aio.Channel]]
 R = TypeVar("R", bound=Message)
 
 
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Read a given-up write's outcome, so that asyncio logs no unretrieved error."""
+    if not task.cancelled():
+        task.exception()
+
+
 class MultiplexedStream:
     """Send typed requests on one stream and await each typed reply by its request id.
 
@@ -112,9 +118,11 @@ class MultiplexedStream:
         try:
             await asyncio.wait((writing, answered), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not writing.done():
+            given_up = not writing.done()  # the reply came first, or the call ended
+            if given_up:
                 writing.cancel()
-        if writing.cancelled():
+                writing.add_done_callback(_retrieve)
+        if given_up or writing.cancelled():
             return
         try:
             writing.result()
