@@ -172,7 +172,8 @@ class Trainer:
         self.progress.registry.register(WireStatsCollector(self.codec_rows))
         self._admin: AdminServer | None = None
         self.admin_port: int | None = None
-        self.step = 0
+        self.step = 0  # steps whose results the event loop has handled
+        self._taking = 0  # the step the compute thread takes next (``step`` lags it)
         self.phases = StepPhases()  # where the steps of the last fit went (its summary's)
         self.recent_losses: collections.deque[float] = collections.deque(maxlen=RECENT_LOSSES)
         self.history: list[dict[str, float]] = []  # evaluations: step, auc, logloss, samples
@@ -354,6 +355,7 @@ class Trainer:
         step. Returns the loss, the logits and the row gradients (one array per group)."""
         if self._forward is None or self._optimizer is None or self.module is None:
             raise FailedPrecondition("build the model first: await trainer.build(batch)")
+        step, self._taking = self._taking, self._taking + 1
         phases = self.phases
         phases.start()
         self.pipeline.read_hot(item)
@@ -372,10 +374,10 @@ class Trainer:
         loss.backward()
         phases.mark("backward")
         if self._sync is not None:
-            self._sync.after_backward(self.step)
+            self._sync.after_backward(step)
         self._optimizer.step()
         if self._sync is not None:
-            self._sync.after_step(self.step)
+            self._sync.after_step(step)
         phases.mark("dense_update")
         grads = pooled.row_grads()
         self.pipeline.apply_hot(item, grads)
@@ -455,6 +457,7 @@ class Trainer:
         producer = asyncio.create_task(self.pipeline.feed(
             source, compute.put, compute.fail, steps=steps,
             first=first if self._forward is None or not self._warm else None))
+        self._taking = self.step
         runner = asyncio.create_task(asyncio.to_thread(compute.run, self.step))
         train_acc = EvalAccumulator("the training data")
         staleness, curve = StalenessStats(), LossCurve()
