@@ -14,7 +14,9 @@ A training step calls the strategy at two points::
 ``finish`` ends a run with one model: decentralised and periodic schemes leave replicas
 apart, and (as in their analyses) the model they produce is the average of the replicas.
 Training may go on after it. ``step`` is the 0-based index of the step just taken; a strategy with period ``every``
-acts after steps ``every - 1, 2 * every - 1, ...``. Without a process group, or with one
+acts after steps ``every - 1, 2 * every - 1, ...``, so every rank must tell it the same index
+at the same step (the thread that takes the steps counts them: a count kept by another
+thread lags). Without a process group, or with one
 rank, every strategy is a no-op. Only parameters with ``requires_grad`` take part (the dense
 network: embeddings live on the PS); they must share one dtype and device.
 
