@@ -277,13 +277,16 @@ def warm_up(configs: Sequence[TableConfig]) -> None:
     tables = [EmbeddingTable(replace(config, initial_capacity=16)) for config in configs]
     ids = np.arange(64, dtype=np.uint64)
     grads = np.zeros((ids.size, dims.pop()), dtype=np.float32)
-    for _ in range(2):
+    for round_ in range(2):
+        new = ids + np.uint64(ids.size * (2 * round_ + 1))  # ids no table holds yet
         for table in tables:
+            lookup_plain([table], [new], table.dim)  # rows created first, then one call
             table.lookup(ids)
             table.push(ids, grads)
             lookup_plain([table], [ids], table.dim)
             push_plain([table], [ids], [grads])
         if len(tables) > 1:
+            lookup_plain(tables, [new + np.uint64(ids.size)] * len(tables), tables[0].dim)
             lookup_plain(tables, [ids] * len(tables), tables[0].dim)
             push_plain(tables, [ids] * len(tables), [grads] * len(tables))
 
