@@ -10,7 +10,7 @@ of the wrong type is a :class:`~services.common.errors.MalformedMessage` naming 
 from __future__ import annotations
 
 from services.common.messages import OptimizerInfo, TableCounters, TableInfo
-from services.common.wire import Record
+from services.common.wire import Record, UInt
 
 __all__ = ["CheckpointFile", "CheckpointManifest", "CheckpointSummary", "CheckpointTable",
            "Restored", "Row", "TableDescription", "TableSummary"]
@@ -63,9 +63,10 @@ class CheckpointTable(Record, kw_only=True):
     files: dict[str, CheckpointFile]
 
 
-class CheckpointManifest(Record, kw_only=True):
+class CheckpointManifest(Record, kw_only=True, omit_defaults=True):
     """A shard's part of a checkpoint (its ``manifest.json``), as ``POST /v1/checkpoints``
-    answers; ``pushes``: the files of its window of applied pushes, where it has one."""
+    answers; ``pushes``: the files of its window of applied pushes, where it has one;
+    ``epoch``: the shard's when it wrote the part (0, left out: none recorded)."""
 
     format: int
     checkpoint_id: str
@@ -74,7 +75,7 @@ class CheckpointManifest(Record, kw_only=True):
     incremental: bool
     parent: str | None
     created: float
-    epoch: int = 0
+    epoch: UInt = 0
     tables: dict[str, CheckpointTable]
     pushes: dict[str, CheckpointFile] | None = None
 

@@ -1,5 +1,8 @@
 """Admin REST API of a PS shard (FastAPI): tables, rows, optimizer settings, checkpoints.
 
+Each answer is a record of :mod:`services.common.admin_replies` (the one statement of its
+shape, which :class:`clients.AdminClient` decodes), served as its plain JSON.
+
 Every handler that touches a table runs in a worker thread, so a request that waits for a
 table's lock (held by a checkpoint, a restore or a big push) leaves the event loop serving
 gRPC and the other routes. A table created here is bounded first
@@ -13,15 +16,19 @@ import asyncio
 from pathlib import Path as FilePath
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import Body, FastAPI, Path, Response
 
 from services.common.admin import ErrorBody, make_admin_app
+from services.common.admin_replies import Restored, Row, TableDescription, TableSummary
 from services.common.config import config_to_dict
 from services.common.errors import InvalidArgument
+from services.common.messages import OptimizerInfo, TableCounters
 from services.ps.metrics import PSMetrics
 from services.ps.retention import prune_checkpoints
 from services.ps.shard import Shard
 from services.ps.table_limits import new_table
+from services.ps.tables import OptimizerConfig
 
 __all__ = ["make_ps_admin"]
 
@@ -36,10 +43,19 @@ _ERRORS: dict[int | str, dict[str, Any]] = {400: ErrorBody, 404: ErrorBody, 409:
                                             412: ErrorBody, 413: ErrorBody}
 
 
-def _summary(shard: Shard, name: str) -> dict[str, Any]:
+def _summary(shard: Shard, name: str) -> TableSummary:
     table = shard.table(name)
-    return {"name": name, "dim": table.config.dim, "dtype": table.config.dtype,
-            "rows": table.num_rows, "optimizer": config_to_dict(table.config.optimizer)}
+    return TableSummary(name=name, dim=table.config.dim, dtype=table.config.dtype,
+                        rows=table.num_rows, optimizer=_optimizer(table.config.optimizer))
+
+
+def _optimizer(config: OptimizerConfig) -> OptimizerInfo:
+    return msgspec.convert(config_to_dict(config), OptimizerInfo)
+
+
+def _json(record: Any) -> Any:
+    """A record (or a list of them) as the plain JSON FastAPI sends."""
+    return msgspec.to_builtins(record)
 
 
 def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any = None) -> FastAPI:
@@ -50,8 +66,8 @@ def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any
     @app.get("/v1/tables", tags=["tables"])
     async def list_tables() -> list[dict[str, Any]]:
         """Every table of this shard with its row count."""
-        return await asyncio.to_thread(
-            lambda: [_summary(shard, name) for name in sorted(shard.tables)])
+        return _json(await asyncio.to_thread(
+            lambda: [_summary(shard, name) for name in sorted(shard.tables)]))
 
     @app.post("/v1/tables", tags=["tables"], status_code=201, responses=_ERRORS)
     async def create_table(body: Annotated[dict[str, Any], Body(examples=[_TABLE_EXAMPLE])]
@@ -59,15 +75,16 @@ def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any
         """Create a table; unknown keys and bad values are a 400 naming the field (so are a
         ``dim`` or ``initial_capacity`` past the shard's bounds and a ``storage.path``
         outside its ``data_dir``), an existing name a 409."""
-        def create() -> dict[str, Any]:
+        def create() -> TableSummary:
             table = shard.create_table(new_table(body, shard.config))
             return _summary(shard, table.config.name)
-        return await asyncio.to_thread(create)
+        return _json(await asyncio.to_thread(create))
 
     @app.get("/v1/tables/{name}", tags=["tables"], responses=_ERRORS)
     async def get_table(name: TableName) -> dict[str, Any]:
         """The table's full configuration and statistics."""
-        return await asyncio.to_thread(shard.describe, name)
+        described = await asyncio.to_thread(shard.describe, name)
+        return _json(msgspec.convert(described, TableDescription))
 
     @app.delete("/v1/tables/{name}", tags=["tables"], status_code=204, responses=_ERRORS)
     async def delete_table(name: TableName) -> Response:
@@ -78,18 +95,19 @@ def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any
     @app.get("/v1/tables/{name}/stats", tags=["tables"], responses=_ERRORS)
     async def table_stats(name: TableName) -> dict[str, Any]:
         """Rows, bytes, lookups, pushes, misses, evictions, dropped gradients."""
-        return await asyncio.to_thread(lambda: shard.table(name).stats())
+        stats = await asyncio.to_thread(lambda: shard.table(name).stats())
+        return _json(msgspec.convert(stats, TableCounters))
 
     @app.get("/v1/tables/{name}/rows/{row_id}", tags=["tables"], responses=_ERRORS)
     async def get_row(name: TableName, row_id: RowId) -> dict[str, Any]:
         """One row without creating or touching it (absent rows show their initial value)."""
-        return await asyncio.to_thread(shard.peek, name, row_id)
+        return _json(msgspec.convert(await asyncio.to_thread(shard.peek, name, row_id), Row))
 
     @app.patch("/v1/tables/{name}/optimizer", tags=["tables"], responses=_ERRORS)
     async def patch_optimizer(name: TableName, body: Annotated[
             dict[str, Any], Body(examples=[{"lr": 0.05}])]) -> dict[str, Any]:
         """Change optimizer hyper-parameters (e.g. the learning rate); state is kept."""
-        return config_to_dict(await asyncio.to_thread(shard.set_optimizer, name, body))
+        return _json(_optimizer(await asyncio.to_thread(shard.set_optimizer, name, body)))
 
     _checkpoint_routes(app, shard)
     return app
@@ -120,15 +138,15 @@ def _checkpoint_routes(app: FastAPI, shard: Shard) -> None:
         if config.checkpoint_dir and config.keep_checkpoints:
             await asyncio.to_thread(prune_checkpoints, FilePath(config.checkpoint_dir),
                                     config.shard_id, config.num_shards, config.keep_checkpoints)
-        return manifest
+        return _json(manifest)
 
     @app.get("/v1/checkpoints", tags=["checkpoints"])
     async def list_checkpoints() -> list[dict[str, Any]]:
         """Manifests of the checkpoints of this shard, oldest first."""
-        return await asyncio.to_thread(shard.checkpoints)
+        return _json(await asyncio.to_thread(shard.checkpoints))
 
     @app.post("/v1/checkpoints/{checkpoint_id}/restore", tags=["checkpoints"], responses=_ERRORS)
     async def restore_checkpoint(checkpoint_id: CheckpointId) -> dict[str, Any]:
         """Replace every table with the checkpoint's rows (resharded if the shard count changed)."""
         rows = await shard.restore(checkpoint_id)  # in a new epoch: older pushes are refused
-        return {"checkpoint_id": checkpoint_id, "rows": rows, "epoch": shard.epoch}
+        return _json(Restored(checkpoint_id=checkpoint_id, rows=rows, epoch=shard.epoch))

@@ -31,10 +31,16 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+import msgspec
 import numpy as np
 
+from services.common.admin_replies import (
+    CheckpointFile,
+    CheckpointManifest,
+    CheckpointSummary,
+    CheckpointTable,
+)
 from services.common.config import config_to_dict, from_dict
 from services.common.errors import (
     AlreadyExists,
@@ -44,7 +50,9 @@ from services.common.errors import (
     NotFound,
 )
 from services.common.files import fsync_dir, publish_dir, write_durable
+from services.common.messages import TableInfo
 from services.common.sharding import shard_of
+from services.common.wire import explain
 from services.ps.store import EmbeddingTable, TableSnapshot
 from services.ps.tables import TableConfig
 
@@ -68,31 +76,31 @@ def check_checkpoint_id(checkpoint_id: str) -> None:
                               "letters, digits, '-', '_' or '.', not starting with '.'")
 
 
-def _write_array(directory: Path, name: str, array: np.ndarray) -> dict[str, Any]:
+def _write_array(directory: Path, name: str, array: np.ndarray) -> CheckpointFile:
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
     data = buf.getvalue()
     write_durable(directory / name, data)
-    return {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return CheckpointFile(file=name, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
 
 
-def _read_array(directory: Path, entry: dict[str, Any]) -> np.ndarray:
-    path = directory / entry["file"]
+def _read_array(directory: Path, entry: CheckpointFile) -> np.ndarray:
+    path = directory / entry.file
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise FailedPrecondition(f"checkpoint file {path} cannot be read: {exc}") from exc
     digest = hashlib.sha256(data).hexdigest()
-    if digest != entry["sha256"]:
+    if digest != entry.sha256:
         raise FailedPrecondition(f"checkpoint file {path} is corrupt: sha256 {digest} does not "
-                                 f"match the manifest's {entry['sha256']}")
+                                 f"match the manifest's {entry.sha256}")
     try:
         return np.load(io.BytesIO(data), allow_pickle=False)
     except ValueError as exc:
         raise FailedPrecondition(f"checkpoint file {path} is not a readable array: {exc}") from exc
 
 
-def _write_table(directory: Path, index: int, snap: TableSnapshot) -> dict[str, Any]:
+def _write_table(directory: Path, index: int, snap: TableSnapshot) -> CheckpointTable:
     prefix = f"t{index}"
     files = {
         "ids": _write_array(directory, f"{prefix}-ids.npy", snap.ids),
@@ -102,23 +110,17 @@ def _write_table(directory: Path, index: int, snap: TableSnapshot) -> dict[str, 
     for kind, arrays in (("state", snap.state), ("meta", snap.meta)):
         for key, arr in sorted(arrays.items()):
             files[f"{kind}:{key}"] = _write_array(directory, f"{prefix}-{kind}-{key}.npy", arr)
-    cfg = snap.config
-    return {
-        "config": config_to_dict(cfg),
-        "dim": cfg.dim,
-        "dtype": cfg.dtype,
-        "optimizer": config_to_dict(cfg.optimizer),
-        "rows": int(snap.ids.shape[0]),
-        "tombstones": int(snap.tombstones.shape[0]),
-        "files": files,
-    }
+    config = msgspec.convert(config_to_dict(snap.config), TableInfo)
+    return CheckpointTable(config=config, dim=config.dim, dtype=config.dtype,
+                           optimizer=config.optimizer, rows=int(snap.ids.shape[0]),
+                           tombstones=int(snap.tombstones.shape[0]), files=files)
 
 
 def write_checkpoint(root: Path | str, checkpoint_id: str, shard_id: int, num_shards: int,
                      tables: dict[str, EmbeddingTable], *, incremental: bool = False,
                      parent: str | None = None,
                      pushes: dict[str, np.ndarray] | None = None,
-                     epoch: int = 0) -> dict[str, Any]:
+                     epoch: int = 0) -> CheckpointManifest:
     """Write this shard's part of a checkpoint atomically; returns its manifest.
 
     ``pushes``: the shard's window of applied pushes (``PushWindow.snapshot()``), taken
@@ -147,22 +149,17 @@ def write_checkpoint(root: Path | str, checkpoint_id: str, shard_id: int, num_sh
     snaps = {name: tables[name].snapshot(incremental=incremental) for name in sorted(tables)}
     try:
         tmp.mkdir()
-        manifest: dict[str, Any] = {
-            "format": FORMAT_VERSION,
-            "checkpoint_id": checkpoint_id,
-            "shard_id": shard_id,
-            "num_shards": num_shards,
-            "incremental": incremental,
-            "parent": parent if incremental else None,
-            "created": time.time(),
-            "epoch": epoch,
-            "tables": {name: _write_table(tmp, i, snap)
-                       for i, (name, snap) in enumerate(snaps.items())},
-        }
-        if pushes is not None:
-            manifest["pushes"] = {key: _write_array(tmp, f"pushes-{key}.npy", arr)
-                                  for key, arr in sorted(pushes.items())}
-        write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        manifest = CheckpointManifest(
+            format=FORMAT_VERSION, checkpoint_id=checkpoint_id, shard_id=shard_id,
+            num_shards=num_shards, incremental=incremental,
+            parent=parent if incremental else None, created=time.time(), epoch=epoch,
+            tables={name: _write_table(tmp, i, snap)
+                    for i, (name, snap) in enumerate(snaps.items())},
+            pushes=None if pushes is None else {
+                key: _write_array(tmp, f"pushes-{key}.npy", arr)
+                for key, arr in sorted(pushes.items())})
+        write_durable(tmp / MANIFEST, json.dumps(msgspec.to_builtins(manifest), indent=1,
+                                                 sort_keys=True).encode())
         publish_dir(tmp, final)  # into ckpt_dir
         fsync_dir(root)
     except BaseException:
@@ -181,7 +178,9 @@ def _remove_tree(path: Path) -> None:
     path.rmdir()
 
 
-def _read_manifest(part: Path) -> dict[str, Any]:
+def _read_manifest(part: Path) -> CheckpointManifest:
+    """The part's manifest; FailedPrecondition for one unreadable, of another format or
+    malformed (naming the field)."""
     try:
         manifest = json.loads((part / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
@@ -189,7 +188,11 @@ def _read_manifest(part: Path) -> dict[str, Any]:
                                  f"{exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         raise FailedPrecondition(f"checkpoint manifest {part / MANIFEST} has an unknown format")
-    return manifest
+    try:
+        return msgspec.convert(manifest, CheckpointManifest)
+    except msgspec.ValidationError as exc:
+        raise FailedPrecondition(f"checkpoint manifest {part / MANIFEST} is malformed: "
+                                 f"{explain(exc, 'manifest')}") from exc
 
 
 def _parts(root: Path, checkpoint_id: str) -> list[tuple[Path, int, int]]:
@@ -204,13 +207,9 @@ def _parts(root: Path, checkpoint_id: str) -> list[tuple[Path, int, int]]:
     return found
 
 
-def list_checkpoints(root: Path | str) -> list[dict[str, Any]]:
-    """One summary per checkpoint under ``root``, oldest first.
-
-    Each: ``checkpoint_id``, ``created`` (earliest part), ``num_shards``, ``shards`` (parts
-    present), ``complete``, ``incremental``, ``parent``, ``tables`` (name → rows over parts)
-    and ``parts`` (the shard manifests).
-    """
+def list_checkpoints(root: Path | str) -> list[CheckpointSummary]:
+    """One summary per checkpoint under ``root``, oldest first (``created``: its earliest
+    part's; ``num_shards``: its first part's)."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -221,24 +220,18 @@ def list_checkpoints(root: Path | str) -> list[dict[str, Any]]:
         parts = [_read_manifest(p) for p, _, _ in _parts(root, ckpt_dir.name)]
         if not parts:
             continue
-        num_shards = parts[0]["num_shards"]
+        num_shards = parts[0].num_shards
         rows: dict[str, int] = {}
         for part in parts:
-            for name, table in part["tables"].items():
-                rows[name] = rows.get(name, 0) + int(table["rows"])
-        shards = sorted(p["shard_id"] for p in parts if p["num_shards"] == num_shards)
-        out.append({
-            "checkpoint_id": ckpt_dir.name,
-            "created": min(p["created"] for p in parts),
-            "num_shards": num_shards,
-            "shards": shards,
-            "complete": shards == list(range(num_shards)),
-            "incremental": bool(parts[0]["incremental"]),
-            "parent": parts[0]["parent"],
-            "tables": rows,
-            "parts": parts,
-        })
-    out.sort(key=lambda c: (c["created"], c["checkpoint_id"]))
+            for name, table in part.tables.items():
+                rows[name] = rows.get(name, 0) + table.rows
+        shards = sorted(p.shard_id for p in parts if p.num_shards == num_shards)
+        out.append(CheckpointSummary(
+            checkpoint_id=ckpt_dir.name, created=min(p.created for p in parts),
+            num_shards=num_shards, shards=shards, complete=shards == list(range(num_shards)),
+            incremental=parts[0].incremental, parent=parts[0].parent, tables=rows,
+            parts=parts))
+    out.sort(key=lambda c: (c.created, c.checkpoint_id))
     return out
 
 
@@ -256,7 +249,7 @@ def _chain(root: Path, checkpoint_id: str) -> list[str]:
             raise NotFound(f"{what} {current!r} does not exist under {root}")
         chain.append(current)
         manifest = _read_manifest(parts[0][0])
-        current = manifest["parent"] if manifest["incremental"] else None
+        current = manifest.parent if manifest.incremental else None
     return chain[::-1]
 
 
@@ -264,10 +257,11 @@ def _read_part(part: Path, keep: Callable[[np.ndarray], np.ndarray] | None
                ) -> dict[str, TableSnapshot]:
     manifest = _read_manifest(part)
     out = {}
-    for name, entry in manifest["tables"].items():
-        files = entry["files"]
+    for name, entry in manifest.tables.items():
+        files = entry.files
         try:
-            config = from_dict(TableConfig, entry["config"], where=f"{part.name}:{name}")
+            config = from_dict(TableConfig, msgspec.to_builtins(entry.config),
+                               where=f"{part.name}:{name}")
         except ConfigError as exc:
             raise FailedPrecondition(f"checkpoint table {name} in {part}: {exc}") from exc
         ids = _read_array(part, files["ids"])
@@ -283,7 +277,7 @@ def _read_part(part: Path, keep: Callable[[np.ndarray], np.ndarray] | None
             meta = {k: v[sel] for k, v in meta.items()}
             tomb = tomb[keep(tomb)]
         out[name] = TableSnapshot(config=config, ids=ids, rows=rows, state=state,
-                                  tombstones=tomb, incremental=bool(manifest["incremental"]),
+                                  tombstones=tomb, incremental=manifest.incremental,
                                   meta=meta)
     return out
 
@@ -331,12 +325,9 @@ def read_push_window(root: Path | str, checkpoint_id: str, *, shard_id: int,
     check_checkpoint_id(checkpoint_id)
     for path, k, n in _parts(root, checkpoint_id):
         if (k, n) == (shard_id, num_shards):
-            files = _read_manifest(path).get("pushes")
+            files = _read_manifest(path).pushes
             if files is None:
                 return None
-            if not isinstance(files, dict):
-                raise FailedPrecondition(f"checkpoint manifest {path / MANIFEST} has a bad "
-                                         "'pushes' entry")
             return {key: _read_array(path, entry) for key, entry in files.items()}
     return None
 
@@ -346,11 +337,8 @@ def read_epoch(root: Path | str, checkpoint_id: str) -> int:
     recorded, an older checkpoint)."""
     root = Path(root)
     check_checkpoint_id(checkpoint_id)
-    epochs = [_read_manifest(path).get("epoch", 0) for path, _, _ in _parts(root, checkpoint_id)]
-    if not all(type(e) is int and e >= 0 for e in epochs):
-        raise FailedPrecondition(f"checkpoint {checkpoint_id!r} has a part whose epoch is not "
-                                 f"a non-negative int: {epochs}")
-    return max(epochs, default=0)
+    return max((_read_manifest(path).epoch for path, _, _ in _parts(root, checkpoint_id)),
+               default=0)
 
 
 def restore_tables(root: Path | str, checkpoint_id: str, *, shard_id: int, num_shards: int,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from services.common.admin_replies import CheckpointManifest, CheckpointSummary
 from services.common.errors import FailedPrecondition, NotFound, StaleEpoch, Unavailable
 from services.common.files import atomic_write
 from services.ps.checkpoint import (
@@ -81,7 +82,7 @@ class Durable:
 
     async def checkpoint(self, checkpoint_id: str | None = None, *,
                          incremental: bool = False, epoch: int | None = None
-                         ) -> dict[str, Any]:
+                         ) -> CheckpointManifest:
         """Write all tables atomically; incremental checkpoints chain to the last one.
         ``epoch``: only while the shard is in that epoch (a job's cut names the epochs its
         pushes were in: a shard restored since holds none of them, StaleEpoch)."""
@@ -99,7 +100,7 @@ class Durable:
         return manifest
 
     def _write_checkpoint(self, root: Path, checkpoint_id: str, incremental: bool,
-                          parent: str | None, epoch: int | None) -> dict[str, Any]:
+                          parent: str | None, epoch: int | None) -> CheckpointManifest:
         with self._layout, self._holding(list(self.tables)):
             self.check_epoch(epoch, "checkpoint")  # a restore holds the same locks
             manifest = write_checkpoint(root, checkpoint_id, self.config.shard_id,
@@ -117,7 +118,7 @@ class Durable:
                     ) from exc
             return manifest
 
-    def checkpoints(self) -> list[dict[str, Any]]:
+    def checkpoints(self) -> list[CheckpointSummary]:
         if not self.config.checkpoint_dir:
             return []
         return list_checkpoints(self._checkpoint_root())
@@ -229,7 +230,7 @@ class Durable:
             known = self.checkpoints()
             if not known:
                 raise NotFound(f"no checkpoints under {root}")
-            checkpoint_id = known[-1]["checkpoint_id"]
+            checkpoint_id = known[-1].checkpoint_id
         check_checkpoint_id(checkpoint_id)
         async with self._ckpt_lock:
             snapshots = await asyncio.to_thread(

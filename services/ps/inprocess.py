@@ -28,11 +28,13 @@ import collections
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from services.common.codecs import WireStats
 from services.common.config import config_to_dict, from_dict
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.messages import StatsReply, TableInfo
 from services.common.sharding import ShardedIds
 from services.ps.config import PSConfig
 from services.ps.shard import Shard
@@ -147,15 +149,17 @@ class InProcessShards:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def tables(self) -> list[dict[str, Any]]:
-        """Every table's config, as shard 0 holds it (every shard holds every table)."""
-        found = [config_to_dict(t.config) for t in self.shards[0].tables.values()]
-        self.dims = {t["name"]: int(t["dim"]) for t in found}
+    async def tables(self) -> list[TableInfo]:
+        """Every table's config, as shard 0 holds it (every shard holds every table), as
+        :meth:`clients.ps_client.PSClient.tables` gives them."""
+        found = [msgspec.convert(config_to_dict(t.config), TableInfo)
+                 for t in self.shards[0].tables.values()]
+        self.dims = {t.name: t.dim for t in found}
         return found
 
-    async def stats(self, table: str | None = None) -> list[dict[str, Any]]:
+    async def stats(self, table: str | None = None) -> list[StatsReply]:
         """Per-shard statistics, as :meth:`clients.ps_client.PSClient.stats` gives them."""
-        return [shard.stats(table) for shard in self.shards]
+        return [msgspec.convert(shard.stats(table), StatsReply) for shard in self.shards]
 
     @property
     def direct(self) -> bool:

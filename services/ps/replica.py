@@ -34,12 +34,14 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from services.common.config import from_dict
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.messages import TableInfo
 from services.common.sharding import ShardedIds
 from services.ps.arena import gather_rows, nonfinite_rows
 from services.ps.hashtable import PairHashTable
@@ -53,7 +55,7 @@ __all__ = ["HeadReplica"]
 class _Source(Protocol):
     """The remote rows a replica copies from (a worker's ``StatefulRows``)."""
 
-    async def tables(self) -> list[dict[str, Any]]: ...
+    async def tables(self) -> list[TableInfo]: ...
 
     async def lookup_state_sharded(self, layout: ShardedIds
                                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]: ...
@@ -229,7 +231,7 @@ class HeadReplica:
         async with self._building:
             if self._configs is not None:
                 return
-            configs = [from_dict(TableConfig, dict(t), where="table")
+            configs = [from_dict(TableConfig, msgspec.to_builtins(t), where="table")
                        for t in await source.tables()]
             kinds: dict[str, int] = {}  # an arena per optimizer config, dim and dtype
             arena_of = []

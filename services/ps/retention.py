@@ -47,18 +47,18 @@ def prune_checkpoints(root: Path | str, shard_id: int, num_shards: int, keep: in
     part = f"shard-{shard_id}-of-{num_shards}"
     known = list_checkpoints(root)  # oldest first
     mine = [c for c in known
-            if any(p["shard_id"] == shard_id and p["num_shards"] == num_shards
-                   for p in c["parts"]) and not (root / c["checkpoint_id"] / JOB_MANIFEST).exists()]
-    parents = {c["checkpoint_id"]: c["parent"] for c in known}
+            if any(p.shard_id == shard_id and p.num_shards == num_shards
+                   for p in c.parts) and not (root / c.checkpoint_id / JOB_MANIFEST).exists()]
+    parents = {c.checkpoint_id: c.parent for c in known}
     needed: set[str] = set()
     for checkpoint in mine[-keep:]:
-        current: str | None = checkpoint["checkpoint_id"]
+        current: str | None = checkpoint.checkpoint_id
         while current is not None and current not in needed:
             needed.add(current)
             current = parents.get(current)
     removed = []
     for checkpoint in mine[:-keep]:
-        checkpoint_id = checkpoint["checkpoint_id"]
+        checkpoint_id = checkpoint.checkpoint_id
         if checkpoint_id in needed:
             continue
         shutil.rmtree(root / checkpoint_id / part, ignore_errors=True)

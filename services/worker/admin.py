@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, RedirectResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -141,8 +140,8 @@ class WorkerProgress:
                               for k in sorted(self.staleness_counts)]}
 
 
-# the PS client's stats() (the in-process shards': dicts of the same fields, as yet)
-ShardStats = Callable[[], Awaitable[Sequence[StatsReply | dict[str, Any]]]]
+# the rows client's stats(): the PS client's or the in-process shards'
+ShardStats = Callable[[], Awaitable[Sequence[StatsReply]]]
 
 
 def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str, Any]],
@@ -181,10 +180,8 @@ def make_worker_admin(progress: WorkerProgress, *, config: Callable[[], dict[str
     return app
 
 
-def _shard_summary(stats: StatsReply | dict[str, Any]) -> dict[str, Any]:
-    """One shard's Stats, its tables summed (a dict: the in-process shards' stats, as yet)."""
-    if not isinstance(stats, StatsReply):
-        stats = msgspec.convert(stats, StatsReply)
+def _shard_summary(stats: StatsReply) -> dict[str, Any]:
+    """One shard's Stats, its tables summed."""
     tables = stats.tables.values()
     total = {key: sum(getattr(t, key) for t in tables)
              for key in ("rows", "disk_rows", "bytes", "ids_looked_up", "misses", "ids_pushed")}

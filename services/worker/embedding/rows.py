@@ -28,6 +28,7 @@ import numpy as np
 
 from services.common.codecs import WireStats
 from services.common.codecs.masked import PooledMasks
+from services.common.messages import TableInfo
 from services.common.sharding import ShardedIds
 
 __all__ = ["DirectRows", "PooledRows", "ProcessCPU", "PushCounts", "RowsCapabilities",
@@ -67,9 +68,8 @@ class RowsClient(Protocol):
     @property
     def codec_stats(self) -> WireStats: ...
 
-    async def tables(self) -> list[Any]:
-        """Every table's config (a :class:`~services.common.messages.TableInfo`, or a dict
-        with at least ``name`` and ``dim``); refreshes ``dims``."""
+    async def tables(self) -> list[TableInfo]:
+        """Every table's config; refreshes ``dims``."""
         ...
 
     async def lookup_sharded(self, layout: ShardedIds) -> np.ndarray:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
+import msgspec
 import numpy as np
 import pytest
 
+from services.common.admin_replies import CheckpointManifest
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.sharding import shard_of
 from services.ps.checkpoint import (
     list_checkpoints,
     read_checkpoint,
+    read_epoch,
     restore_tables,
     write_checkpoint,
 )
@@ -84,11 +88,11 @@ def test_checkpoint_chain_with_tombstones_restores_exactly(tmp_path):
     table = make(max_rows=900)
     train(table, UNIVERSE[:800], seed=1)
     m1 = write_checkpoint(tmp_path, "c1", 0, 1, {"emb": table})
-    assert not m1["incremental"] and m1["tables"]["emb"]["rows"] == table.num_rows
+    assert not m1.incremental and m1.tables["emb"].rows == table.num_rows
     train(table, UNIVERSE[400:1400], seed=2)  # evicts (max_rows) and creates rows
     table.delete(UNIVERSE[400:420])
     m2 = write_checkpoint(tmp_path, "c2", 0, 1, {"emb": table}, incremental=True, parent="c1")
-    assert m2["tables"]["emb"]["tombstones"] > 20 and m2["parent"] == "c1"
+    assert m2.tables["emb"].tombstones > 20 and m2.parent == "c1"
     train(table, UNIVERSE[:300], seed=3)
     write_checkpoint(tmp_path, "c3", 0, 1, {"emb": table}, incremental=True, parent="c2")
     chain = read_checkpoint(tmp_path, "c3", shard_id=0, num_shards=1)["emb"]
@@ -99,8 +103,8 @@ def test_checkpoint_chain_with_tombstones_restores_exactly(tmp_path):
     assert table.stats()["evictions"] > 0
     # an intermediate checkpoint restores the state of its own time
     mid = restore_tables(tmp_path, "c1", shard_id=0, num_shards=1)["emb"]
-    assert mid.num_rows == m1["tables"]["emb"]["rows"]
-    assert [c["checkpoint_id"] for c in list_checkpoints(tmp_path)] == ["c1", "c2", "c3"]
+    assert mid.num_rows == m1.tables["emb"].rows
+    assert [c.checkpoint_id for c in list_checkpoints(tmp_path)] == ["c1", "c2", "c3"]
 
 
 def _two_shards() -> list[dict[str, EmbeddingTable]]:
@@ -123,7 +127,7 @@ def test_reshard_two_shards_into_three(tmp_path):
         train(tables["emb"], UNIVERSE[shard_of(UNIVERSE, 2) == k], seed=99 + k, steps=1)
         write_checkpoint(tmp_path, "inc", k, 2, tables, incremental=True, parent="base")
     summary = list_checkpoints(tmp_path)[-1]
-    assert summary["complete"] and summary["num_shards"] == 2 and summary["shards"] == [0, 1]
+    assert summary.complete and summary.num_shards == 2 and summary.shards == [0, 1]
     for name in ("emb", "other"):
         everything = np.concatenate([s[name].ids() for s in old])
         rows_by_id = {}
@@ -157,7 +161,7 @@ def test_corruption_is_detected(tmp_path):
     train(table, UNIVERSE[:500], seed=1)
     manifest = write_checkpoint(tmp_path, "c", 0, 1, {"emb": table})
     part = tmp_path / "c" / "shard-0-of-1"
-    rows_file = part / manifest["tables"]["emb"]["files"]["rows"]["file"]
+    rows_file = part / manifest.tables["emb"].files["rows"].file
     data = bytearray(rows_file.read_bytes())
     data[-3] ^= 0x40
     rows_file.write_bytes(bytes(data))
@@ -173,7 +177,7 @@ def test_missing_and_incomplete_checkpoints_are_clear_errors(tmp_path):
     write_checkpoint(tmp_path, "half", 0, 2, old[0])
     with pytest.raises(FailedPrecondition, match="shard-1-of-2"):
         read_checkpoint(tmp_path, "half", shard_id=0, num_shards=3)
-    assert not list_checkpoints(tmp_path)[0]["complete"]
+    assert not list_checkpoints(tmp_path)[0].complete
     with pytest.raises(NotFound):
         read_checkpoint(tmp_path, "nope", shard_id=0, num_shards=1)
     with pytest.raises(NotFound, match="parent"):
@@ -201,9 +205,9 @@ def test_a_failed_write_leaves_nothing_and_keeps_the_changes(tmp_path, monkeypat
         write_checkpoint(tmp_path, "c2", 0, 1, {"emb": table}, incremental=True, parent="c1")
     monkeypatch.undo()
     assert os.listdir(tmp_path / "c2") == []  # no part, no temp directory
-    assert [c["checkpoint_id"] for c in list_checkpoints(tmp_path)] == ["c1"]
+    assert [c.checkpoint_id for c in list_checkpoints(tmp_path)] == ["c1"]
     m = write_checkpoint(tmp_path, "c3", 0, 1, {"emb": table}, incremental=True, parent="c1")
-    assert m["tables"]["emb"]["rows"] == 5 and m["tables"]["emb"]["tombstones"] == 2
+    assert m.tables["emb"].rows == 5 and m.tables["emb"].tombstones == 2
     restored = restore_tables(tmp_path, "c3", shard_id=0, num_shards=1)["emb"]
     assert restored.content_digest() == table.content_digest()
 
@@ -221,6 +225,44 @@ def test_manifest_records_configs_counts_and_checksums(tmp_path):
     assert {"ids", "rows", "tombstones", "state:m", "state:v", "state:step"} <= set(entry["files"])
     assert all(len(f["sha256"]) == 64 for f in entry["files"].values())
     assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_the_manifest_written_is_the_record_returned_and_listed(tmp_path):
+    table = make()
+    train(table, UNIVERSE[:300], seed=1)
+    written = write_checkpoint(tmp_path, "c", 0, 1, {"emb": table}, epoch=3,
+                               pushes={"clients": np.arange(4, dtype=np.uint64)})
+    on_disk = json.loads((tmp_path / "c" / "shard-0-of-1" / "manifest.json").read_text())
+    assert msgspec.convert(on_disk, CheckpointManifest) == written
+    [listed] = list_checkpoints(tmp_path)
+    assert listed.parts == [written] and listed.tables == {"emb": table.num_rows}
+    assert read_epoch(tmp_path, "c") == 3
+
+
+@pytest.mark.parametrize(("path", "value", "field"), [
+    (("tables", "emb", "rows"), "many", "manifest.tables[...].rows: Expected `int`"),
+    (("tables", "emb", "files", "ids", "sha256"), None, "manifest.tables[...].files[...].sha256"),
+    (("tables", "emb", "config", "dim"), 0, "manifest.tables[...].config.dim"),
+    (("epoch",), -1, "manifest.epoch"),
+    (("pushes",), ["clients"], "manifest.pushes"),
+    (("colour",), "red", "unknown fields ['colour']"),
+])
+def test_a_malformed_manifest_is_refused_naming_its_field(tmp_path, path, value, field):
+    table = make()
+    train(table, UNIVERSE[:100], seed=1)
+    write_checkpoint(tmp_path, "c", 0, 1, {"emb": table})
+    file = tmp_path / "c" / "shard-0-of-1" / "manifest.json"
+    manifest = json.loads(file.read_text())
+    entry = manifest
+    for key in path[:-1]:
+        entry = entry[key]
+    entry[path[-1]] = value
+    file.write_text(json.dumps(manifest))
+    for read in (lambda: list_checkpoints(tmp_path),
+                 lambda: read_checkpoint(tmp_path, "c", shard_id=0, num_shards=1),
+                 lambda: read_epoch(tmp_path, "c")):
+        with pytest.raises(FailedPrecondition, match=re.escape(field)):
+            read()
 
 
 def test_restore_keep_filters_rows_and_tombstones():

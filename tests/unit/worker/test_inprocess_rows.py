@@ -97,4 +97,4 @@ async def test_the_gate_holds_pushes_until_released_oldest_first() -> None:
     gate.release(1)
     await pushes[1]
     np.testing.assert_allclose(await client.lookup_sharded(lay), before - 3.0)
-    assert (await client.tables())[0]["name"] == "a" and client.dims == {"a": DIM, "b": DIM}
+    assert (await client.tables())[0].name == "a" and client.dims == {"a": DIM, "b": DIM}
