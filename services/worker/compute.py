@@ -87,20 +87,23 @@ def gil_switch_interval(seconds: float | None) -> Iterator[None]:
 class StepPhases:
     """Where a thread's steps go: the wall and thread-CPU seconds of each named phase, summed
     over the steps. :meth:`start` begins a step; :meth:`mark` ends the phase that began at the
-    last mark (or the start) and names it."""
+    last mark (or the start) and names it. ``clocks``: the wall and CPU clocks read (seconds).
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, clocks: tuple[Callable[[], float], Callable[[], float]] = (
+            time.perf_counter, time.thread_time)) -> None:
         self._sums: dict[str, list[float]] = {}
         self._wall = self._cpu = 0.0
+        self._clocks = clocks
 
     def reset(self) -> None:
         self._sums.clear()
 
     def start(self) -> None:
-        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+        self._wall, self._cpu = self._clocks[0](), self._clocks[1]()
 
     def mark(self, phase: str) -> None:
-        wall, cpu = time.perf_counter(), time.thread_time()
+        wall, cpu = self._clocks[0](), self._clocks[1]()
         sums = self._sums.setdefault(phase, [0.0, 0.0])
         sums[0] += wall - self._wall
         sums[1] += cpu - self._cpu

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
+import pytest
+
 from services.worker.compute import StepPhases, gil_switch_interval
 
 
@@ -16,20 +18,37 @@ def _busy(seconds: float) -> None:
 
 
 def test_each_phase_is_timed_from_the_mark_before_and_averaged_over_the_steps() -> None:
-    phases = StepPhases()
+    """Clocks that the test moves: each phase gets what passed since the mark before it
+    (a phase timed from the step's start would hold the wait too), averaged per step."""
+    now = {"wall": 0.0, "cpu": 0.0}
+    phases = StepPhases((lambda: now["wall"], lambda: now["cpu"]))
     for _ in range(2):
         phases.start()
-        time.sleep(0.05)
+        now["wall"] += 0.050  # waits: wall time, no CPU
         phases.mark("wait")
-        _busy(0.01)
+        now["wall"] += 0.012
+        now["cpu"] += 0.010
         phases.mark("work")
+        now["wall"] += 1.0  # between steps: in no phase
     per_step = phases.per_step(2)
     assert list(per_step) == ["wait", "work"]
-    assert per_step["wait"]["wall_ms"] >= 49 and per_step["wait"]["cpu_ms"] < 10
-    assert per_step["work"]["cpu_ms"] >= 9.5
-    assert per_step["work"]["wall_ms"] < 45  # the sleep before its mark is not in it
+    assert per_step["wait"] == {"wall_ms": pytest.approx(50), "cpu_ms": 0}
+    assert per_step["work"] == {"wall_ms": pytest.approx(12), "cpu_ms": pytest.approx(10)}
     phases.reset()
     assert phases.per_step(1) == {}
+
+
+def test_a_step_phases_reads_its_thread_cpu_time() -> None:
+    """With the real clocks, CPU work shows as the phase's CPU and sleeping does not."""
+    phases = StepPhases()
+    phases.start()
+    time.sleep(0.05)
+    phases.mark("wait")
+    _busy(0.01)
+    phases.mark("work")
+    per_step = phases.per_step(1)
+    assert per_step["wait"]["wall_ms"] >= 49 and per_step["wait"]["cpu_ms"] < 10
+    assert per_step["work"]["cpu_ms"] >= 9.5
 
 
 def test_the_switch_interval_is_lowered_while_any_body_runs_and_then_restored() -> None:
