@@ -41,7 +41,7 @@ from services.common.admin_replies import (
     CheckpointSummary,
     CheckpointTable,
 )
-from services.common.config import config_to_dict, from_dict
+from services.common.config import from_dict
 from services.common.errors import (
     AlreadyExists,
     ConfigError,
@@ -50,11 +50,10 @@ from services.common.errors import (
     NotFound,
 )
 from services.common.files import fsync_dir, publish_dir, write_durable
-from services.common.messages import TableInfo
 from services.common.sharding import shard_of
 from services.common.wire import explain
 from services.ps.store import EmbeddingTable, TableSnapshot
-from services.ps.tables import TableConfig
+from services.ps.tables import TableConfig, table_info
 
 __all__ = ["check_checkpoint_id", "list_checkpoints", "read_checkpoint", "read_epoch",
            "read_push_window", "restore_tables", "write_checkpoint"]
@@ -110,7 +109,7 @@ def _write_table(directory: Path, index: int, snap: TableSnapshot) -> Checkpoint
     for kind, arrays in (("state", snap.state), ("meta", snap.meta)):
         for key, arr in sorted(arrays.items()):
             files[f"{kind}:{key}"] = _write_array(directory, f"{prefix}-{kind}-{key}.npy", arr)
-    config = msgspec.convert(config_to_dict(snap.config), TableInfo)
+    config = table_info(snap.config)
     return CheckpointTable(config=config, dim=config.dim, dtype=config.dtype,
                            optimizer=config.optimizer, rows=int(snap.ids.shape[0]),
                            tombstones=int(snap.tombstones.shape[0]), files=files)

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from services.common.codecs import WireStats
-from services.common.config import config_to_dict, from_dict
+from services.common.config import from_dict
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.messages import StatsReply, TableInfo
 from services.common.sharding import ShardedIds
@@ -40,7 +40,7 @@ from services.ps.config import PSConfig
 from services.ps.shard import Shard
 from services.ps.staleness import step_tags
 from services.ps.store import PushResult
-from services.ps.tables import TableConfig
+from services.ps.tables import TableConfig, table_info
 
 __all__ = ["InProcessShards", "PushGate"]
 
@@ -152,7 +152,7 @@ class InProcessShards:
     async def tables(self) -> list[TableInfo]:
         """Every table's config, as shard 0 holds it (every shard holds every table), as
         :meth:`clients.ps_client.PSClient.tables` gives them."""
-        found = [msgspec.convert(config_to_dict(t.config), TableInfo)
+        found = [table_info(t.config)
                  for t in self.shards[0].tables.values()]
         self.dims = {t.name: t.dim for t in found}
         return found

@@ -25,11 +25,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-import msgspec
 import numpy as np
 
 from services.common.codecs import Codec, decode_array, encode_array, get_codec, raw_array
-from services.common.config import config_to_dict
 from services.common.errors import InvalidArgument, MalformedMessage, PersimmonError
 from services.common.messages import (
     PS_REQUEST_OBJECTS,
@@ -48,7 +46,6 @@ from services.common.messages import (
     PushThenLookupRequest,
     StatsReply,
     StatsRequest,
-    TableInfo,
     TablesReply,
     TablesRequest,
     TableStats,
@@ -63,6 +60,7 @@ from services.ps.metrics import PSMetrics
 from services.ps.shard import Shard
 from services.ps.staleness import step_tags
 from services.ps.store import PushResult
+from services.ps.tables import table_info
 
 __all__ = ["SERVICE_NAME", "PSServicer"]
 
@@ -187,7 +185,7 @@ class PSServicer:
         cfg = self.shard.config
         return encode(TablesReply(
             shard_id=cfg.shard_id, num_shards=cfg.num_shards, epoch=self.shard.epoch,
-            tables=[msgspec.convert(config_to_dict(t.config), TableInfo)
+            tables=[table_info(t.config)
                     for t in self.shard.tables.values()]))
 
     async def _stats(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:

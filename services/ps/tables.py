@@ -15,11 +15,14 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 from numba import njit
 
 from services.common.codecs.quant import ONEBIT_EMBEDDING_REFUSAL
+from services.common.config import config_to_dict
 from services.common.errors import ConfigError
+from services.common.messages import TableInfo
 from services.ps.hashtable import GOLDEN, mix64, mix64_int, to_unit
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "TableConfig",
     "admission_uniform",
     "initial_rows",
+    "table_info",
 ]
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -310,3 +314,9 @@ def admission_uniform(config: TableConfig, ids: np.ndarray, sightings: np.ndarra
                      np.ascontiguousarray(sightings, dtype=np.int64),
                      _seed_key(config.seed, _ADMIT_SALT), out)
     return out
+
+
+def table_info(config: TableConfig) -> TableInfo:
+    """``config`` as the wire's :class:`~services.common.messages.TableInfo` (Tables replies,
+    the WAL's create records, checkpoint manifests)."""
+    return msgspec.convert(config_to_dict(config), TableInfo)

@@ -27,11 +27,10 @@ import numpy as np
 from msgspec import Meta, Struct
 
 from services.common.codecs import WireArray, decode_array, raw_array
-from services.common.config import config_to_dict
 from services.common.errors import FailedPrecondition, MalformedMessage
 from services.common.messages import MAX_TABLES, OptimizerInfo, TableInfo
 from services.common.wire import Text, UInt, explain
-from services.ps.tables import TableConfig
+from services.ps.tables import TableConfig, table_info
 
 __all__ = ["WAL_VERSION", "CreateRecord", "DropRecord", "OptimizerRecord", "PushPart",
            "PushRecord", "SegmentHeader", "WalRecord", "decode_record", "encode_record_into"]
@@ -105,7 +104,7 @@ class CreateRecord(WalRecord, tag="create"):
 
     @classmethod
     def of(cls, config: TableConfig) -> CreateRecord:
-        return cls(v=WAL_VERSION, config=msgspec.convert(config_to_dict(config), TableInfo))
+        return cls(v=WAL_VERSION, config=table_info(config))
 
 
 class DropRecord(WalRecord, tag="drop"):
