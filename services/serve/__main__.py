@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -25,8 +26,10 @@ from services.loader import spec_from_source
 from services.serve.config import ExportConfig, ServeConfig
 from services.serve.export import list_versions
 from services.serve.rows import InitialRows
-from services.serve.sources import ReadShards, export_job_checkpoint
-from services.worker.models import ModelConfig
+
+if TYPE_CHECKING:  # export needs torch (the [train] extra); serve does not
+    from services.serve.sources import ReadShards
+    from services.worker.models import ModelConfig
 
 __all__ = ["export_from_flags", "load_export_config", "load_serve_config", "main",
            "register_cli"]
@@ -50,6 +53,8 @@ def _needs(what: str, value: Any) -> Any:
 
 
 def _model_config(cfg: ExportConfig) -> ModelConfig:
+    from services.worker.models import ModelConfig
+
     if cfg.model_config is None:
         return ModelConfig(name=cfg.model)
     try:
@@ -61,8 +66,20 @@ def _model_config(cfg: ExportConfig) -> ModelConfig:
     return from_dict(ModelConfig, data, where=f"model config {cfg.model_config}")
 
 
+def _torch_installed() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:  # an import hook that refuses it
+        return False
+
+
 def export_from_flags(cfg: ExportConfig, read_shards: ReadShards) -> dict[str, Any]:
     """Write one model version from ``cfg``'s job checkpoint; returns a summary."""
+    if not _torch_installed():
+        raise ConfigError("persimmon export reads the trainer's dense weights with torch: "
+                          "install the train extra (pip install 'persimmon[train]')")
+    from services.serve.sources import export_job_checkpoint
+
     model = _model_config(cfg)  # the flags first: nothing is read before they are checked
     spec = spec_from_source(cfg.features, cfg.dense_transform())
     checkpoint_id = cfg.job_checkpoint

@@ -43,8 +43,9 @@ class ServeConfig:
         "help": "seconds between looks for a newer version in model_dir"})
     verify_checksums: bool = field(default=True, metadata={
         "help": "check every file's sha256 before serving a version"})
-    torch_threads: int = field(default=0, metadata={
-        "help": "threads of the forward pass (0: torch's default)"})
+    forward_threads: int = field(default=1, metadata={
+        "help": "BLAS threads of the forward pass (0: the BLAS library's default, one per "
+                "core; the default 1 leaves the other cores to requests and featurizing)"})
     ps: str | None = field(default=None, metadata={
         "help": "PS shard addresses host:port,... in shard order: versions exported with "
                 "--ps-tables read those tables there (read-only)"})
@@ -65,8 +66,8 @@ class ServeConfig:
             raise ConfigError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if not (math.isfinite(self.watch_interval_s) and self.watch_interval_s > 0):
             raise ConfigError(f"watch_interval_s must be > 0, got {self.watch_interval_s}")
-        if self.torch_threads < 0:
-            raise ConfigError(f"torch_threads must be >= 0, got {self.torch_threads}")
+        if self.forward_threads < 0:
+            raise ConfigError(f"forward_threads must be >= 0, got {self.forward_threads}")
         if self.ps is not None and not all(
                 host and port.isdigit() and int(port) <= 65535
                 for host, _, port in (a.rpartition(":") for a in self.ps.split(","))):

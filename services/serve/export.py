@@ -11,7 +11,9 @@ Layout (``DIR`` is the model directory ``persimmon serve --model-dir`` watches):
 The manifest holds the format version (2; format 1 versions, whose dense weights are a
 ``dense.pt`` pickle, still load, deprecated), version id, step, creation time, the model config
 (:class:`~services.worker.models.ModelConfig` fields), each sparse feature's table and dim,
-the dense width, the pooling, the row dtype, every table's PS config (its initializer makes
+the order in which the model takes the sparse features (``feature_order``: the manifest's
+mappings are written with sorted keys, and a model's weights depend on the order; versions
+written before it take the feature spec's order, :func:`model_sparse_dims`), the dense width, the pooling, the row dtype, every table's PS config (its initializer makes
 the rows of ids never trained) and a sha256 and size per file. A version is written into a
 temporary directory ``DIR/.tmp-...``, every file and the directory are fsynced, the manifest
 goes in last, then the directory is renamed into place. Readers ignore directories without a
@@ -36,13 +38,14 @@ import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.files import publish_dir, read_json, write_durable
 from services.loader import FeatureSpec
+from services.serve.bags import POOLING
 from services.serve.rows import (
     ROW_DTYPES,
     EmbeddingRows,
@@ -56,11 +59,12 @@ from services.serve.rows import (
     find_sorted,
 )
 from services.serve.weights import DENSE, check_dense_state, dense_bytes
-from services.worker.models import ModelConfig
-from services.worker.pooling import POOLING_MODES
 
-__all__ = ["FORMAT_VERSION", "MANIFEST", "SnapshotLike", "list_versions", "new_version_id",
-           "open_tables", "prune", "read_manifest", "tables_from_snapshots", "verify_version",
+if TYPE_CHECKING:  # writing a version needs torch (the [train] extra); reading does not
+    from services.worker.models import ModelConfig
+
+__all__ = ["FORMAT_VERSION", "MANIFEST", "SnapshotLike", "list_versions", "model_sparse_dims",
+           "new_version_id", "open_tables", "prune", "read_manifest", "tables_from_snapshots", "verify_version",
            "version_chain", "write_version"]
 
 FORMAT_VERSION = 2
@@ -140,8 +144,8 @@ def _check_inputs(model: ModelConfig, state: Mapping[str, Any], features: Mappin
                   row_dtype: str, pooling: str) -> dict[str, int]:
     if row_dtype not in ROW_DTYPES:
         raise InvalidArgument(f"row dtype must be one of {ROW_DTYPES}, got {row_dtype!r}")
-    if pooling not in POOLING_MODES:
-        raise InvalidArgument(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
+    if pooling not in POOLING:
+        raise InvalidArgument(f"pooling must be one of {POOLING}, got {pooling!r}")
     missing = sorted(set(features.values()) - set(tables))
     if missing:
         raise InvalidArgument(f"tables {missing} of the features have no rows to export")
@@ -213,7 +217,8 @@ def write_version(model_dir: Path | str, *, step: int, model: ModelConfig,
         manifest = {
             "format": FORMAT_VERSION, "version_id": version_id, "step": step,
             "created": time.time(), "model": dataclasses.asdict(model),
-            "features": dict(features), "sparse_dims": dims, "num_dense": num_dense,
+            "features": dict(features), "sparse_dims": dims, "feature_order": list(dims),
+            "num_dense": num_dense,
             "pooling": pooling, "row_dtype": row_dtype, "tables": entries, "files": files,
             "source": dict(source or {}), "base": base,
         }
@@ -350,6 +355,20 @@ def read_manifest(version_dir: Path | str) -> dict[str, Any]:
         raise FailedPrecondition(f"model manifest {path} names version "
                                  f"{manifest['version_id']!r}, not its directory's name")
     return manifest
+
+
+def model_sparse_dims(manifest: Mapping[str, Any], spec: FeatureSpec) -> dict[str, int]:
+    """Each sparse feature's dim in the order the model takes them: the manifest's
+    ``feature_order``, or (a version written before it) the feature spec's order, the order
+    of the loader's batches that the trainer built its model in."""
+    dims = manifest["sparse_dims"]
+    order = manifest.get("feature_order")
+    if order is None:
+        order = [f for f in spec.sparse if f in dims]
+    if not isinstance(order, list) or sorted(order) != sorted(dims):
+        raise FailedPrecondition(f"model version {manifest['version_id']}: its feature order "
+                                 f"{order!r} is not an order of its features {sorted(dims)}")
+    return {f: dims[f] for f in order}
 
 
 def verify_version(version_dir: Path | str, manifest: Mapping[str, Any]) -> None:

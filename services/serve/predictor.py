@@ -1,17 +1,17 @@
 """One model version, loaded and immutable: featurize, look rows up, pool, run the model.
 
 :meth:`Predictor.load` reads a version directory (:mod:`services.serve.export`): it checks
-the manifest and every file's sha256, memory-maps the rows and the dense weights
-(safetensors), loads those into the model the manifest describes and puts it in eval mode. Nothing in a Predictor changes after
-loading, so a server swaps versions by swapping the reference: a batch that took a Predictor
-computes all of its answer, dense and sparse, from that one version.
+the manifest and every file's sha256, memory-maps the rows, reads the dense weights
+(safetensors, as NumPy arrays) and builds the eval-mode forward of the model the manifest
+describes (:mod:`services.serve.forward`). Nothing in a Predictor changes after loading, so
+a server swaps versions by swapping the reference: a batch that took a Predictor computes all
+of its answer, dense and sparse, from that one version.
 
-The forward pass is the trainer's: the ids of a batch are planned with
-:func:`~services.worker.pooling.plan_batch` (tables of one dim in one group, as the trainer
-groups them), each group's unique rows are looked up (:class:`EmbeddingRows`: stored rows,
-initial rows for ids never trained), pooled with
-:func:`~services.worker.pooling.pool_batch` in the training's pooling mode, and fed to the
-model with the dense features; the answer is ``sigmoid(logits)``.
+The forward pass is the trainer's, in NumPy (no torch): each table's unique ids are looked
+up once (:class:`EmbeddingRows`: stored rows, initial rows for ids never trained), each
+feature's rows pooled per record in the training's pooling mode
+(:func:`~services.serve.bags.pool_bags`) and fed to the model with the dense features; the
+answer is ``sigmoid(logits)``.
 """
 
 from __future__ import annotations
@@ -22,17 +22,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from services.common.batch import Jagged
-from services.common.config import from_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.loader import Features, FeatureSpec
-from services.serve.export import SPEC, open_tables, verify_version, version_chain
+from services.serve.bags import POOLING, pool_bags
+from services.serve.export import (
+    SPEC,
+    model_sparse_dims,
+    open_tables,
+    verify_version,
+    version_chain,
+)
+from services.serve.forward import DenseForward, dense_forward, sigmoid
 from services.serve.rows import EmbeddingRows, InitialRows, PSLookup, PSRows, lookup_tables
 from services.serve.weights import read_dense
-from services.worker.models import ModelConfig
-from services.worker.pooling import plan_batch, pool_batch
 
 __all__ = ["Predictor"]
 
@@ -42,7 +46,7 @@ _MAX_ID = 2**64 - 1
 class Predictor:
     """A loaded model version (see the module docstring); build with :meth:`load`."""
 
-    def __init__(self, manifest: Mapping[str, Any], spec: FeatureSpec, model: torch.nn.Module,
+    def __init__(self, manifest: Mapping[str, Any], spec: FeatureSpec, model: DenseForward,
                  tables: Mapping[str, EmbeddingRows | PSRows]) -> None:
         self.manifest = dict(manifest)
         self.version_id: str = manifest["version_id"]
@@ -53,10 +57,6 @@ class Predictor:
         self.features: dict[str, str] = dict(manifest["features"])
         self.num_dense = int(manifest["num_dense"])
         self.pooling: str = manifest["pooling"]
-        by_dim: dict[int, list[str]] = {}
-        for table in dict.fromkeys(self.features.values()):
-            by_dim.setdefault(self.tables[table].dim, []).append(table)
-        self._groups = list(by_dim.values())
 
     @classmethod
     def load(cls, version_dir: Path | str, *, initial_rows: InitialRows,
@@ -79,14 +79,17 @@ class Predictor:
             verified.update(keys)
         try:
             spec = FeatureSpec.from_dict(_json(directory / SPEC))
-            model_config = from_dict(ModelConfig, manifest["model"], where="manifest model")
-            model = model_config.build(sparse_dims=dict(manifest["sparse_dims"]),
-                                       num_dense=int(manifest["num_dense"]))
-            model.load_state_dict(read_dense(directory, manifest))
-        except (ConfigError, RuntimeError, OSError, ValueError, KeyError) as exc:
+            if manifest["pooling"] not in POOLING:
+                raise ValueError(f"pooling must be one of {POOLING}, got "
+                                 f"{manifest['pooling']!r}")
+            model = dense_forward(manifest["model"],
+                                  sparse_dims=model_sparse_dims(manifest, spec),
+                                  num_dense=int(manifest["num_dense"]),
+                                  state=read_dense(directory, manifest))
+        except (ConfigError, FailedPrecondition, OSError, ValueError, KeyError,
+                TypeError) as exc:
             raise FailedPrecondition(f"model version {directory.name} cannot be loaded: "
                                      f"{exc}") from exc
-        model.eval()
         tables = open_tables(directory.parent, chain, initial_rows, ps_lookup)
         missing = sorted(set(manifest["features"].values()) - set(tables))
         if missing:
@@ -151,21 +154,18 @@ class Predictor:
 
     def predict(self, features: Features) -> np.ndarray:
         """float32 probabilities, one per record."""
-        return torch.sigmoid(torch.from_numpy(self.logits(features))).numpy()
+        return sigmoid(self.logits(features))
 
     def logits(self, features: Features) -> np.ndarray:
         if features.dense.shape[1:] != (self.num_dense,):
             raise InvalidArgument(f"dense inputs must be (B, {self.num_dense}), got "
                                   f"{features.dense.shape}")
-        plan = plan_batch({f: features.sparse[f] for f in self.features},
-                          table_of=self.features, num_shards=1, groups=self._groups)
-        found = lookup_tables(self.tables, {t: g.layout.table_ids(t) for g in plan.groups
-                                            for t in g.layout.tables})
-        rows = [np.concatenate([found[t] for t in g.layout.tables]) for g in plan.groups]
-        with torch.inference_mode():
-            pooled = pool_batch(plan, rows, mode=self.pooling)
-            out = self.model(pooled.pooled, torch.from_numpy(features.dense))
-        return out.numpy().astype(np.float32, copy=False)
+        missing = sorted(set(self.features) - set(features.sparse))
+        if missing:
+            raise InvalidArgument(f"the features lack sparse features {missing}")
+        pooled = pool_bags(features.sparse, self.features,
+                           lambda ids: lookup_tables(self.tables, ids), self.pooling)
+        return self.model(pooled, features.dense).astype(np.float32, copy=False)
 
 
 def _json(path: Path) -> Any:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import grpc
 import numpy as np
-import torch
+from threadpoolctl import threadpool_limits
 
 from clients.ps_client import PSClient, unique_ids
 from services.common.admin import AdminServer
@@ -59,6 +59,7 @@ class ServeService(ServingService):
                                     max_queued_records=config.max_queued_records,
                                     on_batch=self.metrics.batch)
         self._grpc: grpc.aio.Server | None = None
+        self._blas: threadpool_limits | None = None
 
     @property
     def url(self) -> str:
@@ -66,8 +67,8 @@ class ServeService(ServingService):
         return self.admin_url
 
     async def on_start(self) -> None:
-        if self.config.torch_threads:
-            torch.set_num_threads(self.config.torch_threads)
+        if self.config.forward_threads:  # process-wide: BLAS has one thread pool
+            self._blas = threadpool_limits(self.config.forward_threads, user_api="blas")
         if self.config.ps:
             self._loop = asyncio.get_running_loop()
             self._ps = PSClient(self.config.ps.split(","))
@@ -101,6 +102,8 @@ class ServeService(ServingService):
         self.versions.close()
         if self._ps is not None:
             await self._ps.close()
+        if self._blas is not None:
+            self._blas.restore_original_limits()
 
     def _ps_lookup(self, ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Read-only rows of several tables from the live PS in one read (a message per

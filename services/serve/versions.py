@@ -42,10 +42,13 @@ LOADER_NICE = 10  # how much lower the version loader's thread runs than the ans
 
 
 def _lower_priority() -> None:
-    """Lower this thread's CPU priority (Linux schedules threads one by one)."""
+    """Lower this thread's CPU priority by LOADER_NICE below the process's (Linux schedules
+    threads one by one; 19 is the lowest)."""
     if hasattr(os, "setpriority"):
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICE)
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid,
+                           min(os.getpriority(os.PRIO_PROCESS, tid) + LOADER_NICE, 19))
         except OSError:  # not permitted here: load at the same priority
             log.debug("could not lower the version loader's priority")
 

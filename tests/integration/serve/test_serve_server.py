@@ -16,11 +16,14 @@ import httpx
 import numpy as np
 import pytest
 from serve_training import eventually, ps_initial_rows, random_version, records, server
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from services.common.codecs.registry import decode_array
+from services.common.errors import ConfigError
 from services.common.messages import decode, encode
 from services.common.rpc import open_channel
 from services.common.wire import encode_message
+from services.serve.config import ServeConfig
 from services.serve.predictor import Predictor
 from services.serve.server import SERVICE_NAME, PredictReply, PredictRequest
 
@@ -152,6 +155,27 @@ async def test_not_ready_until_a_version_appears(tmp_path: Path) -> None:
 
         await eventually(ready)
         assert (await predict(http))["version"] == version
+
+
+def blas_threads() -> dict[str, int]:
+    """Threads of each BLAS library loaded now (numpy's among them)."""
+    return {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+
+async def test_the_forward_runs_on_forward_threads_blas_threads(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="forward_threads must be >= 0"):
+        ServeConfig(model_dir=str(tmp_path), forward_threads=-1)
+    random_version(tmp_path, step=1, bias=0.5)
+    with threadpool_limits(2, user_api="blas"):
+        before = blas_threads()  # a library loaded later (numba may load scipy's) is not ours
+        assert before and set(before.values()) == {2}
+        async with server(tmp_path, forward_threads=1) as service, \
+                httpx.AsyncClient(base_url=service.url) as http:
+            await eventually(lambda: service.versions.active is not None)
+            await predict(http)
+            assert {blas_threads()[path] for path in before} == {1}
+        # the process's setting again once the server closed
+        assert {blas_threads()[path] for path in before} == {2}
 
 
 BAD_BODIES: list[tuple[Any, int, str]] = [
