@@ -32,8 +32,9 @@ def _worker(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(subparsers: argparse._SubParsersAction) -> None:
-    """``persimmon serve`` and ``export``, with the PS's initial rows and checkpoint reader."""
-    from services.local.train import ps_initial_rows, ps_read_shards
+    """``persimmon serve`` and ``export``, with the PS's initial rows and checkpoint reader
+    (no torch: ``serve`` runs on the core install)."""
+    from services.local.ps_reads import ps_initial_rows, ps_read_shards
     from services.serve.__main__ import register_cli
 
     register_cli(subparsers, initial_rows=ps_initial_rows, read_shards=ps_read_shards)
@@ -49,9 +50,10 @@ _PS, _LOADER = _hook("services.ps.__main__"), _hook("services.loader.__main__")
 _TOKEN = _hook("services.common.token_command")
 _SERVICES: list[Register] = [_PS, _LOADER, _worker, _serve, _hook("services.local.train"),
                              _hook("services.local.demo"), _TOKEN]
-# Commands whose module is registered alone, so that a PS or loader process starts quickly
-# (without importing torch): what a supervisor's restart waits for.
-_LIGHT = {"ps": _PS, "loader": _LOADER, "synth": _LOADER, "prepare": _LOADER, "token": _TOKEN}
+# Commands whose module is registered alone, so that a PS, loader or serving process starts
+# quickly (without importing torch): what a supervisor's restart waits for.
+_LIGHT = {"ps": _PS, "loader": _LOADER, "synth": _LOADER, "prepare": _LOADER, "token": _TOKEN,
+          "serve": _serve, "export": _serve}
 
 
 def _command_of(argv: list[str]) -> str | None:

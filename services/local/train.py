@@ -19,19 +19,17 @@ import json
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qsl, urlencode
-
-import numpy as np
 
 from services.common.commands import float_at_least, int_at_least
 from services.common.config import print_config
 from services.common.errors import ConfigError
 from services.loader.prepare import cacheable, prepare_sources
+from services.local.ps_reads import ps_initial_rows, ps_read_shards
 from services.worker.best import keeps_best
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.flags import add_training_flags, load_trainer_config
@@ -42,9 +40,6 @@ from services.worker.service import (
     report_summary,
     summary_dict,
 )
-
-if TYPE_CHECKING:
-    from services.ps.store import TableSnapshot
 
 __all__ = ["PS_PLACEMENTS", "PlantedData", "data_specs", "ps_initial_rows", "ps_placement",
            "ps_read_shards", "register_cli", "train_on_local_cluster"]
@@ -317,22 +312,6 @@ def _online_export(config: TrainerConfig, model: ModelConfig, checkpoint_dir: st
     return OnlineExport.from_config(
         config, checkpoint_dir=checkpoint_dir, ps_admin_urls=ps_admin_urls, model=model,
         spec=loader_feature_spec(loader_admin_url), read_shards=ps_read_shards).attach
-
-
-def ps_initial_rows(config: Mapping[str, Any], ids: np.ndarray) -> np.ndarray:
-    """The PS's own initial rows of ``ids`` in a table of ``config`` (a served model's rows
-    for ids it has never trained)."""
-    from services.ps.tables import TableConfig, initial_rows
-
-    return initial_rows(TableConfig(**config), ids)
-
-
-def ps_read_shards(root: Path | str, checkpoint_id: str) -> dict[str, list[TableSnapshot]]:
-    """Every shard's part of PS checkpoint ``checkpoint_id`` under ``root``, read as one
-    shard (what an export of the served model reads)."""
-    from services.ps.checkpoint import read_checkpoint
-
-    return read_checkpoint(root, checkpoint_id, shard_id=0, num_shards=1)
 
 
 class PlantedData:

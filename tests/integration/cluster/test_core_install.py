@@ -101,7 +101,8 @@ import httpx
 
 from services.common.errors import ConfigError
 from services.ps.tables import TableConfig, initial_rows
-from services.serve.__main__ import export_from_flags, main
+from services.cli import main
+from services.serve.__main__ import export_from_flags
 from services.serve.config import ExportConfig, ServeConfig
 from services.serve.service import ServeService
 
