@@ -54,12 +54,15 @@ schedule, and ``ps`` changes (:mod:`bench.chaos_faults`):
   in ``records_lost``.
 - ``restore``: a living shard is restored over its admin REST to the newest complete cut
   while the workers push (its epoch moves on); their pushes are refused (StaleEpoch,
-  FAILED_PRECONDITION) and they fail; the job restarts from the cut. A cut of the old run
-  whose part of that shard was written after the restore (the cut's checkpoint calls carry
-  no epoch, so it misses the pushes the restore rolled back) is set aside, as an orchestrator
-  that restored the shard must: ``cuts_discarded``. ``stale_pushes_refused``: the shard's
-  FAILED_PRECONDITION push refusals around the fault; ``workers_stale``: workers that ended
-  with StaleEpoch (each writes how it ended to a file).
+  FAILED_PRECONDITION) and they fail; the job restarts from the cut. A cut whose checkpoint
+  call reaches that shard after the restore is refused too (each call carries the epoch the
+  ranks pushed in, :class:`~services.worker.job_checkpoints.ConsistentCut`), so no cut holds
+  the restored rows beside other shards' parts with the pushes the restore rolled back:
+  ``cuts_refused``, the old run's cuts refused; ``inconsistent_cuts`` (must be 0), its
+  complete cuts whose part of that shard was written after the restore anyway.
+  ``stale_pushes_refused``: the shard's FAILED_PRECONDITION push refusals around the fault;
+  ``workers_stale``: workers that ended with StaleEpoch (each writes how it ended to a
+  file).
 - ``partition``: the proxy of the current run stops forwarding (connections held) until one
   of the partitioned worker's pushes is held; the job restarts from the newest cut without
   that worker (the others and the loader SIGKILLed, every shard restored, fresh workers);
@@ -210,7 +213,8 @@ def _source(args: argparse.Namespace) -> tuple[Any, str, np.ndarray, dict[int, i
 # The figures the --wal faults add up (null without --wal, or when no fault of theirs ran).
 WAL_FIGURES = {"acked_lost_with_wal": "ps", "wal_fault_acked_lost": "enospc",
                "wal_fault_pushes_refused": "enospc", "stale_pushes_refused": "restore",
-               "workers_stale": "restore", "cuts_discarded": "restore",
+               "workers_stale": "restore", "cuts_refused": "restore",
+               "inconsistent_cuts": "restore",
                "partition_retries_refused": "partition", "partitioned_exited": "partition"}
 
 
@@ -317,9 +321,9 @@ _ROWS = (("kills", "all planned"), ("records_lost", "0"), ("applied_twice", "0")
          ("zombie_pushes_applied", "0"), ("wal_fault_pushes_refused", "> 0 (the fault bit)"),
          ("stale_pushes_refused", "> 0 (fenced)"), ("workers_stale", "> 0"),
          ("partition_retries_refused", "= partitions"), ("partitioned_exited", "= partitions"),
-         ("cuts_discarded", ""))
+         ("inconsistent_cuts", "0"), ("cuts_refused", ""))
 _ZERO = ("records_lost", "applied_twice", "occurrences_off", "acked_lost_with_wal",
-         "wal_fault_acked_lost", "zombie_pushes_applied")
+         "wal_fault_acked_lost", "zombie_pushes_applied", "inconsistent_cuts")
 
 
 def _print(result: dict[str, Any]) -> None:

@@ -160,28 +160,31 @@ def _exit_reason(job: ChaosJob, run: int, rank: int) -> str:
     return path.read_text().strip() if path.exists() else ""
 
 
-def _discard_cuts_after(job: ChaosJob, k: int, epoch: int) -> int:
-    """Cuts of the current run whose shard-``k`` part was written in ``epoch`` or later (after
-    the restore, so without the pushes it rolled back): their manifests are moved aside, as
-    an orchestrator that restored the shard would, so the restart does not pick them."""
+def _cuts_after_restore(job: ChaosJob, run: int, k: int, epoch: int) -> tuple[int, int]:
+    """Cuts of ``run`` (its workers stopped): (refused, inconsistent). Refused: a shard (or the
+    ranks) refused the cut's epochs, so it never completed. Inconsistent: complete, yet its
+    shard-``k`` part was written in ``epoch`` or later (after the restore, so without the
+    pushes the restore rolled back, beside the other shards' parts that hold them): a cut the
+    epoch fence let through, which a restart could pick."""
     from services.common.checkpoints import JOB_MANIFEST
+    from services.worker.job_checkpoints import CUT_REFUSED
 
-    discarded = 0
-    for d in job.root.glob(f"cut-{job.run}-*"):
+    refused = inconsistent = 0
+    for d in job.root.glob(f"cut-{run}-*"):
         part = d / f"shard-{k}-of-{SHARDS}" / "manifest.json"
-        if (d / JOB_MANIFEST).exists() and part.exists() \
-                and int(json.loads(part.read_text()).get("epoch", 0)) >= epoch:
-            (d / JOB_MANIFEST).rename(d / f"{JOB_MANIFEST}.discarded")
-            discarded += 1
-    return discarded
+        refused += (d / CUT_REFUSED).exists()
+        inconsistent += (d / JOB_MANIFEST).exists() and part.exists() \
+            and int(json.loads(part.read_text()).get("epoch", 0)) >= epoch
+    return refused, inconsistent
 
 
 def restore_fault(job: ChaosJob, role: str, rng: random.Random, max_gap: float,
                   n: int
                   ) -> dict[str, float] | None:
     """Restore a living shard over its admin REST to the newest complete cut while the
-    workers push; their pushes are refused (StaleEpoch) and they fail; the job restarts from
-    that cut (:meth:`ChaosJob.restart`)."""
+    workers push; their pushes are refused (StaleEpoch), so is a cut whose call reaches the
+    shard after the restore, and they fail; the job restarts from that cut
+    (:meth:`ChaosJob.restart`)."""
     from clients.admin_client import AdminClient
     from services.common.checkpoints import latest_complete
 
@@ -203,13 +206,16 @@ def restore_fault(job: ChaosJob, role: str, rng: random.Random, max_gap: float,
     wait(lambda: any(w.poll() is not None for w in job.workers) or job.finished(), 120,
          "a worker failing on its refused push")
     refused = shard_errors(job.ps_admin[k], "FAILED_PRECONDITION") - refused
-    stale = sum(_exit_reason(job, job.run, r) == "StaleEpoch" for r in range(len(job.workers)))
-    discarded = _discard_cuts_after(job, k, epoch)
+    old_run = job.run
+    stale = sum(_exit_reason(job, old_run, r) == "StaleEpoch" for r in range(len(job.workers)))
     job.restart()
     wait(lambda: job.started() or job.finished() or job.failed(), 120,
          "the restarted workers' first step")
-    return {"recovery_s": time.monotonic() - started, "stale_pushes_refused": refused,
-            "workers_stale": stale, "cuts_discarded": discarded}
+    recovered = time.monotonic() - started
+    cuts_refused, inconsistent = _cuts_after_restore(job, old_run, k, epoch)
+    return {"recovery_s": recovered, "stale_pushes_refused": refused,
+            "workers_stale": stale, "cuts_refused": cuts_refused,
+            "inconsistent_cuts": inconsistent}
 
 
 def partition_fault(job: ChaosJob, role: str, rng: random.Random, max_gap: float,

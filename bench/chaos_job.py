@@ -301,7 +301,7 @@ class ChaosJob:
     def first_cut(self) -> None:
         """The job's start as a cut (empty rows, every partition at 0): every restart has a
         cut, and every cut names every partition (none is read from the group's offsets,
-        which a discarded cut's commit may have moved, :func:`bench.chaos_faults.restore_fault`)."""
+        which the commits of cuts may have moved)."""
         from services.common.checkpoints.positions import POSITIONS_PART, encode_positions
         from services.worker.job_checkpoints import JobCheckpointer
 

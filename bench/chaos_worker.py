@@ -85,9 +85,11 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
                           leave_after: int | None = None, retry_s: float = 0.0) -> int:
     """Rank ``rank`` of the job from the newest complete cut under ``root``: push counting
     gradients of every batch (``window`` pushes in flight), cut every ``cut_every`` steps and
-    at ``steps``; ``leave_after``: stop after that step with no cut, as a crash would;
-    ``retry_s``: pushes and the cut's checkpoint calls wait that long for a shard that is
-    down (one restarting from its write-ahead log). Returns the step reached; a failure is
+    at ``steps`` (a cut refused for a restored shard is no cut: the worker goes on, and its
+    next push to that shard is refused; a refused final cut raises StaleEpoch);
+    ``leave_after``: stop after that step with no cut, as a crash would; ``retry_s``: pushes
+    and the cut's checkpoint calls wait that long for a shard that is down (one restarting
+    from its write-ahead log). Returns the step reached; a failure is
     raised once every push in flight has ended (:meth:`PushWindow.settle`)."""
     from clients.loader_client import LoaderClient
     from clients.ps_client import PSClient
@@ -100,11 +102,13 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
     stamps = {STAMP: stamp_ids(int(run) + 1)[-1]}  # this run's row on every shard
     checkpointer = JobCheckpointer(root, admin_urls=ps_admin,
                                    retry_s=retry_s) if rank == 0 else None
-    cut = ConsistentCut(root, rank=rank, world=WORLD, run=run, checkpointer=checkpointer,
-                        positions=cut_positions(root), loader_admin_url=loader_admin)
     pushes = PushWindow(window)
     async with PSClient(ps, retry_s=retry_s) as client, LoaderClient(
             loader, rank=rank, world_size=WORLD, credits=window + 2) as batches:
+        # each cut carries the epochs this rank pushed in: a shard restored since refuses it
+        cut = ConsistentCut(root, rank=rank, world=WORLD, run=run, checkpointer=checkpointer,
+                            positions=cut_positions(root), loader_admin_url=loader_admin,
+                            epochs=lambda: client.epochs)
 
         if STAMP not in client.dims:  # shards without the stamp table (a test's)
             stamps.clear()
@@ -133,8 +137,10 @@ async def counting_worker(*, root: str, run: str, rank: int, ps: list[str], ps_a
                     await pushes.drain()
                     break
                 if step % cut_every == 0 or step == steps:
-                    await cut.cut(step, drain=pushes.drain,
-                                  dense=json.dumps({"step": step}).encode())
+                    made = await cut.cut(step, drain=pushes.drain,
+                                         dense=json.dumps({"step": step}).encode())
+                    if made is None and step == steps:  # no later cut to finish the job
+                        raise StaleEpoch(f"the final cut at step {step} was refused")
         except Exception as exc:
             ended = await pushes.settle(exc)
             if ended is exc:

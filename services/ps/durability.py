@@ -146,9 +146,9 @@ class Durable:
             when = "before" if epoch < self.epoch else "after"
             raise StaleEpoch(
                 f"{what} of epoch {epoch} refused by shard {self.config.shard_id}, now in epoch "
-                f"{self.epoch}: it was sent {when} the shard's last restore; nothing applied "
-                "(re-sync the client with PSClient.resync(), or restart the job from its "
-                "checkpoint)")
+                f"{self.epoch}: it was sent {when} the shard's last restore; nothing "
+                f"{'written' if what == 'checkpoint' else 'applied'} (re-sync the client with "
+                "PSClient.resync(), or restart the job from its checkpoint)")
 
     def start_log(self) -> None:
         """Begin the write-ahead log afresh from the shard's configured (empty) tables."""

@@ -21,6 +21,15 @@ ranks go on only once the manifest exists, so no push after the cut reaches a PS
 resumed from the cut (PS ``--restore job``, the loader at the cut's positions, the dense part)
 replays exactly the records after it.
 
+Epochs: each rank's positions file also names the epoch of every PS shard its pushes were in
+(its PS client's, read after its drain), and each shard's checkpoint call carries that epoch.
+A shard restored since (its rows rolled back, its epoch moved on) refuses its part
+(:class:`~services.common.errors.StaleEpoch`), as it refuses the pushes of the old epoch, and
+so do ranks that name different epochs for one shard. A refused cut is a failed cut: no
+manifest, a ``refused.json`` next to the parts other shards wrote (which restore never picks:
+the cut is not complete), and every rank goes on; the next cut is taken in the epochs the
+ranks learn when they re-sync or restart.
+
 Resume: :func:`resume_state` reads the dense state of the newest complete job checkpoint (the
 PS shards restore theirs with ``--restore job``).
 """
@@ -35,7 +44,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -61,21 +70,21 @@ from services.common.errors import (
     Internal,
     InvalidArgument,
     PersimmonError,
+    StaleEpoch,
     Unavailable,
 )
 from services.common.files import atomic_write
 from services.common.registry import Registry, discover_shards
 from services.common.retry import RetryPolicy
 
-if TYPE_CHECKING:
-    pass
-
-__all__ = ["ConsistentCut", "JobCheckpointer", "dense_part", "load_dense_part",
+__all__ = ["CUT_REFUSED", "ConsistentCut", "JobCheckpointer", "dense_part", "load_dense_part",
            "loader_offsets_part", "resume_state"]
 
 log = logging.getLogger(__name__)
 
 PartSource = Callable[[], bytes | Awaitable[bytes]]
+Epochs = Callable[[], Sequence[int]]
+CUT_REFUSED = "refused.json"  # in a refused cut's directory: why (a cut never complete)
 
 
 def dense_part(state: dict[str, Any]) -> bytes:
@@ -122,14 +131,16 @@ class JobCheckpointer:
     answer lost in its crash) counts as written. ``keep``: after each checkpoint, complete
     job checkpoints but the newest ``keep`` are removed (0: keep all). Made, it removes the
     temp files a crash of the coordinator left under ``root``. ``epochs``: each shard's epoch
-    the job's pushes are in (its PS client's, :meth:`clients.ps_client.PSClient.epochs`): a
-    shard restored since refuses its part (StaleEpoch), so no cut mixes rolled-back rows.
+    the job's pushes are in, in shard order (0: not fenced), as a list or read at each
+    checkpoint from a callable (e.g. ``lambda: client.epochs`` of its
+    :class:`clients.ps_client.PSClient`, which a re-sync updates): a shard restored since
+    refuses its part (StaleEpoch), so no cut mixes rolled-back rows (:meth:`checkpoint`).
     """
 
     def __init__(self, root: Path | str, *, admin_urls: Sequence[str] | None = None,
                  registry: Registry | None = None, parts: Mapping[str, PartSource] | None = None,
                  every_steps: int = 0, every_s: float = 0.0, retry_s: float = 0.0,
-                 keep: int = 0, epochs: Sequence[int] | None = None) -> None:
+                 keep: int = 0, epochs: Sequence[int] | Epochs | None = None) -> None:
         if admin_urls is None and registry is None:
             raise InvalidArgument("a JobCheckpointer needs PS admin URLs or a registry")
         if every_steps < 0 or every_s < 0 or retry_s < 0 or keep < 0:
@@ -137,8 +148,7 @@ class JobCheckpointer:
         self.keep = keep
         self.root = Path(root)
         self.admin_urls = list(admin_urls) if admin_urls is not None else None
-        # the shards' epochs the job's pushes are in (shard order; 0: not fenced)
-        self.epochs = list(epochs) if epochs is not None else None
+        self._epochs = epochs if epochs is None or callable(epochs) else list(epochs)
         self.registry = registry
         self.parts = dict(parts or {})
         self.every_steps = every_steps
@@ -165,22 +175,31 @@ class JobCheckpointer:
             raise InvalidArgument("a registered PS shard has no admin URL")
         return [u for u in urls if u is not None]
 
+    def epochs(self) -> list[int] | None:
+        """Each shard's epoch the job's pushes are in now (None: not fenced)."""
+        if self._epochs is None:
+            return None
+        return list(self._epochs() if callable(self._epochs) else self._epochs)
+
     async def checkpoint(self, step: int, checkpoint_id: str | None = None,
-                         parts: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+                         parts: Mapping[str, bytes] | None = None,
+                         epochs: Sequence[int] | None = None) -> dict[str, Any]:
         """Write a complete job checkpoint of ``step``; returns its manifest.
 
         ``parts`` are bytes captured by the caller (e.g. the dense state at ``step``); they
-        are written along with the configured part sources.
+        are written along with the configured part sources. ``epochs`` (default
+        :meth:`epochs`): each shard's epoch the pushes up to ``step`` were in; a shard in
+        another one refuses its part and this raises its :class:`StaleEpoch` once every
+        shard's call has ended: a failed checkpoint, no manifest written (the parts other
+        shards wrote make no complete checkpoint).
         """
         checkpoint_id = checkpoint_id or f"step-{step:010d}-{uuid.uuid4().hex[:6]}"
         async with self._lock:
             urls = await self._ps_admin_urls()
-
-            epochs = self.epochs or [0] * len(urls)
+            epochs = list(epochs) if epochs is not None else self.epochs() or [0] * len(urls)
             if len(epochs) != len(urls):
                 raise InvalidArgument(f"{len(epochs)} epochs for {len(urls)} PS shards")
-            await asyncio.gather(*(self._ps_part(u, checkpoint_id, e)
-                                   for u, e in zip(urls, epochs, strict=True)))
+            await self._ps_parts(urls, checkpoint_id, epochs)
             data = dict(parts or {})
             for name, source in self.parts.items():
                 got = source()
@@ -198,6 +217,17 @@ class JobCheckpointer:
             await asyncio.to_thread(prune_job_checkpoints, self.root, self.keep)
             self._last_step, self._last_time = step, time.monotonic()
         return manifest
+
+    async def _ps_parts(self, urls: list[str], checkpoint_id: str, epochs: list[int]) -> None:
+        """Every shard's part; a failure raises once every call has ended (a refusal,
+        StaleEpoch, first), so no part is still being written when the checkpoint fails."""
+        ended = await asyncio.gather(*(self._ps_part(u, checkpoint_id, e)
+                                       for u, e in zip(urls, epochs, strict=True)),
+                                     return_exceptions=True)
+        errors = [e for e in ended if isinstance(e, BaseException)]
+        refused = [e for e in errors if isinstance(e, StaleEpoch)]
+        if errors:
+            raise (refused or errors)[0]
 
     async def _ps_part(self, url: str, checkpoint_id: str, epoch: int) -> None:
         retrying = RetryPolicy(deadline_s=self.retry_s).begin(
@@ -227,12 +257,15 @@ class ConsistentCut:
     ``run`` names this incarnation of the job (the same on every rank, new at each restart),
     so a cut left half-done by a crash is never mistaken for a new one. ``positions``: where
     this incarnation started (the cut it resumed from). Rank 0 needs the ``checkpointer``.
+    ``epochs``: this rank's PS client's epochs (e.g. ``lambda: client.epochs``), read after
+    each drain; None: the cut carries the checkpointer's own.
     """
 
     def __init__(self, root: Path | str, *, rank: int, world: int, run: str,
                  checkpointer: JobCheckpointer | None = None,
                  positions: Mapping[str, int] | None = None,
-                 loader_admin_url: str | None = None, timeout_s: float = 120.0) -> None:
+                 loader_admin_url: str | None = None, timeout_s: float = 120.0,
+                 epochs: Epochs | None = None) -> None:
         if not 0 <= rank < world:
             raise InvalidArgument(f"rank must be in [0, {world}), got {rank}")
         if rank == 0 and checkpointer is None:
@@ -243,19 +276,26 @@ class ConsistentCut:
         self.positions = dict(positions or {})
         self.loader_admin_url = loader_admin_url
         self.timeout_s = timeout_s
+        self.epochs = epochs
 
     def trained(self, positions: Mapping[str, tuple[int, int]]) -> None:
         """Count a trained batch's ``Batch.positions`` into this rank's positions."""
         advance(self.positions, positions)
 
     async def cut(self, step: int, *, drain: Callable[[], Awaitable[Any]],
-                  dense: bytes | None = None) -> dict[str, Any]:
+                  dense: bytes | None = None) -> dict[str, Any] | None:
         """Cut the job at ``step`` (every rank at the same step, between two steps): drain
-        this rank's pushes, meet the other ranks, and return the complete cut's manifest."""
+        this rank's pushes, meet the other ranks, and return the complete cut's manifest, or
+        None where the cut was refused (a shard in another epoch than the ranks' pushes: see
+        the module docstring); the caller goes on either way."""
         checkpoint_id = f"cut-{self.run}-{step:010d}"
         await drain()
-        ranks = self.root / checkpoint_id / "ranks"
-        body = json.dumps({"positions": self.positions}).encode()
+        cut_dir = self.root / checkpoint_id
+        ranks = cut_dir / "ranks"
+        report: dict[str, Any] = {"positions": self.positions}
+        if self.epochs is not None:
+            report["epochs"] = list(self.epochs())
+        body = json.dumps(report).encode()
 
         def publish() -> None:
             ranks.mkdir(parents=True, exist_ok=True)
@@ -263,8 +303,11 @@ class ConsistentCut:
 
         await asyncio.to_thread(publish)
         if self.rank != 0:
-            await self._wait(lambda: (self.root / checkpoint_id / JOB_MANIFEST).is_file(),
+            await self._wait(lambda: any((cut_dir / name).is_file()
+                                         for name in (JOB_MANIFEST, CUT_REFUSED)),
                              f"cut {checkpoint_id}: rank 0's manifest")
+            if (cut_dir / CUT_REFUSED).is_file():
+                return None
             return await asyncio.to_thread(read_job_manifest, self.root, checkpoint_id)
         files = [ranks / f"rank-{r}.json" for r in range(self.world)]
         await self._wait(lambda: all(f.is_file() for f in files),
@@ -274,7 +317,15 @@ class ConsistentCut:
         parts = {POSITIONS_PART: encode_positions(merge(r["positions"] for r in reports))}
         if dense is not None:
             parts["dense"] = dense
-        manifest = await self.checkpointer.checkpoint(step, checkpoint_id, parts=parts)
+        try:
+            epochs = _agreed_epochs(checkpoint_id, reports)
+            manifest = await self.checkpointer.checkpoint(step, checkpoint_id, parts=parts,
+                                                          epochs=epochs)
+        except StaleEpoch as exc:  # a failed cut: the ranks go on
+            log.warning("%s", exc)
+            refusal = json.dumps({"step": step, "error": str(exc)}).encode()
+            await asyncio.to_thread(atomic_write, cut_dir / CUT_REFUSED, refusal)
+            return None
         if self.loader_admin_url is not None:
             await self._commit_loader(checkpoint_id)
         return manifest
@@ -294,6 +345,23 @@ class ConsistentCut:
                                 f"/v1/cuts/{checkpoint_id}/commit")
         except (httpx.HTTPError, PersimmonError) as exc:
             log.warning("committing cut %s to the loader failed: %s", checkpoint_id, exc)
+
+
+def _agreed_epochs(checkpoint_id: str, reports: Sequence[Mapping[str, Any]]
+                   ) -> list[int] | None:
+    """Each shard's epoch every rank that names epochs pushed in (None: no rank names
+    any); ranks that name different epochs for a shard refuse the cut (StaleEpoch)."""
+    named = {rank: r["epochs"] for rank, r in enumerate(reports) if "epochs" in r}
+    if not named:
+        return None
+    first = next(iter(named.values()))
+    for k in range(max(len(e) for e in named.values())):
+        seen = {rank: e[k] if k < len(e) else None for rank, e in named.items()}
+        if len(set(seen.values())) > 1:
+            each = ", ".join(f"rank {rank} in {epoch}" for rank, epoch in seen.items())
+            raise StaleEpoch(f"cut {checkpoint_id} refused: the ranks pushed to PS shard {k} "
+                             f"in different epochs ({each}); nothing written")
+    return list(first)
 
 
 def resume_state(root: Path | str) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 shard restarted from its write-ahead log, the loader, a worker, a PS shard during a cut, a
 WAL append cut short by a full tmpfs, a REST restore under pushes, a partitioned worker
 retrying after the restart): every record counted once, no acked update lost, no zombie push
-applied, every stale push refused. Needs root (it mounts a tmpfs per shard)."""
+applied, every stale push refused, no cut with a restored shard's part beside the others'. Needs root (it mounts a tmpfs per shard)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 from services.cli import build_parser
 
 ZERO = ("records_lost", "applied_twice", "occurrences_off", "acked_lost_with_wal",
-        "wal_fault_acked_lost", "zombie_pushes_applied", "unplanned_restarts")
+        "wal_fault_acked_lost", "zombie_pushes_applied", "unplanned_restarts",
+        "inconsistent_cuts")
 
 
 def test_bench_chaos_wal_faults_smoke(tmp_path) -> None:
@@ -34,7 +35,7 @@ def test_bench_chaos_wal_faults_smoke(tmp_path) -> None:
     assert result["wal_fault_pushes_refused"] > 0  # the full log refused pushes: it bit
     assert result["stale_pushes_refused"] > 0 and result["workers_stale"] > 0  # fenced
     assert result["partition_retries_refused"] == result["partitioned_exited"] == 1
-    assert result["cuts_discarded"] is not None and result["wal"] == "batch"
+    assert result["cuts_refused"] is not None and result["wal"] == "batch"
     assert result["finished"] is True and result["final_step"] == result["steps"] == 60
     assert all(r["median"] > 0 for r in result["recovery_s"].values())
     assert not [line for line in open("/proc/mounts") if "persimmon-chaos-" in line]
