@@ -5,8 +5,7 @@ The model is a DLRM over Criteo-layout lines (13 dense, 26 sparse features, dim 
 table holding the ids of the bench's lines plus random ones up to ``--rows``. Clients send
 raw lines; the baseline featurizes the same lines and runs the same version's forward pass
 in this process (:class:`~services.serve.predictor.Predictor`, no server), in a worker thread
-as the server runs its forward passes (called from the main thread, torch measured several
-times slower on shared cores).
+with the server's default of one BLAS thread (``--forward-threads 1``).
 
 - ``rest_vs_inprocess`` / ``grpc_vs_inprocess``: records/s at batch 256 with 4 concurrent
   clients over REST (``POST /v1/predict``) and gRPC (``persimmon.Serve/Predict``), divided by
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+from threadpoolctl import threadpool_limits
 
 from bench import latency_quantiles, write_json
 from bench.loader import write_criteo_file
@@ -140,12 +140,14 @@ def _rest(http: httpx.AsyncClient, lines: list[str]) -> Callable[[], Awaitable[A
 
 
 def _inprocess(predictor: Predictor, batches: list[list[str]], seconds: float) -> float:
-    """Records/s of featurize + forward in this process, one batch after another."""
+    """Records/s of featurize + forward in this process, one batch after another, on one BLAS
+    thread as the server's forward runs by default."""
     done, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        for lines in batches:
-            predictor.predict(predictor.featurize({"lines": lines}))
-            done += len(lines)
+    with threadpool_limits(1, user_api="blas"):
+        while time.perf_counter() - started < seconds:
+            for lines in batches:
+                predictor.predict(predictor.featurize({"lines": lines}))
+                done += len(lines)
     return done / (time.perf_counter() - started)
 
 
