@@ -3,9 +3,12 @@ misses more than S pushes of any worker (``global_staleness_max`` <= S), S - 1 o
 
 One group of 4 forked gloo ranks trains every strategy of ``bench staleness --sync`` in turn
 (hybrid, window S, every row under it) against a PS shard process over gRPC; rank 0's steps
-take 4 times as long as the others' (a sleep after each), so where a strategy syncs nothing
-per step (local SGD, ShadowSync) the fast ranks would run ahead of it. The planted data's few
-ids are in every batch, so every push touches every table and the PS's count is exact.
+take 4 times as long as the others' (a sleep after each). The planted data's few ids are in
+every batch, so every push touches every table and the PS's count is exact. The count that
+summed the workers' misses (now ``total_staleness_max``) read 7 = N·S - 1 here for every
+strategy; a gate that let a worker take its slot before the others held theirs of the step
+before would let a lookup miss up to 2S - 1 of a worker's pushes (the compute thread's
+per-step vote still holds the ranks within a step).
 """
 
 from __future__ import annotations
