@@ -26,9 +26,9 @@ Epochs: each rank's positions file also names the epoch of every PS shard its pu
 A shard restored since (its rows rolled back, its epoch moved on) refuses its part
 (:class:`~services.common.errors.StaleEpoch`), as it refuses the pushes of the old epoch, and
 so do ranks that name different epochs for one shard. A refused cut is a failed cut: no
-manifest, a ``refused.json`` next to the parts other shards wrote (which restore never picks:
-the cut is not complete), and every rank goes on; the next cut is taken in the epochs the
-ranks learn when they re-sync or restart.
+manifest (so no job restore picks it), a ``refused.json`` next to the parts other shards
+wrote, and every rank goes on; the next cut is taken in the epochs the ranks learn when they
+re-sync or restart.
 
 Resume: :func:`resume_state` reads the dense state of the newest complete job checkpoint (the
 PS shards restore theirs with ``--restore job``).
