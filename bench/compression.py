@@ -116,7 +116,7 @@ UNIFORM_EF = "uniform:bits=2,error_feedback=true"
 # [keep/2, 2·keep]: the partial sums grow from the rows' tiny initial values), the gradients
 # go back at the same positions. DCT_MP_KEEPS: the kept shares tried; each dim's figure is
 # the most compressive of them within the ΔAUC goal (narrow activations keep more).
-DCT_MP_KEEPS = (0.25, 0.5)
+DCT_MP_KEEPS = (0.25, 0.5, 0.75)
 DES_DIMS = (16, 64)  # embedding dims of the DES rows: the wire's activations are this wide
 
 
