@@ -1,5 +1,6 @@
 """Shared fixtures: a private redis-server per session, a column cache per session, free
-ports, polling with a deadline, a call that loses a cancel the way redis-py can."""
+ports, polling with a deadline, a call that loses a cancel the way redis-py can, tables
+created on started shards."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from services.local.processes import free_port
+from clients.admin_client import AdminClient
+from services.local.processes import LocalPS, free_port
 
-__all__ = ["eventually", "free_port", "swallowing_first_cancel"]
+__all__ = ["create_tables", "eventually", "free_port", "swallowing_first_cancel"]
 
 
 async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
@@ -35,6 +37,23 @@ async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         await asyncio.sleep(interval)
+
+
+def create_tables(ps: LocalPS, tables: list[dict[str, Any]]) -> None:
+    """Create ``tables`` on every shard of a started ``ps`` through its admin API.
+
+    For fixtures that share shards between tests, each test's tables under a name prefix: a
+    shard started with all of them would load the kernels of one request of all its tables
+    of a dim (numba compiles each request size, for tens of seconds with 72 tables where its
+    cache is cold: a fresh checkout, CI), while each test's requests hold a few."""
+
+    async def create() -> None:
+        for url in ps.admin_urls:
+            async with AdminClient(url) as admin:
+                for table in tables:
+                    await admin.create_table(table)
+
+    asyncio.run(create())
 
 
 def swallowing_first_cancel(call: Callable[..., Awaitable[Any]], entered: asyncio.Event,

@@ -18,6 +18,7 @@ from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.sync import make_sync
 from services.worker.trainer import Trainer
+from tests.conftest import create_tables
 
 DATA = SyntheticConfig(seed=5)
 FEATURES = DATA.sparse_names
@@ -26,8 +27,10 @@ PREFIXES = ("mp_", "ob_", "bad_", "ada_")
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalPS]:
+    """Two PS shards; the tables are created once they are up (create_tables)."""
     tables = [t for p in PREFIXES for t in ps_table_configs({f: 8 for f in FEATURES}, prefix=p)]
-    with LocalPS(2, tables) as ps:
+    with LocalPS(2, []) as ps:
+        create_tables(ps, tables)
         yield ps
 
 

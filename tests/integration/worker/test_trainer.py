@@ -18,6 +18,7 @@ from services.local.processes import LocalPS
 from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
+from tests.conftest import create_tables
 
 DATA = SyntheticConfig(seed=3)
 FEATURES = DATA.sparse_names
@@ -26,9 +27,11 @@ PREFIXES = ("sa_", "sb_", "pa_", "pb_", "hy_", "as_", "le_", "bad_", "ln_")
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalPS]:
-    """Two PS shards; each test trains on its own fresh tables (a name prefix each)."""
+    """Two PS shards; each test trains on its own fresh tables (a name prefix each), created
+    once the shards are up (create_tables)."""
     tables = [t for p in PREFIXES for t in ps_table_configs({f: 16 for f in FEATURES}, prefix=p)]
-    with LocalPS(2, tables) as ps:
+    with LocalPS(2, []) as ps:
+        create_tables(ps, tables)
         yield ps
 
 

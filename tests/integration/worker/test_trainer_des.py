@@ -44,7 +44,7 @@ def _tables() -> list[TableConfig]:
 
 @pytest.fixture
 async def shards() -> AsyncIterator[list[PSService]]:
-    async with running_shards(_tables()) as services:
+    async with running_shards(_tables(), created_after_start=True) as services:
         yield services
 
 
