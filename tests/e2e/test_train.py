@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 # Measured on 2 CPU cores (seed 0, 65,536 planted rows, batch 256, 2 workers, hybrid S=8):
 # test AUC 0.8616 vs oracle 0.8776 (gap 0.016). At the demo's default 1,048,576 rows the gap is
 # 0.004; this bound is for the tiny size only.
@@ -43,28 +45,35 @@ def test_demo_at_tiny_size_reaches_the_oracle_bound(tmp_path: Path) -> None:
     assert "demo summary" in proc.stdout and "oracle AUC" in proc.stdout
 
 
-def _synth_then_train(tmp_path: Path, *train_argv: str) -> tuple[dict, dict]:
-    """``persimmon synth`` (16,384 rows, a test split of 8,192), then ``persimmon train`` on its
-    files with ``train_argv``: the synth metadata and the training summary."""
-    synth = _persimmon("synth", "--rows", "16384", "--test-rows", "8192", "--out", "data",
-                       cwd=tmp_path)
-    assert synth.returncode == 0, synth.stderr[-2000:]
-    meta = json.loads(synth.stdout)
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``persimmon synth`` (16,384 rows, a test split of 8,192), once for the module's
+    trainings (each reads the files and writes nothing next to them): its metadata."""
+    out = tmp_path_factory.mktemp("synth")
+    proc = _persimmon("synth", "--rows", "16384", "--test-rows", "8192", "--out",
+                      str(out / "data"), cwd=out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def _train(meta: dict, tmp_path: Path, *train_argv: str) -> dict:
+    """``persimmon train`` on the files of ``persimmon synth`` (``meta``) with
+    ``train_argv``: the training summary."""
     proc = _persimmon("train", "--train-data", meta["source"], "--eval-data",
                       meta["test_source"], "--batch-size", "256", "--lr", "0.003",
                       "--summary-json", "summary.json", *train_argv, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return meta, json.loads((tmp_path / "summary.json").read_text())
+    return json.loads((tmp_path / "summary.json").read_text())
 
 
-def test_train_on_criteo_files_written_by_synth(tmp_path: Path) -> None:
-    meta, summary = _synth_then_train(tmp_path, "--mode", "sync")
+def test_train_on_criteo_files_written_by_synth(synth: dict, tmp_path: Path) -> None:
+    summary = _train(synth, tmp_path, "--mode", "sync")
     for key in ("auc", "logloss", "samples_per_s", "steps", "mode", "wire_bytes"):
         assert key in summary, key
     assert "oracle_auc" not in summary  # files: the launcher cannot know the teacher
     assert summary["mode"] == "sync" and summary["steps"] == 16384 // 256
     assert summary["staleness_max"] == 0
-    assert meta["oracle"]["auc"] - 0.05 < summary["auc"] < meta["oracle"]["auc"] + 0.01
+    assert synth["oracle"]["auc"] - 0.05 < summary["auc"] < synth["oracle"]["auc"] + 0.01
     assert summary["eval_samples"] == 8192
     # one worker: the shards ran in its process (the default), so no PS byte crossed a wire
     assert summary["ps"] == "embedded"
@@ -107,19 +116,20 @@ def test_train_with_fewer_batches_than_workers_fails_at_once(tmp_path: Path) -> 
         "fewer workers or smaller batches)")
 
 
-def test_train_on_remote_shards_keeps_a_replica_of_the_head_rows(tmp_path: Path) -> None:
+def test_train_on_remote_shards_keeps_a_replica_of_the_head_rows(synth: dict,
+                                                                tmp_path: Path) -> None:
     """One worker, its shards as processes over gRPC: the head ids' rows live in a replica on
     the worker (``head_replica``, the default), copied once each, and the run trains."""
-    meta, summary = _synth_then_train(tmp_path, "--ps", "processes")
+    summary = _train(synth, tmp_path, "--ps", "processes")
     assert summary["ps"] == "processes" and summary["mode"] == "hybrid"
     assert summary["head_ids"] > 0 and summary["replicated_rows"] >= summary["head_ids"]
     assert summary["wire_bytes"]["lookup_in"] > 0  # the rest of the rows crossed the wire
-    assert meta["oracle"]["auc"] - 0.05 < summary["auc"] < meta["oracle"]["auc"] + 0.01
+    assert synth["oracle"]["auc"] - 0.05 < summary["auc"] < synth["oracle"]["auc"] + 0.01
 
 
-def test_a_lossy_grads_codec_keeps_no_replica_of_the_head_rows(tmp_path: Path) -> None:
+def test_a_lossy_grads_codec_keeps_no_replica_of_the_head_rows(synth: dict,
+                                                              tmp_path: Path) -> None:
     """With dct gradients the PS would apply other updates than the replica did, and
     evaluation and exports read the PS: the head rows then take the hot chain instead."""
-    _, summary = _synth_then_train(tmp_path, "--ps", "processes", "--grads-codec",
-                                   "dct:keep=0.5")
+    summary = _train(synth, tmp_path, "--ps", "processes", "--grads-codec", "dct:keep=0.5")
     assert summary["head_ids"] > 0 and summary["replicated_rows"] == 0
