@@ -42,10 +42,12 @@ async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
 def create_tables(ps: LocalPS, tables: list[dict[str, Any]]) -> None:
     """Create ``tables`` on every shard of a started ``ps`` through its admin API.
 
-    For fixtures that share shards between tests, each test's tables under a name prefix: a
-    shard started with all of them would load the kernels of one request of all its tables
-    of a dim (numba compiles each request size, for tens of seconds with 72 tables where its
-    cache is cold: a fresh checkout, CI), while each test's requests hold a few."""
+    For fixtures that share shards between tests, each test's tables under a name prefix:
+    start the shards with one prefix's tables and create the others with this. A shard loads
+    at start the kernels of one request of all its tables of a dim, and numba compiles each
+    request size: with every prefix's tables that is a request no test sends, compiled for
+    tens of seconds in each shard where numba's cache is cold (a fresh checkout, CI), against
+    LocalPS's 60 s start limit; with one prefix's, the size of the tests' requests."""
 
     async def create() -> None:
         for url in ps.admin_urls:

@@ -27,10 +27,11 @@ PREFIXES = ("mp_", "ob_", "bad_", "ada_")
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalPS]:
-    """Two PS shards; the tables are created once they are up (create_tables)."""
-    tables = [t for p in PREFIXES for t in ps_table_configs({f: 8 for f in FEATURES}, prefix=p)]
-    with LocalPS(2, []) as ps:
-        create_tables(ps, tables)
+    """Two PS shards, all but the first prefix's tables created once they are up
+    (create_tables)."""
+    first, *rest = [ps_table_configs({f: 8 for f in FEATURES}, prefix=p) for p in PREFIXES]
+    with LocalPS(2, first) as ps:
+        create_tables(ps, [t for tables in rest for t in tables])
         yield ps
 
 

@@ -12,19 +12,19 @@ from services.ps.tables import TableConfig
 
 @contextlib.asynccontextmanager
 async def running_shards(tables: Sequence[TableConfig], count: int = 2, *,
-                         created_after_start: bool = False) -> AsyncIterator[list[PSService]]:
-    """``count`` PS shard services holding ``tables``, started; closed on leaving.
-    ``created_after_start``: the tables are created once each shard is up, so its start loads
-    no kernel for a request of all of them (tests/conftest.py's create_tables says why)."""
+                         created_later: Sequence[TableConfig] = ()
+                         ) -> AsyncIterator[list[PSService]]:
+    """``count`` PS shard services holding ``tables``, started, then ``created_later`` (a
+    shard's start loads the kernels of a request of all its tables of a dim: tests/conftest.py's
+    create_tables says when to hold some back); closed on leaving."""
     services: list[PSService] = []
     try:
         for k in range(count):
             service = PSService(PSConfig(shard_id=k, num_shards=count, grpc_port=0,
-                                         admin_port=0,
-                                         tables=[] if created_after_start else list(tables)))
+                                         admin_port=0, tables=list(tables)))
             await service.start()
             services.append(service)
-            for table in tables if created_after_start else ():
+            for table in created_later:
                 service.shard.create_table(table)
         yield services
     finally:

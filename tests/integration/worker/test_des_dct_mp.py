@@ -35,19 +35,21 @@ MODEL = ModelConfig(name="dlrm", bottom_mlp=[16, 8], top_mlp=[16])
 DIM = 8
 
 
-def _tables() -> list[TableConfig]:
-    sgd = [TableConfig(name=name, dim=DIM, seed=0,
-                       optimizer=OptimizerConfig(kind=OptimizerKind.SGD, lr=1.0))
-           for name in ("sgd_a", "sgd_b")]
-    return sgd + [TableConfig(name=t["name"], dim=DIM, seed=0,
-                              optimizer=OptimizerConfig(kind="adagrad", lr=0.1))
-                  for p in ("ek_", "ef_", "tr_")
-                  for t in ps_table_configs({f: DIM for f in FEATURES}, prefix=p)]
+def _tables(prefixes: tuple[str, ...]) -> list[TableConfig]:
+    return [TableConfig(name=t["name"], dim=DIM, seed=0,
+                        optimizer=OptimizerConfig(kind="adagrad", lr=0.1))
+            for p in prefixes for t in ps_table_configs({f: DIM for f in FEATURES}, prefix=p)]
 
 
 @pytest.fixture
 async def shards() -> AsyncIterator[list[PSService]]:
-    async with running_shards(_tables(), created_after_start=True) as services:
+    """Started with one prefix's tables (a Trainer's request), the rest created once they
+    are up (tests/conftest.py's create_tables says why)."""
+    sgd = [TableConfig(name=name, dim=DIM, seed=0,
+                       optimizer=OptimizerConfig(kind=OptimizerKind.SGD, lr=1.0))
+           for name in ("sgd_a", "sgd_b")]
+    async with running_shards(_tables(("ek_",)),
+                              created_later=sgd + _tables(("ef_", "tr_"))) as services:
         yield services
 
 
