@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import sys
 import threading
@@ -21,17 +22,15 @@ import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
 
-__all__ = ["CPU_SWITCH_INTERVAL", "DONE", "ComputeThread", "StepPhases", "distributed",
-           "every_rank_has_a_batch", "every_rank_has_a_first_batch", "gil_switch_interval"]
+__all__ = ["CPU_SWITCH_INTERVAL", "DONE", "ComputeThread", "StepPhases", "compute_threads",
+           "distributed", "every_rank_has_a_batch", "every_rank_has_a_first_batch",
+           "gil_switch_interval", "torch_threads"]
 
 Item = TypeVar("Item")
 DONE = object()  # the end of the results
 # the GIL's switch interval while a CPU compute thread runs (Python's default: 5 ms): a thread
 # that waits for the GIL takes it from the one holding it after this long
 CPU_SWITCH_INTERVAL = 0.0005
-_switch_lock = threading.Lock()
-_switch_users = 0
-_switch_before = 0.0
 
 
 def distributed() -> bool:
@@ -59,29 +58,62 @@ def every_rank_has_a_first_batch() -> None:
                               "batches than ranks (use fewer workers or smaller batches)")
 
 
-@contextlib.contextmanager
-def gil_switch_interval(seconds: float | None) -> Iterator[None]:
+class _Lowered:
+    """A process-wide setting held at most a value while bodies run: bodies may overlap (one
+    per running compute thread), the lowest value asked for holds until the last one ends,
+    and then the value before the first comes back."""
+
+    def __init__(self, get: Callable[[], Any], put: Callable[[Any], None]) -> None:
+        self._get, self._put = get, put
+        self._lock = threading.Lock()
+        self._users = 0
+        self._before: Any = None
+
+    @contextlib.contextmanager
+    def __call__(self, value: Any) -> Iterator[None]:
+        if value is None:
+            yield
+            return
+        with self._lock:
+            if self._users == 0:
+                self._before = self._get()
+            self._users += 1
+            self._put(min(self._get(), value))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    self._put(self._before)
+
+
+_switch_interval = _Lowered(sys.getswitchinterval, sys.setswitchinterval)
+_torch_threads = _Lowered(torch.get_num_threads, torch.set_num_threads)
+
+
+def gil_switch_interval(seconds: float | None) -> contextlib.AbstractContextManager[None]:
     """Python's GIL switch interval at most ``seconds`` while the body runs (None: unchanged).
     A compute thread gets the GIL back sooner after each kernel that released it, instead of
-    waiting up to 5 ms for the event loop's or the shards' threads. Bodies may overlap (one
-    per running compute thread): the interval before the first comes back when the last
-    ends."""
-    global _switch_users, _switch_before
-    if seconds is None:
-        yield
-        return
-    with _switch_lock:
-        if _switch_users == 0:
-            _switch_before = sys.getswitchinterval()
-        _switch_users += 1
-        sys.setswitchinterval(min(sys.getswitchinterval(), seconds))
-    try:
-        yield
-    finally:
-        with _switch_lock:
-            _switch_users -= 1
-            if _switch_users == 0:
-                sys.setswitchinterval(_switch_before)
+    waiting up to 5 ms for the event loop's or the shards' threads."""
+    return _switch_interval(seconds)
+
+
+def torch_threads(threads: int | None) -> contextlib.AbstractContextManager[None]:
+    """torch's intra-op threads at most ``threads`` while the body runs (None: unchanged),
+    set from the thread that runs the body (OpenMP's count is that thread's)."""
+    return _torch_threads(threads)
+
+
+def compute_threads(rows_in_process: bool, cores: int | None = None) -> int | None:
+    """The intra-op threads of a CPU compute thread: one fewer than the cores where the rows
+    are in this process (their lookups and updates run in the process's other threads, and
+    an intra-op team whose second thread waits for a core they hold stalls every op of the
+    step), else torch's own (None)."""
+    if not rows_in_process:
+        return None
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, cores - 1)
 
 
 class StepPhases:
@@ -127,13 +159,15 @@ class ComputeThread(Generic[Item]):
     (async mode), at most that many items wait in the feed. With more than one rank, every
     rank stops at the step where the first one runs out of items (one tiny all-reduce per
     step). With ``switch_interval``, the GIL's switch interval is at most that while the
-    thread runs (:func:`gil_switch_interval`).
+    thread runs (:func:`gil_switch_interval`); with ``threads``, torch's intra-op threads
+    (:func:`torch_threads`).
     """
 
     def __init__(self, step: Callable[[Item], Any], *, room: int | None, eval_every: int,
-                 pause_each_step: bool, switch_interval: float | None = None) -> None:
+                 pause_each_step: bool, switch_interval: float | None = None,
+                 threads: int | None = None) -> None:
         self._step = step
-        self._switch_interval = switch_interval
+        self._switch_interval, self._threads = switch_interval, threads
         self.loop = asyncio.get_running_loop()
         self.feed: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.results: asyncio.Queue[Any] = asyncio.Queue()
@@ -181,7 +215,7 @@ class ComputeThread(Generic[Item]):
     def run(self, step: int) -> None:
         """The thread's body; ``step``: the number of steps done before."""
         try:
-            with gil_switch_interval(self._switch_interval):
+            with gil_switch_interval(self._switch_interval), torch_threads(self._threads):
                 self._steps(step)
         except BaseException as exc:  # raised by the loop, which awaits results only
             self._report(exc)

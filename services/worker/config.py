@@ -61,6 +61,10 @@ class TrainerConfig:
     gil_switch_ms: float = field(default=0.5, metadata={
         "help": "on CPU, Python's GIL switch interval at most this while a fit's compute thread "
                 "runs, restored after (Python's default: 5; 0: left as it is)"})
+    torch_threads: int = field(default=0, metadata={
+        "help": "on CPU, torch's intra-op threads at most this while a fit's compute thread "
+                "runs, restored after (0: auto: one fewer than the cores where the shards are in the "
+                "worker's process, whose lookups and updates take a core; else torch's own)"})
     hot_ratio: float = field(default=0.0, metadata={
         "help": "hybrid: tables whose first batch has at most this many distinct ids per "
                 "sample (hot rows) get hot_staleness instead of staleness (0: none; head ids "
@@ -162,9 +166,7 @@ class TrainerConfig:
     gadmm_rho: float = field(default=0.1, metadata={"help": "gadmm: the ADMM penalty rho"})
 
     def __post_init__(self) -> None:
-        if isinstance(self.gil_switch_ms, bool) or not isinstance(self.gil_switch_ms, int | float) \
-                or not 0 <= self.gil_switch_ms <= 1000:
-            raise ConfigError(f"gil_switch_ms must be in [0, 1000], got {self.gil_switch_ms!r}")
+        self._check_cpu()
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if isinstance(self.staleness, str) and self.staleness.strip().isdigit():
@@ -195,6 +197,14 @@ class TrainerConfig:
             raise ConfigError(f"ps_retry_s must be >= 0, got {self.ps_retry_s}")
         self._check_sync()
         self._check_export()
+
+    def _check_cpu(self) -> None:
+        if isinstance(self.gil_switch_ms, bool) or not isinstance(self.gil_switch_ms, int | float) \
+                or not 0 <= self.gil_switch_ms <= 1000:
+            raise ConfigError(f"gil_switch_ms must be in [0, 1000], got {self.gil_switch_ms!r}")
+        if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) \
+                or self.torch_threads < 0:
+            raise ConfigError(f"torch_threads must be an int >= 0, got {self.torch_threads!r}")
 
     def _check_export(self) -> None:
         if self.export_every_steps < 0 or not self.export_every_s >= 0:

@@ -71,6 +71,7 @@ from services.worker.compute import (
     DONE,
     ComputeThread,
     StepPhases,
+    compute_threads,
     distributed,
     every_rank_has_a_first_batch,
 )
@@ -440,12 +441,14 @@ class Trainer:
         await self.start()
         periodic = eval_batches if best is None else validation_batches
         every = self.config.eval_every if periodic is not None else 0
+        cpu = self.device.type == "cpu"
         compute: ComputeThread[Prepared] = ComputeThread(
             self.train_step, room=None if self.config.window is not None else self.config.prefetch,
             eval_every=every,
             pause_each_step=self.on_step is not None or self.after_step is not None,
-            switch_interval=(self.config.gil_switch_ms / 1e3 if self.device.type == "cpu"
-                             and self.config.gil_switch_ms else None))
+            switch_interval=self.config.gil_switch_ms / 1e3 if cpu and self.config.gil_switch_ms
+            else None, threads=(self.config.torch_threads or compute_threads(
+                self.link.capabilities.direct is not None)) if cpu else None)
         self.pipeline.begin(acknowledge=batches.ack if isinstance(batches, LoaderClient) else None)
         compute.mark_started(await self._cpu_seconds())  # again if this fit builds the model
         self.phases.reset()

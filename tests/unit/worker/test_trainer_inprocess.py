@@ -9,11 +9,13 @@ import sys
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from services.common.errors import ConfigError
 from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
-from services.worker.compute import CPU_SWITCH_INTERVAL
+from services.worker.compute import CPU_SWITCH_INTERVAL, compute_threads
 from services.worker.config import TrainerConfig, ps_table_configs
 from services.worker.embedding.rows import RowsClient
 from services.worker.models import ModelConfig
@@ -106,6 +108,39 @@ async def test_a_cpu_fit_lowers_the_gil_switch_interval_while_it_trains() -> Non
     assert seen == [before] * 3  # 0: left as it is
     with pytest.raises(ConfigError, match="gil_switch_ms"):
         TrainerConfig(gil_switch_ms=-1)
+
+
+class _ThreadsSeen(nn.Module):
+    """A DLRM that notes torch's intra-op threads at each forward (in the compute thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ModelConfig(name="dlrm").build(sparse_dims=dict.fromkeys(FEATURES, 8),
+                                                    num_dense=DATA.num_dense)
+        self.threads: list[int] = []
+
+    def forward(self, pooled: dict[str, torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
+        self.threads.append(torch.get_num_threads())
+        return self.inner(pooled, dense)
+
+
+async def test_a_cpu_fit_on_rows_in_this_process_leaves_a_core_to_them() -> None:
+    """With the shards in the process, the compute thread runs torch on one core fewer than
+    the process has (at least one); ``torch_threads`` bounds the count instead; the count
+    before comes back after the fit."""
+    before = torch.get_num_threads()
+    for settings, expected in (({}, min(before, compute_threads(True))),
+                               ({"torch_threads": 1}, 1)):
+        model = _ThreadsSeen()
+        async with Trainer(model=model, rows_client=shards(), mode="sync", lr=3e-3,
+                           **settings) as t:
+            await t.fit(SyntheticDataset(DATA).batches(128, 128 * 3))
+        assert model.threads[-3:] == [expected] * 3  # (the warm-up step is not timed)
+        assert torch.get_num_threads() == before
+    assert compute_threads(True, cores=8) == 7 and compute_threads(True, cores=1) == 1
+    assert compute_threads(False, cores=8) is None  # the rows elsewhere: torch's own
+    with pytest.raises(ConfigError, match="torch_threads"):
+        TrainerConfig(torch_threads=-1)
 
 
 async def test_recent_losses_are_bounded() -> None:
