@@ -85,9 +85,10 @@ from services.worker.embedding.rows import RowsCapabilities, RowsClient, RowsRep
 from services.worker.embedding.slots import Rider, Slots
 from services.worker.embedding.window import WindowTuner
 from services.worker.pooling import BatchPlan, plan_batch
-from services.worker.readahead import READ_AHEAD, ReadAhead
 
 __all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]  # StepTimers: exchange.py's
+
+PLANNED_AHEAD = 2  # synchronous route: batches planned and not yet stepped (this and the next)
 
 Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
 
@@ -121,13 +122,6 @@ class _Push:
 
     rider: Rider | None = None
     rows: Rows | None = field(default=None)
-
-
-def _step_of(plan: BatchPlan) -> int:
-    """The step a tagged plan was fed at."""
-    tag = plan.groups[0].layout.tag
-    assert tag is not None  # tagged by EmbeddingPipeline._tagged
-    return tag[1]
 
 
 class EmbeddingPipeline:
@@ -276,8 +270,8 @@ class EmbeddingPipeline:
                                        voting=self._head_vote is not None))
             self._windowed, self._direct = policy.windowed, policy.direct
             self._seeding, self.heads = policy.seeding, policy.heads
-            if self._read_ahead is not None:
-                self._slots.reset(READ_AHEAD)
+            if policy.synchronous:
+                self._slots.reset(PLANNED_AHEAD)
             if policy.chain:
                 self._chain = HotChain(self.chain_client, self.path, policy.chain,
                                        self._hot_window, self._hot_barrier, self._timers)
@@ -315,7 +309,7 @@ class EmbeddingPipeline:
         """Measure the window again (``staleness auto``: :class:`WindowTuner`) after
         ``steps`` steps of ``compute_wall_s`` compute, and resize it where that changes it;
         whether it was measured now."""
-        if self.tuner is None or self._read_ahead is not None:
+        if self.tuner is None or self._synchronous:
             return False
         measured = len(self.tuner.choice.remeasured)
         if (window := self.tuner.measure(steps, compute_wall_s)) is not None:
@@ -328,9 +322,10 @@ class EmbeddingPipeline:
         return self.heads.head_count() if self.heads is not None else 0
 
     @property
-    def _read_ahead(self) -> ReadAhead | None:
-        """Every group's rows read ahead (one worker, window 1, rows in process)."""
-        return self._direct.read_ahead if self._direct is not None else None
+    def _synchronous(self) -> bool:
+        """Every group read and updated by the compute thread (one worker, window 1, rows in
+        process): slots bound only the batches planned ahead."""
+        return self._policy is not None and self._policy.synchronous
 
     @property
     def policy(self) -> HotPolicy | None:
@@ -345,7 +340,7 @@ class EmbeddingPipeline:
         """Fill ``item``'s direct groups' rows and its head ids' now (from the compute thread,
         just before its step): they include every earlier step's :meth:`apply_hot`."""
         if self._direct is not None:
-            self._direct.read(item.plan, _step_of(item.plan), item.rows, item.split)
+            self._direct.read(item.plan, item.rows, item.split)
 
     def apply_hot(self, item: Prepared, grads: Rows) -> None:
         """Apply ``item``'s direct groups' and head ids' gradients now (from the compute
@@ -360,7 +355,7 @@ class EmbeddingPipeline:
         is acknowledged, before its slot is freed (a loader's ack)."""
         if self._pushes:
             raise InvalidArgument("a run is still pushing; await settle() first")
-        self._slots.reset(READ_AHEAD if self._read_ahead else self.window)
+        self._slots.reset(PLANNED_AHEAD if self._synchronous else self.window)
         self._acknowledge = acknowledge
         if self._chain is not None:
             self._chain.reset()
@@ -427,11 +422,8 @@ class EmbeddingPipeline:
                  self._seeding.layouts(plan, split, self._direct_hot, self.heads))
         hot = (self._chain.request(split.head if split is not None else plan)
                if self._chain is not None else None)
-        slots = self._slots  # (the first plan may choose the read-ahead's)
-        if self._read_ahead is not None:
-            await slots.take()
-            looked_up = asyncio.create_task(self._read_ahead.read(plan, _step_of(plan)))
-        elif slots.full:  # ride on the push that frees one
+        slots = self._slots  # (the first plan may choose the synchronous route's)
+        if slots.full and not self._synchronous:  # ride on the push that frees one
             rider = slots.wait_as_rider(wire)
             looked_up = asyncio.create_task(self._ride(rider, seeds))
             if hold:
@@ -474,9 +466,8 @@ class EmbeddingPipeline:
                 hot = await item.hot if item.hot is not None else None
                 if not self._windowed:
                     staleness = 0  # every table is hot: each lookup saw every earlier push
-                if self._read_ahead is None:  # (read ahead: every group's rows already)
-                    assert self._policy is not None  # decided at the first plan
-                    rows = self._policy.merge(item.plan, rows, hot, item.split, self.rows.dims)
+                assert self._policy is not None  # decided at the first plan
+                rows = self._policy.merge(item.plan, rows, hot, item.split, self.rows.dims)
                 await put(Prepared(item.batch, item.plan, rows, staleness, item.split))
             await put(None)
         except Exception as exc:  # a failed lookup: the consumer raises it

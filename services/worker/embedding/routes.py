@@ -9,7 +9,8 @@ of them (``seeding``: the replica's copies and updates sent on to the PS,
 :class:`~services.worker.embedding.replica_seeds.ReplicaSeeds`). The windowed groups' *head
 ids* (:class:`~services.worker.embedding.heads.HeadIds`) go direct where rows are, else on the
 hot chain. With window 1, one worker, no barrier and rows in process, every group is direct
-and read ahead (:mod:`services.worker.readahead`). The decision reads one typed record of what
+(``synchronous``): the compute thread reads a batch's rows after every earlier step's update,
+as a sync run over the wire does, and the event loop only plans ahead. The decision reads one typed record of what
 the rows can do (:class:`~services.worker.embedding.rows.RowsCapabilities`), taken once.
 """
 
@@ -25,7 +26,6 @@ from services.worker.embedding.heads import HeadIds, SplitBatch
 from services.worker.embedding.replica_seeds import ReplicaSeeds
 from services.worker.embedding.rows import DirectRows, RowsCapabilities, RowsReplica
 from services.worker.pooling import BatchPlan
-from services.worker.readahead import ReadAhead
 
 __all__ = ["DirectHot", "HotPolicy", "RouteSettings"]
 
@@ -35,20 +35,14 @@ _NOT_READ = np.empty((0, 0), dtype=np.float32)  # a direct hot group's rows befo
 
 class DirectHot:
     """Groups ``groups`` and the head ids of a step, read from and applied to ``rows`` by
-    the compute thread (with ``read_ahead``: every group's rows read in a thread ahead of
-    the step, then only what pushes since changed read again)."""
+    the compute thread."""
 
-    def __init__(self, rows: DirectRows, groups: list[int], *, read_ahead: bool = False
-                 ) -> None:
+    def __init__(self, rows: DirectRows, groups: list[int]) -> None:
         self.rows, self.groups = rows, groups
-        self.read_ahead = ReadAhead(rows, groups) if read_ahead else None
 
-    def read(self, plan: BatchPlan, step: int, rows: Rows, split: SplitBatch | None) -> None:
+    def read(self, plan: BatchPlan, rows: Rows, split: SplitBatch | None) -> None:
         """Fill ``rows`` of the direct groups and of the head ids now: they include every
         earlier step's :meth:`apply`."""
-        if self.read_ahead is not None:
-            self.read_ahead.patch(plan, step, rows)
-            return
         for i in self.groups:
             rows[i] = self.rows.lookup_now(plan.groups[i].layout)
         for i, layout, _ in self._heads(split):
@@ -61,8 +55,6 @@ class DirectHot:
             self.rows.push_now(plan.groups[i].layout, grads[i])
         for i, layout, head_at in self._heads(split):
             self.rows.push_now(layout, grads[i][head_at])
-        if self.read_ahead is not None:
-            self.read_ahead.pushed(plan)
 
     @staticmethod
     def _heads(split: SplitBatch | None) -> list[tuple[int, ShardedIds, np.ndarray]]:
@@ -94,6 +86,8 @@ class HotPolicy:
     direct: DirectHot | None = None
     seeding: ReplicaSeeds | None = None
     heads: HeadIds | None = None
+    # every group direct (window 1, one worker, rows in process): batches planned ahead only
+    synchronous: bool = False
 
     @classmethod
     def decide(cls, groups: int, hot: list[int], *, capabilities: RowsCapabilities,
@@ -110,8 +104,8 @@ class HotPolicy:
             direct = replica
             seeding = ReplicaSeeds(replica, step)
         if s.window == 1 and s.workers == 1 and direct is not None and not s.barrier:
-            every = list(range(groups))  # every group read ahead, then patched
-            return cls([], direct=DirectHot(direct, every, read_ahead=True), seeding=seeding)
+            return cls([], direct=DirectHot(direct, list(range(groups))), seeding=seeding,
+                       synchronous=True)
         policy = cls(windowed, seeding=seeding)
         if hot and s.hot_window == 1 and direct is not None:
             policy.direct, hot = DirectHot(direct, hot), []

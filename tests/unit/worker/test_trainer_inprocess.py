@@ -56,11 +56,12 @@ async def test_sync_mode_on_in_process_shards_is_reproducible_and_typed() -> Non
     as_json = json.loads(json.dumps(summary.as_dict()))
     assert as_json["steps"] == 10 and as_json["loss_curve"][0][0] == 0
     assert "losses" not in as_json and set(summary.timing) >= {"step_wall_ms", "step_cpu_ms"}
-    # where the steps went: each phase's mean, and the hot rows' phases cost nothing here
+    # where the steps went: each phase's mean (read_hot and apply_hot: every group's rows,
+    # read and updated by the compute thread on this synchronous route)
     phases = as_json["step_phases"]
     assert list(phases) == ["read_hot", "pool", "forward", "backward", "dense_update",
                             "apply_hot"]
-    assert phases["backward"]["wall_ms"] > phases["read_hot"]["wall_ms"]
+    assert all(phases[p]["cpu_ms"] > 0 for p in ("read_hot", "apply_hot"))
     assert sum(t["wall_ms"] for t in phases.values()) <= summary.step_wall_ms
 
 

@@ -1,6 +1,8 @@
-"""Rows read ahead of compute (one worker, window 1, shards in the process) give exactly the
-synchronous run: the same losses, bit for bit, and the same rows on the PS afterwards as when
-every batch's rows are read only after the previous push is applied."""
+"""The synchronous route (one worker, window 1, shards in the process: the compute thread
+reads every group's rows just before its step and applies their gradients just after) gives
+exactly the synchronous run over the event loop: the same losses, bit for bit, and the same
+rows on the PS afterwards as when every batch's rows are looked up after the previous push is
+acknowledged."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from services.common.sharding import ShardedIds
 from services.loader.planted import SyntheticConfig, SyntheticDataset
 from services.ps.inprocess import InProcessShards
 from services.worker.config import ps_table_configs
+from services.worker.embedding.routes import DirectHot
 from services.worker.models import ModelConfig
-from services.worker.readahead import ReadAhead
 from services.worker.trainer import Trainer
 
 DATA = SyntheticConfig(seed=5)  # Zipf 2: consecutive batches share many ids
@@ -48,28 +50,34 @@ async def _rows_of(shards: InProcessShards, batches: list) -> np.ndarray:
     return await shards.lookup_sharded(layout)
 
 
-async def test_read_ahead_is_the_synchronous_run_bit_for_bit() -> None:
+async def test_the_synchronous_route_is_the_synchronous_run_bit_for_bit() -> None:
     batches = list(SyntheticDataset(DATA).batches(64, 64 * 40))
     for mode in ("sync", "hybrid"):  # hybrid with S = 1 (staleness auto's with such shards)
         ahead, over = (InProcessShards(ps_table_configs({f: 8 for f in DATA.sparse_names}),
                                        num_shards=2) for _ in range(2))
         losses, trainer = await _run(ahead, batches, mode)
-        policy = trainer.pipeline.policy
-        reader = policy.direct.read_ahead if policy and policy.direct else None
-        assert isinstance(reader, ReadAhead)
-        assert 0 < reader.read_again < reader.read_total  # the patch ran, on part of the rows
+        assert (policy := trainer.pipeline.policy) is not None and policy.synchronous
         want, plain = await _run(OverTheLoop(over), batches, mode)
         assert (policy := plain.pipeline.policy) is not None
-        assert policy.direct is None or policy.direct.read_ahead is None
+        assert policy.direct is None and not policy.synchronous
         assert losses == want, mode
         np.testing.assert_array_equal(await _rows_of(ahead, batches),
                                       await _rows_of(over, batches))
 
 
-async def test_without_the_patch_the_runs_differ(monkeypatch: Any) -> None:
-    """The test above can fail: rows read ahead and never read again miss updates."""
+async def test_an_update_applied_a_step_late_changes_the_run(monkeypatch: Any) -> None:
+    """The test above can fail: a route whose reads miss the step before's update (a window
+    of 2 in effect) trains another run."""
     batches = list(SyntheticDataset(DATA).batches(64, 64 * 20))
-    monkeypatch.setattr(ReadAhead, "patch", lambda self, plan, step, rows: None)
+    apply = DirectHot.apply
+    late: list[tuple[Any, ...]] = []
+
+    def apply_the_one_before(self: DirectHot, plan: Any, grads: Any, split: Any) -> None:
+        late.append((plan, grads, split))
+        if len(late) > 1:
+            apply(self, *late.pop(0))
+
+    monkeypatch.setattr(DirectHot, "apply", apply_the_one_before)
     ahead, over = (InProcessShards(ps_table_configs({f: 8 for f in DATA.sparse_names}))
                    for _ in range(2))
     losses, _ = await _run(ahead, batches, "sync")
