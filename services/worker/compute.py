@@ -24,7 +24,7 @@ from services.common.errors import InvalidArgument
 
 __all__ = ["CPU_SWITCH_INTERVAL", "DONE", "ComputeThread", "StepPhases", "compute_threads",
            "distributed", "every_rank_has_a_batch", "every_rank_has_a_first_batch",
-           "gil_switch_interval", "torch_threads"]
+           "gil_switch_interval", "mean_over_ranks", "torch_threads"]
 
 Item = TypeVar("Item")
 DONE = object()  # the end of the results
@@ -56,6 +56,16 @@ def every_rank_has_a_first_batch() -> None:
     if distributed() and not every_rank_has_a_batch(True):
         raise InvalidArgument("another rank got no batch: the training data holds fewer "
                               "batches than ranks (use fewer workers or smaller batches)")
+
+
+def mean_over_ranks(loss: torch.Tensor) -> float:
+    """A step's loss averaged over the ranks (collective with more than one rank): what the
+    adaquant codecs' s follows, the same value on every rank."""
+    value = loss.detach().to("cpu", torch.float64).reshape(1)
+    if distributed():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return float(value.item())
 
 
 class _Lowered:

@@ -74,6 +74,7 @@ from services.worker.compute import (
     compute_threads,
     distributed,
     every_rank_has_a_first_batch,
+    mean_over_ranks,
 )
 from services.worker.config import TrainerConfig
 from services.worker.dense_optimizers import ONEBIT_OPTIMIZERS, make_optimizer
@@ -367,7 +368,7 @@ class Trainer:
             self.module.train()
         logits = self._forward(pooled.pooled, dense)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
-        shared = self._mean_loss(loss) if self._shared_loss else math.nan
+        shared = mean_over_ranks(loss) if self._shared_loss else math.nan
         if self._report_loss is not None:
             self.adaquant_levels["dense"].append(self._report_loss(shared))
         phases.mark("forward")
@@ -384,16 +385,6 @@ class Trainer:
         self.pipeline.apply_hot(item, grads)
         phases.mark("apply_hot")
         return float(loss.item()), logits.detach().cpu().numpy(), grads, shared
-
-    @staticmethod
-    def _mean_loss(loss: torch.Tensor) -> float:
-        """The step's loss averaged over the ranks (collective), what adaquant's s follows:
-        every rank reports the same value, so every rank's codecs use the same s."""
-        value = loss.detach().to("cpu", torch.float64).reshape(1)
-        if distributed():
-            dist.all_reduce(value)
-            value /= dist.get_world_size()
-        return float(value.item())
 
     async def _report_grads_loss(self, loss: float) -> None:
         """Feed the mean loss to the rows clients' adaquant grads codecs before the step's push
