@@ -46,7 +46,7 @@ from services.common.codecs import Codec, WireStats, get_codec
 from services.common.codecs.masked import REFRESH as DCT_MP_REFRESH
 from services.common.codecs.masked import DCTMPCodec, PooledMasks
 from services.common.errors import InvalidArgument
-from services.common.sharding import ShardedIds, split_by_shard
+from services.common.sharding import ShardedIds, rows_at, split_by_shard
 from services.common.tls import ClientTLS
 from services.common.wire import MAX_MESSAGE_BYTES
 
@@ -222,7 +222,7 @@ class PSClient:
         for tables in await self._by_dim(uniq):
             layout, where = ShardedIds.of_tables({t: uniq[t] for t in tables}, self.num_shards)
             rows = await self.lookup_sharded(layout, read_only=read_only)
-            out.update((t, rows[where[t]]) for t in tables)
+            out.update((t, rows_at(rows, where[t])) for t in tables)
         return out
 
     async def push_tables(self, uniq: Mapping[str, np.ndarray],

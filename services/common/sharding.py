@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
-__all__ = ["GOLDEN", "ShardedIds", "mix64", "mix64_scalar", "place_ids", "shard_of",
-           "split_by_shard"]
+__all__ = ["GOLDEN", "ShardedIds", "mix64", "mix64_scalar", "place_ids", "rows_at",
+           "shard_of", "split_by_shard"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -207,6 +207,15 @@ class ShardedIds:
         bounds = np.cumsum([0] + [p.size for p in parts])
         return layout, {t: inverse[lo:hi] for t, lo, hi in
                         zip(tables, bounds[:-1], bounds[1:], strict=True)}
+
+
+def rows_at(rows: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """``rows[where]``: a view of ``rows`` where ``where`` is one run of consecutive
+    positions (one shard: every table's ids are one run of the layout), else a copy."""
+    if where.size and where[-1] - where[0] == where.size - 1 \
+            and (where.size == 1 or bool(np.all(where[1:] > where[:-1]))):
+        return rows[int(where[0]):int(where[-1]) + 1]
+    return rows[where]
 
 
 def place_ids(segments: Sequence[np.ndarray], owners: Sequence[int], tables: Sequence[str],

@@ -24,6 +24,7 @@ from services.common.sharding import (
     mix64,
     mix64_scalar,
     place_ids,
+    rows_at,
     shard_of,
     split_by_shard,
 )
@@ -177,3 +178,21 @@ def test_error_mappings_are_consistent():
     assert isinstance(error_from_http(404, {"message": "m"}), NotFound)
     assert type(error_from_grpc(grpc.StatusCode.DATA_LOSS, "m")).__name__ == "Internal"
     assert isinstance(error_from_wire("junk"), PersimmonError)
+
+
+def test_rows_at_is_a_view_of_one_run_of_positions_and_a_gather_of_any_other() -> None:
+    """A client's rows per table: with one shard each table's ids are one run of the layout
+    (a view, no copy of the rows); with several shards they are spread (gathered)."""
+    ids = {"a": np.array([9, 4, 7], dtype=np.uint64), "b": np.array([5, 1], dtype=np.uint64)}
+    for shards in (1, 3):
+        layout, where = ShardedIds.of_tables(ids, shards)
+        rows = np.arange(layout.ids.size * 2, dtype=np.float32).reshape(-1, 2)
+        for table, positions in where.items():
+            got = rows_at(rows, positions)
+            np.testing.assert_array_equal(got, rows[positions])
+            np.testing.assert_array_equal(layout.ids[positions], ids[table])
+            assert np.shares_memory(got, rows) == (shards == 1)
+    rows = np.arange(12, dtype=np.float32).reshape(6, 2)
+    for positions in ([2, 3, 4], [4, 3, 2], [1, 3, 2], [0, 2, 3], [5], []):
+        where = np.array(positions, dtype=np.int64)
+        np.testing.assert_array_equal(rows_at(rows, where), rows[where])
