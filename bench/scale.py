@@ -103,8 +103,8 @@ class Case:
         if disk is not None:
             times, sent = self._run(steps)
             self.info["cold_rows_per_s"] = sum(sent) / sum(times)
-            start, settle = self.table.stats()["promoted"], 0
-            while self.table.stats()["promoted"] - start < ram_rows and settle < settle_max:
+            start, settle = self.table.stats().promoted, 0
+            while self.table.stats().promoted - start < ram_rows and settle < settle_max:
                 settle += len(self._run(1)[0])
             self.info["settle_steps"] = settle
         self.before = self.table.stats()
@@ -135,7 +135,7 @@ class Case:
     def result(self) -> dict[str, Any]:
         """The case's figures: rows/s the median of its rounds' (each its rows over its time)."""
         after = self.table.stats()
-        looked = after["ids_looked_up"] - self.before["ids_looked_up"]
+        looked = after.ids_looked_up - self.before.ids_looked_up
         payload = 4 * self.dim + sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt
                                      in state_layout(self.config.optimizer, self.dim).values())
         return {
@@ -145,11 +145,11 @@ class Case:
             "ids_per_step": statistics.median(self.sent) / 2,
             "rows_per_s": statistics.median(self.round_rates),
             "rounds_rows_per_s": self.round_rates,
-            "hit_ratio": 1.0 - (after["promoted"] - self.before["promoted"]) / max(1, looked),
-            "ram_bytes_per_row": after["bytes"] / after["rows"],
-            "disk_bytes_per_row": after["disk_bytes"] / after["rows"],
+            "hit_ratio": 1.0 - (after.promoted - self.before.promoted) / max(1, looked),
+            "ram_bytes_per_row": after.bytes / after.rows,
+            "disk_bytes_per_row": after.disk_bytes / after.rows,
             "payload_bytes_per_row": payload,
-            "disk_rows": after["disk_rows"],
+            "disk_rows": after.disk_rows,
         }
 
 

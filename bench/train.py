@@ -149,8 +149,7 @@ def _persimmon(train: Sequence[Batch], test: Sequence[Batch], features: list[str
         stats = [t.stats() for shard in shards.shards for t in shard.tables.values()]
         return {**_summary_figures(summary), "cpu_ms_per_step": {
             "worker": summary["worker_cpu_ms_per_step"], "ps": 0.0}, "ps_peak_rss_mb": 0.0,
-            "bytes_per_row": sum(t["bytes"] for t in stats) / max(1, sum(t["rows"]
-                                                                         for t in stats))}
+            "bytes_per_row": sum(t.bytes for t in stats) / max(1, sum(t.rows for t in stats))}
     with LocalPS(2, tables, nice=PS_NICE) as cluster:
         ps_pids = [p.pid for p in cluster.procs]
         before = [cpu_seconds(pid) for pid in ps_pids]

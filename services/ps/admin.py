@@ -20,10 +20,10 @@ import msgspec
 from fastapi import Body, FastAPI, Path, Response
 
 from services.common.admin import ErrorBody, make_admin_app
-from services.common.admin_replies import Restored, Row, TableDescription, TableSummary
+from services.common.admin_replies import Restored, TableSummary
 from services.common.config import config_to_dict
 from services.common.errors import InvalidArgument
-from services.common.messages import OptimizerInfo, TableCounters
+from services.common.messages import OptimizerInfo
 from services.ps.metrics import PSMetrics
 from services.ps.retention import prune_checkpoints
 from services.ps.shard import Shard
@@ -83,8 +83,7 @@ def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any
     @app.get("/v1/tables/{name}", tags=["tables"], responses=_ERRORS)
     async def get_table(name: TableName) -> dict[str, Any]:
         """The table's full configuration and statistics."""
-        described = await asyncio.to_thread(shard.describe, name)
-        return _json(msgspec.convert(described, TableDescription))
+        return _json(await asyncio.to_thread(shard.describe, name))
 
     @app.delete("/v1/tables/{name}", tags=["tables"], status_code=204, responses=_ERRORS)
     async def delete_table(name: TableName) -> Response:
@@ -95,13 +94,12 @@ def make_ps_admin(shard: Shard, metrics: PSMetrics, *, ready: Any, lifespan: Any
     @app.get("/v1/tables/{name}/stats", tags=["tables"], responses=_ERRORS)
     async def table_stats(name: TableName) -> dict[str, Any]:
         """Rows, bytes, lookups, pushes, misses, evictions, dropped gradients."""
-        stats = await asyncio.to_thread(lambda: shard.table(name).stats())
-        return _json(msgspec.convert(stats, TableCounters))
+        return _json(await asyncio.to_thread(lambda: shard.table(name).stats()))
 
     @app.get("/v1/tables/{name}/rows/{row_id}", tags=["tables"], responses=_ERRORS)
     async def get_row(name: TableName, row_id: RowId) -> dict[str, Any]:
         """One row without creating or touching it (absent rows show their initial value)."""
-        return _json(msgspec.convert(await asyncio.to_thread(shard.peek, name, row_id), Row))
+        return _json(await asyncio.to_thread(shard.peek, name, row_id))
 
     @app.patch("/v1/tables/{name}/optimizer", tags=["tables"], responses=_ERRORS)
     async def patch_optimizer(name: TableName, body: Annotated[

@@ -28,7 +28,6 @@ import collections
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from services.common.codecs import WireStats
@@ -159,7 +158,7 @@ class InProcessShards:
 
     async def stats(self, table: str | None = None) -> list[StatsReply]:
         """Per-shard statistics, as :meth:`clients.ps_client.PSClient.stats` gives them."""
-        return [msgspec.convert(shard.stats(table), StatsReply) for shard in self.shards]
+        return [shard.stats(table) for shard in self.shards]
 
     @property
     def direct(self) -> bool:

@@ -41,26 +41,25 @@ class _TableCollector(Collector):
         self.shard = shard
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = {name: table.stats() for name, table in list(self.shard.tables.items())}
+        stats = self.shard.stats().tables
         for key, doc in _GAUGES.items():
             fam = GaugeMetricFamily(f"persimmon_ps_table_{key}", doc, labels=["table"])
             for name, s in stats.items():
                 if key == "miss_ratio":
-                    value = s["misses"] / s["ids_looked_up"] if s["ids_looked_up"] else 0.0
+                    value = s.misses / s.ids_looked_up if s.ids_looked_up else 0.0
                 else:
-                    value = s[key]
+                    value = getattr(s, key)
                 fam.add_metric([name], float(value))
             yield fam
         for key, doc in _COUNTERS.items():
             counter = CounterMetricFamily(f"persimmon_ps_table_{key}", doc, labels=["table"])
             for name, s in stats.items():
-                counter.add_metric([name], float(s[key]))
+                counter.add_metric([name], float(getattr(s, key)))
             yield counter
-        staleness = {name: self.shard.staleness.stats(name) for name in stats}
         for key, doc in _STALENESS.items():
             fam = GaugeMetricFamily(f"persimmon_ps_table_{key}", doc, labels=["table"])
-            for name, s in staleness.items():
-                fam.add_metric([name], float(s[key]))
+            for name, s in stats.items():
+                fam.add_metric([name], float(getattr(s, key)))
             yield fam
 
 

@@ -44,11 +44,9 @@ from services.common.messages import (
     PushRequest,
     PushThenLookupReply,
     PushThenLookupRequest,
-    StatsReply,
     StatsRequest,
     TablesReply,
     TablesRequest,
-    TableStats,
     decode,
     encode,
 )
@@ -191,10 +189,7 @@ class PSServicer:
     async def _stats(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         req: StatsRequest = decode(StatsRequest, raw,
                                    max_bytes=self.shard.config.max_message_bytes)
-        stats = self.shard.stats(req.table)
-        return encode(StatsReply(
-            shard_id=stats["shard_id"], epoch=stats["epoch"],
-            tables={name: TableStats(**table) for name, table in stats["tables"].items()}))
+        return encode(self.shard.stats(req.table))
 
 
 def _request(request_type: type[Message], raw: bytes, limit: int

@@ -36,7 +36,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from services.common.config import ConfigError, config_to_dict, from_dict
+from services.common.admin_replies import Row, TableDescription
+from services.common.config import ConfigError, from_dict
 from services.common.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -44,6 +45,7 @@ from services.common.errors import (
     ResourceExhausted,
     WrongShard,
 )
+from services.common.messages import StatsReply
 from services.common.sharding import shard_of
 from services.ps.config import PSConfig
 from services.ps.dedup import PushOrigin, PushWindow, fingerprint
@@ -55,7 +57,7 @@ from services.ps.pooled import check_lengths, segment_sum
 from services.ps.segments import OsSegmentFile, SegmentOpener
 from services.ps.staleness import GlobalStaleness
 from services.ps.store import EmbeddingTable, PushResult
-from services.ps.tables import OptimizerConfig, TableConfig
+from services.ps.tables import OptimizerConfig, TableConfig, table_info
 from services.ps.wal import PushPart, WalFsync, WriteAheadLog
 from services.ps.wal_records import (
     CreateRecord,
@@ -137,18 +139,18 @@ class Shard(Durable):
             del self.tables[name]
             del self._locks[name]
 
-    def stats(self, table: str | None = None) -> dict[str, Any]:
-        """``{shard_id, epoch, tables: {name: counters, sizes and staleness}}`` of ``table``
-        or of every table (what Stats answers)."""
-        names = [table] if table is not None else list(self.tables)
-        return {"shard_id": self.config.shard_id, "epoch": self.epoch,
-                "tables": {n: {**self.table(n).stats(), **self.staleness.stats(n)}
-                           for n in names}}
+    def stats(self, table: str | None = None) -> StatsReply:
+        """The counters, sizes and staleness of ``table`` or of every table (what Stats
+        answers)."""
+        tables = [self.table(table)] if table is not None else list(self.tables.values())
+        return StatsReply(shard_id=self.config.shard_id, epoch=self.epoch,
+                          tables={t.config.name: self.staleness.stats(t.stats())
+                                  for t in tables})
 
-    def describe(self, name: str) -> dict[str, Any]:
+    def describe(self, name: str) -> TableDescription:
         table = self.table(name)
-        return {"config": config_to_dict(table.config), "stats": table.stats(),
-                "epoch": self.epoch}
+        return TableDescription(config=table_info(table.config), stats=table.stats(),
+                                epoch=self.epoch)
 
     def set_optimizer(self, name: str, changes: dict[str, Any]) -> OptimizerConfig:
         if not isinstance(changes, dict) or not changes:
@@ -468,13 +470,13 @@ class Shard(Durable):
                                                    fence=self._fence(origin)),
                                  name, ids, grads, push=True)
 
-    def peek(self, name: str, row_id: int) -> dict[str, Any]:
+    def peek(self, name: str, row_id: int) -> Row:
         if not 0 <= row_id < 2**64:
             raise InvalidArgument(f"id {row_id} is not a uint64")
         ids = self.check_ids(np.array([row_id], dtype=np.uint64))
         with self._locked(name) as table:
             rows, present = table.peek(ids)
-        return {"id": row_id, "present": bool(present[0]), "row": rows[0].tolist()}
+        return Row(id=row_id, present=bool(present[0]), row=rows[0].tolist())
 
     def expire(self) -> int:
         dropped = 0

@@ -13,7 +13,7 @@ Usage (a server)::
 
     with step_tags(lookup=(rank, step, world_size)):
         rows = await shard.lookup_many(tables, counts, ids)
-    shard.staleness.stats("C1")["global_staleness_max"]
+    shard.stats("C1").tables["C1"].global_staleness_max
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ import contextvars
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+
+import msgspec
+
+from services.common.messages import TableCounters, TableStats
 
 __all__ = ["GlobalStaleness", "StepTag", "StepTags", "step_tags"]
 
@@ -105,14 +108,15 @@ class GlobalStaleness:
                 sums[k] += value
                 sums[k + 1] = max(sums[k + 1], value)
 
-    def stats(self, table: str) -> dict[str, Any]:
-        """``tagged_lookups`` of ``table`` and the earlier pushes they missed, max and mean:
-        ``global_staleness_*`` (the most of any one worker's), ``own_staleness_*`` (their
-        own worker's) and ``total_staleness_*`` (every worker's, summed)."""
+    def stats(self, counters: TableCounters) -> TableStats:
+        """The table's ``counters`` with the ``tagged_lookups`` of that table and the earlier
+        pushes they missed, max and mean: ``global_staleness_*`` (the most of any one
+        worker's), ``own_staleness_*`` (their own worker's) and ``total_staleness_*`` (every
+        worker's, summed)."""
         with self._lock:
-            n, *sums = self._sums.get(table, [0] * 7)
-        out: dict[str, Any] = {"tagged_lookups": n}
-        for k, name in enumerate(("global", "own", "total")):
-            out[f"{name}_staleness_max"] = sums[2 * k + 1]
-            out[f"{name}_staleness_mean"] = sums[2 * k] / n if n else 0.0
-        return out
+            n, *sums = self._sums.get(counters.name, [0] * 7)
+        means = [total / n if n else 0.0 for total in sums[0::2]]
+        return TableStats(**msgspec.structs.asdict(counters), tagged_lookups=n,
+                          global_staleness_max=sums[1], global_staleness_mean=means[0],
+                          own_staleness_max=sums[3], own_staleness_mean=means[1],
+                          total_staleness_max=sums[5], total_staleness_mean=means[2])

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import InvalidArgument
+from services.common.messages import TableCounters
 from services.ps.arena import (
     dedup_slots,
     gather_rows,
@@ -418,13 +419,13 @@ class EmbeddingTable(TableSnapshots):
         disk = 0 if self._disk is None else self._disk.nbytes_ram
         return self._ram.nbytes + self._pending.nbytes + disk
 
-    def stats(self) -> dict[str, Any]:
-        """Counters and sizes of this table (a JSON-ready dict)."""
+    def stats(self) -> TableCounters:
+        """Counters and sizes of this table."""
         with self.lock:
             disk = self._disk
-            return {"name": self.config.name, "rows": self.num_rows,
-                    "capacity": self._ram.capacity, "bytes": self.nbytes(),
-                    "disk_rows": 0 if disk is None else len(disk),
-                    "disk_bytes": 0 if disk is None else disk.nbytes_disk,
-                    "pending_admission": len(self._pending), **self._counters}
+            return TableCounters(name=self.config.name, rows=self.num_rows,
+                                 capacity=self._ram.capacity, bytes=self.nbytes(),
+                                 disk_rows=0 if disk is None else len(disk),
+                                 disk_bytes=0 if disk is None else disk.nbytes_disk,
+                                 pending_admission=len(self._pending), **self._counters)
 

@@ -41,7 +41,7 @@ async def test_default_max_rows_bounds_every_table():
         assert ps.shard.table("fresh").num_rows == 50
         assert ps.shard.table("own").num_rows == 10
         # each batch of 100 new ids: the 50 old rows evicted, 50 of the batch created
-        assert ps.shard.table("user").stats()["evictions"] == 9 * 50
+        assert ps.shard.table("user").stats().evictions == 9 * 50
     finally:
         await ps.close()
 

@@ -79,7 +79,7 @@ async def test_a_step_tag_naming_too_many_workers_is_refused(shard, tag, names):
     assert code == "INVALID_ARGUMENT" and "tag" in message and names in message, message
     assert peak < 16 * MIB
     assert digest([shard]) == state
-    assert shard.shard.staleness.stats("user")["tagged_lookups"] == 1
+    assert shard.shard.stats("user").tables["user"].tagged_lookups == 1
 
 
 def push_frame(ids: dict, grads: dict) -> bytes:

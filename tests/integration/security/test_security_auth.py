@@ -51,7 +51,7 @@ async def test_grpc_calls_without_the_right_token_are_refused_and_change_nothing
             await call(ps.address, metadata)
         assert err.value.code() == code and words in err.value.details()
     assert digest([ps]) == before
-    assert ps.shard.table("item").stats()["pushes"] == 0
+    assert ps.shard.table("item").stats().pushes == 0
 
 
 async def test_grpc_calls_with_the_token_work(start_ps, tmp_path):

@@ -100,7 +100,7 @@ def test_checkpoint_chain_with_tombstones_restores_exactly(tmp_path):
     restored = restore_tables(tmp_path, "c3", shard_id=0, num_shards=1)["emb"]
     assert restored.content_digest() == table.content_digest()
     assert answers(restored) == answers(table)
-    assert table.stats()["evictions"] > 0
+    assert table.stats().evictions > 0
     # an intermediate checkpoint restores the state of its own time
     mid = restore_tables(tmp_path, "c1", shard_id=0, num_shards=1)["emb"]
     assert mid.num_rows == m1.tables["emb"].rows

@@ -64,8 +64,8 @@ def test_tiered_table_matches_ram_only_bit_for_bit(tmp_path, kind, capacity):
             ram.push(ids, grads)
             tiered.push(ids, grads)
     s = tiered.stats()
-    assert s["disk_rows"] > 100 and s["promoted"] > 0 and s["demoted"] > 0
-    assert s["rows"] == ram.num_rows and s["rows"] - s["disk_rows"] <= 8 + 48
+    assert s.disk_rows > 100 and s.promoted > 0 and s.demoted > 0
+    assert s.rows == ram.num_rows and s.rows - s.disk_rows <= 8 + 48
     probe = np.arange(0, 420, dtype=np.uint64)
     for got, want in zip(tiered.peek(probe), ram.peek(probe), strict=True):
         assert np.array_equal(got, want)
@@ -101,8 +101,8 @@ def test_max_rows_evicts_the_same_rows_across_both_tiers(tmp_path, policy):
         tiered.lookup(ids)
         ram.push(ids, grads)
         tiered.push(ids, grads)
-    assert ram.stats()["evictions"] == tiered.stats()["evictions"] > 0
-    assert tiered.stats()["disk_rows"] > 0
+    assert ram.stats().evictions == tiered.stats().evictions > 0
+    assert tiered.stats().disk_rows > 0
     assert_same(ram, tiered)
 
 
@@ -113,7 +113,7 @@ def test_ttl_expires_rows_on_disk_too(tmp_path):
     clock.now = 8.0
     for table in (ram, tiered):
         table.lookup(np.arange(5, dtype=np.uint64))
-    assert tiered.stats()["disk_rows"] >= 15
+    assert tiered.stats().disk_rows >= 15
     clock.now = 15.0
     assert ram.expire() == tiered.expire() == 15
     assert np.array_equal(tiered.ids(), np.arange(5, dtype=np.uint64))
@@ -123,7 +123,7 @@ def test_ttl_expires_rows_on_disk_too(tmp_path):
 def test_delete_reaches_rows_on_disk(tmp_path):
     _, tiered, _ = pair(tmp_path, ram_rows=2)
     tiered.lookup(np.arange(10, dtype=np.uint64))
-    assert tiered.stats()["disk_rows"] >= 8
+    assert tiered.stats().disk_rows >= 8
     assert tiered.delete(np.array([0, 1, 0, 9, 99], dtype=np.uint64)) == 3
     assert tiered.num_rows == 7 and not tiered.peek(np.array([0, 1, 9], np.uint64))[1].any()
 
@@ -172,7 +172,7 @@ def test_a_shard_restore_rebuilds_a_tiered_table_with_its_rows_on_disk(tmp_path)
     write_checkpoint(tmp_path / "ck", "c1", 0, 1, {"t": tiered})
     back = restore_tables(tmp_path / "ck", "c1", shard_id=0, num_shards=1)["t"]
     assert back.config.storage == tiered.config.storage
-    assert back.stats()["disk_rows"] >= 40 and back.num_rows == 50
+    assert back.stats().disk_rows >= 40 and back.num_rows == 50
     assert back.content_digest() == tiered.content_digest()
 
 
@@ -208,8 +208,8 @@ def test_write_backs_append_and_compaction_keeps_the_file_small(tmp_path):
         ram.push(ids, grads)
         tiered.push(ids, grads)
     s = tiered.stats()
-    assert s["demoted"] * 64 > 250_000  # appended without reuse, the file would pass 250 kB
-    assert s["disk_bytes"] < 100_000 and s["disk_rows"] > 300
+    assert s.demoted * 64 > 250_000  # appended without reuse, the file would pass 250 kB
+    assert s.disk_bytes < 100_000 and s.disk_rows > 300
     assert_same(ram, tiered)
 
 
@@ -217,7 +217,7 @@ def test_the_arena_file_is_scratch_and_leaves_nothing(tmp_path):
     _, tiered, _ = pair(tmp_path, ram_rows=2)
     tiered.lookup(np.arange(5000, dtype=np.uint64))
     s = tiered.stats()
-    assert s["disk_rows"] >= 4990 and s["disk_bytes"] > 4990 * 4 * 4 * 2
+    assert s.disk_rows >= 4990 and s.disk_bytes > 4990 * 4 * 4 * 2
     assert list((tmp_path / "tier").iterdir()) == []
 
 

@@ -111,10 +111,10 @@ def test_the_epoch_survives_restarts_and_rises_past_every_one_served(tmp_path):
     the same checkpoint again gets a newer one; one recovering from its WAL keeps its own."""
     shard = make_shard(tmp_path, wal_dir=str(tmp_path / "wal"))
     asyncio.run(shard.recover())
-    assert shard.epoch == 1 and shard.stats()["epoch"] == 1
+    assert shard.epoch == 1 and shard.stats().epoch == 1
     asyncio.run(shard.checkpoint("c1"))
     asyncio.run(shard.restore("c1"))
-    assert shard.epoch == 2 and shard.describe("count")["epoch"] == 2
+    assert shard.epoch == 2 and shard.describe("count").epoch == 2
     asyncio.run(shard.checkpoint("c2"))  # written in epoch 2
     again = make_shard(tmp_path, wal_dir=str(tmp_path / "wal"))
     asyncio.run(again.recover())

@@ -64,7 +64,7 @@ def test_an_update_that_would_not_be_finite_is_refused_and_counted(kind, dtype, 
     np.testing.assert_array_equal(after, rows)  # nothing written
     for name in state:
         np.testing.assert_array_equal(state_after[name], state[name])
-    assert shard.stats("t")["tables"]["t"]["refused_nonfinite"] == IDS.size
+    assert shard.stats("t").tables["t"].refused_nonfinite == IDS.size
     assert_finite(shard)
     assert push(shard, -back).applied == IDS.size  # not frozen: an ordinary push moves it
     assert (shard.table("t").lookup(IDS) > after).all()
@@ -102,8 +102,8 @@ def test_many_tables_in_one_kernel_call_refuse_per_table():
     grads[IDS.size] = 1e20  # table b's first id
     result = shard.push_many_sync(["a", "b"], [IDS.size, IDS.size], np.r_[IDS, IDS], grads)
     assert (result.applied, result.dropped_nonfinite) == (2 * IDS.size - 1, 1)
-    stats = shard.stats()["tables"]
-    assert (stats["a"]["refused_nonfinite"], stats["b"]["refused_nonfinite"]) == (0, 1)
+    stats = shard.stats().tables
+    assert (stats["a"].refused_nonfinite, stats["b"].refused_nonfinite) == (0, 1)
     assert np.isfinite(shard.table("b").state_of(IDS)["accum"]).all()
 
 

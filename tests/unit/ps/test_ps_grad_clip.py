@@ -67,7 +67,7 @@ def test_the_clip_comes_before_the_finite_check() -> None:
     huge = np.full((1, 3), 3e38, np.float32)
     plain, clipped = table("sgd", lr=10.0), table("sgd", lr=10.0, grad_clip=CLIP)
     before = plain.peek(one)[0]
-    assert plain.push(one, huge).applied == 0 and plain.stats()["refused_nonfinite"] == 1
+    assert plain.push(one, huge).applied == 0 and plain.stats().refused_nonfinite == 1
     np.testing.assert_array_equal(plain.peek(one)[0], before)
     assert clipped.push(one, huge).applied == 1
     np.testing.assert_allclose(clipped.peek(one)[0], before - 10.0 * CLIP, rtol=1e-6)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.common.messages import TableCounters
 from services.ps.multitable import lookup_plain, push_plain
 from services.ps.store import EmbeddingTable
 from services.ps.tables import OptimizerConfig, TableConfig
@@ -29,7 +30,7 @@ def held_ids(rng: np.random.Generator, n: int) -> list[np.ndarray]:
     return [rng.integers(0, 30, n).astype(np.uint64) for _ in KINDS]
 
 
-def state(ts: list[EmbeddingTable]) -> list[tuple[str, dict[str, int]]]:
+def state(ts: list[EmbeddingTable]) -> list[tuple[str, TableCounters]]:
     return [(t.content_digest(), t.stats()) for t in ts]
 
 
@@ -161,8 +162,8 @@ def test_tables_with_a_row_cap_or_ttl_take_the_plain_path_and_track_use_as_their
         b.lookup(fresh)
         assert a.expire() == b.expire()
         np.testing.assert_array_equal(a.ids(), b.ids())
-    assert [t.stats()["evictions"] for t in fused] == [15, 15, 0, 0]
-    assert fused[2].stats()["expired"] > 0
+    assert [t.stats().evictions for t in fused] == [15, 15, 0, 0]
+    assert fused[2].stats().expired > 0
     assert state(fused) == state(own)
 
 
@@ -200,7 +201,7 @@ def test_a_lookup_of_new_ids_creates_their_rows_as_the_tables_own_lookups_do() -
     np.testing.assert_array_equal(
         rows, np.concatenate([t.lookup(i) for t, i in zip(own, reads, strict=True)]))
     assert state(fused) == state(own)
-    assert [t.stats()["misses"] for t in fused] == [10, 12, 10, 11]
+    assert [t.stats().misses for t in fused] == [10, 12, 10, 11]
     grads = [np.full((ids.size, DIM), 0.25, np.float32) for ids in reads]
     assert push_plain(fused, reads, grads) == [
         t.push(i, g) for t, i, g in zip(own, reads, grads, strict=True)]
@@ -259,4 +260,4 @@ def test_requests_naming_the_same_tables_in_other_orders_do_not_deadlock() -> No
     for th in threads:
         th.join(timeout=60)
     assert not any(th.is_alive() for th in threads)
-    assert all(t.stats()["pushes"] == 600 for t in ts)
+    assert all(t.stats().pushes == 600 for t in ts)

@@ -37,16 +37,16 @@ def test_lookup_of_never_pushed_ids_is_the_initial_rows_in_request_order():
     assert np.array_equal(rows[0], rows[2]) and np.array_equal(rows[1], rows[5])
     assert table.num_rows == 4
     s = table.stats()
-    assert (s["lookups"], s["ids_looked_up"], s["misses"]) == (1, 6, 4)
+    assert (s.lookups, s.ids_looked_up, s.misses) == (1, 6, 4)
     assert np.array_equal(table.lookup(ids), rows)  # second time: same rows, no new ones
-    assert table.stats()["misses"] == 4
+    assert table.stats().misses == 4
 
 
 def test_peek_creates_and_touches_nothing():
     table = make()
     rows, present = table.peek(u64(1, 2))
     assert not present.any() and np.array_equal(rows, table.initial_rows(u64(1, 2)))
-    assert table.num_rows == 0 and table.stats()["lookups"] == 0
+    assert table.num_rows == 0 and table.stats().lookups == 0
     table.lookup(u64(2))
     assert table.peek(u64(1, 2))[1].tolist() == [False, True]
 
@@ -71,7 +71,7 @@ def test_nonfinite_gradients_are_dropped_counted_and_change_nothing():
     grads[3, 0] = -np.inf  # second occurrence of id 2 poisons its sum
     result = table.push(u64(1, 3, 9, 2), grads)
     assert (result.applied, result.dropped_nonfinite) == (1, 3)
-    assert table.stats()["dropped_nonfinite"] == 3
+    assert table.stats().dropped_nonfinite == 3
     assert table.peek(u64(9))[1].tolist() == [False]
     rows, _ = table.peek(u64(1, 2))
     assert np.array_equal(rows, table.initial_rows(u64(1, 2)))
@@ -115,12 +115,12 @@ def test_admission_by_min_count_counts_lookups_and_pushes():
     assert np.array_equal(table.lookup(ids), table.initial_rows(ids))  # sighting 1
     result = table.push(ids, np.ones((1, 4), dtype=np.float32))  # sighting 2
     assert (result.applied, result.not_admitted) == (0, 1)
-    assert table.num_rows == 0 and table.stats()["pending_admission"] == 1
+    assert table.num_rows == 0 and table.stats().pending_admission == 1
     assert np.array_equal(table.lookup(u64(7, 7)), table.initial_rows(u64(7, 7)))  # sighting 3
-    assert table.num_rows == 1 and table.stats()["pending_admission"] == 0
+    assert table.num_rows == 1 and table.stats().pending_admission == 0
     assert table.push(ids, np.ones((1, 4), dtype=np.float32)).applied == 1
     np.testing.assert_allclose(table.peek(ids)[0], table.initial_rows(ids) - 1.0, rtol=1e-6)
-    assert table.stats()["not_admitted"] == 1
+    assert table.stats().not_admitted == 1
 
 
 def test_admission_by_probability_is_seeded_and_eventually_admits():
@@ -146,7 +146,7 @@ def test_lru_eviction_drops_the_least_recently_used_rows():
     table.push(u64(1), np.ones((1, 4), dtype=np.float32))  # 1 is now the most recent
     table.lookup(u64(5, 6))
     assert table.ids().tolist() == [1, 4, 5, 6]
-    assert table.stats()["evictions"] == 2
+    assert table.stats().evictions == 2
     assert table.snapshot(incremental=True).tombstones.tolist() == [2, 3]
 
 
@@ -170,7 +170,7 @@ def test_lfu_eviction_drops_the_least_frequently_used_rows():
     table.lookup(u64(2, 3))  # uses: 1 -> 3, 2 -> 2, 3 -> 3
     table.lookup(u64(4))
     assert table.ids().tolist() == [1, 3, 4]
-    assert table.stats()["evictions"] == 1
+    assert table.stats().evictions == 1
 
 
 def test_evicted_then_recreated_row_is_its_initial_row():
@@ -193,7 +193,7 @@ def test_ttl_expiry_uses_the_injected_clock():
     assert table.expire() == 0
     clock.now = 22.5
     assert table.expire() == 1 and table.num_rows == 0
-    assert table.stats()["expired"] == 2
+    assert table.stats().expired == 2
     assert make().expire() == 0  # no ttl: nothing to do
 
 
@@ -205,7 +205,7 @@ def test_growth_past_initial_capacity_keeps_every_row():
     for start in range(0, 3000, 700):
         table.lookup(np.arange(start, start + 700, dtype=np.uint64))
     assert table.num_rows == 3500  # ids 0..3499; 100..109 among them
-    assert table.stats()["capacity"] >= table.num_rows
+    assert table.stats().capacity >= table.num_rows
     assert np.array_equal(table.peek(first)[0], pushed)
     others = np.arange(0, 3500, 7, dtype=np.uint64)
     others = others[(others < 100) | (others >= 110)]
@@ -219,11 +219,11 @@ def test_delete_drops_rows_and_reuses_slots():
     table.push(u64(1, 2, 3), np.ones((3, 4), dtype=np.float32))
     assert table.delete(u64(2, 3, 3, 99)) == 2
     assert table.ids().tolist() == [1]
-    assert table.stats()["deleted"] == 2
+    assert table.stats().deleted == 2
     assert np.array_equal(table.lookup(u64(2)), table.initial_rows(u64(2)))
-    capacity = table.stats()["capacity"]
+    capacity = table.stats().capacity
     table.lookup(u64(4))
-    assert table.num_rows == 3 and table.stats()["capacity"] == capacity
+    assert table.num_rows == 3 and table.stats().capacity == capacity
     assert table.snapshot(incremental=True).tombstones.tolist() == [2, 3]
 
 
@@ -242,7 +242,7 @@ def test_fp16_storage_rounds_rows_and_does_float32_math():
     got = table.lookup(ids)
     assert np.array_equal(got, expected.astype(np.float16).astype(np.float32))
     wide.lookup(ids)
-    assert table.stats()["bytes"] < wide.stats()["bytes"]
+    assert table.stats().bytes < wide.stats().bytes
 
 
 def test_stats_report_sizes_and_counters():
@@ -250,9 +250,9 @@ def test_stats_report_sizes_and_counters():
     table.lookup(np.arange(100, dtype=np.uint64))
     table.push(np.arange(50, dtype=np.uint64), np.ones((50, 16), dtype=np.float32))
     s = table.stats()
-    assert s["rows"] == 100 and s["capacity"] >= 100
-    assert s["bytes"] >= s["capacity"] * 16 * 4 * 2  # rows + adagrad accumulator at least
-    assert (s["lookups"], s["pushes"], s["ids_pushed"]) == (1, 1, 50)
+    assert s.rows == 100 and s.capacity >= 100
+    assert s.bytes >= s.capacity * 16 * 4 * 2  # rows + adagrad accumulator at least
+    assert (s.lookups, s.pushes, s.ids_pushed) == (1, 1, 50)
 
 
 def test_use_bookkeeping_is_kept_only_where_eviction_or_ttl_reads_it():
@@ -263,8 +263,8 @@ def test_use_bookkeeping_is_kept_only_where_eviction_or_ttl_reads_it():
     plain, tracked = make(dim=16), make(dim=16, max_rows=1000)
     for table in (plain, tracked):
         table.push(ids, np.ones((200, 16), dtype=np.float32))
-    assert plain.stats()["capacity"] == tracked.stats()["capacity"]
-    assert tracked.nbytes() - plain.nbytes() == 24 * plain.stats()["capacity"]
+    assert plain.stats().capacity == tracked.stats().capacity
+    assert tracked.nbytes() - plain.nbytes() == 24 * plain.stats().capacity
     snap = plain.snapshot()
     assert snap.meta == {} and set(tracked.snapshot().meta) == {"tick", "uses"}
     assert plain.content_digest() == tracked.content_digest()  # same rows and state
@@ -274,7 +274,7 @@ def test_use_bookkeeping_is_kept_only_where_eviction_or_ttl_reads_it():
     assert lru.content_digest() == plain.content_digest()
     lru.lookup(ids[100:])  # the restored rows 101..200 are now the recent ones
     lru.lookup(np.arange(1001, 1051, dtype=np.uint64))
-    assert lru.stats()["evictions"] == 50
+    assert lru.stats().evictions == 50
     assert lru.ids().tolist() == [*range(51, 201), *range(1001, 1051)]
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from services.common.batch import Batch, Jagged
 from services.common.errors import ConfigError
+from services.common.messages import TableStats
 from services.ps.inprocess import InProcessShards, PushGate
 from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
 
@@ -78,7 +79,7 @@ async def train(worker: int, pipeline: EmbeddingPipeline, lockstep: asyncio.Barr
 
 async def run(window: int, barrier: Callable[[asyncio.Barrier], Callable[[], Awaitable[Any]]]
               | None = None, *, hot: bool = False, **options: Any
-              ) -> tuple[dict[str, Any], list[list[tuple[int, set[int], int]]]]:
+              ) -> tuple[TableStats, list[list[tuple[int, set[int], int]]]]:
     """W workers' steps; ``barrier`` after each acknowledged push (``hot``: the hot chain's
     pushes only); ``options`` for every pipeline."""
     gate = PushGate()
@@ -96,7 +97,7 @@ async def run(window: int, barrier: Callable[[asyncio.Barrier], Callable[[], Awa
     finally:
         releaser.cancel()
         gate.release(gate.held)
-    return shards.shards[0].staleness.stats("t"), seen
+    return shards.shards[0].stats("t").tables["t"], seen
 
 
 def missed(t: int, applied: set[int]) -> tuple[int, list[int]]:
@@ -105,7 +106,7 @@ def missed(t: int, applied: set[int]) -> tuple[int, list[int]]:
     return sum(per), per
 
 
-def ps_matches_rows(stats: dict[str, Any], seen: list[list[tuple[int, set[int], int]]]
+def ps_matches_rows(stats: TableStats, seen: list[list[tuple[int, set[int], int]]]
                     ) -> list[int]:
     """Check the PS's counts against what the rows show; return every lookup's global miss
     (the most pushes of any one worker it missed)."""
@@ -118,10 +119,11 @@ def ps_matches_rows(stats: dict[str, Any], seen: list[list[tuple[int, set[int], 
             globals_.append(max(per))
             owns.append(per[w])
             totals.append(total)
-    assert stats["tagged_lookups"] == W * N
+    assert stats.tagged_lookups == W * N
     for name, counts in (("global", globals_), ("own", owns), ("total", totals)):
-        assert stats[f"{name}_staleness_max"] == max(counts), name
-        assert stats[f"{name}_staleness_mean"] == pytest.approx(sum(counts) / len(counts)), name
+        assert getattr(stats, f"{name}_staleness_max") == max(counts), name
+        mean = getattr(stats, f"{name}_staleness_mean")
+        assert mean == pytest.approx(sum(counts) / len(counts)), name
     return globals_
 
 
@@ -149,8 +151,8 @@ async def test_the_ps_counts_the_pushes_of_every_worker_a_lookup_missed(window: 
     the steps, fails this)."""
     stats, seen = await run(window)
     globals_ = ps_matches_rows(stats, seen)
-    assert stats["own_staleness_max"] == window - 1
-    assert max(globals_) > stats["own_staleness_max"]  # the other workers' pushes missed too
+    assert stats.own_staleness_max == window - 1
+    assert max(globals_) > stats.own_staleness_max  # the other workers' pushes missed too
 
 
 @pytest.mark.parametrize("global_hot", [True, False])

@@ -67,7 +67,7 @@ async def run(gated: bool, batches: list[int]) -> list[list[tuple[int, set[int]]
     async with asyncio.timeout(30):  # a deadlock fails, never hangs
         seen = list(await asyncio.gather(*(train(w, p, n) for w, (p, n)
                                            in enumerate(zip(pipelines, batches, strict=True)))))
-    assert shards.shards[0].staleness.stats("t")["global_staleness_max"] == worst_miss(seen)
+    assert shards.shards[0].stats("t").tables["t"].global_staleness_max == worst_miss(seen)
     return seen
 
 

@@ -74,7 +74,7 @@ async def test_hybrid_mode_pushes_every_step_and_evaluates() -> None:
     assert 0 <= summary.staleness_max <= 2 and summary.steps == 10
     assert [h["step"] for h in summary.history] == [5, 10]
     assert summary.eval_samples == 1024 and not math.isnan(summary.auc)
-    pushed = sum(t.stats()["rows"] for s in rows.shards for t in s.tables.values())
+    pushed = sum(t.stats().rows for s in rows.shards for t in s.tables.values())
     assert pushed > 0  # the rows were created and trained on the shards themselves
 
 
