@@ -220,7 +220,8 @@ class PSClient:
         message per shard and dim carrying every table's ids."""
         out: dict[str, np.ndarray] = {}
         for tables in await self._by_dim(uniq):
-            layout, where = ShardedIds.of_tables({t: uniq[t] for t in tables}, self.num_shards)
+            layout, where = ShardedIds.of_tables({t: uniq[t] for t in tables}, self.num_shards,
+                                                 dedup=False)
             rows = await self.lookup_sharded(layout, read_only=read_only)
             out.update((t, rows_at(rows, where[t])) for t in tables)
         return out

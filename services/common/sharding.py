@@ -197,14 +197,21 @@ class ShardedIds:
                                zip(starts, self.counts[:, j], strict=True)])
 
     @classmethod
-    def of_tables(cls, ids_by_table: Mapping[str, np.ndarray], num_shards: int
-                  ) -> tuple[ShardedIds, dict[str, np.ndarray]]:
+    def of_tables(cls, ids_by_table: Mapping[str, np.ndarray], num_shards: int, *,
+                  dedup: bool = True) -> tuple[ShardedIds, dict[str, np.ndarray]]:
         """The layout of already-unique ids per table, and for each table where its ids
-        went (``layout.ids[where[t]] == ids_by_table[t]``)."""
+        went (``layout.ids[where[t]] == ids_by_table[t]``). ``dedup=False`` (lookups, where
+        an id twice only reads its row twice): one shard's layout is the ids as given, with
+        no hashing."""
         tables = list(ids_by_table)
         parts = [np.asarray(ids_by_table[t], dtype=np.uint64).reshape(-1) for t in tables]
-        layout, inverse = place_ids(parts, list(range(len(tables))), tables, num_shards)
         bounds = np.cumsum([0] + [p.size for p in parts])
+        if not dedup and num_shards == 1:
+            layout = cls(tuple(tables), np.concatenate(parts) if parts else
+                         np.empty(0, dtype=np.uint64), np.diff(bounds).reshape(1, -1))
+            return layout, {t: np.arange(lo, hi) for t, lo, hi in
+                            zip(tables, bounds[:-1], bounds[1:], strict=True)}
+        layout, inverse = place_ids(parts, list(range(len(tables))), tables, num_shards)
         return layout, {t: inverse[lo:hi] for t, lo, hi in
                         zip(tables, bounds[:-1], bounds[1:], strict=True)}
 

@@ -196,3 +196,21 @@ def test_rows_at_is_a_view_of_one_run_of_positions_and_a_gather_of_any_other() -
     for positions in ([2, 3, 4], [4, 3, 2], [1, 3, 2], [0, 2, 3], [5], []):
         where = np.array(positions, dtype=np.int64)
         np.testing.assert_array_equal(rows_at(rows, where), rows[where])
+
+
+def test_a_lookup_layout_of_one_shard_is_the_ids_as_given() -> None:
+    """``dedup=False`` (lookups): on one shard the layout of unique ids is the one that
+    dedup gives, without hashing; an id given twice is laid out twice (its row read twice),
+    never merged with another table's id of the same value."""
+    ids = {"a": np.array([9, 4, 7], dtype=np.uint64), "b": np.array([4, 1], dtype=np.uint64)}
+    plain, where = ShardedIds.of_tables(ids, 1, dedup=False)
+    deduped, where_deduped = ShardedIds.of_tables(ids, 1)
+    assert plain.tables == deduped.tables
+    np.testing.assert_array_equal(plain.ids, deduped.ids)
+    np.testing.assert_array_equal(plain.counts, deduped.counts)
+    for table in ids:
+        np.testing.assert_array_equal(where[table], where_deduped[table])
+    twice, where = ShardedIds.of_tables({"a": np.array([3, 3, 5], dtype=np.uint64)}, 1,
+                                        dedup=False)
+    np.testing.assert_array_equal(twice.ids[where["a"]], [3, 3, 5])
+    assert twice.counts.tolist() == [[3]]
