@@ -204,9 +204,16 @@ class TcpProxy:
             for transport in list(self._transports):
                 transport.abort()
             self._flowing.set()
+            # the connections' tasks end here, not destroyed pending with the loop
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         self._call(stop())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 # ---- zombie pushes, read off the stamp rows ------------------------------------------------------
