@@ -306,7 +306,7 @@ def _print_table(r: dict[str, Any]) -> None:
                   "", "", "")
     table.add_row("fp32 lookup bytes/s vs 1 MiB echo", f"{ps['bytes_per_s'] / 2**20:,.0f} MiB/s",
                   f"{echo['bytes_per_s'] / 2**20:,.0f} MiB/s (echo)",
-                  f"{r['grpc_vs_loopback']:.2f}", ">= 0.5")
+                  f"{r['grpc_vs_loopback']:.2f}", ">= 0.8")
     Console().print(table)
 
 
