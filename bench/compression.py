@@ -261,11 +261,15 @@ def _des_rows(cases: list[Case], base: TrainerConfig, *, rows: int, batch_size: 
     arms = [_case("rows path (multi-hot data)", "des"), *cases]
     runs_of = [(dim, seed, arm) for dim in DES_DIMS for seed in range(seeds) for arm in arms]
     paths = [replace(base, seed=seed, **dict(arm.settings)) for _, seed, arm in runs_of]
-    tables = [t for k, (dim, _, _) in enumerate(runs_of) for t in ps_table_configs(
-        {f: MODEL.table_dim(dim) for f in features}, prefix=f"d{k}_", lr=0.05)]
+    tables = [ps_table_configs({f: MODEL.table_dim(dim) for f in features}, prefix=f"d{k}_",
+                               lr=0.05) for k, (dim, _, _) in enumerate(runs_of)]
+    # one run's tables of each dim at the start, the others once up (LocalPS.create_tables)
+    first = {dim: k for k, (dim, _, _) in reversed(list(enumerate(runs_of)))}
     console.log(f"DES: {len(paths)} runs of one worker on multi-hot data "
                 f"({len(DES_DIMS)} dims x {seeds} seeds x {len(arms)} paths)")
-    with LocalPS(2, tables) as ps:
+    with LocalPS(2, [t for k in first.values() for t in tables[k]]) as ps:
+        ps.create_tables([t for k, run in enumerate(tables) if k not in first.values()
+                          for t in run])
         runs = run_local_ranks(_des_rank, 1, ps.addresses, features, paths, train, test,
                                timeout_s=3600.0)[0]
     table: list[dict[str, Any]] = []

@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 
-from clients.admin_client import AdminClient
-from services.local.processes import LocalPS, free_port
+from services.local.processes import free_port
 
-__all__ = ["create_tables", "eventually", "free_port", "swallowing_first_cancel"]
+__all__ = ["eventually", "free_port", "swallowing_first_cancel"]
 
 
 async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
@@ -37,25 +36,6 @@ async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: f
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         await asyncio.sleep(interval)
-
-
-def create_tables(ps: LocalPS, tables: list[dict[str, Any]]) -> None:
-    """Create ``tables`` on every shard of a started ``ps`` through its admin API.
-
-    For fixtures that share shards between tests, each test's tables under a name prefix:
-    start the shards with one prefix's tables and create the others with this. A shard loads
-    at start the kernels of one request of all its tables of a dim, and numba compiles each
-    request size: with every prefix's tables that is a request no test sends, compiled for
-    tens of seconds in each shard where numba's cache is cold (a fresh checkout, CI), against
-    LocalPS's 60 s start limit; with one prefix's, the size of the tests' requests."""
-
-    async def create() -> None:
-        for url in ps.admin_urls:
-            async with AdminClient(url) as admin:
-                for table in tables:
-                    await admin.create_table(table)
-
-    asyncio.run(create())
 
 
 def swallowing_first_cancel(call: Callable[..., Awaitable[Any]], entered: asyncio.Event,

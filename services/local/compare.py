@@ -119,10 +119,10 @@ def train_configs(configs: Sequence[TrainerConfig], *, rows: int, batch_size: in
     features = dataset.config.sparse_names
     model = model or ModelConfig(name="dlrm")
     prefixes = ["warm_", *(f"r{k}_" for k in range(len(configs)))]
-    tables = [t for p in prefixes
-              for t in ps_table_configs({f: model.table_dim(dim) for f in features},
-                                        prefix=p, lr=ps_lr)]
-    with LocalPS(shards, tables) as ps:
+    first, *rest = [ps_table_configs({f: model.table_dim(dim) for f in features}, prefix=p,
+                                     lr=ps_lr) for p in prefixes]
+    with LocalPS(shards, first) as ps:  # the others once up (LocalPS.create_tables: why)
+        ps.create_tables([t for tables in rest for t in tables])
         per_rank = run_local_ranks(_rank_runs, workers, ps.addresses, features, list(configs),
                                    model, train, test, slow,
                                    timeout_s=timeout_s)

@@ -10,6 +10,7 @@ reported by its own last error line, once, as an :class:`~services.common.errors
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -269,6 +270,23 @@ class LocalPS:
         if self._supervise:
             self.supervisor = Supervisor(self.procs, self._restart).start()
         return self
+
+    def create_tables(self, tables: Sequence[dict[str, Any]]) -> None:
+        """Create ``tables`` on every shard through its admin API (once started, from outside
+        an event loop). A shard loads at its start the kernels of one request of all its
+        tables of a dim, and numba compiles each request size anew: start the shards with the
+        tables one request names and create the others with this, or where numba's cache is
+        cold (a fresh checkout, CI) each shard compiles a request nobody sends, for tens of
+        seconds."""
+        from clients.admin_client import AdminClient
+
+        async def create() -> None:
+            for url in self.admin_urls:
+                async with AdminClient(url) as admin:
+                    for table in tables:
+                        await admin.create_table(table)
+
+        asyncio.run(create())
 
     def _restart(self, k: int) -> subprocess.Popen[bytes]:
         restore = [] if self._wal else ["--restore", "job"]

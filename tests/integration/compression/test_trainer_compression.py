@@ -18,7 +18,6 @@ from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.sync import make_sync
 from services.worker.trainer import Trainer
-from tests.conftest import create_tables
 
 DATA = SyntheticConfig(seed=5)
 FEATURES = DATA.sparse_names
@@ -28,10 +27,10 @@ PREFIXES = ("mp_", "ob_", "bad_", "ada_")
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalPS]:
     """Two PS shards, all but the first prefix's tables created once they are up
-    (create_tables)."""
+    (LocalPS.create_tables)."""
     first, *rest = [ps_table_configs({f: 8 for f in FEATURES}, prefix=p) for p in PREFIXES]
     with LocalPS(2, first) as ps:
-        create_tables(ps, [t for tables in rest for t in tables])
+        ps.create_tables([t for tables in rest for t in tables])
         yield ps
 
 

@@ -16,7 +16,7 @@ async def running_shards(tables: Sequence[TableConfig], count: int = 2, *,
                          ) -> AsyncIterator[list[PSService]]:
     """``count`` PS shard services holding ``tables``, started, then ``created_later`` (a
     shard's start loads the kernels of a request of all its tables of a dim: tests/conftest.py's
-    create_tables says when to hold some back); closed on leaving."""
+    LocalPS.create_tables says when to hold some back); closed on leaving."""
     services: list[PSService] = []
     try:
         for k in range(count):

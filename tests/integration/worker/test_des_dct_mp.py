@@ -44,7 +44,7 @@ def _tables(prefixes: tuple[str, ...]) -> list[TableConfig]:
 @pytest.fixture
 async def shards() -> AsyncIterator[list[PSService]]:
     """Started with one prefix's tables (a Trainer's request), the rest created once they
-    are up (tests/conftest.py's create_tables says why)."""
+    are up (LocalPS.create_tables says why)."""
     sgd = [TableConfig(name=name, dim=DIM, seed=0,
                        optimizer=OptimizerConfig(kind=OptimizerKind.SGD, lr=1.0))
            for name in ("sgd_a", "sgd_b")]

@@ -18,7 +18,6 @@ from services.local.processes import LocalPS
 from services.worker.config import ps_table_configs
 from services.worker.models import ModelConfig
 from services.worker.trainer import Trainer
-from tests.conftest import create_tables
 
 DATA = SyntheticConfig(seed=3)
 FEATURES = DATA.sparse_names
@@ -28,10 +27,10 @@ PREFIXES = ("sa_", "sb_", "pa_", "pb_", "hy_", "as_", "le_", "bad_", "ln_")
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalPS]:
     """Two PS shards; each test trains on its own fresh tables (a name prefix each), all but
-    the first prefix's created once the shards are up (create_tables)."""
+    the first prefix's created once the shards are up (LocalPS.create_tables)."""
     first, *rest = [ps_table_configs({f: 16 for f in FEATURES}, prefix=p) for p in PREFIXES]
     with LocalPS(2, first) as ps:
-        create_tables(ps, [t for tables in rest for t in tables])
+        ps.create_tables([t for tables in rest for t in tables])
         yield ps
 
 
