@@ -411,7 +411,8 @@ class EmbeddingPipeline:
 
     async def _start(self, batch: Batch, plan: BatchPlan, *, hold: bool) -> _Ahead:
         """Start the lookups of a tagged plan: its hot groups' on the chain, the rest's once
-        it has a slot (read ahead, riding on the push that frees one, or its own). ``hold``:
+        it has a slot (riding on the push that frees one, or its own; on the synchronous
+        route every group is the compute thread's, and the slot bounds planning). ``hold``:
         return only once the batch holds its slot (a rider too: the step gate's bound)."""
         split = self.heads.split(plan) if self.heads is not None else None
         if self._head_vote is not None and self.heads is not None \
