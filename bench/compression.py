@@ -263,13 +263,12 @@ def _des_rows(cases: list[Case], base: TrainerConfig, *, rows: int, batch_size: 
     paths = [replace(base, seed=seed, **dict(arm.settings)) for _, seed, arm in runs_of]
     tables = [ps_table_configs({f: MODEL.table_dim(dim) for f in features}, prefix=f"d{k}_",
                                lr=0.05) for k, (dim, _, _) in enumerate(runs_of)]
-    # one run's tables of each dim at the start, the others once up (LocalPS.create_tables)
-    first = {dim: k for k, (dim, _, _) in reversed(list(enumerate(runs_of)))}
+    # each dim's first run's tables at the start, the others once up (LocalPS.create_tables)
+    first = [[dim for dim, _, _ in runs_of].index(dim) for dim in DES_DIMS]
     console.log(f"DES: {len(paths)} runs of one worker on multi-hot data "
                 f"({len(DES_DIMS)} dims x {seeds} seeds x {len(arms)} paths)")
-    with LocalPS(2, [t for k in first.values() for t in tables[k]]) as ps:
-        ps.create_tables([t for k, run in enumerate(tables) if k not in first.values()
-                          for t in run])
+    with LocalPS(2, [t for k in first for t in tables[k]]) as ps:
+        ps.create_tables([t for k, run in enumerate(tables) if k not in first for t in run])
         runs = run_local_ranks(_des_rank, 1, ps.addresses, features, paths, train, test,
                                timeout_s=3600.0)[0]
     table: list[dict[str, Any]] = []
