@@ -48,8 +48,7 @@ from rich.table import Table
 
 from bench import main_of
 from services.common.codecs import get_codec
-from services.common.errors import error_from_wire
-from services.common.messages import LookupRequest, PushRequest
+from services.common.messages import Envelope, LookupRequest, PushRequest
 from services.common.rpc import channel_options
 from services.common.wire import PROTOCOL_VERSION, decode_message, encode_message
 
@@ -173,10 +172,10 @@ async def send_frame(address: str, method: str, frame: bytes, timeout: float) ->
             return exc.code().name
         if raw is grpc.aio.EOF:
             return (await call.code()).name
-        body = decode_message(raw)
-        if "error" in body:
-            return error_from_wire(body["error"]).grpc_code.name
-        return "OK" + _applied(body)
+        failure = Envelope.of(raw).exception()
+        if failure is not None:
+            return failure.grpc_code.name
+        return "OK" + _applied(decode_message(raw))
 
 
 def _applied(body: dict[str, Any]) -> str:

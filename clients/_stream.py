@@ -149,8 +149,8 @@ class MultiplexedStream:
                 envelope = Envelope.of(raw)
                 entry = self._pending.get(envelope.rid)  # type: ignore[arg-type]
                 if entry is not None and not entry[0].done():
-                    if envelope.error is not None:
-                        entry[0].set_exception(envelope.error.exception())
+                    if (failure := envelope.exception()) is not None:
+                        entry[0].set_exception(failure)
                     else:
                         entry[0].set_result(raw)
         except grpc.aio.AioRpcError as exc:

@@ -48,8 +48,7 @@ __all__ = [
     "WrongShard",
     "error_from_grpc",
     "error_from_http",
-    "error_from_wire",
-    "error_to_wire",
+    "error_named",
 ]
 
 
@@ -169,20 +168,13 @@ def _by_name(name: Any) -> type[PersimmonError] | None:
     return cls if isinstance(cls, type) and issubclass(cls, PersimmonError) else None
 
 
-def error_to_wire(exc: PersimmonError) -> dict[str, Any]:
-    """An in-band error of a stream response: class name, status name and message."""
-    return {"error": type(exc).__name__, "code": exc.grpc_code.name, "message": exc.message}
-
-
-def error_from_wire(body: Any) -> PersimmonError:
-    """Inverse of :func:`error_to_wire` (same class when known); unreadable → :class:`Internal`."""
-    if not isinstance(body, dict):
-        return Internal(f"unreadable error body: {body!r}")
-    cls = _by_name(body.get("error"))
+def error_named(name: str, code: str, message: str) -> PersimmonError:
+    """The error a peer reported by class ``name`` and gRPC status ``code`` name: that class
+    when it is one of these, else the class of that status; anything else :class:`Internal`."""
+    cls = _by_name(name)
     if cls is not None:
-        return cls(str(body.get("message", "")))
-    code = getattr(grpc.StatusCode, str(body.get("code")), grpc.StatusCode.UNKNOWN)
-    return error_from_grpc(code, str(body.get("message", "")))
+        return cls(message)
+    return error_from_grpc(grpc.StatusCode.__members__.get(code, grpc.StatusCode.UNKNOWN), message)
 
 
 _BY_HTTP: dict[int, type[PersimmonError]] = {

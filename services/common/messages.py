@@ -53,7 +53,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from services.common.codecs.array import WireArray
-from services.common.errors import MalformedMessage, PersimmonError, error_from_wire
+from services.common.errors import Internal, MalformedMessage, PersimmonError, error_named
 from services.common.loader_messages import (
     MAX_ACK_IDS,
     AckReply,
@@ -206,7 +206,7 @@ class ErrorBody(Record, kw_only=True):
 
     def exception(self) -> PersimmonError:
         """The Persimmon error it stands for (same class when known)."""
-        return error_from_wire(msgspec.structs.asdict(self))
+        return error_named(self.error, self.code, self.message)
 
 
 class ErrorReply(Message):
@@ -217,11 +217,23 @@ class ErrorReply(Message):
 
 class Envelope(Struct):
     """What a stream reader needs of any frame: its version, ``rid`` and error, if any (the
-    rest is skipped, not built)."""
+    rest is skipped, not built). The error is read by :meth:`exception`, so that a peer's
+    unreadable error fails the request it answers, not the stream."""
 
     v: Any = None
     rid: int | None = None
-    error: ErrorBody | None = None
+    error: msgspec.Raw = msgspec.Raw()
+
+    def exception(self) -> PersimmonError | None:
+        """The error the frame answers with (:meth:`ErrorBody.exception`), None if none; an
+        error that is no :class:`ErrorBody` is :class:`Internal` saying what is wrong."""
+        if not self.error:
+            return None
+        try:
+            body = _ERROR.decode(self.error)
+        except msgspec.DecodeError as exc:
+            return Internal(f"unreadable error reply: {exc}")
+        return None if body is None else body.exception()
 
     @classmethod
     def of(cls, raw: bytes) -> Envelope:
@@ -238,6 +250,7 @@ class Envelope(Struct):
 
 
 _ENVELOPE = msgspec.msgpack.Decoder(Envelope)
+_ERROR = msgspec.msgpack.Decoder(ErrorBody | None)
 
 
 # ---- persimmon.PS ---------------------------------------------------------------------------

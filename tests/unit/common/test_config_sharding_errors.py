@@ -11,13 +11,14 @@ import pytest
 from services.common.config import add_flags, config_to_dict, flag_values, from_dict, load_config
 from services.common.errors import (
     ConfigError,
+    Internal,
     NotFound,
-    PersimmonError,
+    StaleEpoch,
+    Unavailable,
     WrongShard,
     error_from_grpc,
     error_from_http,
-    error_from_wire,
-    error_to_wire,
+    error_named,
 )
 from services.common.sharding import (
     ShardedIds,
@@ -172,12 +173,24 @@ def test_numba_mixer_equals_numpy_mixer():
 def test_error_mappings_are_consistent():
     err = WrongShard("x")
     assert err.grpc_code == grpc.StatusCode.INVALID_ARGUMENT and err.http_status == 400
-    back = error_from_wire(error_to_wire(NotFound("gone")))
-    assert isinstance(back, NotFound) and back.message == "gone"
     assert isinstance(error_from_grpc(grpc.StatusCode.NOT_FOUND, "m"), NotFound)
     assert isinstance(error_from_http(404, {"message": "m"}), NotFound)
     assert type(error_from_grpc(grpc.StatusCode.DATA_LOSS, "m")).__name__ == "Internal"
-    assert isinstance(error_from_wire("junk"), PersimmonError)
+
+
+@pytest.mark.parametrize(("name", "code", "expected"), [
+    ("StaleEpoch", "FAILED_PRECONDITION", StaleEpoch),  # a subclass, not its status's class
+    ("StaleEpoch", "junk", StaleEpoch),  # the name decides when it is known
+    ("SomeoneElsesError", "UNAVAILABLE", Unavailable),  # else the status
+    ("error_named", "NOT_FOUND", NotFound),  # a name of the module that is no error class
+    ("Exception", "junk", Internal),  # nor a class outside the hierarchy
+    ("junk", "_member_names_", Internal),  # an attribute of StatusCode that is no member
+    ("junk", "DATA_LOSS", Internal),  # a status with no class of its own
+])
+def test_a_reported_error_is_its_class_when_known_else_its_status_else_internal(
+        name, code, expected):
+    error = error_named(name, code, "why")
+    assert type(error) is expected and error.message == "why"
 
 
 def test_rows_at_is_a_view_of_one_run_of_positions_and_a_gather_of_any_other() -> None:

@@ -15,7 +15,7 @@ from services.common import messages as m
 from services.common.batch import Batch, Jagged
 from services.common.codecs import WireArray, decode_array, get_codec, raw_array
 from services.common.config import config_to_dict
-from services.common.errors import MalformedMessage, ProtocolMismatch
+from services.common.errors import Internal, MalformedMessage, ProtocolMismatch, StaleEpoch
 from services.common.wire import Record, decode_message, encode_message
 from services.ps.tables import TableConfig
 
@@ -278,6 +278,34 @@ def test_optional_fields_are_left_out_and_null_means_absent():
     assert m.BatchesEnd(rank=1).to_wire() == {"kind": "end", "rank": 1}
     with pytest.raises(MalformedMessage, match="LookupRequest.tables: Expected `array`, got `null`"):
         m.LookupRequest.from_wire({**_lookup().to_wire(), "tables": None})
+
+
+def test_an_error_reply_is_read_back_as_its_error_on_the_map_it_always_was():
+    sent = m.ErrorReply(error=m.ErrorBody.of(StaleEpoch("restored since")))
+    raw = m.encode(sent, rid=3)
+    assert msgpack.unpackb(raw) == {"v": 2, "rid": 3, "error": {
+        "error": "StaleEpoch", "code": "FAILED_PRECONDITION", "message": "restored since"}}
+    envelope = m.Envelope.of(raw)
+    error = envelope.exception()
+    assert envelope.rid == 3 and type(error) is StaleEpoch and error.message == "restored since"
+    assert m.Envelope.of(m.encode(m.AckReply(acked=[1], unknown=[]), rid=4)).exception() is None
+    assert m.Envelope.of(encode_message({"error": None}, rid=5)).exception() is None
+
+
+@pytest.mark.parametrize(("error", "match"), [
+    ("junk", "got `str`"),
+    ({"error": "NotFound", "message": "m"}, "missing required field `code`"),
+    ({"error": "NotFound", "code": "NOT_FOUND", "message": 7}, "Expected `str`, got `int`"),
+    ({"error": "x" * 5000, "code": "NOT_FOUND", "message": "m"}, "length <= 4096"),
+    ({"error": "NotFound", "code": "NOT_FOUND", "message": "m", "why": 1}, "unknown field"),
+])
+def test_an_unreadable_error_fails_its_request_as_internal_not_the_stream(error, match):
+    """A peer's error reply that is no ErrorBody: the frame's envelope is read (its rid still
+    names the request to fail) and the error is Internal saying what is wrong."""
+    envelope = m.Envelope.of(encode_message({"error": error}, rid=6))
+    failure = envelope.exception()
+    assert envelope.rid == 6 and type(failure) is Internal
+    assert "unreadable error reply" in failure.message and match in failure.message
 
 
 def test_frames_pack_messages_and_arrays_inside_plain_maps():
