@@ -46,7 +46,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.ps.store import PushResult
 
 __all__ = ["DEFAULT_MAX_CLIENTS", "DEFAULT_WINDOW", "SAMPLED_BYTES", "PushOrigin", "PushWindow",
-           "fingerprint"]
+           "WindowCounters", "fingerprint"]
 
 DEFAULT_WINDOW = 1024
 DEFAULT_MAX_CLIENTS = 1024  # at ~0.2 MB per client with a full window: ~200 MB at the cap
@@ -82,6 +82,18 @@ def fingerprint(meta: tuple[Any, ...], whole: Sequence[np.ndarray],
 
 def _bytes(a: np.ndarray) -> memoryview:
     return (a if a.flags.c_contiguous else np.ascontiguousarray(a)).data
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCounters:
+    """What a :class:`PushWindow` holds and has done (:meth:`PushWindow.stats`)."""
+
+    clients: int  # remembered whole
+    entries: int  # applied pushes remembered, over those clients
+    evicted: int  # clients evicted so far
+    evicted_kept: int  # evicted clients whose highest number is still kept
+    forgot: bool  # whether an evicted client's highest number was dropped too
+    retries: int  # pushes answered from the window instead of applied
 
 
 @dataclass(slots=True)
@@ -202,12 +214,13 @@ class PushWindow:
                 return True
         return False
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> WindowCounters:
         with self._lock:
-            return {"clients": len(self._clients), "evicted": self.evicted,
-                    "evicted_kept": len(self._evicted), "forgot": int(self.forgot),
-                    "retries": self.retries,
-                    "entries": sum(len(s.applied) for s in self._clients.values())}
+            return WindowCounters(
+                clients=len(self._clients),
+                entries=sum(len(s.applied) for s in self._clients.values()),
+                evicted=self.evicted, evicted_kept=len(self._evicted), forgot=self.forgot,
+                retries=self.retries)
 
     # ---- checkpoints ----------------------------------------------------------------------
 

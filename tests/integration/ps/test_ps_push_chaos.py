@@ -245,7 +245,7 @@ async def test_pushes_whose_replies_are_lost_are_applied_exactly_once(tmp_path):
         markers = applied_counts(table.lookup(np.arange(MARKERS, MARKERS + PUSHES,
                                                         dtype=np.uint64)))
         shared_rows = applied_counts(table.lookup(np.arange(SHARED, dtype=np.uint64)))
-        retries = service.shard.pushes.stats()["retries"]
+        retries = service.shard.pushes.stats().retries
     finally:
         await proxy.close()
         await service.close()

@@ -12,7 +12,7 @@ from services.common import messages as m
 from services.common.codecs import raw_array
 from services.common.errors import FailedPrecondition, InvalidArgument, MalformedMessage
 from services.ps.config import PSConfig
-from services.ps.dedup import SAMPLED_BYTES, PushOrigin, PushWindow, fingerprint
+from services.ps.dedup import SAMPLED_BYTES, PushOrigin, PushWindow, WindowCounters, fingerprint
 from services.ps.shard import INLINE_IDS, Shard
 from services.ps.store import PushResult
 from tests.unit.ps.counting import applied_counts, count_grads, counting_table
@@ -35,7 +35,7 @@ def test_a_retry_gets_the_first_ack_and_is_not_applied_again():
     window = PushWindow(window=8)
     assert applied(window, 1, 1) is None
     assert applied(window, 1, 1, ack=PushResult()) == ACK  # the first ack, not a new one
-    assert window.stats()["retries"] == 1
+    assert window.stats().retries == 1
 
 
 def test_numbers_are_per_client():
@@ -73,7 +73,7 @@ def test_the_window_stays_bounded_and_keeps_what_it_promises():
     window = PushWindow(window=16)
     for seq in range(1, 1001):
         applied(window, 1, seq)
-    assert window.stats()["entries"] <= 16 + 16 // 4 + 1
+    assert window.stats().entries <= 16 + 16 // 4 + 1
     for seq in range(985, 1001):  # the last window: all known
         assert window.claim(PushOrigin(1, seq), 1) == ACK
 
@@ -94,8 +94,8 @@ def test_the_least_recently_seen_client_is_evicted():
     applied(window, 2, 1)
     applied(window, 1, 2)  # client 1 seen last: client 2 goes first
     applied(window, 3, 1)
-    assert window.stats() | {"entries": 0} == {"clients": 2, "evicted": 1, "retries": 0,
-                                               "entries": 0, "evicted_kept": 1, "forgot": 0}
+    assert window.stats() == WindowCounters(clients=2, entries=3, evicted=1, evicted_kept=1,
+                                            forgot=False, retries=0)  # 1: seqs 1, 2; 3: seq 1
     assert window.claim(PushOrigin(1, 1), 1) == ACK  # client 1 was kept
     with pytest.raises(FailedPrecondition, match="too old to tell"):
         window.claim(PushOrigin(2, 1), 1)  # client 2 was evicted: may be a retry
@@ -108,7 +108,7 @@ def test_malformed_origins_are_invalid_argument(origin):
     window = PushWindow()
     with pytest.raises(InvalidArgument, match="client id|sequence number"):
         window.claim(PushOrigin(*origin), 1)
-    assert window.stats()["clients"] == 0
+    assert window.stats().clients == 0
 
 
 def test_snapshot_and_restore_round_trip():
@@ -310,7 +310,7 @@ async def test_a_resharded_restore_starts_with_an_empty_window(tmp_path):
     half = Shard(PSConfig(shard_id=0, num_shards=2, checkpoint_dir=str(tmp_path),
                           tables=[counting_table("count"), counting_table("other")]))
     await half.restore("c1")
-    assert half.pushes.stats()["clients"] == 0
+    assert half.pushes.stats().clients == 0
 
 
 def test_with_idempotent_pushes_off_a_retry_is_applied_again():
