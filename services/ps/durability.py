@@ -67,7 +67,7 @@ class Durable:
     _last_checkpoint: str | None
 
     if TYPE_CHECKING:  # what the shard provides
-        def _holding(self, names: Sequence[str]) -> contextlib.AbstractContextManager[bool]: ...
+        def holding(self, names: Sequence[str]) -> contextlib.AbstractContextManager[bool]: ...
         def _once(self, origin: PushOrigin | None, content: Callable[[], int],
                   parts: Sequence[PushPart], fence: int | None) -> PushResult: ...
         def create_table(self, table_config: TableConfig | dict[str, Any]
@@ -101,7 +101,7 @@ class Durable:
 
     def _write_checkpoint(self, root: Path, checkpoint_id: str, incremental: bool,
                           parent: str | None, epoch: int | None) -> CheckpointManifest:
-        with self._layout, self._holding(list(self.tables)):
+        with self._layout, self.holding(list(self.tables)):
             self.check_epoch(epoch, "checkpoint")  # a restore holds the same locks
             manifest = write_checkpoint(root, checkpoint_id, self.config.shard_id,
                                         self.config.num_shards, self.tables,
@@ -215,7 +215,7 @@ class Durable:
         origin, fp, parts = record.origin, record.fp, record.arrays()
         retries = self.pushes.retries
         try:
-            with self._holding([name for name, _, _ in parts]):
+            with self.holding([name for name, _, _ in parts]):
                 self._once(None if origin is None else PushOrigin(*origin), lambda: fp, parts,
                            None)
         except FailedPrecondition:  # below the window: older than pushes the state holds
@@ -259,7 +259,7 @@ class Durable:
         """Swap in restored ``tables``, window and ``epoch`` holding every table's lock, so
         that no push comes between (one that waited is refused for its old epoch); the log
         restarts from checkpoint ``base`` first (None: goes on)."""
-        with self._layout, self._holding(list(self._locks)):
+        with self._layout, self.holding(list(self._locks)):
             if base is not None and self.wal is not None:
                 self.wal.start(base, epoch)
             self.epoch = epoch

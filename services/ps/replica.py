@@ -155,6 +155,11 @@ class HeadReplica:
         """Rows held, over every table."""
         return len(self._index)
 
+    @property
+    def num_arenas(self) -> int:
+        """Row arenas: one per optimizer config, dim and storage dtype of the tables."""
+        return len(self._arenas)
+
     def clear(self) -> None:
         """Forget every row (a new run copies them again: the PS's may have changed)."""
         self._configs: dict[str, TableConfig] | None = None

@@ -205,7 +205,7 @@ class Shard(Durable):
         while True:
             content, parts, tables = check()
             names = [name for name, _, _ in parts]
-            with self._holding(names) as held:
+            with self.holding(names) as held:
                 if held and all(self.tables.get(name) is table
                                 for name, table in zip(names, tables, strict=True)):
                     return self._once(origin, content, parts, fence)
@@ -218,9 +218,10 @@ class Shard(Durable):
             yield self.table(name)
 
     @contextlib.contextmanager
-    def _holding(self, names: Sequence[str]) -> Iterator[bool]:
-        """Hold the locks of tables ``names``, taken in name order (deadlock-free with a
-        checkpoint, which takes every table's in that order); False: one has none (gone)."""
+    def holding(self, names: Sequence[str]) -> Iterator[bool]:
+        """Hold the locks of tables ``names`` (no push, lookup or checkpoint of them runs
+        meanwhile), taken in name order (deadlock-free with a checkpoint, which takes every
+        table's in that order); yields False where one has none (gone)."""
         locks = [self._locks.get(name) for name in sorted(set(names))]
         with hold([lock for lock in locks if lock is not None]):
             yield None not in locks

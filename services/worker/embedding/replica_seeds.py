@@ -153,6 +153,11 @@ class ReplicaSeeds:
             *(path.push(rows, plan, i, grads[i]) for i in hot),
             *(path.push(rows, cast(SplitBatch, split).head, i, head_grads[i]) for i in heads)))
 
+    @property
+    def acknowledged_below(self) -> int:
+        """Every step below this one has its push acknowledged (a failed push's counts too)."""
+        return self._acked.below
+
     def acknowledged(self, plan: BatchPlan) -> None:
         """``plan``'s push is acknowledged."""
         if (tag := plan.groups[0].layout.tag) is not None:

@@ -95,13 +95,12 @@ def _onebit_rank(rank: int, world: int) -> dict:
 
     class RecordingLamb(OnebitLamb):
         def step(self, closure=None):  # type: ignore[no-untyped-def]
+            compressed = self.compressing
             out = super().step(closure)
             lamb_v.append(_variances(self))
+            if compressed:
+                factors.append(list(self.last_factors))
             return out
-
-        def _compressed_step(self, params):  # type: ignore[no-untyped-def]
-            super()._compressed_step(params)
-            factors.append(list(self.last_factors))
 
     lamb_loss, lamb_x = _train_least_squares(
         lambda p: RecordingLamb(p, lr=LAMB_LR, freeze_step=LS_FREEZE, betas=(0.9, 0.99)),
@@ -281,7 +280,8 @@ def _through_sync_strategies(xs: torch.Tensor, w_true: torch.Tensor) -> dict:
     """The hooks and averagers plugged into the worker's AllReduceSync, as the trainer does."""
     result = {}
     hooked = AllReduceSync(comm_hook=make_comm_hook("onebit"))
-    flat = AllReduceSync(use_ddp=False, averager=CodecAverager("qsgd", levels=7))
+    averager = CodecAverager("qsgd", levels=7)
+    flat = AllReduceSync(use_ddp=False, averager=averager)
     for name, sync in (("onebit_hook", hooked), ("qsgd_averager", flat)):
         model = sync.prepare(_tiny_model())
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -293,7 +293,7 @@ def _through_sync_strategies(xs: torch.Tensor, w_true: torch.Tensor) -> dict:
             sync.after_backward(step)
             opt.step()
             sync.after_step(step)
-        source = hooked.comm_hook[0] if name == "onebit_hook" else flat._averager
+        source = hooked.comm_hook[0] if name == "onebit_hook" else averager
         result[name] = {"bytes_sent": sync.stats.bytes_sent, "wire_bytes": source.wire_bytes,
                         "params": torch.cat([p.detach().reshape(-1)
                                              for p in model.parameters()]).numpy().copy()}

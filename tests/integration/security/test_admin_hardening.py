@@ -85,11 +85,10 @@ async def test_a_peek_waiting_on_a_checkpoint_lock_leaves_the_loop_serving(start
     in a thread: /healthz and gRPC lookups of the server go on answering meanwhile."""
     ps = await start_ps()
     hold_s = 1.5
-    lock = ps.shard._locks["user"]  # what Shard.checkpoint holds while it writes
     held = threading.Event()
 
     def checkpointing() -> None:
-        with lock:
+        with ps.shard.holding(["user"]):  # as Shard.checkpoint holds it while it writes
             held.set()
             time.sleep(hold_s)
 

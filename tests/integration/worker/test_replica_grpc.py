@@ -47,7 +47,8 @@ async def test_the_ps_copy_of_the_head_rows_is_the_replicas_over_grpc(client: st
             async with Trainer(model=ModelConfig(name="dlrm"), rows_client=rows, lr=3e-3,
                                seed=7, mode="hybrid", staleness=8, head_replica=replica) as t:
                 summary = await t.fit(batches)
-            assert t.pipeline._seeding is not None and t.pipeline.head_count() > 0
+            assert t.pipeline.policy is not None and t.pipeline.policy.seeding is not None
+            assert t.pipeline.head_count() > 0
             assert summary.replicated_rows == replica.num_rows > 0
         assert_ps_follows(replica, [s.shard for s in shards])
     finally:

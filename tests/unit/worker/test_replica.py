@@ -22,6 +22,7 @@ from services.ps.tables import OptimizerConfig, TableConfig
 from services.worker.config import ps_table_configs
 from services.worker.embedding.replica_seeds import ReplicaSeeds, Seeds
 from services.worker.models import ModelConfig
+from services.worker.pooling import BatchPlan, GroupPlan
 from services.worker.trainer import Trainer
 
 DATA = SyntheticConfig(seed=3)
@@ -162,7 +163,7 @@ async def test_a_failed_push_fails_the_run_and_no_copy_waits_for_it() -> None:
         with pytest.raises(Unavailable, match="step 6"):
             await asyncio.wait_for(t.fit(batches), 60)
         assert t.pipeline.policy is not None and (seeding := t.pipeline.policy.seeding)
-        assert seeding._acked.below > 6
+        assert seeding.acknowledged_below > 6
 
 
 async def test_the_replica_updates_rows_as_the_ps_does_across_optimizers_and_dtypes() -> None:
@@ -185,7 +186,7 @@ async def test_the_replica_updates_rows_as_the_ps_does_across_optimizers_and_dty
         grads[step] = np.nan
         assert replica.push_now(layout, grads) == ps.push_now(layout, grads)
     np.testing.assert_array_equal(replica.lookup_now(layout), ps.lookup_now(layout))
-    assert len(replica._arenas) == 3 and replica.num_rows == layout.ids.size
+    assert replica.num_arenas == 3 and replica.num_rows == layout.ids.size
     assert await replica.seed(ps, layout) == 0  # held: nothing copied again
 
 
@@ -253,6 +254,12 @@ async def test_updates_in_another_thread_survive_copies_that_grow_the_arena() ->
     np.testing.assert_array_equal(replica.lookup_now(first), ps.lookup_now(first))
 
 
+def _plan_of(layout: ShardedIds) -> BatchPlan:
+    """A plan of one group looking up ``layout`` and pooling nothing."""
+    none = np.empty(0, dtype=np.int64)
+    return BatchPlan(batch_size=0, groups=[GroupPlan(layout, (), none, none)], features={})
+
+
 async def test_a_head_row_not_held_is_copied_once_the_earlier_pushes_are_acknowledged() -> None:
     """A batch's head id whose row the replica lacks (two tables' ids can share a head key:
     the id was never decided itself) is copied, but only after the pushes of the steps
@@ -265,7 +272,7 @@ async def test_a_head_row_not_held_is_copied_once_the_earlier_pushes_are_acknowl
     for step in range(3):
         await asyncio.sleep(0.01)
         assert not copying.done() and rows.state_lookups == 0  # steps 0-2 not all acknowledged
-        seeds._acked.add(step)
+        seeds.acknowledged(_plan_of(replace(layout, tag=(0, step, 1))))
     await asyncio.wait_for(copying, 5)
     assert replica.holds(layout) and rows.state_lookups == 1
     await seeds.copy(rows, Seeds(mine=[layout]))
