@@ -13,9 +13,15 @@ import numpy as np
 from numba import njit
 
 from services.common.sharding import GOLDEN
+from services.ps.prefetch import prefetch_row
 
 __all__ = ["SlotBits", "committed", "dedup_slots", "gather_rows", "nonfinite_rows",
            "set_bits", "smallest_keys", "sum_rows_by_inverse", "touch_slots"]
+
+# rows ahead a gather prefetches: its loop only copies a row, so it needs a longer lead than
+# the probes' and optimizers' PREFETCH_DISTANCE (64k random rows of dim 16 out of 1M, AMD
+# EPYC: 1.7 ms without, 1.2 ms at 8, 0.7 ms at 16)
+GATHER_AHEAD = 16
 
 
 def committed(shape: tuple[int, ...], dtype: Any, fill: int = 0) -> np.ndarray:
@@ -103,8 +109,12 @@ def touch_slots(slots, ticks, uses, last_used, tick, now):  # pragma: no cover -
 
 @njit(cache=True, nogil=True)
 def gather_rows(rows, slots, out):  # pragma: no cover - numba
-    """out[j] = rows[slots[j]] for slots >= 0."""
-    for j in range(slots.shape[0]):
+    """out[j] = rows[slots[j]] for slots >= 0, the row ``GATHER_AHEAD`` further prefetched."""
+    n = slots.shape[0]
+    for j in range(n):
+        ahead = slots[min(j + GATHER_AHEAD, n - 1)]
+        if ahead >= 0:
+            prefetch_row(rows, ahead)
         s = slots[j]
         if s >= 0:
             for c in range(rows.shape[1]):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from services.common.sharding import mix64
-from services.ps.arena import SlotBits, dedup_slots, sum_rows_by_inverse
+from services.ps.arena import GATHER_AHEAD, SlotBits, dedup_slots, gather_rows, sum_rows_by_inverse
 from services.ps.slotindex import SlotIndex
 
 
@@ -95,6 +95,20 @@ def test_dedup_sums_repeats_in_request_order_skips_negative_slots_and_leaves_bit
     assert (k, dups) == (3, False)
     assert uslots[:k].tolist() == [4, 12, 1] and inv[:4].tolist() == [0, -1, 1, 2]
     assert not seen.any()
+
+
+@pytest.mark.parametrize("n", [0, 1, GATHER_AHEAD - 1, GATHER_AHEAD, GATHER_AHEAD + 1, 500])
+def test_gather_copies_each_slots_row_and_leaves_absent_slots_positions_alone(n):
+    rng = np.random.default_rng(n)
+    rows = rng.normal(size=(64, 5)).astype(np.float32)
+    slots = rng.integers(-1, 64, size=n).astype(np.int64)  # -1: no row, also at the end
+    if n:
+        slots[-1] = -1
+    out = np.full((n, 5), np.nan, dtype=np.float32)
+    gather_rows(rows, slots, out)
+    has = slots >= 0
+    np.testing.assert_array_equal(out[has], rows[slots[has]])
+    assert np.isnan(out[~has]).all()  # not rows[-1]: the last row
 
 
 def test_an_index_over_the_callers_ids_reads_and_writes_them_in_place():
