@@ -108,10 +108,6 @@ class SyntheticConfig:
     def sparse_names(self) -> list[str]:
         return [f"C{i + 1}" for i in range(len(self.vocab_sizes))]
 
-    @property
-    def dense_names(self) -> list[str]:
-        return [f"I{i + 1}" for i in range(self.num_dense)]
-
 
 def synthetic_profile(name: str, *, seed: int = 0, max_vocab: int = 1_000_000,
                       zipf: float | None = None) -> SyntheticConfig:

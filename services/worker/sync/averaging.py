@@ -141,11 +141,6 @@ class DSSync(BaseSync):
             mine = next(r for r in groups if self.rank in r)
             self._my_groups.append((created[tuple(mine)], len(mine)))
 
-    @property
-    def cycle_length(self) -> int:
-        """Rounds before the schedule repeats (for hypercube: one full mix)."""
-        return len(self.rounds)
-
     def _on_step(self, step: int) -> None:
         if (step + 1) % self.every:
             return
