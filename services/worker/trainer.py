@@ -1,5 +1,4 @@
 """The Trainer: PERSIA hybrid training of a model whose embeddings live on the PS.
-size: one dense replica's state, shared by start, the step, fit and evaluate (no seam left).
 
 One step of one batch::
 
@@ -25,7 +24,10 @@ The staleness of a batch is the number of earlier batches whose push is not yet 
 its lookup starts; ``fit`` reports the maximum.
 
 Dense replicas synchronise through a :mod:`services.worker.sync` strategy (DDP all-reduce by
-default) when a torch.distributed group of more than one rank is initialised.
+default) when a torch.distributed group of more than one rank is initialised. What crosses
+between them through codecs (``dense_codec``, the 1-bit optimizers, the adaquant loss, DCT-MP
+activations) and its bytes is the :class:`~services.worker.dense_exchange.DenseExchange` the
+Trainer makes from its config and asks at each point.
 
 Usage::
 
@@ -56,17 +58,10 @@ from clients.ps_client import PSClient
 from services.common.admin import AdminServer
 from services.common.batch import Batch, Batches, iterate
 from services.common.codecs import WireStatsCollector
-from services.common.codecs.qsgd import adapts_to_loss
 from services.common.config import config_to_dict
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.worker.admin import WorkerProgress, make_worker_admin
 from services.worker.best import BestState
-from services.worker.compression import (
-    ActivationSparsifier,
-    CodecAverager,
-    CommStats,
-    make_comm_hook,
-)
 from services.worker.compute import (
     DONE,
     ComputeThread,
@@ -74,10 +69,10 @@ from services.worker.compute import (
     compute_threads,
     distributed,
     every_rank_has_a_first_batch,
-    mean_over_ranks,
 )
 from services.worker.config import TrainerConfig
-from services.worker.dense_optimizers import ONEBIT_OPTIMIZERS, make_optimizer
+from services.worker.dense_exchange import DenseExchange
+from services.worker.dense_optimizers import make_optimizer
 from services.worker.embedding.builder import EmbeddingLink, check_rows_source, connect
 from services.worker.embedding.exchange import lookup_groups
 from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
@@ -154,20 +149,8 @@ class Trainer:
         self.module: nn.Module | None = model if isinstance(model, nn.Module) else None
         self._forward: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        if sync is not None and (cfg.dense_optimizer in ONEBIT_OPTIMIZERS
-                                 or cfg.dense_codec != "none"):
-            raise ConfigError("dense_codec and the 1-bit optimizers set up the dense all-reduce "
-                              "themselves; do not pass a sync strategy with them")
+        self._exchange = DenseExchange(cfg, sync_given=sync is not None)
         self._sync = sync
-        self._dense_stats: CommStats | None = None  # bytes of the dense exchange we set up
-        self._report_loss: Callable[[float], Any] | None = None  # adaquant hook
-        self._shared_loss = adapts_to_loss(cfg.dense_codec) or adapts_to_loss(cfg.grads_codec)
-        # the s of the adaquant codecs at the latest steps: "dense" (hook, averager), "grads" (PS)
-        self.adaquant_levels: dict[str, collections.deque[int]] = {
-            stream: collections.deque(maxlen=RECENT_LOSSES) for stream in ("dense", "grads")}
-        self._activations = (ActivationSparsifier(self.config.activation_keep)  # DES: the wire's
-                             if self.config.activation_keep < 1
-                             and self.config.embedding_path != "des" else None)
         self.on_step = on_step
         self.after_step: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self._warm = False  # the step's kernels loaded (warmup.py), at the first fit's batch
@@ -179,6 +162,12 @@ class Trainer:
         self.phases = StepPhases()  # where the steps of the last fit went (its summary's)
         self.recent_losses: collections.deque[float] = collections.deque(maxlen=RECENT_LOSSES)
         self.history: list[dict[str, float]] = []  # evaluations: step, auc, logloss, samples
+
+    @property
+    def adaquant_levels(self) -> dict[str, collections.deque[int]]:
+        """The s of the adaquant codecs at the latest steps: ``"dense"`` (the comm hook or
+        the averager) and ``"grads"`` (the PS's)."""
+        return self._exchange.levels
 
     @property
     def link(self) -> EmbeddingLink:
@@ -261,50 +250,19 @@ class Trainer:
             self.module = spec.build(sparse_dims=dims, num_dense=batch.num_dense)
         self.module.to(self.device)
         several = distributed()
-        onebit = self.config.dense_optimizer in ONEBIT_OPTIMIZERS
-        if self._sync is None and several and not onebit:
-            self._sync = self._configured_sync()
-        if several and onebit:  # no DDP: replicas must start equal
-            for p in self.module.parameters():
-                dist.broadcast(p.data, 0)
+        self._sync = self._exchange.sync_for(self.module, self._sync, several=several)
         self._forward = self._sync.prepare(self.module) if self._sync else self.module
         world = dist.get_world_size() if several else 1
         self._optimizer = make_optimizer(self.config.dense_optimizer, self.module, self.config,
                                          batch=batch.size * world)
-        if onebit:
-            self._dense_stats = getattr(self._optimizer, "stats", None)
-
-    def _configured_sync(self) -> SyncStrategy:
-        """``config.sync`` with ``dense_codec`` as its DDP comm hook (allreduce) or as the
-        averager of the parameters (the parameter-averaging strategies)."""
-        cfg = self.config
-        if cfg.sync == "allreduce":
-            state, hook = make_comm_hook(cfg.dense_codec)
-            self._dense_stats = state.stats
-            self._report_loss = (state.report_loss if adapts_to_loss(cfg.dense_codec)
-                                 else None)
-            return cfg.sync_config().build(comm_hook=(state, hook))
-        averager = CodecAverager(cfg.dense_codec) if cfg.dense_codec != "none" else None
-        if averager is not None:
-            self._dense_stats = averager.stats
-            self._report_loss = (averager.report_loss if adapts_to_loss(cfg.dense_codec)
-                                 else None)
-        return cfg.sync_config().build(averager=averager)
+        self._exchange.count_optimizer(self._optimizer)
 
     def codec_rows(self) -> list[dict[str, Any]]:
         """Raw and wire bytes per stream and codec: the PS payloads, the dense exchange this
         trainer set up and DCT-MP activations (exported as ``persimmon_codec_bytes_total``; no PS
         payloads before :meth:`start`)."""
         rows = self._link.pipeline.codec_stats().rows() if self._link is not None else []
-        dense = (self.config.dense_optimizer if self.config.dense_optimizer in ONEBIT_OPTIMIZERS
-                 else self.config.dense_codec)
-        for stream, codec, stats in (("dense_allreduce", dense, self._dense_stats),
-                                     ("activations", "dct_mp", getattr(self._activations,
-                                                                       "stats", None))):
-            if stats is not None:
-                rows.append({"stream": stream, "codec": codec, "direction": "sent",
-                             "raw_bytes": stats.raw_bytes, "wire_bytes": stats.wire_bytes})
-        return rows
+        return rows + self._exchange.codec_rows()
 
     def sync_metrics(self) -> dict[str, Any]:
         """The dense sync strategy's name and stats with the consensus distance (collective
@@ -345,8 +303,8 @@ class Trainer:
     def _inputs(self, item: Prepared, *, training: bool = True
                 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
         pooled = self.pipeline.path.pool(item.plan, item.rows, device=self.device)
-        if self._activations is not None and training:  # DCT-MP: kept positions only
-            pooled.pooled = self._activations(pooled.pooled)
+        if training:  # DCT-MP, where set: kept positions only
+            pooled.pooled = self._exchange.sparsify(pooled.pooled)
         # numpy's copies keep the GIL (torch.tensor's release it: another thread may take it)
         dense = torch.from_numpy(item.batch.dense.copy()).to(self.device)
         labels = torch.from_numpy(item.batch.labels.copy()).to(self.device)
@@ -368,9 +326,7 @@ class Trainer:
             self.module.train()
         logits = self._forward(pooled.pooled, dense)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
-        shared = mean_over_ranks(loss) if self._shared_loss else math.nan
-        if self._report_loss is not None:
-            self.adaquant_levels["dense"].append(self._report_loss(shared))
+        shared = self._exchange.after_loss(loss)
         phases.mark("forward")
         self._optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -385,16 +341,6 @@ class Trainer:
         self.pipeline.apply_hot(item, grads)
         phases.mark("apply_hot")
         return float(loss.item()), logits.detach().cpu().numpy(), grads, shared
-
-    async def _report_grads_loss(self, loss: float) -> None:
-        """Feed the mean loss to the rows clients' adaquant grads codecs before the step's push
-        (in hybrid mode a push not yet encoded when the next step reports may use its s)."""
-        adapts = adapts_to_loss(self.config.grads_codec)
-        for client in self.pipeline.clients() if adapts else ():
-            report = getattr(client, "report_loss", None)
-            levels = await report(loss) if report is not None else None
-            if levels is not None and client is self.rows:
-                self.adaquant_levels["grads"].append(levels)
 
     def _eval_step(self, item: Prepared) -> np.ndarray:
         assert self.module is not None
@@ -462,8 +408,9 @@ class Trainer:
                     raise got
                 item, (loss, logits, grads, shared) = got
                 self.progress.training()
-                if self._shared_loss:
-                    await self._report_grads_loss(shared)
+                if self._exchange.feeds_grads_codec:
+                    await self._exchange.report_grads_loss(shared, self.pipeline.clients(),
+                                                           self.rows)
                 self.pipeline.push(item, grads)
                 await self._retune(compute)
                 train_acc.add_step(item.batch.labels, logits, loss)
@@ -526,9 +473,8 @@ class Trainer:
         await self._held_out(summary, eval_batches, averaged=averaged)
         summary.wire_bytes = self.pipeline.wire_bytes()
         summary.codec_bytes = self.pipeline.codec_stats().as_dict()  # payloads per codec
-        summary.dense_bytes = self._dense_stats.as_dict() if self._dense_stats else {}
-        summary.activation_bytes = (self._activations.stats.as_dict()
-                                    if self._activations is not None else {})
+        summary.dense_bytes = self._exchange.dense_bytes()
+        summary.activation_bytes = self._exchange.activation_bytes()
         summary.history = list(self.history)
         return summary
 
