@@ -17,7 +17,7 @@ import torch
 from numba import njit
 from torch import Tensor
 
-__all__ = ["DotInteraction", "PoolBags", "dot_interaction_cpu"]
+__all__ = ["BagLayout", "DotInteraction", "PoolBags", "PooledFrom", "dot_interaction_cpu"]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -95,13 +95,13 @@ class PoolBags(torch.autograd.Function):
         _bags_forward(rows.detach().numpy(), inverse.numpy(), offsets.numpy(), mean,
                       tuple(parted))
         outs = tuple(torch.from_numpy(part) for part in parted)
-        ctx.save_for_backward(rows, inverse, offsets)  # rows: for DotInteraction's sources
-        ctx.mean, ctx.num_rows, ctx.parts = mean, rows.shape[0], parts
+        ctx.save_for_backward(inverse, offsets)
+        ctx.mean, ctx.num_rows = mean, rows.shape[0]
         return outs
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        _, inverse, offsets = ctx.saved_tensors
+        inverse, offsets = ctx.saved_tensors
         grad = _zeros((ctx.num_rows, grads[0].shape[1]))
         _bags_backward(tuple(g.contiguous().numpy() for g in grads), inverse.numpy(),
                        offsets.numpy(), ctx.mean, grad)
@@ -261,6 +261,27 @@ def _interaction_backward(grad_t, blocks, keep_first, plain, grads, source, part
                         rows[r, d] += gb[i, d, s] * scale
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class BagLayout:
+    """One :class:`PoolBags` call's inputs: the ``rows`` it pooled, the ids ``inverse`` (int64
+    indices into the rows), the bags' ``offsets`` into them (int64; ``parts x B`` bags, part
+    after part) and whether it took the ``mean``."""
+
+    rows: Tensor
+    inverse: np.ndarray
+    offsets: np.ndarray
+    mean: bool
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PooledFrom:
+    """Where a pooled ``(B, dim)`` tensor came from: output ``part`` (bags ``part * B`` to
+    ``(part + 1) * B``) of the :class:`PoolBags` call of ``bags``."""
+
+    bags: BagLayout
+    part: int
+
+
 @dataclass(frozen=True, slots=True)
 class _Sources:
     """Where each of the interaction's ``n`` vectors comes from: ``plain[i]``, its index
@@ -282,55 +303,50 @@ _NO_IDS = np.empty(0, dtype=np.int64)
 _NO_ROWS = np.empty((0, 1), dtype=np.float32)
 
 
-def _saved(node: Any) -> tuple[Tensor, ...] | None:
-    """A :class:`PoolBags` call's saved rows, ids and bag offsets; None once its backward
-    has freed them."""
-    try:
-        return node.saved_tensors
-    except RuntimeError:
-        return None
-
-
-def _sources(vecs: Sequence[Tensor], pooled: bool) -> tuple[_Sources, list[Tensor]]:
-    """The vectors' sources and the plain ones: with ``pooled``, a vector that is an output
-    of a :class:`PoolBags` call (as it came out, one bag per sample) is pooled; any other
-    is plain."""
+def _sources(vecs: Sequence[Tensor], given: Sequence[PooledFrom | None]
+             ) -> tuple[_Sources, list[Tensor]]:
+    """The vectors' sources and the plain ones: vector ``i`` is pooled where ``given[i]``
+    names the :class:`PoolBags` call it came out of, plain where it is None."""
     size, dim = vecs[0].shape
-    calls: dict[int, int] = {}  # id of a PoolBags call's node -> its index in ``saved``
-    saved: list[tuple[Tensor, ...]] = []
-    means: list[bool] = []
+    calls: dict[int, int] = {}  # id of a call's BagLayout -> its index in ``layouts``
+    layouts: list[BagLayout] = []
     plain, source, part = [], [], []
     inputs: list[Tensor] = []
-    for v in vecs:
-        node = v.grad_fn
+    for i, (v, src) in enumerate(zip(vecs, given, strict=True)):
         k = -1
-        if pooled and isinstance(node, PoolBags._backward_cls) and v.shape == (size, dim):
-            k = calls.get(id(node), -1)
+        if src is not None:
+            bags = src.bags
+            if v.shape != (size, dim) or bags.rows.shape[1] != dim \
+                    or src.part < 0 or (src.part + 1) * size > bags.offsets.size:
+                raise ValueError(f"sources[{i}]: a ({size}, {dim}) vector cannot be part "
+                                 f"{src.part} of {bags.offsets.size} bags of rows "
+                                 f"{tuple(bags.rows.shape)}")
+            k = calls.get(id(bags), -1)
             if k < 0:
-                tensors = _saved(node)
-                if tensors is not None and tensors[2].numel() == size * node.parts:
-                    k = calls[id(node)] = len(saved)
-                    saved.append(tensors)
-                    means.append(node.mean)
+                k = calls[id(bags)] = len(layouts)
+                layouts.append(bags)
         source.append(k)
-        part.append(v.output_nr if k >= 0 else 0)
+        part.append(src.part if src is not None else 0)
         plain.append(-1 if k >= 0 else len(inputs))
         if k < 0:
             inputs.append(v)
     return _Sources(plain=np.array(plain, dtype=np.int64),
                     source=np.array(source, dtype=np.int64), part=np.array(part, dtype=np.int64),
-                    rows=tuple(rows for rows, _, _ in saved),
-                    inverses=tuple(inv.numpy() for _, inv, _ in saved) or (_NO_IDS,),
-                    offsets=tuple(off.numpy() for _, _, off in saved) or (_NO_IDS,),
-                    means=np.array(means or [False])), inputs
+                    rows=tuple(b.rows for b in layouts),
+                    inverses=tuple(b.inverse for b in layouts) or (_NO_IDS,),
+                    offsets=tuple(b.offsets for b in layouts) or (_NO_IDS,),
+                    means=np.array([b.mean for b in layouts] or [False])), inputs
 
 
-def dot_interaction_cpu(vecs: Sequence[Tensor], keep_first: bool) -> Tensor:
-    """:class:`DotInteraction` of CPU float32 ``vecs``; the vectors that a :class:`PoolBags`
-    call pooled take their gradients straight into its rows (see there)."""
-    sources, inputs = _sources(vecs, torch.is_grad_enabled())
+def dot_interaction_cpu(vecs: Sequence[Tensor], keep_first: bool,
+                        sources: Sequence[PooledFrom | None] | None = None) -> Tensor:
+    """:class:`DotInteraction` of CPU float32 ``vecs``. ``sources[i]``, where given and not
+    None, is the :class:`PoolBags` call that ``vecs[i]`` is an output of, as it came out:
+    with autograd on, its gradient goes straight into that call's rows (see there)."""
+    given = sources if sources is not None and torch.is_grad_enabled() else [None] * len(vecs)
+    found, inputs = _sources(vecs, given)
     arrays = tuple(v.detach().contiguous().numpy() for v in vecs)
-    return DotInteraction.apply(keep_first, sources, arrays, *inputs, *sources.rows)
+    return DotInteraction.apply(keep_first, found, arrays, *inputs, *found.rows)
 
 
 class DotInteraction(torch.autograd.Function):

@@ -6,7 +6,9 @@ Every model is built as ``Model(*, sparse_dims, num_dense, <arch params>)`` and 
 - ``pooled`` is a ``dict[str, Tensor]`` with one pooled embedding ``(B, sparse_dims[name])``
   per sparse feature (tables may have different dims). The model reads features in the order
   of ``sparse_dims``; extra keys are ignored, a missing key or a wrong shape is an
-  :class:`~services.common.errors.InvalidArgument`.
+  :class:`~services.common.errors.InvalidArgument`. A
+  :class:`~services.worker.pooling.PooledFeatures` (what ``pool_batch`` gives) also tells
+  DLRM's interaction which tensors came straight out of the pooling kernel.
 - ``dense`` is ``(B, num_dense)`` float (``(B, 0)`` when there are no dense features).
 - The result is ``(B,)`` logits (apply ``sigmoid`` for probabilities).
 
@@ -37,7 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from services.common.errors import ConfigError, InvalidArgument
-from services.worker.kernels import dot_interaction_cpu
+from services.worker.kernels import PooledFrom, dot_interaction_cpu
+from services.worker.pooling import PooledFeatures
 
 __all__ = [
     "CrossLayerV2",
@@ -82,16 +85,29 @@ def mlp(in_dim: int, sizes: Sequence[int], *, out_dim: int | None = None) -> nn.
     return nn.Sequential(*layers)
 
 
-def dot_interaction(vecs: Sequence[Tensor], *, keep_first: bool = False) -> Tensor:
+def dot_interaction(vecs: Sequence[Tensor], *, keep_first: bool = False,
+                    sources: Sequence[PooledFrom | None] | None = None) -> Tensor:
     """DLRM's interaction of ``n`` vectors ``(B, D)``: ``(B, n(n-1)/2)`` pairwise dots in
     ``tril_indices(n, n, -1)`` order, after ``vecs[0]`` itself when ``keep_first``
-    (``(B, D + n(n-1)/2)``). A numba kernel for CPU float32, ``bmm`` otherwise."""
+    (``(B, D + n(n-1)/2)``). A numba kernel for CPU float32, ``bmm`` otherwise.
+
+    ``sources[i]`` (optional): the pooling call ``vecs[i]`` came straight out of
+    (:meth:`PooledFeatures.source_of`), whose rows the CPU kernel then gives the vector's
+    gradient directly."""
     if all(v.device.type == "cpu" and v.dtype == torch.float32 for v in vecs):
-        return dot_interaction_cpu(vecs, keep_first)
+        return dot_interaction_cpu(vecs, keep_first, sources)
     t = torch.stack(list(vecs), dim=1)  # (B, n, D)
     li, lj = torch.tril_indices(len(vecs), len(vecs), offset=-1, device=t.device)
     z = torch.bmm(t, t.transpose(1, 2))[:, li, lj]
     return torch.cat([vecs[0], z], dim=1) if keep_first else z
+
+
+def _sources(pooled: Mapping[str, Tensor], names: Sequence[str], vecs: Sequence[Tensor]
+             ) -> list[PooledFrom | None]:
+    """Per vector of feature ``names[i]``, its pooling call where ``pooled`` knows it."""
+    if not isinstance(pooled, PooledFeatures):
+        return [None] * len(vecs)
+    return [pooled.source_of(n, v) for n, v in zip(names, vecs, strict=True)]
 
 
 def fm_second_order(v: Tensor) -> Tensor:
@@ -240,10 +256,10 @@ class DLRM(_RecModel):
     def forward(self, pooled: Mapping[str, Tensor], dense: Tensor) -> Tensor:
         feats, dense = self._inputs(pooled, dense)
         vecs = self._project(self.proj, feats)
+        sources = _sources(pooled, self.feature_names, vecs)
         if self.bottom is not None:
-            x = self.bottom(dense)
-            vecs = [x, *vecs]
-        top_in = dot_interaction(vecs, keep_first=self.bottom is not None)
+            vecs, sources = [self.bottom(dense), *vecs], [None, *sources]
+        top_in = dot_interaction(vecs, keep_first=self.bottom is not None, sources=sources)
         return self.top(top_in).squeeze(1)
 
 

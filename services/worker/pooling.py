@@ -10,7 +10,9 @@ A batch holds, per sparse feature, a jagged id list: ``values`` uint64 ``(total,
    aligned with the group's ids.
 3. :func:`pool_batch` makes each group's rows one leaf tensor and pools every feature of the
    group per sample in one call (the features' bags end to end; numba kernels on CPU,
-   ``embedding_bag`` elsewhere; ``sum`` or ``mean``, an empty bag pools to zeros).
+   ``embedding_bag`` elsewhere; ``sum`` or ``mean``, an empty bag pools to zeros). The
+   pooled tensors come in a :class:`PooledFeatures`, which also records the call that pooled
+   each one, for DLRM's interaction to send their gradients straight into the rows.
 4. After ``loss.backward()``, :meth:`PooledBatch.row_grads` gives ``(U, dim)`` per group: the
    gradient of the loss w.r.t. each unique row, summed over every place it was used; each
    shard's slice of it is what is pushed to that shard.
@@ -30,7 +32,7 @@ from torch import Tensor
 
 from services.common.errors import InvalidArgument
 from services.common.sharding import ShardedIds, place_ids
-from services.worker.kernels import PoolBags
+from services.worker.kernels import BagLayout, PoolBags, PooledFrom
 
 __all__ = [
     "POOLING_MODES",
@@ -38,6 +40,7 @@ __all__ = [
     "FeaturePlan",
     "GroupPlan",
     "PooledBatch",
+    "PooledFeatures",
     "as_jagged",
     "plan_batch",
     "pool",
@@ -211,14 +214,52 @@ def pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str = "sum", *,
     Empty bags give zeros in both modes. The gradient w.r.t. ``rows`` is dense ``(U, dim)``.
     CPU float32 rows take numba kernels, other devices and dtypes ``embedding_bag``.
     """
+    return _pool(rows, inverse, offsets, mode, parts)[0]
+
+
+def _pool(rows: Tensor, inverse: Tensor, offsets: Tensor, mode: str, parts: int
+          ) -> tuple[tuple[Tensor, ...], BagLayout | None]:
+    """:func:`pool`'s outputs and, where the numba kernel pooled them, the call's layout."""
     if mode not in POOLING_MODES:
         raise InvalidArgument(f"pooling mode must be one of {POOLING_MODES}, got {mode!r}")
     if rows.device.type == "cpu" and rows.dtype == torch.float32 \
             and inverse.dtype == offsets.dtype == torch.int64:
-        return PoolBags.apply(rows, inverse.contiguous(), offsets.contiguous(), mode == "mean",
-                              parts)
+        inverse, offsets = inverse.contiguous(), offsets.contiguous()
+        mean = mode == "mean"
+        outs = PoolBags.apply(rows, inverse, offsets, mean, parts)
+        return outs, BagLayout(rows=rows, inverse=inverse.numpy(), offsets=offsets.numpy(),
+                               mean=mean)
     out = F.embedding_bag(inverse, rows, offsets, mode=mode)
-    return out.view(parts, -1, out.shape[1]).unbind(0)
+    return out.view(parts, -1, out.shape[1]).unbind(0), None
+
+
+class PooledFeatures(dict[str, Tensor]):
+    """Pooled ``(B, dim)`` tensors by feature name (a dict: code that takes the plain dict
+    takes it), which also knows which of them a :class:`PoolBags` call gave, as they came
+    out: :meth:`source_of`. A tensor set in it by hand, or copied out and changed, is
+    plain."""
+
+    __slots__ = ("_from",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._from: dict[str, tuple[Tensor, PooledFrom]] = {}
+
+    def pool(self, names: Sequence[str], rows: Tensor, inverse: Tensor, offsets: Tensor,
+             mode: str = "sum") -> None:
+        """Pool the bags of features ``names`` (their bags end to end, ``B`` each: see
+        :func:`pool`) into this mapping, one entry per name."""
+        outs, bags = _pool(rows, inverse, offsets, mode, len(names))
+        for k, (name, out) in enumerate(zip(names, outs, strict=True)):
+            self[name] = out
+            if bags is not None:
+                self._from[name] = (out, PooledFrom(bags=bags, part=k))
+
+    def source_of(self, name: str, tensor: Tensor) -> PooledFrom | None:
+        """The :class:`PoolBags` call that pooled feature ``name``, if ``tensor`` is the very
+        tensor it gave (not a copy, view or function of it); else None."""
+        held = self._from.get(name)
+        return held[1] if held is not None and held[0] is tensor else None
 
 
 def _rows_tensor(group: int, arr: np.ndarray | Tensor, n_unique: int,
@@ -246,7 +287,7 @@ class PooledBatch:
 
     plan: BatchPlan
     rows: list[Tensor]            # per group: (U, dim) leaf, requires_grad
-    pooled: dict[str, Tensor]     # feature -> (B, dim)
+    pooled: dict[str, Tensor]     # feature -> (B, dim); from pool_batch a PooledFeatures
 
     def row_grads(self) -> list[np.ndarray]:
         """Per group the float32 ``(U, dim)`` gradient of each unique row (after backward);
@@ -261,8 +302,9 @@ def pool_batch(plan: BatchPlan, rows: Sequence[np.ndarray | Tensor], *,
     """Pool the looked-up ``rows`` (per group, aligned with its ``layout.ids``) per feature.
 
     ``mode`` is one mode for every feature or a per-feature mapping (default ``sum``). The
-    features of a group that share a mode are pooled by one :func:`pool` call. The row
-    tensors are fresh leaves, so their ``.grad`` after backward is the push gradient.
+    features of a group that share a mode are pooled by one :func:`pool` call, into a
+    :class:`PooledFeatures`. The row tensors are fresh leaves, so their ``.grad`` after
+    backward is the push gradient.
     """
     device = torch.device(device)
     if len(rows) != len(plan.groups):
@@ -274,17 +316,15 @@ def pool_batch(plan: BatchPlan, rows: Sequence[np.ndarray | Tensor], *,
         raise InvalidArgument(f"pooling modes must be one of {POOLING_MODES}, got {bad}")
     leaves = [_rows_tensor(i, r, g.layout.ids.size, device, dtype)
               for i, (g, r) in enumerate(zip(plan.groups, rows, strict=True))]
-    pooled: dict[str, Tensor] = {}
+    pooled = PooledFeatures()
     for group, leaf in zip(plan.groups, leaves, strict=True):
         group_modes = {modes[f] for f in group.features}
         if len(group_modes) == 1:  # every bag of the group in one call
-            outs = pool(leaf, torch.from_numpy(group.inverse).to(device),
-                        torch.from_numpy(group.offsets).to(device), group_modes.pop(),
-                        parts=len(group.features))
-            pooled.update(zip(group.features, outs, strict=True))
+            pooled.pool(group.features, leaf, torch.from_numpy(group.inverse).to(device),
+                        torch.from_numpy(group.offsets).to(device), group_modes.pop())
             continue
         for f in group.features:
             fp = plan.features[f]
-            (pooled[f],) = pool(leaf, torch.from_numpy(fp.inverse).to(device),
-                                torch.from_numpy(fp.offsets).to(device), modes[f])
+            pooled.pool([f], leaf, torch.from_numpy(fp.inverse).to(device),
+                        torch.from_numpy(fp.offsets).to(device), modes[f])
     return PooledBatch(plan=plan, rows=leaves, pooled=pooled)

@@ -10,7 +10,9 @@ import torch
 
 from services.common.config import from_dict
 from services.common.errors import ConfigError, InvalidArgument
+from services.worker.kernels import PooledFrom
 from services.worker.models import (
+    DLRM,
     MODELS,
     CrossLayerV2,
     DCNv2,
@@ -21,7 +23,7 @@ from services.worker.models import (
     fm_second_order,
     pick_device,
 )
-from services.worker.pooling import pool
+from services.worker.pooling import PooledFeatures
 
 DIMS = {"user": 8, "item": 8, "cat": 4}
 
@@ -161,12 +163,15 @@ def test_interaction_of_pooled_vectors_sends_their_gradients_to_the_rows(
     def run(dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         leaves = [r.to(dtype).requires_grad_(True) for r in rows]
         plain = [d.to(dtype).requires_grad_(True) for d in dense]
-        a = pool(leaves[0], *bags[0], mode, parts=3)
-        (b,) = pool(leaves[1], *bags[1], mode)
-        vecs = [plain[0], a[2], b, a[0], plain[1], a[2]]  # a[1] unused, a[2] twice
-        z = dot_interaction(vecs, keep_first=True)
+        pooled = PooledFeatures()
+        pooled.pool(["a0", "a1", "a2"], leaves[0], *bags[0], mode)
+        pooled.pool(["b"], leaves[1], *bags[1], mode)
+        names = ["x0", "a2", "b", "a0", "x1", "a2"]  # a1 unused, a2 twice
+        vecs = [plain[0], pooled["a2"], pooled["b"], pooled["a0"], plain[1], pooled["a2"]]
+        sources = [pooled.source_of(n, v) for n, v in zip(names, vecs, strict=True)]
+        z = dot_interaction(vecs, keep_first=True, sources=sources)
         weight = torch.linspace(-1, 1, z.shape[1], dtype=dtype)
-        loss = (z * weight).pow(2).sum() + a[0].sum() * 0.5  # a[0] also used elsewhere
+        loss = (z * weight).pow(2).sum() + pooled["a0"].sum() * 0.5  # a0 also used elsewhere
         loss.backward()
         return z, [r.grad for r in leaves], [p.grad for p in plain]
 
@@ -177,18 +182,88 @@ def test_interaction_of_pooled_vectors_sends_their_gradients_to_the_rows(
         torch.testing.assert_close(a32.double(), a64, rtol=1e-4, atol=1e-4)
 
 
+def _graph_inputs(z: torch.Tensor) -> list[object]:
+    """What the interaction's node hangs on: a leaf's tensor, or another node."""
+    return [getattr(fn, "variable", fn) for fn, _ in z.grad_fn.next_functions if fn is not None]
+
+
 def test_interaction_takes_the_pooled_rows_as_its_inputs() -> None:
-    """The kernel's node hangs on the pooled rows (no pass of the pooling's backward), and
-    on the plain vectors; without autograd it takes every vector as it is."""
+    """Given their sources, the kernel's node hangs on the pooled rows (no pass of the
+    pooling's backward) and on the plain vectors; without sources, or without autograd, it
+    takes every vector as it is."""
     g = torch.Generator().manual_seed(3)
     rows = torch.randn(8, 4, generator=g, requires_grad=True)
     first = torch.randn(6, 4, generator=g, requires_grad=True)
-    pooled = pool(rows, *_bags(g, 2, 6, 8), "sum", parts=2)
-    z = dot_interaction([first, *pooled], keep_first=True)
-    inputs = [fn.variable for fn, _ in z.grad_fn.next_functions if fn is not None]
+    pooled = PooledFeatures()
+    pooled.pool(["a", "b"], rows, *_bags(g, 2, 6, 8), "sum")
+    vecs = [first, pooled["a"], pooled["b"]]
+    sources = [None, pooled.source_of("a", pooled["a"]), pooled.source_of("b", pooled["b"])]
+    z = dot_interaction(vecs, keep_first=True, sources=sources)
+    inputs = _graph_inputs(z)
     assert len(inputs) == 2 and inputs[0] is first and inputs[1] is rows
+    plain = dot_interaction(vecs, keep_first=True)
+    assert [type(fn).__name__ for fn in _graph_inputs(plain)[1:]] == ["PoolBagsBackward"] * 2
+    torch.testing.assert_close(plain, z)
     with torch.no_grad():
-        torch.testing.assert_close(dot_interaction([first, *pooled], keep_first=True), z)
+        torch.testing.assert_close(dot_interaction(vecs, keep_first=True, sources=sources), z)
+    with pytest.raises(ValueError, match=r"sources\[1\]: a \(6, 4\) vector cannot be part 2"):
+        dot_interaction(vecs, keep_first=True, sources=[None, PooledFrom(sources[1].bags, 2),
+                                                        None])
+
+
+def _backward_nodes(t: torch.Tensor) -> set[str]:
+    """The kinds of autograd node that ``t``'s graph holds."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo.extend(f for f, _ in fn.next_functions)
+    return {type(fn).__name__ for fn in seen}
+
+
+def _dlrm_grads(inputs) -> tuple[set[str], list[torch.Tensor]]:
+    """A DLRM step over three features pooled from one rows tensor (one PoolBags call), the
+    model's input made by ``inputs`` from the :class:`PooledFeatures`: the loss's backward
+    node kinds, and the rows' then every parameter's gradient."""
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(11, 4, generator=g, requires_grad=True)
+    pooled = PooledFeatures()
+    pooled.pool(["a", "b", "c"], rows, *_bags(g, 3, 70, 11), "mean")
+    dense = torch.randn(70, 2, generator=g)
+    torch.manual_seed(0)
+    model = DLRM(sparse_dims={"a": 4, "b": 4, "c": 4}, num_dense=2, bottom_mlp=[8, 4],
+                 top_mlp=[5])
+    loss = model(inputs(pooled), dense).pow(2).sum()
+    loss.backward()
+    return _backward_nodes(loss), [rows.grad, *(p.grad for p in model.parameters())]
+
+
+def test_dlrm_given_pool_batch_features_sends_the_same_gradients_straight_to_the_rows() -> None:
+    """DLRM over a PooledFeatures takes its vectors' gradients into the rows with no pass of
+    the pooling's backward, and every gradient equals the plain path's (the same tensors
+    in a plain dict)."""
+    fused_nodes, fused = _dlrm_grads(lambda pooled: pooled)
+    plain_nodes, plain = _dlrm_grads(dict)
+    assert "PoolBagsBackward" not in fused_nodes and "PoolBagsBackward" in plain_nodes
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_dlrm_takes_a_transformed_pooled_tensor_as_plain() -> None:
+    """A pooled feature replaced by a function of it (as the DCT-MP sparsifier does) is no
+    output of the pooling call: its gradient goes through autograd (the 0.5 included) to the
+    rows, equal to the plain path's."""
+
+    def scaled(pooled: PooledFeatures) -> PooledFeatures:
+        pooled["b"] = pooled["b"] * 0.5
+        return pooled
+
+    nodes, fused = _dlrm_grads(scaled)
+    _, plain = _dlrm_grads(lambda pooled: dict(scaled(pooled)))
+    assert "PoolBagsBackward" in nodes
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_fm_second_order_matches_pairwise_sum() -> None:
