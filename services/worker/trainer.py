@@ -1,4 +1,6 @@
 """The Trainer: PERSIA hybrid training of a model whose embeddings live on the PS.
+size: one dense replica's state (model, optimizer, sync, step, history), shared by the step,
+fit and evaluate; what keeps state of its own lives beside it (dense_exchange, compute).
 
 One step of one batch::
 
