@@ -410,9 +410,7 @@ class Trainer:
                     raise got
                 item, (loss, logits, grads, shared) = got
                 self.progress.training()
-                if self._exchange.feeds_grads_codec:
-                    await self._exchange.report_grads_loss(shared, self.pipeline.clients(),
-                                                           self.rows)
+                await self._exchange.report_grads_loss(shared, self.pipeline.clients(), self.rows)
                 self.pipeline.push(item, grads)
                 await self._retune(compute)
                 train_acc.add_step(item.batch.labels, logits, loss)
