@@ -31,6 +31,7 @@ import numpy as np
 from numba import njit
 
 from services.common.errors import InvalidArgument
+from services.common.kernel_arrays import array_1d, array_2d
 from services.common.sharding import shard_of
 from services.ps.arena import (
     dedup_slots,
@@ -44,7 +45,19 @@ from services.ps.locks import hold
 from services.ps.optimizers import apply_updates
 from services.ps.slotindex import find_slots
 from services.ps.store import EmbeddingTable
-from services.ps.table_io import PlainTable, PushResult
+from services.ps.table_io import (
+    ACCUM,
+    BUCKETS,
+    DIRTY,
+    LAST_USED,
+    ROWS,
+    SEEN,
+    SLOT_IDS,
+    TICKS,
+    USES,
+    PlainTable,
+    PushResult,
+)
 from services.ps.tables import TableConfig
 
 __all__ = ["dim_groups", "lookup_plain", "push_plain", "warm_up", "warm_up_groups"]
@@ -53,12 +66,14 @@ _SET = np.ones(1, dtype=bool)  # the one flag value _mark sets
 
 
 @njit(cache=True, nogil=True)
-def _find_all(buckets, slot_ids, ids, bounds, slots):  # pragma: no cover - numba
-    """``slots[bounds[t]:bounds[t + 1]]``: the slots of table ``t``'s ids; True if every id
-    has one (False as soon as a table's ids have not: a request of new ids costs little)."""
-    for t in range(len(buckets)):
+def _find_all(tables, ids, bounds, slots):  # pragma: no cover - numba
+    """``slots[bounds[t]:bounds[t + 1]]``: the slots of table ``t``'s ids (``tables``: the
+    tables' rows of :attr:`PlainTable.refs`); True if every id has one (False as soon as a
+    table's ids have not: a request of new ids costs little)."""
+    for t in range(tables.shape[0]):
         lo, hi = bounds[t], bounds[t + 1]
-        find_slots(buckets[t], slot_ids[t], ids[lo:hi], slots[lo:hi])
+        find_slots(array_1d(tables, t, BUCKETS, np.int32),
+                   array_1d(tables, t, SLOT_IDS, np.uint64), ids[lo:hi], slots[lo:hi])
         for j in range(lo, hi):
             if slots[j] < 0:
                 return False
@@ -66,46 +81,49 @@ def _find_all(buckets, slot_ids, ids, bounds, slots):  # pragma: no cover - numb
 
 
 @njit(cache=True, nogil=True)
-def _find_absent(buckets, slot_ids, ids, bounds, slots, absent):  # pragma: no cover - numba
+def _find_absent(tables, ids, bounds, slots, absent):  # pragma: no cover - numba
     """``slots`` as :func:`_find_all` fills them, for every table; ``absent[t]``: how many
     of table ``t``'s ids have no slot."""
-    for t in range(len(buckets)):
+    for t in range(tables.shape[0]):
         lo, hi = bounds[t], bounds[t + 1]
-        find_slots(buckets[t], slot_ids[t], ids[lo:hi], slots[lo:hi])
+        find_slots(array_1d(tables, t, BUCKETS, np.int32),
+                   array_1d(tables, t, SLOT_IDS, np.uint64), ids[lo:hi], slots[lo:hi])
         absent[t] = 0
         for j in range(lo, hi):
             absent[t] += slots[j] < 0
 
 
 @njit(cache=True, nogil=True)
-def _find_gather(buckets, slot_ids, rows, ids, bounds, slots, out):  # pragma: no cover - numba
+def _find_gather(tables, ids, bounds, slots, out):  # pragma: no cover - numba
     """``out[j]``: the row of id ``j`` (table ``t``'s ids at ``bounds[t]:bounds[t + 1]``),
     ``slots[j]`` its slot; False, ``out`` unwritten, if an id has none."""
-    if not _find_all(buckets, slot_ids, ids, bounds, slots):
+    if not _find_all(tables, ids, bounds, slots):
         return False
-    for t in range(len(rows)):
+    dim = out.shape[1]
+    for t in range(tables.shape[0]):
         lo, hi = bounds[t], bounds[t + 1]
-        gather_rows(rows[t], slots[lo:hi], out[lo:hi])
+        gather_rows(array_2d(tables, t, ROWS, np.float32, dim), slots[lo:hi], out[lo:hi])
     return True
 
 
 @njit(cache=True, nogil=True)
-def _find_sum(buckets, slot_ids, seen, ids, grads, bounds, uslots, summed, kept, dropped
+def _find_sum(tables, ids, grads, bounds, uslots, summed, kept, dropped
               ):  # pragma: no cover - numba
     """Per table ``t``: its distinct slots in first-appearance order and their summed
     gradients (as a table's push sums them), the non-finite sums left out, at
     ``uslots``/``summed[bounds[t]:]``: ``kept[t]`` of them, ``dropped[t]`` left out. False,
     nothing written, if an id has no slot."""
     slots = np.empty(ids.shape[0], dtype=np.int64)
-    if not _find_all(buckets, slot_ids, ids, bounds, slots):
+    if not _find_all(tables, ids, bounds, slots):
         return False
     first = np.empty(ids.shape[0], dtype=np.int64)
     inv = np.empty(ids.shape[0], dtype=np.int64)
     bad = np.empty(ids.shape[0], dtype=np.bool_)
-    for t in range(len(buckets)):
+    for t in range(tables.shape[0]):
         lo, hi = bounds[t], bounds[t + 1]
         s, u, total = slots[lo:hi], uslots[lo:hi], summed[lo:hi]
-        k, dups = dedup_slots(s, seen[t], u, first[lo:hi], inv[lo:hi])
+        k, dups = dedup_slots(s, array_1d(tables, t, SEEN, np.uint8), u, first[lo:hi],
+                              inv[lo:hi])
         if dups:
             total[:k] = 0.0
             sum_rows_by_inverse(inv[lo:hi], grads[lo:hi], total)
@@ -123,26 +141,28 @@ def _find_sum(buckets, slot_ids, seen, ids, grads, bounds, uslots, summed, kept,
 
 
 @njit(cache=True, nogil=True)
-def _mark(bits, uslots, bounds, kept, flag):  # pragma: no cover - numba
-    """Set table ``t``'s flag (``bits[t]``: a :class:`SlotBits`' bytes) of its applied slots
-    ``uslots[bounds[t]:][:kept[t]]`` to ``flag`` (one value): the rows a push changed."""
-    for t in range(len(bits)):
-        set_bits(bits[t], uslots[bounds[t]:bounds[t] + kept[t]], flag)
+def _mark_dirty(tables, uslots, bounds, kept):  # pragma: no cover - numba
+    """Set table ``t``'s dirty flag of its applied slots ``uslots[bounds[t]:][:kept[t]]``:
+    the rows a push changed."""
+    for t in range(tables.shape[0]):
+        set_bits(array_1d(tables, t, DIRTY, np.uint8),
+                 uslots[bounds[t]:bounds[t] + kept[t]], _SET)
 
 
 @njit(cache=True, nogil=True)
-def _touch(ticks, uses, last_used, slots, bounds, counts, tick, now):  # pragma: no cover
+def _touch(tables, slots, bounds, counts, tick, now):  # pragma: no cover - numba
     """Mark table ``t``'s slots ``slots[bounds[t]:][:counts[t]]`` used at ``tick[t]``,
-    ``now[t]``, where it keeps use bookkeeping (``ticks[t]`` not empty)."""
-    for t in range(len(ticks)):
-        if ticks[t].shape[0]:
+    ``now[t]``, where it keeps use bookkeeping (its ticks not empty)."""
+    for t in range(tables.shape[0]):
+        ticks = array_1d(tables, t, TICKS, np.int64)
+        if ticks.shape[0]:
             lo = bounds[t]
-            touch_slots(slots[lo:lo + counts[t]], ticks[t], uses[t], last_used[t], tick[t],
-                        now[t])
+            touch_slots(slots[lo:lo + counts[t]], ticks, array_1d(tables, t, USES, np.int64),
+                        array_1d(tables, t, LAST_USED, np.float64), tick[t], now[t])
 
 
-def _mark_used(views: Sequence[PlainTable], slots: np.ndarray, bounds: np.ndarray,
-               counts: np.ndarray) -> None:
+def _mark_used(views: Sequence[PlainTable], tables: np.ndarray, slots: np.ndarray,
+               bounds: np.ndarray, counts: np.ndarray) -> None:
     """One use of each table that keeps use bookkeeping (its next tick, its clock's time):
     its slots ``slots[bounds[t]:][:counts[t]]`` marked, as its own lookup or push does."""
     if all(v.next_use is None for v in views):
@@ -152,8 +172,7 @@ def _mark_used(views: Sequence[PlainTable], slots: np.ndarray, bounds: np.ndarra
     for t, view in enumerate(views):
         if view.next_use is not None:
             tick[t], now[t] = view.next_use()
-    _touch(tuple(v.ticks for v in views), tuple(v.uses for v in views),
-           tuple(v.last_used for v in views), slots, bounds, counts, tick, now)
+    _touch(tables, slots, bounds, counts, tick, now)
 
 
 @contextlib.contextmanager
@@ -163,6 +182,11 @@ def _plain(tables: Sequence[EmbeddingTable]) -> Iterator[list[PlainTable] | None
     with hold([t.lock for t in sorted(tables, key=lambda t: t.config.name)]):
         views = [view for t in tables if (view := t.plain_view()) is not None]
         yield views if len(views) == len(tables) else None
+
+
+def _refs(views: Sequence[PlainTable]) -> np.ndarray:
+    """The tables' kernel rows, one matrix (``tables`` of the kernels here)."""
+    return np.array([view.refs for view in views])
 
 
 def _bounds(parts: Sequence[np.ndarray]) -> np.ndarray:
@@ -185,31 +209,31 @@ def lookup_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray], di
     with _plain(tables) as views:
         if views is None:
             return None
-        if not _find_gather(tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
-                            tuple(v.rows for v in views), flat, bounds, slots, out):
-            if not _create_absent(tables, views, ids, flat, bounds, slots):
+        refs = _refs(views)
+        if not _find_gather(refs, flat, bounds, slots, out):
+            if not _create_absent(tables, refs, ids, flat, bounds, slots):
                 return None
             views = [view for t in tables if (view := t.plain_view()) is not None]
-            if len(views) != len(tables) or not _find_gather(
-                    tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
-                    tuple(v.rows for v in views), flat, bounds, slots, out):
+            if len(views) != len(tables):
                 return None
-        _mark_used(views, slots, bounds, np.diff(bounds))
+            refs = _refs(views)  # the arrays of tables that grew
+            if not _find_gather(refs, flat, bounds, slots, out):
+                return None
+        _mark_used(views, refs, slots, bounds, np.diff(bounds))
         for view, part in zip(views, ids, strict=True):
             view.counters["lookups"] += 1
             view.counters["ids_looked_up"] += part.shape[0]
     return out
 
 
-def _create_absent(tables: Sequence[EmbeddingTable], views: Sequence[PlainTable],
+def _create_absent(tables: Sequence[EmbeddingTable], refs: np.ndarray,
                    ids: Sequence[np.ndarray], flat: np.ndarray, bounds: np.ndarray,
                    slots: np.ndarray) -> bool:
     """Create the rows of the ids that have none, as the tables' lookups would, where every
     table with such ids admits every id and has no row cap (a row made there evicts none and
     counts no admission); False, nothing changed, where one has not."""
-    absent = np.empty(len(views), dtype=np.int64)
-    _find_absent(tuple(v.buckets for v in views), tuple(v.slot_ids for v in views), flat,
-                 bounds, slots, absent)
+    absent = np.empty(len(tables), dtype=np.int64)
+    _find_absent(refs, flat, bounds, slots, absent)
     short = np.flatnonzero(absent).tolist()
     if not all(tables[t].creates_freely for t in short):
         return False
@@ -235,16 +259,16 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
     kept = np.empty(len(tables), dtype=np.int64)
     dropped = np.empty(len(tables), dtype=np.int64)
     with _plain(tables) as views:
-        if views is None or not _find_sum(
-                tuple(v.buckets for v in views), tuple(v.slot_ids for v in views),
-                tuple(v.seen.data for v in views), np.concatenate(ids), np.concatenate(grads),
-                bounds, uslots, summed, kept, dropped):
+        if views is None:
+            return None
+        refs = _refs(views)
+        if not _find_sum(refs, np.concatenate(ids), np.concatenate(grads), bounds, uslots,
+                         summed, kept, dropped):
             return None
         first = views[0].optimizer  # one config object in every table, or equal ones
         refused = None
         if all(v.optimizer is first or v.optimizer == first for v in views):
-            refused = apply_updates(first, [v.rows for v in views], [v.state for v in views],
-                                    uslots, summed, bounds[:-1], kept)
+            refused = apply_updates(first, refs, ROWS, ACCUM, uslots, summed, bounds[:-1], kept)
             if refused is not None:
                 for view, count in zip(views, refused.tolist(), strict=True):
                     view.counters["refused_nonfinite"] += count
@@ -252,8 +276,8 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
             refused = np.array([view.apply(uslots[lo:lo + k], summed[lo:lo + k])
                                 for view, lo, k in zip(views, bounds.tolist(), kept.tolist(),
                                                        strict=False)], dtype=np.int64)
-        _mark(tuple(v.dirty.data for v in views), uslots, bounds, kept, _SET)
-        _mark_used(views, uslots, bounds, kept)
+        _mark_dirty(refs, uslots, bounds, kept)
+        _mark_used(views, refs, uslots, bounds, kept)
         results = []
         for t, view in enumerate(views):
             k, bad, no = int(kept[t]), int(dropped[t]), int(refused[t])
@@ -267,10 +291,9 @@ def push_plain(tables: Sequence[EmbeddingTable], ids: Sequence[np.ndarray],
 def warm_up(configs: Sequence[TableConfig]) -> None:
     """Look up and push ids on scratch tables of ``configs`` (of one dim), twice, each table
     alone and all of them as one request, so that numba loads (or compiles) now, not during
-    the first training steps, every kernel tables of these kinds run: a request's kernels
-    take one array per table, so each number of tables in a request is a signature of its
-    own. More ids than a scratch table first holds make it grow (its index rehashed). The
-    scratch tables are dropped."""
+    the first training steps, every kernel tables of these kinds run (the kernels over
+    several tables take any number of them under one signature). More ids than a scratch
+    table first holds make it grow (its index rehashed). The scratch tables are dropped."""
     dims = {config.dim for config in configs}
     if len(dims) != 1:
         raise ValueError(f"warm_up needs tables of one dim, got dims {sorted(dims)}")

@@ -35,11 +35,10 @@ their values, and the caller counts it (``refused_nonfinite``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 from numba import njit
 
+from services.common.kernel_arrays import array_1d, array_2d
 from services.ps.prefetch import PREFETCH_DISTANCE as AHEAD
 from services.ps.prefetch import prefetch, prefetch_row
 from services.ps.tables import OptimizerConfig, OptimizerKind
@@ -244,25 +243,30 @@ def _ftrl(W, wi, Z, N, si, G, alpha, beta, l1, l2, bound):  # pragma: no cover -
 
 
 @njit(cache=True, nogil=True)
-def _adagrad_tables(Ws, As, slots, G, starts, counts, lr, eps, wd, bound,
+def _adagrad_tables(tables, rows_at, accum_at, slots, G, starts, counts, lr, eps, wd, bound,
                     refused):  # pragma: no cover - numba
-    """:func:`_adagrad` for each table ``t``: its rows ``slots[starts[t]:][:counts[t]]``
+    """:func:`_adagrad` for each table ``t`` (a row of ``tables``: its rows and accumulator
+    arrays at fields ``rows_at``, ``accum_at``): its rows ``slots[starts[t]:][:counts[t]]``
     (``refused[t]``: the rows it refused)."""
-    for t in range(len(Ws)):
+    dim = G.shape[1]
+    for t in range(tables.shape[0]):
         lo, hi = starts[t], starts[t] + counts[t]
-        refused[t] = _adagrad(Ws[t], slots[lo:hi], As[t], slots[lo:hi], G[lo:hi], lr, eps, wd,
-                              bound)
+        refused[t] = _adagrad(array_2d(tables, t, rows_at, np.float32, dim), slots[lo:hi],
+                              array_2d(tables, t, accum_at, np.float32, dim), slots[lo:hi],
+                              G[lo:hi], lr, eps, wd, bound)
 
 
 @njit(cache=True, nogil=True)
-def _rowwise_adagrad_tables(Ws, As, slots, G, starts, counts, lr, eps, wd, bound,
-                            refused):  # pragma: no cover - numba
-    """:func:`_rowwise_adagrad` for each table ``t``: its rows ``slots[starts[t]:][:counts[t]]``
-    (``refused[t]``: the rows it refused)."""
-    for t in range(len(Ws)):
+def _rowwise_adagrad_tables(tables, rows_at, accum_at, slots, G, starts, counts, lr, eps, wd,
+                            bound, refused):  # pragma: no cover - numba
+    """:func:`_rowwise_adagrad` for each table ``t`` (as :func:`_adagrad_tables`, one
+    accumulator value a row): its rows ``slots[starts[t]:][:counts[t]]``."""
+    dim = G.shape[1]
+    for t in range(tables.shape[0]):
         lo, hi = starts[t], starts[t] + counts[t]
-        refused[t] = _rowwise_adagrad(Ws[t], slots[lo:hi], As[t], slots[lo:hi], G[lo:hi], lr,
-                                      eps, wd, bound)
+        refused[t] = _rowwise_adagrad(array_2d(tables, t, rows_at, np.float32, dim),
+                                      slots[lo:hi], array_1d(tables, t, accum_at, np.float32),
+                                      slots[lo:hi], G[lo:hi], lr, eps, wd, bound)
 
 
 _TABLES_KERNELS = {OptimizerKind.ADAGRAD: _adagrad_tables,  # the kinds apply_updates serves
@@ -315,20 +319,21 @@ def apply_update(config: OptimizerConfig, weights: np.ndarray, weight_index: np.
                      _F32(config.ftrl_l1), _F32(config.ftrl_l2), bound))
 
 
-def apply_updates(config: OptimizerConfig, weights: Sequence[np.ndarray],
-                  states: Sequence[dict[str, np.ndarray]], slots: np.ndarray, grads: np.ndarray,
-                  starts: np.ndarray, counts: np.ndarray) -> np.ndarray | None:
+def apply_updates(config: OptimizerConfig, tables: np.ndarray, rows_at: int, accum_at: int,
+                  slots: np.ndarray, grads: np.ndarray, starts: np.ndarray, counts: np.ndarray
+                  ) -> np.ndarray | None:
     """:func:`apply_update` for several float32 tables of one optimizer config in one call
-    (a call a table costs more than the update of a few ids): table ``t`` updates its rows
-    and state rows ``slots[starts[t]:][:counts[t]]`` (distinct) with the ``grads`` there.
-    Returns the rows each table refused; None, nothing done, for the kinds without such a
-    call (all but the two Adagrads)."""
-    if (kernel := _TABLES_KERNELS.get(config.kind)) is None or not weights:
+    (a call a table costs more than the update of a few ids): table ``t`` (row ``t`` of
+    ``tables``, :func:`services.common.kernel_arrays.refs` with its rows at field
+    ``rows_at``, its accumulator at ``accum_at``) updates its rows and state rows
+    ``slots[starts[t]:][:counts[t]]`` (distinct) with the ``grads`` there (float32, its
+    dim wide). Returns the rows each table refused; None, nothing done, for the kinds
+    without such a call (all but the two Adagrads)."""
+    if (kernel := _TABLES_KERNELS.get(config.kind)) is None or not tables.shape[0]:
         return None
-    refused = np.zeros(len(weights), dtype=np.int64)
-    kernel(tuple(weights), tuple(state["accum"] for state in states),
-           np.ascontiguousarray(slots, dtype=np.int64), _clipped(config, grads),
-           np.ascontiguousarray(starts, dtype=np.int64),
+    refused = np.zeros(tables.shape[0], dtype=np.int64)
+    kernel(tables, rows_at, accum_at, np.ascontiguousarray(slots, dtype=np.int64),
+           _clipped(config, grads), np.ascontiguousarray(starts, dtype=np.int64),
            np.ascontiguousarray(counts, dtype=np.int64),
            _F32(config.lr), _F32(config.eps), _F32(config.weight_decay),
            _bound(config, np.dtype(np.float32)), refused)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import InvalidArgument
+from services.common.kernel_arrays import RefsMemo
 from services.common.messages import TableCounters
 from services.ps.arena import (
     dedup_slots,
@@ -43,6 +44,7 @@ from services.ps.hashtable import IdHashTable, unique_inverse
 from services.ps.optimizers import apply_update, init_state, state_layout
 from services.ps.ram import RamArena
 from services.ps.table_io import (
+    PLAIN_DTYPES,
     PlainTable,
     PushResult,
     TableSnapshot,
@@ -64,6 +66,7 @@ __all__ = ["EmbeddingTable", "PushResult", "TableSnapshot"]
 _COUNTERS = ("lookups", "pushes", "ids_looked_up", "ids_pushed", "misses", "evictions",
              "expired", "deleted", "dropped_nonfinite", "refused_nonfinite", "not_admitted",
              "promoted", "demoted")
+_NO_ACCUM = np.empty(0, dtype=np.float32)  # the accumulator row of a table without one
 
 
 class EmbeddingTable(TableSnapshots):
@@ -89,6 +92,7 @@ class EmbeddingTable(TableSnapshots):
         self._tick = 0
         self._tombstones: list[np.ndarray] = []
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._refs = RefsMemo(PLAIN_DTYPES)  # plain_view's kernel row
 
     # ----------------------------------------------------------------- validation
 
@@ -186,9 +190,10 @@ class EmbeddingTable(TableSnapshots):
         if self._disk is not None or self._dtype != np.float32:
             return None
         ram = self._ram
-        return PlainTable(*ram.index.arrays, ram.rows, ram.seen, ram.dirty, self._counters,
-                          self._apply, self.config.optimizer, ram.state, ram.ticks, ram.uses,
-                          ram.last_used, self._next_use if ram.tracks_use else None)
+        arrays = (*ram.index.arrays, ram.rows, ram.seen.data, ram.dirty.data,
+                  ram.state.get("accum", _NO_ACCUM), ram.ticks, ram.uses, ram.last_used)
+        return PlainTable(self._refs.of(arrays), self._counters, self._apply,
+                          self.config.optimizer, self._next_use if ram.tracks_use else None)
 
     def _gather(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         out = np.empty((ids.shape[0], self.dim), dtype=np.float32)

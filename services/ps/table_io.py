@@ -10,35 +10,34 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.ps.arena import SlotBits
 from services.ps.optimizers import state_layout
 from services.ps.tables import OptimizerConfig, TableConfig
 
-__all__ = ["PlainTable", "PushResult", "TableSnapshot", "check_snapshot", "validate_grads",
-           "validate_ids"]
+__all__ = ["ACCUM", "BUCKETS", "DIRTY", "LAST_USED", "PLAIN_DTYPES", "ROWS", "SEEN",
+           "SLOT_IDS", "TICKS", "USES", "PlainTable", "PushResult", "TableSnapshot",
+           "check_snapshot", "validate_grads", "validate_ids"]
+
+
+# A plain table's arrays as its kernel row carries them (services.common.kernel_arrays.refs):
+# its index (SlotIndex.arrays), rows, push scratch, dirty flags, Adagrad accumulator (empty
+# for other optimizers) and use bookkeeping (empty where it keeps none), in this order.
+PLAIN_DTYPES = (np.int32, np.uint64, np.float32, np.uint8, np.uint8, np.float32, np.int64,
+                np.int64, np.float64)
+BUCKETS, SLOT_IDS, ROWS, SEEN, DIRTY, ACCUM, TICKS, USES, LAST_USED = range(len(PLAIN_DTYPES))
 
 
 class PlainTable(NamedTuple):
-    """A plain table's arrays (:meth:`services.ps.store.EmbeddingTable.plain_view`): its index
-    (``buckets``, ``slot_ids``: :attr:`~services.ps.slotindex.SlotIndex.arrays`), rows,
-    push scratch (``seen``), dirty flags and counters, its optimizer's update of distinct
-    slots (``apply(slots, grads)``), that optimizer's config and state arrays (indexed
-    by slot, as the rows), and its use bookkeeping (``max_rows``, TTL): per slot its last
-    tick, uses and last-use time (empty arrays where it keeps none), and ``next_use()``,
-    which starts a use (the table's next tick and its clock's time; None: it keeps none)."""
+    """A plain table for kernels over several tables
+    (:meth:`services.ps.store.EmbeddingTable.plain_view`): its arrays as one kernel row
+    (``refs``, fields :data:`BUCKETS` ... :data:`LAST_USED`), its counters, its optimizer's
+    update of distinct slots (``apply(slots, grads)``) and that optimizer's config, and
+    ``next_use()``, which starts a use (the table's next tick and its clock's time; None: it
+    keeps no use bookkeeping)."""
 
-    buckets: np.ndarray
-    slot_ids: np.ndarray
-    rows: np.ndarray
-    seen: SlotBits
-    dirty: SlotBits
+    refs: np.ndarray
     counters: dict[str, int]
     apply: Callable[[np.ndarray, np.ndarray], int]  # returns the rows it refused
     optimizer: OptimizerConfig
-    state: dict[str, np.ndarray]
-    ticks: np.ndarray
-    uses: np.ndarray
-    last_used: np.ndarray
     next_use: Callable[[], tuple[int, float]] | None
 
 

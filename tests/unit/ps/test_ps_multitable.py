@@ -261,3 +261,55 @@ def test_requests_naming_the_same_tables_in_other_orders_do_not_deadlock() -> No
         th.join(timeout=60)
     assert not any(th.is_alive() for th in threads)
     assert all(t.stats().pushes == 600 for t in ts)
+
+
+def test_a_request_of_any_number_of_tables_compiles_no_kernel_of_its_own() -> None:
+    """Once requests of three tables ran, requests of one, five and eight compile nothing
+    (numba's compile events): a kernel that took one array per table would be compiled
+    again for each number of tables, seconds each in every cold process."""
+    from numba.core import event
+
+    def step(count: int) -> None:
+        ts = [EmbeddingTable(TableConfig(name=f"n{k}", dim=DIM)) for k in range(count)]
+        ids = [np.arange(8, dtype=np.uint64)] * count
+        assert lookup_plain(ts, ids, DIM) is not None  # rows created, then one call
+        assert push_plain(ts, ids, [np.ones((8, DIM), dtype=np.float32)] * count) is not None
+        assert lookup_plain(ts, ids, DIM) is not None
+
+    step(3)
+    with event.install_recorder("numba:compile") as compiled:
+        for count in (1, 5, 8):
+            step(count)
+    assert [e.data["dispatcher"] for e in compiled.buffer if e.is_start] == []
+
+
+def test_tables_whose_arenas_grow_between_and_within_requests_stay_exact() -> None:
+    """Tables of 16 rows at first: a request of new ids that makes them grow, their own
+    lookups that make them grow again, then pushes and lookups through push_plain and
+    lookup_plain leave the same rows as twin tables' own calls (a kernel reading an arena
+    from before it grew reads freed memory)."""
+    def small() -> list[EmbeddingTable]:
+        return [EmbeddingTable(TableConfig(name=f"g{k}", dim=DIM, initial_capacity=16))
+                for k in range(3)]
+
+    fused, own = small(), small()
+    rng = np.random.default_rng(5)
+    first = [np.arange(100, dtype=np.uint64) + np.uint64(k) for k in range(3)]
+    held = np.arange(3, 100, dtype=np.uint64)  # in every table
+    rows = lookup_plain(fused, first, DIM)
+    assert rows is not None
+    np.testing.assert_array_equal(
+        rows, np.concatenate([t.lookup(i) for t, i in zip(own, first, strict=True)]))
+    more = np.arange(1000, 1500, dtype=np.uint64)
+    for t in fused + own:
+        t.lookup(more)  # grows past 512 rows
+    for _ in range(3):
+        ids = [rng.choice(np.concatenate([held, more]), 64) for _ in range(3)]
+        grads = [rng.normal(size=(64, DIM)).astype(np.float32) for _ in range(3)]
+        assert push_plain(fused, ids, grads) == [
+            t.push(i, g) for t, i, g in zip(own, ids, grads, strict=True)]
+        got = lookup_plain(fused, ids, DIM)
+        assert got is not None
+        np.testing.assert_array_equal(
+            got, np.concatenate([t.lookup(i) for t, i in zip(own, ids, strict=True)]))
+    assert state(fused) == state(own)
