@@ -17,6 +17,8 @@ import torch
 from numba import njit
 from torch import Tensor
 
+from services.common.kernel_arrays import array_1d, array_2d, refs
+
 __all__ = ["BagLayout", "DotInteraction", "PoolBags", "PooledFrom", "dot_interaction_cpu"]
 
 
@@ -28,11 +30,11 @@ def _bag_bounds(offsets, bag, n):  # pragma: no cover - numba
 
 @njit(cache=True, nogil=True)
 def _bags_forward(rows, inverse, offsets, mean, outs):  # pragma: no cover - numba
-    """Bag ``k * B + b`` (``B`` rows per output) pools into ``outs[k][b]``: the sum (or mean)
-    of ``rows[inverse[i]]`` over its ids (``outs`` are written whole)."""
+    """Bag ``k * B + b`` (``B`` rows per output) pools into ``outs[k, b]``: the sum (or mean)
+    of ``rows[inverse[i]]`` over its ids (``outs`` is written whole)."""
     n = inverse.size
-    size = offsets.size // len(outs)
-    for k in range(len(outs)):
+    size = offsets.size // outs.shape[0]
+    for k in range(outs.shape[0]):
         out = outs[k]
         for b in range(size):
             lo, hi = _bag_bounds(offsets, k * size + b, n)
@@ -51,11 +53,11 @@ def _bags_forward(rows, inverse, offsets, mean, outs):  # pragma: no cover - num
 @njit(cache=True, nogil=True)
 def _bags_backward(grads, inverse, offsets, mean, grad_rows):  # pragma: no cover - numba
     """``grad_rows[inverse[i]] += grads[k][b]`` over bag ``k * B + b``'s ids (divided by the
-    bag's size for mean)."""
+    bag's size for mean); ``grads``: the outputs' gradients (:func:`_tensor_refs`)."""
     n = inverse.size
-    size = offsets.size // len(grads)
-    for k in range(len(grads)):
-        grad = grads[k]
+    size = offsets.size // grads.shape[0]
+    for k in range(grads.shape[0]):
+        grad = array_2d(grads, k, 0, np.float32, grad_rows.shape[1])
         for b in range(size):
             lo, hi = _bag_bounds(offsets, k * size + b, n)
             if hi == lo:
@@ -65,6 +67,21 @@ def _bags_backward(grads, inverse, offsets, mean, grad_rows):  # pragma: no cove
                 r = inverse[i]
                 for d in range(grad_rows.shape[1]):
                     grad_rows[r, d] += grad[b, d] * scale
+
+
+def _tensor_refs(tensors: Sequence[Tensor], shape: tuple[int, ...]) -> np.ndarray:
+    """The tensors as a kernel's rows (:func:`services.common.kernel_arrays.refs`: one
+    field, address and size), for kernels that take any number of them under one compiled
+    signature; a ValueError unless each is a contiguous CPU float32 tensor of ``shape``.
+    The caller keeps the tensors for the kernel's call."""
+    for k, t in enumerate(tensors):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() \
+                or tuple(t.shape) != shape:
+            raise ValueError(f"tensor {k} is {t.dtype} {tuple(t.shape)} on {t.device}, "
+                             f"contiguous {t.is_contiguous()}: a kernel reads a contiguous "
+                             f"CPU float32 {shape}")
+    return np.array([(t.data_ptr(), t.numel()) for t in tensors],
+                    dtype=np.int64).reshape(len(tensors), 2)
 
 
 def _zeros(shape: tuple[int, ...]) -> np.ndarray:
@@ -92,8 +109,7 @@ class PoolBags(torch.autograd.Function):
         # back the GIL each time, and another thread may hold it meanwhile (pooling 1.25 ->
         # 1.02 ms a step with the loop's and the shard's threads running)
         parted = np.empty((parts, offsets.numel() // parts, rows.shape[1]), dtype=np.float32)
-        _bags_forward(rows.detach().numpy(), inverse.numpy(), offsets.numpy(), mean,
-                      tuple(parted))
+        _bags_forward(rows.detach().numpy(), inverse.numpy(), offsets.numpy(), mean, parted)
         outs = tuple(torch.from_numpy(part) for part in parted)
         ctx.save_for_backward(inverse, offsets)
         ctx.mean, ctx.num_rows = mean, rows.shape[0]
@@ -103,7 +119,8 @@ class PoolBags(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         inverse, offsets = ctx.saved_tensors
         grad = _zeros((ctx.num_rows, grads[0].shape[1]))
-        _bags_backward(tuple(g.contiguous().numpy() for g in grads), inverse.numpy(),
+        kept = [g.contiguous() for g in grads]  # alive through the kernel's call
+        _bags_backward(_tensor_refs(kept, tuple(grads[0].shape)), inverse.numpy(),
                        offsets.numpy(), ctx.mean, grad)
         return torch.from_numpy(grad), None, None, None, None
 
@@ -114,12 +131,13 @@ _MAX_UNROLLED_DIM = 32  # the forward's dim loop unrolls up to this dim (slower 
 
 @njit(cache=True, nogil=True, inline="always")
 def _load_block(vecs, b0, m, tb):  # pragma: no cover - numba
-    """``tb[i, d, s] = vecs[i][b0 + s, d]`` for the block's ``m`` samples: the vectors of a
-    block of samples, sample innermost (lanes past ``m`` are zeroed). Each row of ``tb`` is
-    written whole, gathered from a column of the vector (the other order, each sample's
-    vector read whole and scattered over ``dim`` rows, takes ~1.8x as long)."""
-    for i in range(len(vecs)):
-        v = vecs[i]
+    """``tb[i, d, s] = vecs[i][b0 + s, d]`` for the block's ``m`` samples (``vecs``:
+    :func:`_tensor_refs`): the vectors of a block of samples, sample innermost (lanes past
+    ``m`` are zeroed). Each row of ``tb`` is written whole, gathered from a column of the
+    vector (the other order, each sample's vector read whole and scattered over ``dim``
+    rows, takes ~1.8x as long)."""
+    for i in range(tb.shape[0]):
+        v = array_2d(vecs, i, 0, np.float32, tb.shape[1])
         for d in range(tb.shape[1]):
             for s in range(m):
                 tb[i, d, s] = v[b0 + s, d]
@@ -157,16 +175,16 @@ def _pair_dots(tb, out, row0, col0, unrolled):  # pragma: no cover - numba
 @njit(cache=True, nogil=True, fastmath=True)
 def _interaction_forward(vecs, keep_first, blocks, out_t, unrolled):  # pragma: no cover
     """Column ``b`` of ``out_t`` (feature-major: ``(width, B)``): ``vecs[0][b]`` if
-    ``keep_first``, then ``<vecs[i][b], vecs[j][b]>`` for ``i > j`` in ``tril_indices`` order.
+    ``keep_first``, then ``<vecs[i][b], vecs[j][b]>`` for ``i > j`` in ``tril_indices`` order
+    (``vecs``: the ``n`` vectors ``(B, dim)`` as :func:`_tensor_refs` gives them).
     Samples go a block of ``lanes`` at a time, transposed into ``blocks[k]``
     ``(n, dim, lanes)``, sample innermost (kept for the backward), so that the multiply-adds
     run across the block's samples (SIMD; the lanes are a run-time size, so that the
     compiler vectorizes the loops rather than unrolling them), and so is each row of
     ``out_t`` written: a contiguous run of the block's samples. ``unrolled``: see
     :func:`_pair_dots`."""
-    n = len(vecs)
-    size, dim = vecs[0].shape
-    lanes = blocks.shape[3]
+    _, n, dim, lanes = blocks.shape
+    size = out_t.shape[1]
     first = dim if keep_first else 0
     ob = np.empty((n * (n - 1) // 2, lanes), dtype=np.float32)
     for k in range(blocks.shape[0]):
@@ -219,15 +237,16 @@ def _pair_grads(tb, grad_t, b0, m, first, gb, g4):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _interaction_backward(grad_t, blocks, keep_first, plain, grads, source, part, inverses,
-                          offsets, means, grad_rows):  # pragma: no cover - numba
+def _interaction_backward(grad_t, blocks, keep_first, plain, grads, source, part, sources,
+                          means):  # pragma: no cover - numba
     """The gradient w.r.t. each vector, from the upstream gradient ``grad_t`` (feature-major,
     as the forward's output) and the forward's ``blocks``, a block at a time (each upstream
     row read as a contiguous run of the block's samples). Vector ``i``'s goes to
     ``grads[plain[i], b]`` (written whole) where ``plain[i] >= 0``, else straight into the
-    rows it was pooled from: bag ``part[i] * B + b`` of source ``source[i]`` (its ids
-    ``inverses[k][offsets[k][bag]:...]``, the mean's scale where ``means[k]``) adds it to
-    ``grad_rows[k]``, with no ``(B, dim)`` gradient of the pooled vector made."""
+    rows it was pooled from: bag ``part[i] * B + b`` of source ``k = source[i]`` (row ``k``
+    of ``sources``: its ids ``inverse``, its bags' ``offsets`` into them and its rows'
+    gradient, fields 0, 1 and 2; the mean's scale where ``means[k]``) adds it to the rows'
+    gradient, with no ``(B, dim)`` gradient of the pooled vector made."""
     _, n, dim, lanes = blocks.shape
     size = grad_t.shape[1]
     first = dim if keep_first else 0
@@ -249,9 +268,11 @@ def _interaction_backward(grad_t, blocks, keep_first, plain, grads, source, part
                         out[b0 + s, d] = gb[i, d, s]
                 continue
             src = source[i]
-            inverse, bag0, rows = inverses[src], part[i] * size + b0, grad_rows[src]
+            inverse, bag0 = array_1d(sources, src, 0, np.int64), part[i] * size + b0
+            offsets = array_1d(sources, src, 1, np.int64)
+            rows = array_2d(sources, src, 2, np.float32, dim)
             for s in range(m):
-                lo, hi = _bag_bounds(offsets[src], bag0 + s, inverse.size)
+                lo, hi = _bag_bounds(offsets, bag0 + s, inverse.size)
                 if hi == lo:
                     continue
                 scale = np.float32(1.0) / np.float32(hi - lo) if means[src] else np.float32(1.0)
@@ -298,9 +319,7 @@ class _Sources:
     means: np.ndarray
 
 
-# numba takes no empty tuple: a call with no pooling source passes these, never read
-_NO_IDS = np.empty(0, dtype=np.int64)
-_NO_ROWS = np.empty((0, 1), dtype=np.float32)
+_SOURCE_DTYPES = (np.int64, np.int64, np.float32)  # a source's ids, offsets, rows' gradient
 
 
 def _sources(vecs: Sequence[Tensor], given: Sequence[PooledFrom | None]
@@ -333,8 +352,8 @@ def _sources(vecs: Sequence[Tensor], given: Sequence[PooledFrom | None]
     return _Sources(plain=np.array(plain, dtype=np.int64),
                     source=np.array(source, dtype=np.int64), part=np.array(part, dtype=np.int64),
                     rows=tuple(b.rows for b in layouts),
-                    inverses=tuple(b.inverse for b in layouts) or (_NO_IDS,),
-                    offsets=tuple(b.offsets for b in layouts) or (_NO_IDS,),
+                    inverses=tuple(b.inverse for b in layouts),
+                    offsets=tuple(b.offsets for b in layouts),
                     means=np.array([b.mean for b in layouts] or [False])), inputs
 
 
@@ -345,8 +364,8 @@ def dot_interaction_cpu(vecs: Sequence[Tensor], keep_first: bool,
     with autograd on, its gradient goes straight into that call's rows (see there)."""
     given = sources if sources is not None and torch.is_grad_enabled() else [None] * len(vecs)
     found, inputs = _sources(vecs, given)
-    arrays = tuple(v.detach().contiguous().numpy() for v in vecs)
-    return DotInteraction.apply(keep_first, found, arrays, *inputs, *found.rows)
+    values = [v.detach().contiguous() for v in vecs]
+    return DotInteraction.apply(keep_first, found, values, *inputs, *found.rows)
 
 
 class DotInteraction(torch.autograd.Function):
@@ -360,21 +379,22 @@ class DotInteraction(torch.autograd.Function):
     which the backward reads a block of samples at a time.
 
     Its inputs are the plain vectors and the rows of the :class:`PoolBags` calls that pooled
-    the others (``sources``; ``arrays``: every vector's values): the gradient of a pooled
+    the others (``sources``; ``values``: every vector, contiguous): the gradient of a pooled
     vector goes straight into the rows' gradient, with no ``(B, D)`` tensor for it and no
     pass of the pooling's backward (which runs only where something else uses its
     output)."""
 
     @staticmethod
-    def forward(ctx: Any, keep_first: bool, sources: _Sources, arrays: tuple[np.ndarray, ...],
+    def forward(ctx: Any, keep_first: bool, sources: _Sources, values: Sequence[Tensor],
                 *inputs: Tensor) -> Tensor:
-        size, dim = arrays[0].shape
-        n = len(arrays)
+        size, dim = values[0].shape
+        n = len(values)
+        vecs = _tensor_refs(values, (size, dim))
         out_t = torch.empty(((dim if keep_first else 0) + n * (n - 1) // 2, size),
                             dtype=torch.float32)
         blocks = np.empty((-(-size // _LANES), n, dim, _LANES), dtype=np.float32)
         unrolled = (0,) * dim if dim <= _MAX_UNROLLED_DIM else ()
-        _interaction_forward(arrays, keep_first, blocks, out_t.numpy(), unrolled)
+        _interaction_forward(vecs, keep_first, blocks, out_t.numpy(), unrolled)
         ctx.blocks, ctx.keep_first, ctx.sources = blocks, keep_first, sources
         ctx.num_plain = len(inputs) - len(sources.rows)
         return out_t.t()
@@ -388,7 +408,10 @@ class DotInteraction(torch.autograd.Function):
         grads = torch.empty((ctx.num_plain, grad_out.shape[0], blocks.shape[2]),
                             dtype=torch.float32)
         grad_rows = [_zeros(tuple(rows.shape)) for rows in sources.rows]
+        source_refs = np.array([refs(arrays, _SOURCE_DTYPES) for arrays in zip(
+            sources.inverses, sources.offsets, grad_rows, strict=True)],
+            dtype=np.int64).reshape(len(grad_rows), 2 * len(_SOURCE_DTYPES))
         _interaction_backward(grad_t.numpy(), blocks, ctx.keep_first, sources.plain,
-                              grads.numpy(), sources.source, sources.part, sources.inverses,
-                              sources.offsets, sources.means, tuple(grad_rows) or (_NO_ROWS,))
+                              grads.numpy(), sources.source, sources.part, source_refs,
+                              sources.means)
         return (None, None, None, *grads.unbind(0), *map(torch.from_numpy, grad_rows))

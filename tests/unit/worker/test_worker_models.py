@@ -10,6 +10,7 @@ import torch
 
 from services.common.config import from_dict
 from services.common.errors import ConfigError, InvalidArgument
+from services.worker import kernels
 from services.worker.kernels import PooledFrom
 from services.worker.models import (
     DLRM,
@@ -24,6 +25,7 @@ from services.worker.models import (
     pick_device,
 )
 from services.worker.pooling import PooledFeatures
+from tests.numba_signatures import signatures
 
 DIMS = {"user": 8, "item": 8, "cat": 4}
 
@@ -429,3 +431,38 @@ def test_dense_norm_statistics_travel_in_the_state_dict(name: str) -> None:
     with torch.no_grad():
         assert torch.equal(model(pooled, dense), twin(pooled, dense))
         assert not torch.allclose(model(pooled, dense), fresh(pooled, dense))
+
+
+def test_the_kernels_take_any_number_of_features_under_one_compiled_signature() -> None:
+    """Once pooling and the interaction ran (forward, backward, pooled sources and the
+    pooling's own backward) for 3 features, 5 and 9 features of the same dim add no
+    signature to any kernel (compiled or loaded from numba's cache): a kernel taking one array per feature compiles
+    again for each count, seconds each in every cold process."""
+    def step(features: int) -> None:
+        g = torch.Generator().manual_seed(features)
+        rows = torch.randn(12, 4, generator=g, requires_grad=True)
+        names = [f"f{k}" for k in range(features)]
+        pooled = PooledFeatures()
+        pooled.pool(names, rows, *_bags(g, features, 7, 12), "sum")
+        dense = torch.randn(7, 4, generator=g, requires_grad=True)
+        vecs = [dense, *(pooled[n] for n in names)]
+        sources = [None, *(pooled.source_of(n, pooled[n]) for n in names)]
+        z = dot_interaction(vecs, keep_first=True, sources=sources)
+        (z.pow(2).sum() + sum(pooled[n].sum() for n in names)).backward()
+        assert rows.grad is not None and dense.grad is not None
+
+    step(3)
+    before = signatures(kernels)
+    step(5)
+    step(9)
+    assert signatures(kernels) == before
+
+
+def test_vectors_of_another_shape_are_refused_before_the_kernel_reads_them() -> None:
+    """A vector of another batch or dim than the first is a ValueError naming it, not a
+    read past its end."""
+    vecs = [torch.randn(6, 4), torch.randn(6, 4), torch.randn(5, 4)]
+    with pytest.raises(ValueError, match=r"tensor 2 .*\(5, 4\).*\(6, 4\)"):
+        dot_interaction(vecs, keep_first=False)
+    with pytest.raises(ValueError, match=r"tensor 1 .*\(6, 3\)"):
+        dot_interaction([torch.randn(6, 4), torch.randn(6, 3)], keep_first=False)
