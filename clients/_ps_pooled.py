@@ -65,7 +65,7 @@ class PooledCalls:
         lengths, parts = _parts(ids, lengths, len(self.shards.connections))
         shards = self.shards.connections
         replies = await self.shards.within(asyncio.gather(*(
-            shards[k].pooled_lookup.request(msg.PooledLookupRequest(
+            shards[k].request(shards[k].pooled_lookup, msg.PooledLookupRequest(
                 table=table, ids=raw_array(ids_k), lengths=raw_array(counts),
                 codec=codec), msg.PooledLookupReply)
             for k, ids_k, _, counts in parts)))
@@ -103,7 +103,7 @@ class PooledCalls:
             body = (shard.pooled_grads_codec.to_wire(grads[held], key=table)  # τ per table
                     if mask is None else encode_at(grads[held], mask))
             self.messages.sent("pooled_grads_up", body, grads[held])
-            requests.append(shard.pooled_push.request(msg.PooledPushRequest(
+            requests.append(shard.request(shard.pooled_push, msg.PooledPushRequest(
                 client=self.messages.client_id, seq=shard.next_seq(), table=table,
                 ids=raw_array(ids_k), lengths=raw_array(counts), grads=body,
                 epoch=shard.epoch or None), msg.PooledPushReply))

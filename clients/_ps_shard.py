@@ -3,8 +3,8 @@ method, codec state, and the numbering that makes pushes idempotent.
 
 Every push message carries ``(client, seq)``: the client's random id (drawn once per
 ``PSClient``) and a sequence number per shard, raised by one per message and never reused,
-also across reconnects. A retry resends the very same message (``MultiplexedStream`` encodes
-a request once), so the shard applies it once and answers the first ack. A push also carries
+also across reconnects. A retry (:meth:`ShardConnection.request`) resends the very same
+message, so the shard applies it once and answers the first ack. A push also carries
 the shard's epoch as the connection last learned it (Tables, at connect and re-sync).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -23,8 +24,9 @@ from clients._stream import MultiplexedStream
 from services.common import messages as msg
 from services.common.auth import ClientSecurity
 from services.common.codecs import Codec, RowEncoder, codec_without_feedback
-from services.common.errors import FailedPrecondition, error_from_grpc
+from services.common.errors import FailedPrecondition, Unavailable, error_from_grpc
 from services.common.registry import discover_shards, open_registry
+from services.common.retry import RetryPolicy
 from services.common.rpc import CLIENT_ID_KEY, open_channel
 
 __all__ = ["PushNumbers", "Resolver", "ShardAddresses", "ShardConnection", "ShardSettings",
@@ -131,9 +133,25 @@ class ShardConnection:
 
     def _stream(self, method: str) -> MultiplexedStream:
         identity = ((CLIENT_ID_KEY, str(self.settings.push_numbers.client_id)),)
-        return MultiplexedStream(self.channel, SERVICE + method, reconnect=self.reconnect,
-                                 retry_s=self.settings.retry_s,
+        return MultiplexedStream(self.channel, SERVICE + method,
                                  metadata=(self.settings.security.metadata() or ()) + identity)
+
+    async def request(self, stream: MultiplexedStream, message: msg.Message, reply: type[R]
+                      ) -> R:
+        """``message``'s reply on ``stream`` (one of this shard's), checked as ``reply``;
+        where the shard is unavailable (down, restarting), the same message again on a fresh
+        channel (:meth:`reconnect`), with backoff, until ``retry_s`` has passed: the caller
+        pauses, not crashes."""
+        started, retrying = time.monotonic(), None
+        while True:
+            channel = stream.channel
+            try:
+                return await stream.request(message, reply)
+            except Unavailable as exc:
+                retrying = retrying or RetryPolicy(deadline_s=self.settings.retry_s).begin(
+                    what=stream.method, started=started)
+                await retrying.wait(exc)  # raises once the deadline is past
+            await self.reconnect(channel)
 
     async def reconnect(self, failed: grpc.aio.Channel) -> grpc.aio.Channel:
         """A fresh channel to this shard's (re-resolved) address, once per failed channel."""

@@ -6,25 +6,19 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from services.common.errors import PersimmonError, Unavailable, error_from_grpc
 from services.common.messages import Envelope, Message, decode, encode
-from services.common.retry import RetryPolicy
 
-__all__ = ["MultiplexedStream", "Reconnect"]
+__all__ = ["MultiplexedStream"]
 
 _CLOSE_TIMEOUT_S = 5.0  # a stream that cannot half-close in this long is cancelled
 
 log = logging.getLogger(__name__)
 
-# Given the channel that failed, returns the channel to use now (a new one, or the one another
-# request already replaced it with).
-Reconnect = Callable[[grpc.aio.Channel], Awaitable[grpc.aio.Channel]]
 R = TypeVar("R", bound=Message)
 
 
@@ -38,21 +32,16 @@ class MultiplexedStream:
     """Send typed requests on one stream and await each typed reply by its request id.
 
     The stream opens lazily and reopens after a failure; a failure fails every request in
-    flight with the mapped Persimmon error. ``bytes_out``/``bytes_in`` count wire bytes.
-
-    With ``retry_s > 0`` and a ``reconnect`` callback, a request that fails with
-    :class:`Unavailable` (the server is down) is sent again on a fresh channel, with
-    exponential backoff, until ``retry_s`` seconds have passed: the caller pauses, not crashes.
+    flight with the mapped Persimmon error (:class:`Unavailable` where the server is down:
+    its owner may reconnect, :meth:`rebind` the stream and send again).
+    ``bytes_out``/``bytes_in`` count wire bytes.
     """
 
     def __init__(self, channel: grpc.aio.Channel, method: str, *,
-                 reconnect: Reconnect | None = None, retry_s: float = 0.0,
                  metadata: tuple[tuple[str, str], ...] | None = None) -> None:
         self._channel = channel
-        self._method = method
+        self.method = method
         self._metadata = metadata  # sent when the stream opens, e.g. the bearer token
-        self._reconnect = reconnect
-        self.retry_s = retry_s
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
         # rid -> (future, the call it was written on): a call's end fails only its own
@@ -62,21 +51,15 @@ class MultiplexedStream:
         self.bytes_out = 0
         self.bytes_in = 0
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel the stream opens on."""
+        return self._channel
+
     async def request(self, message: Message, reply: type[R]) -> R:
         """Send ``message`` and return its reply, checked as ``reply``; in-band errors are
         raised."""
-        started, retrying = time.monotonic(), None
-        while True:
-            channel = self._channel
-            try:
-                return decode(reply, await self._request_once(message))
-            except Unavailable as exc:
-                retrying = retrying or RetryPolicy(
-                    deadline_s=self.retry_s if self._reconnect else 0.0,
-                ).begin(what=self._method, started=started)
-                await retrying.wait(exc)  # raises when final: always without a reconnect
-            if self._reconnect is not None:
-                self.rebind(await self._reconnect(channel))
+        return decode(reply, await self._request_once(message))
 
     def rebind(self, channel: grpc.aio.Channel) -> None:
         """Use ``channel`` from now on (after a reconnect); the stream reopens on it."""
@@ -99,7 +82,7 @@ class MultiplexedStream:
         except grpc.aio.AioRpcError as exc:
             raise error_from_grpc(exc.code(), exc.details() or "") from exc
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # closed under us
-            raise Unavailable(f"{self._method} stream closed") from exc
+            raise Unavailable(f"{self.method} stream closed") from exc
         finally:
             self._pending.pop(rid, None)
             if not future.done():
@@ -128,13 +111,13 @@ class MultiplexedStream:
             writing.result()
         except grpc.aio.AioRpcError as exc:  # the call had ended (e.g. its peer died,
             # INTERNAL "Internal error from Core"): this request was not served on it
-            raise Unavailable(f"{self._method} stream ended before the request was "
+            raise Unavailable(f"{self.method} stream ended before the request was "
                               f"written: {exc.code().name} {exc.details()}") from exc
 
     def _ensure_open(self) -> grpc.aio.StreamStreamCall:
         if self._call is None or self._call.done():
-            self._call = self._channel.stream_stream(self._method)(metadata=self._metadata)
-            self._reader = asyncio.create_task(self._read(self._call), name=f"read {self._method}")
+            self._call = self._channel.stream_stream(self.method)(metadata=self._metadata)
+            self._reader = asyncio.create_task(self._read(self._call), name=f"read {self.method}")
         return self._call
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
@@ -143,7 +126,7 @@ class MultiplexedStream:
             while True:
                 raw = await call.read()
                 if raw is grpc.aio.EOF:
-                    error = Unavailable(f"{self._method} stream ended by the server")
+                    error = Unavailable(f"{self.method} stream ended by the server")
                     break
                 self.bytes_in += len(raw)
                 envelope = Envelope.of(raw)
@@ -157,20 +140,20 @@ class MultiplexedStream:
             if exc.code() == grpc.StatusCode.INTERNAL and "from Core" in (exc.details() or ""):
                 # the transport broke under the stream (its peer died): unavailable, so the
                 # requests it carried are retried (pushes are idempotent, lookups read)
-                error = Unavailable(f"{self._method} stream broke: {exc.details()}")
+                error = Unavailable(f"{self.method} stream broke: {exc.details()}")
             else:
                 error = error_from_grpc(exc.code(), exc.details() or "")
         except PersimmonError as exc:
             error = exc
         except asyncio.CancelledError:
-            error = Unavailable(f"{self._method} stream closed")
+            error = Unavailable(f"{self.method} stream closed")
             raise
         finally:
             if self._call is call:
                 self._call = None
             for future, on in list(self._pending.values()):
                 if on is call and not future.done():
-                    future.set_exception(error or Unavailable(f"{self._method} stream failed"))
+                    future.set_exception(error or Unavailable(f"{self.method} stream failed"))
 
     async def close(self) -> None:
         call = self._call  # the reader may clear self._call while done_writing() is awaited

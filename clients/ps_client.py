@@ -281,8 +281,8 @@ class PSClient:
         """One Lookup message per shard with ids of ``layout``: the replies in shard order."""
         bounds, shards, messages = layout.bounds, self._shards.connections, self._messages
         return list(await self._shards.within(asyncio.gather(*(
-            shards[k].lookup.request(
-                messages.lookup(k, layout, read_only, with_state=with_state), msg.LookupReply)
+            shards[k].request(shards[k].lookup, messages.lookup(
+                k, layout, read_only, with_state=with_state), msg.LookupReply)
             for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
 
     async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushAck:
@@ -291,7 +291,8 @@ class PSClient:
         check_grads(layout, grads)
         bounds, shards, messages = layout.bounds, self._shards.connections, self._messages
         return _sum_acks(await self._shards.within(asyncio.gather(*(
-            shards[k].push.request(messages.push(shards[k], k, layout, grads), msg.PushReply)
+            shards[k].request(shards[k].push, messages.push(shards[k], k, layout, grads),
+                              msg.PushReply)
             for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
 
     async def push_then_lookup(self, layout: ShardedIds, grads: np.ndarray,
@@ -306,11 +307,12 @@ class PSClient:
             lookup = messages.lookup(k, then) if asked[k + 1] > asked[k] else None
             if pushed[k + 1] > pushed[k]:
                 push = messages.push(shard, k, layout, grads)
-                requests.append(shard.push.request(push, msg.PushReply) if lookup is None else
-                                shard.push_then_lookup.request(msg.PushThenLookupRequest(
-                                    push=push, lookup=lookup), msg.PushThenLookupReply))
+                requests.append(
+                    shard.request(shard.push, push, msg.PushReply) if lookup is None else
+                    shard.request(shard.push_then_lookup, msg.PushThenLookupRequest(
+                        push=push, lookup=lookup), msg.PushThenLookupReply))
             elif lookup is not None:
-                requests.append(shard.lookup.request(lookup, msg.LookupReply))
+                requests.append(shard.request(shard.lookup, lookup, msg.LookupReply))
         acks: list[msg.PushReply] = []
         rows: list[msg.LookupReply] = []  # in shard order
         for reply in await self._shards.within(asyncio.gather(*requests)):
