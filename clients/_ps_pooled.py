@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from clients._ps_messages import ShardMessages
+from clients._ps_shard import received, sent
 from clients._ps_shard_set import ShardSet
 from services.common import messages as msg
 from services.common.codecs import raw_array
@@ -52,10 +52,12 @@ def _parts(ids: np.ndarray, lengths: Any, num_shards: int) -> tuple[np.ndarray, 
 
 
 class PooledCalls:
-    """Pooled lookups and pushes over ``shards``, their arrays through ``messages``."""
+    """Pooled lookups and pushes over ``shards`` (their arrays counted in the shards'
+    ``codec_stats``)."""
 
-    def __init__(self, shards: ShardSet, messages: ShardMessages) -> None:
-        self.shards, self.messages = shards, messages
+    def __init__(self, shards: ShardSet) -> None:
+        self.shards = shards
+        self.stats = shards.settings.codec_stats
 
     async def lookup(self, table: str, ids: np.ndarray, lengths: Any, mode: str,
                      codec: str) -> tuple[np.ndarray, PooledMasks]:
@@ -75,7 +77,7 @@ class PooledCalls:
         out = np.zeros((lengths.size, dim), dtype=np.float32)
         masks = []
         for (_, _, held, _), reply in zip(parts, replies, strict=True):
-            out[held] += self.messages.received("pooled_down", reply.pooled)
+            out[held] += received(self.stats, "pooled_down", reply.pooled)
             masks.append(kept_mask(reply.pooled) if reply.pooled.codec == DCTMPCodec.name
                          else None)
         if mode == "mean":
@@ -102,9 +104,9 @@ class PooledCalls:
             mask = None if masks is None else masks[j]
             body = (shard.pooled_grads_codec.to_wire(grads[held], key=table)  # τ per table
                     if mask is None else encode_at(grads[held], mask))
-            self.messages.sent("pooled_grads_up", body, grads[held])
+            sent(self.stats, "pooled_grads_up", body, grads[held])
             requests.append(shard.request(shard.pooled_push, msg.PooledPushRequest(
-                client=self.messages.client_id, seq=shard.next_seq(), table=table,
+                client=shard.settings.push_numbers.client_id, seq=shard.next_seq(), table=table,
                 ids=raw_array(ids_k), lengths=raw_array(counts), grads=body,
                 epoch=shard.epoch or None), msg.PooledPushReply))
         return list(await self.shards.within(asyncio.gather(*requests)))

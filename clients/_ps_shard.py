@@ -1,5 +1,6 @@
 """One PS shard as :class:`~clients.ps_client.PSClient` sees it: a channel, a stream per
-method, codec state, and the numbering that makes pushes idempotent.
+method, the requests it sends from its share of a layout (through the client's codecs, their
+bytes counted per stream), codec state, and the numbering that makes pushes idempotent.
 
 Every push message carries ``(client, seq)``: the client's random id (drawn once per
 ``PSClient``) and a sequence number per shard, raised by one per message and never reused,
@@ -19,18 +20,33 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
+import numpy as np
 
 from clients._stream import MultiplexedStream
 from services.common import messages as msg
 from services.common.auth import ClientSecurity
-from services.common.codecs import Codec, RowEncoder, codec_without_feedback
-from services.common.errors import FailedPrecondition, Unavailable, error_from_grpc
+from services.common.codecs import (
+    Codec,
+    RowEncoder,
+    WireArray,
+    WireStats,
+    codec_without_feedback,
+    decode_array,
+    raw_array,
+)
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    error_from_grpc,
+)
 from services.common.registry import discover_shards, open_registry
 from services.common.retry import RetryPolicy
 from services.common.rpc import CLIENT_ID_KEY, open_channel
+from services.common.sharding import ShardedIds
 
 __all__ = ["PushNumbers", "Resolver", "ShardAddresses", "ShardConnection", "ShardSettings",
-           "registry_resolver"]
+           "check_grads", "received", "registry_resolver", "replies_rows", "sent"]
 
 R = TypeVar("R", bound=msg.Message)
 Resolver = Callable[[], Awaitable[Sequence[str]]]  # the shards' addresses, in shard order
@@ -89,13 +105,48 @@ def registry_resolver(url: str, timeout_s: float) -> Resolver:
 
 @dataclass(frozen=True, slots=True)
 class ShardSettings:
-    """What every shard connection of one client is opened with."""
+    """What every shard connection of one client is opened with: ``rows_codec`` encodes the
+    rows a lookup asks for, ``grads_codec`` the gradients, ``codec_stats`` counts every
+    array's raw and wire bytes per stream (the client's, shared)."""
 
+    rows_codec: str
     grads_codec: str
     retry_s: float
     max_message_bytes: int
     security: ClientSecurity
     push_numbers: PushNumbers
+    codec_stats: WireStats
+
+
+def check_grads(layout: ShardedIds, grads: np.ndarray) -> None:
+    """InvalidArgument unless ``grads`` has a row per id of ``layout``."""
+    if grads.ndim != 2 or grads.shape[0] != layout.ids.size:
+        raise InvalidArgument(f"grads must be ({layout.ids.size}, dim), got {grads.shape}")
+
+
+def received(stats: WireStats, stream: str, arr: WireArray) -> np.ndarray:
+    """``arr`` decoded, counted in ``stats`` as received on ``stream``."""
+    out = decode_array(arr, stream)
+    stats.add(stream, arr.codec, "received", 4 * out.size, arr.nbytes)
+    return out
+
+
+def sent(stats: WireStats, stream: str, arr: WireArray, x: np.ndarray) -> None:
+    """Count ``arr`` (``x`` encoded) in ``stats`` as sent on ``stream``."""
+    stats.add(stream, arr.codec, "sent", 4 * x.size, arr.nbytes)
+
+
+def replies_rows(stats: WireStats, replies: Sequence[msg.LookupReply]) -> np.ndarray:
+    """The rows of lookup replies (in shard order, at least one) as one writable float32
+    array, counted in ``stats``."""
+    parts = [received(stats, "rows_down", reply.rows) for reply in replies]
+    rows = np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])  # writable
+    return rows if rows.dtype == np.float32 else rows.astype(np.float32)
+
+
+def _tag(layout: ShardedIds) -> list[int] | None:
+    """The layout's step tag as it travels (services.ps.staleness counts it)."""
+    return None if layout.tag is None else list(layout.tag)
 
 
 class ShardConnection:
@@ -127,6 +178,48 @@ class ShardConnection:
     def next_seq(self) -> int:
         """The sequence number of the next push message to this shard."""
         return self.settings.push_numbers.next(self.index)
+
+    def lookup_request(self, layout: ShardedIds, read_only: bool = False, *,
+                       with_state: bool = False) -> msg.LookupRequest:
+        """The Lookup of this shard's slice of ``layout``."""
+        k = self.index
+        lo, hi = layout.bounds[k], layout.bounds[k + 1]
+        return msg.LookupRequest(tables=list(layout.tables), counts=layout.counts[k].tolist(),
+                                 ids=raw_array(layout.ids[lo:hi]),
+                                 codec="none" if with_state else self.settings.rows_codec,
+                                 tag=_tag(layout), read_only=True if read_only else None,
+                                 with_state=True if with_state else None)
+
+    def push_request(self, layout: ShardedIds, grads: np.ndarray) -> msg.PushRequest:
+        """The Push of this shard's slice of ``layout`` and its rows of ``grads``, numbered
+        with the next sequence number and the shard's epoch as last learned."""
+        k = self.index
+        lo = int(layout.bounds[k])
+        return msg.PushRequest(client=self.settings.push_numbers.client_id, seq=self.next_seq(),
+                               tables=list(layout.tables), counts=layout.counts[k].tolist(),
+                               ids=raw_array(layout.ids[lo:int(layout.bounds[k + 1])]),
+                               grads=self._grads(layout, lo, grads),
+                               tag=_tag(layout), epoch=self.epoch or None)
+
+    def _grads(self, layout: ShardedIds, lo: int, grads: np.ndarray) -> list[WireArray]:
+        """This shard's gradients on the wire: one array, or one per table when the codec
+        keeps a residual per id (and so per table)."""
+        hi, stats = int(layout.bounds[self.index + 1]), self.settings.codec_stats
+        if not self.grads_per_table:
+            body = self.grads_encoder.to_wire(layout.ids[lo:hi], grads[lo:hi])
+            sent(stats, "grads_up", body, grads[lo:hi])
+            return [body]
+        bodies = []
+        for table, count in zip(layout.tables, layout.counts[self.index].tolist(), strict=True):
+            encoder = self.grads_encoders.get(table)
+            if encoder is None:
+                encoder = self.grads_encoders[table] = RowEncoder(self.settings.grads_codec)
+            ids, g = layout.ids[lo:lo + count], grads[lo:lo + count]
+            body = encoder.to_wire(ids, g, key=table)
+            sent(stats, "grads_up", body, g)
+            bodies.append(body)
+            lo += count
+        return bodies
 
     def _open(self) -> grpc.aio.Channel:
         return open_channel(self.address, self.settings.security, self.settings.max_message_bytes)

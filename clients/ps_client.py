@@ -30,14 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from clients._ps_messages import ShardMessages, check_grads
 from clients._ps_pooled import PooledCalls
 from clients._ps_shard import (
     PushNumbers,
     Resolver,
     ShardAddresses,
     ShardSettings,
+    check_grads,
+    received,
     registry_resolver,
+    replies_rows,
 )
 from clients._ps_shard_set import ShardSet
 from services.common import messages as msg
@@ -125,10 +127,9 @@ class PSClient:
         # array payloads per stream (rows_down, grads_up, pooled_down, pooled_grads_up) and codec
         self.codec_stats = WireStats()
         self._shards = ShardSet(ShardAddresses(addresses, resolver), ShardSettings(
-            grads_codec, retry_s, max_message_bytes, self.security, self.push_numbers), timeout)
-        self._messages = ShardMessages(rows_codec, grads_codec, self.push_numbers.client_id,
-                                       self.codec_stats)
-        self._pooled = PooledCalls(self._shards, self._messages)
+            rows_codec, grads_codec, retry_s, max_message_bytes, self.security,
+            self.push_numbers, self.codec_stats), timeout)
+        self._pooled = PooledCalls(self._shards)
 
     @classmethod
     def from_registry(cls, url: str, *, discover_timeout_s: float = 60.0,
@@ -272,26 +273,26 @@ class PSClient:
         state: dict[str, list[np.ndarray]] = {}
         for reply in replies:
             for name, arr in (reply.state or {}).items():
-                state.setdefault(name, []).append(self._messages.received("rows_down", arr))
+                state.setdefault(name, []).append(received(self.codec_stats, "rows_down", arr))
         return await self._rows_of(replies, layout), {k: np.concatenate(v)
                                                       for k, v in state.items()}
 
     async def _lookups(self, layout: ShardedIds, *, read_only: bool = False,
                        with_state: bool = False) -> list[msg.LookupReply]:
         """One Lookup message per shard with ids of ``layout``: the replies in shard order."""
-        bounds, shards, messages = layout.bounds, self._shards.connections, self._messages
+        bounds, shards = layout.bounds, self._shards.connections
         return list(await self._shards.within(asyncio.gather(*(
-            shards[k].request(shards[k].lookup, messages.lookup(
-                k, layout, read_only, with_state=with_state), msg.LookupReply)
+            shards[k].request(shards[k].lookup, shards[k].lookup_request(
+                layout, read_only, with_state=with_state), msg.LookupReply)
             for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
 
     async def push_sharded(self, layout: ShardedIds, grads: np.ndarray) -> PushAck:
         """Gradients ``(len(layout.ids), dim)`` of a layout's ids: one Push message per shard
         (error feedback per id as in :meth:`push_unique`)."""
         check_grads(layout, grads)
-        bounds, shards, messages = layout.bounds, self._shards.connections, self._messages
+        bounds, shards = layout.bounds, self._shards.connections
         return _sum_acks(await self._shards.within(asyncio.gather(*(
-            shards[k].request(shards[k].push, messages.push(shards[k], k, layout, grads),
+            shards[k].request(shards[k].push, shards[k].push_request(layout, grads),
                               msg.PushReply)
             for k in range(layout.num_shards) if bounds[k + 1] > bounds[k]))))
 
@@ -301,12 +302,12 @@ class PSClient:
         message per shard that has ids of both: each shard applies the push before it looks
         up, so the rows include it (half the messages of a training step)."""
         check_grads(layout, grads)
-        pushed, asked, messages = layout.bounds, then.bounds, self._messages
+        pushed, asked = layout.bounds, then.bounds
         requests: list[Awaitable[msg.PushThenLookupReply | msg.PushReply | msg.LookupReply]] = []
         for k, shard in enumerate(self._shards.connections):
-            lookup = messages.lookup(k, then) if asked[k + 1] > asked[k] else None
+            lookup = shard.lookup_request(then) if asked[k + 1] > asked[k] else None
             if pushed[k + 1] > pushed[k]:
-                push = messages.push(shard, k, layout, grads)
+                push = shard.push_request(layout, grads)
                 requests.append(
                     shard.request(shard.push, push, msg.PushReply) if lookup is None else
                     shard.request(shard.push_then_lookup, msg.PushThenLookupRequest(
@@ -329,7 +330,7 @@ class PSClient:
                        ) -> np.ndarray:
         """The rows of the replies (in shard order) as one writable float32 array."""
         if replies:
-            return self._messages.rows(replies)
+            return replies_rows(self.codec_stats, replies)
         return np.empty((0, await self._shards.dim(layout.tables[0])), dtype=np.float32)
 
     # ---- DES-style partial pooling: each shard pools the rows it owns ---------------------
