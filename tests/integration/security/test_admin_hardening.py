@@ -6,6 +6,7 @@ guarded by the same code."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -112,8 +113,13 @@ async def test_a_peek_waiting_on_a_checkpoint_lock_leaves_the_loop_serving(start
             answer = await peek
     finally:
         holder.join()
-    assert len(stalls) >= 5 and max(stalls) < hold_s / 3, stalls  # blocked: >= hold_s
-    assert max(lookups) < hold_s / 3, lookups
+    # A loop blocked by the peek answers nothing until the lock is released: one probe
+    # would take about hold_s and few would fit before the deadline. A busy machine may
+    # stall one probe for a while, so the bound is on the typical probe and on none
+    # coming near the hold.
+    assert len(stalls) >= 5, stalls
+    for probes in (stalls, lookups):
+        assert statistics.median(probes) < hold_s / 10 and max(probes) < 0.7 * hold_s, probes
     assert waited and answer.status_code == 200 and answer.json()["present"] is False
 
 
