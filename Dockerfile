@@ -37,27 +37,16 @@ RUN --mount=type=secret,id=pip_cert if [ -s /run/secrets/pip_cert ]; then export
     mkdir services clients && touch README.md && pip install ".[demo,compression]" \
     && pip uninstall -y persimmon && rm -r services clients README.md
 
-# the project itself on each set of dependencies
-FROM deps-core AS build-core
-COPY README.md ./
-COPY services services
-COPY clients clients
-RUN pip install --no-deps --no-build-isolation . && python -m compileall -q /opt/venv/lib
-
-FROM deps AS build
-COPY README.md ./
-COPY services services
-COPY clients clients
-# (py312_: torch's test files for Python 3.12 only, which 3.11 cannot compile)
-RUN pip install --no-deps --no-build-isolation . && python -m compileall -q -x 'py312_' /opt/venv/lib
-
+# The final stages copy a dependencies venv (a layer that code changes leave cached), then
+# install the project on it in a small layer of its own: a code change rebuilds that layer
+# alone, never a copy of the whole venv (GBs with torch).
 FROM ${BASE} AS runtime-base
 COPY deploy/ps.yaml /etc/persimmon/ps.yaml
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba-cache
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba-cache \
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN useradd --uid 10001 --create-home persimmon \
     && mkdir -p /checkpoints /data \
     && chown persimmon /checkpoints /data
-USER persimmon
 WORKDIR /home/persimmon
 # PS gRPC + admin, loader gRPC + admin, torch.distributed rendezvous
 EXPOSE 50051 8081 50061 8091 29500
@@ -66,8 +55,18 @@ CMD ["--help"]
 
 # `--target core`: `persimmon ps` and `persimmon loader` (the core install, no torch)
 FROM runtime-base AS core
-COPY --from=build-core /opt/venv /opt/venv
+COPY --from=deps-core /opt/venv /opt/venv
+COPY pyproject.toml README.md /src/
+COPY services /src/services
+COPY clients /src/clients
+RUN pip install --no-deps --no-build-isolation /src && rm -rf /src
+USER persimmon
 
 # the default image (last stage): every command
 FROM runtime-base AS runtime
-COPY --from=build /opt/venv /opt/venv
+COPY --from=deps /opt/venv /opt/venv
+COPY pyproject.toml README.md /src/
+COPY services /src/services
+COPY clients /src/clients
+RUN pip install --no-deps --no-build-isolation /src && rm -rf /src
+USER persimmon

@@ -49,7 +49,7 @@ step "python base";  build -t localhost/persimmon-python:bookworm -f deploy/loca
 step "persimmon"
 old="$(podman image inspect --format '{{.Id}}' localhost/persimmon:local 2>/dev/null || true)"
 build -t localhost/persimmon:local "${secret[@]}" --build-arg BASE=localhost/persimmon-python:bookworm .
-# the image this one replaced holds its own copy of the venv (GBs): remove it unless in use
+# the image this one replaced (its own project layer on the shared venv): remove it unless in use
 if [ -n "$old" ] && [ "$old" != "$(podman image inspect --format '{{.Id}}' localhost/persimmon:local)" ]; then
     podman rmi "$old" >/dev/null 2>&1 || true
 fi
