@@ -17,7 +17,7 @@ Its wire form is :class:`services.common.loader_messages.BatchBody`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -107,7 +107,7 @@ class RankBatches(Protocol):
     def for_rank(self, rank: int, world: int) -> Batches: ...
 
 
-async def iterate(batches: Batches) -> AsyncIterator[Batch]:
+async def iterate(batches: Batches) -> AsyncGenerator[Batch, None]:
     """The batches of an iterable or an async iterable."""
     if isinstance(batches, AsyncIterable):
         async for b in batches:

@@ -46,7 +46,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,7 @@ from services.worker.embedding.rows import (
 )
 from services.worker.evaluation import EvalAccumulator, evaluate_overlapped, gather_accumulator
 from services.worker.models import ModelConfig, pick_device
+from services.worker.pooling import BatchPlan
 from services.worker.summary import RECENT_LOSSES, FitSummary, LossCurve, StalenessStats
 from services.worker.sync import SyncStrategy
 from services.worker.warmup import warm_up_step
@@ -392,15 +393,21 @@ class Trainer:
         compute.mark_started(await self._cpu_seconds())  # again if this fit builds the model
         self.phases.reset()
 
-        async def first(batch: Batch) -> None:
-            await self._first_batch(batch, compute)
-
-        source: Batches = batches.batches() if isinstance(batches, LoaderClient) else batches
-        producer = asyncio.create_task(self.pipeline.feed(
-            source, compute.put, compute.fail, steps=steps,
-            first=first if self._forward is None or not self._warm else None))
+        source = iterate(batches.batches() if isinstance(batches, LoaderClient) else batches)
+        planned: tuple[Batch, BatchPlan] | None = None
+        if prepare := self._forward is None or not self._warm:
+            try:
+                planned = await self._first_batch(source, compute)
+            except BaseException:
+                await source.aclose()
+                raise
+        producer = asyncio.create_task(
+            compute.put(None) if prepare and planned is None  # its compute thread tells the
+            # other ranks, which wait in every_rank_has_a_first_batch
+            else self.pipeline.feed(source, compute.put, compute.fail, steps=steps,
+                                    planned=planned))
         self._taking = self.step
-        runner = asyncio.create_task(asyncio.to_thread(compute.run, self.step))
+        runner = compute.start(self.step)
         train_acc = EvalAccumulator("the training data")
         staleness, curve = StalenessStats(), LossCurve()
         samples, first_step = 0, self.step
@@ -486,10 +493,18 @@ class Trainer:
             assert tuner is not None  # it measured
             self.progress.record_window(tuner.choice.remeasured[-1])
 
-    async def _first_batch(self, batch: Batch, compute: ComputeThread[Prepared]) -> None:
-        """Before a fit's first step, once planned its first batch (none of it training
-        time, the run's clocks start after): the model built from it, and the step's
-        kernels loaded or compiled (:func:`~services.worker.warmup.warm_up_step`)."""
+    async def _first_batch(self, source: AsyncGenerator[Batch, None],
+                           compute: ComputeThread[Prepared]) -> tuple[Batch, BatchPlan] | None:
+        """Before a fit's first step, its first batch from ``source``, planned (the plan
+        decides the hot policy), the model built from it and the step's kernels loaded or
+        compiled (:func:`~services.worker.warmup.warm_up_step`), none of it training time
+        (the run's clocks start after). None where the source has no batch: before a model
+        exists, the fit's compute thread then meets the other ranks' check that every rank
+        has a first batch (:func:`~services.worker.compute.every_rank_has_a_first_batch`)."""
+        batch = await anext(source, None)
+        if batch is None:
+            return None
+        plan = await self.pipeline.plan(batch)
         if self._forward is None:
             every_rank_has_a_first_batch()
             await self._ensure_model(batch)
@@ -498,6 +513,7 @@ class Trainer:
             await warm_up_step(self.pipeline, self.module, batch, self.device)
             self._warm = True
         compute.mark_started(await self._cpu_seconds())
+        return batch, plan
 
     async def _held_out(self, summary: FitSummary, eval_batches: Callable[[], Batches]
                         | Sequence[Batch] | None, *, averaged: bool) -> None:

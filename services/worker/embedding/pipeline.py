@@ -364,37 +364,36 @@ class EmbeddingPipeline:
 
     async def feed(self, batches: Batches, put: Callable[[Prepared | None], Awaitable[Any]],
                    fail: Callable[[BaseException], Any], *, steps: int | None = None,
-                   first: Callable[[Batch], Awaitable[Any]] | None = None) -> None:
-        """Plan ``batches`` (at most ``steps``) and start their lookups ahead of compute, each
-        after taking a slot, so that as many lookups are in flight as there are slots
-        (``prefetch`` when unbounded). Once every slot is taken, batches queue as riders (as
-        many as there are slots), so that each push finds one waiting. Each batch goes to
-        ``put`` in order once its rows arrived; ``put(None)`` ends the run. An error (of a
-        plan, a lookup or ``put``) goes to ``fail`` instead. ``first(batch)`` runs once, after
-        the first batch's plan (a model built from it)."""
+                   planned: tuple[Batch, BatchPlan] | None = None) -> None:
+        """Plan ``batches`` (at most ``steps`` of them, after ``planned``: a first batch its
+        caller already planned) and start their lookups ahead of compute, each after taking
+        a slot, so that as many lookups are in flight as there are slots (``prefetch`` when
+        unbounded). Once every slot is taken, batches queue as riders (as many as there are
+        slots), so that each push finds one waiting. Each batch goes to ``put`` in order once
+        its rows arrived; ``put(None)`` ends the run. An error (of a plan, a lookup or
+        ``put``) goes to ``fail`` instead."""
         ahead: asyncio.Queue[_Ahead | None] = asyncio.Queue(
             maxsize=(self.tuner.most if self.tuner is not None else self.window)
             or self.prefetch)
         feeder = asyncio.create_task(self._hand_over(ahead, put, fail))
         try:
+            source = iterate(batches)
             taken = 0
-            gate_open = True  # False once a worker ran out (or, after the loop, this one)
-            async for batch in iterate(batches):
-                if steps is not None and taken >= steps:
-                    break
-                plan = self._tagged(await self.plan(batch))
-                if first is not None:
-                    await first(batch)
-                    first = None
-                if self._step_gate is not None and not (gate_open := await self._step_gate(True)):
+            while steps is None or taken < steps:
+                if planned is None:
+                    if (got := await anext(source, None)) is None:
+                        # this worker ran out (before ``steps``): the others stop here too
+                        if self._step_gate is not None:
+                            await self._step_gate(False)
+                        break
+                    planned = got, await self.plan(got)
+                (batch, plan), planned = planned, None
+                plan = self._tagged(plan)
+                if self._step_gate is not None and not await self._step_gate(True):
                     break  # another worker has no batch for this step
                 await ahead.put(await self._start(batch, plan,
                                                   hold=self._step_gate is not None))
                 taken += 1
-            else:  # this worker ran out (before ``steps``): the others stop at this step too
-                if self._step_gate is not None and gate_open and first is None \
-                        and (steps is None or taken < steps):  # (first: they fail at it)
-                    await self._step_gate(False)
             await ahead.put(None)
             await feeder
         except BaseException as exc:  # handed to the consumer, which raises it

@@ -233,6 +233,40 @@ async def test_a_failed_push_raises_its_error_and_fails_the_batch_riding_on_it()
     assert not rows.any()  # the bad push changed nothing
 
 
+async def test_a_batch_planned_by_the_caller_goes_first_planned_once_and_counts_a_step() -> None:
+    """``feed(planned=...)``: the caller's planned batch is handed over first with the first
+    step's tag, the source's batches after it with the next ones, each planned once (the
+    planned batch not again), and ``steps`` counts it."""
+    shards = InProcessShards([table()])
+    pipeline = EmbeddingPipeline(shards, window=2, tables={"f": "t"})
+    first = batch(10)
+    planned = first, await pipeline.plan(first)  # the first plan decides the routes
+    planning: list[int] = []
+    plan = pipeline.plan
+
+    async def counted(b: Batch):  # type: ignore[no-untyped-def]
+        planning.append(b.batch_id)
+        return await plan(b)
+
+    pipeline.plan = counted  # type: ignore[method-assign]
+    pipeline.begin()
+    prepared: asyncio.Queue[Prepared | None] = asyncio.Queue()
+    errors: list[BaseException] = []
+    feeding = asyncio.create_task(pipeline.feed(
+        [batch(11), batch(12), batch(13)], prepared.put, errors.append, steps=3,
+        planned=planned))
+    got = []
+    async with asyncio.timeout(10):
+        while (item := await prepared.get()) is not None:
+            got.append((item.batch.batch_id, item.plan.groups[0].layout.tag))
+            pipeline.push(item, [np.zeros((1, N), np.float32)])
+        await feeding
+        await pipeline.drain()
+    assert errors == []
+    assert got == [(10, (0, 0, 1)), (11, (0, 1, 1)), (12, (0, 2, 1))]
+    assert planning == [11, 12]
+
+
 def test_bad_windows_are_clear_errors() -> None:
     shards = InProcessShards([table()])
     for window in (0, -1, True, 1.5):
