@@ -45,7 +45,7 @@ from rich.table import Table
 from bench import write_json
 from bench.procstats import cpu_seconds
 from services.common.commands import float_at_least, int_at_least
-from services.local.processes import free_port
+from services.common.ports import free_port
 
 __all__ = ["register_bench", "run"]
 

@@ -129,7 +129,7 @@ def _init_single_rank_group() -> bool:
 
     if dist.is_initialized():
         return False
-    from services.local.processes import free_port
+    from services.common.ports import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())

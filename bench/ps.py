@@ -32,8 +32,9 @@ from bench import write_json
 from bench.store import bench_store
 from clients.ps_client import PSClient
 from services.common.commands import float_at_least, int_at_least
+from services.common.ports import free_port
 from services.common.rpc import channel_options, generic_service, make_server
-from services.local.processes import LocalPS, free_port
+from services.local.processes import LocalPS
 
 __all__ = ["register_bench", "run"]
 

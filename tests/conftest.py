@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from services.local.processes import free_port
+from services.common.ports import free_port
 
 __all__ = ["eventually", "free_port", "swallowing_first_cancel"]
 

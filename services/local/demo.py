@@ -24,7 +24,8 @@ from rich.table import Table
 from services.common.commands import float_at_least, int_at_least, output_file
 from services.common.config import add_flags, flag_values, load_config
 from services.common.errors import ConfigError
-from services.local.processes import free_port, stopping_children_on_sigterm
+from services.common.ports import free_port
+from services.local.processes import stopping_children_on_sigterm
 from services.worker.config import SYNC_FIELDS, TrainerConfig
 
 __all__ = ["register_cli"]

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,20 +31,13 @@ from services.common.commands import debug_enabled
 from services.common.errors import Unavailable
 from services.local.supervise import Supervisor
 
-__all__ = ["LocalLoader", "LocalPS", "StderrTail", "free_port", "start_service",
+__all__ = ["LocalLoader", "LocalPS", "StderrTail", "start_service",
            "start_services", "stop_processes", "stopping_children_on_sigterm", "wait_ready"]
 
 # Each service runs as its own module (``python -m services.ps``): it starts without importing
 # the CLI, torch or the benchmarks, which is what a supervisor's restart waits for.
 _PS = [sys.executable, "-m", "services.ps", "--log-level", "WARNING"]
 _LOADER = [sys.executable, "-m", "services.loader", "--log-level", "WARNING", "loader"]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class StderrTail:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
-import socket
 import sys
 import time
 import traceback
@@ -29,13 +28,13 @@ import torch.multiprocessing as mp
 
 from services.common.commands import debug_enabled
 from services.common.errors import ConfigError, Internal, PersimmonError
+from services.common.ports import free_port
 
 __all__ = [
     "BACKENDS",
     "DistInfo",
     "default_backend",
     "destroy_distributed",
-    "free_port",
     "init_distributed",
     "run_local_ranks",
 ]
@@ -65,13 +64,6 @@ def default_backend() -> str:
     if torch.cuda.is_available() and dist.is_nccl_available():
         return "nccl"
     return "gloo"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _env_int(env: Mapping[str, str], key: str) -> int | None:

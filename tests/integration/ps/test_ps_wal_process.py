@@ -84,7 +84,7 @@ async def test_a_job_checkpoint_waits_for_a_shard_that_is_restarting(tmp_path):
     """retry_s: a cut taken while a shard restarts (from its WAL) completes once it is back;
     without it the unreachable shard fails the checkpoint."""
     from services.common.errors import Unavailable
-    from services.local.processes import free_port
+    from services.common.ports import free_port
     from services.ps.config import PSConfig
     from services.ps.service import PSService
     from services.worker.job_checkpoints import JobCheckpointer

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from clients.ps_client import PSClient
+from services.common.ports import free_port
 from services.loader.planted import SyntheticConfig
-from services.local.processes import LocalLoader, LocalPS, free_port
+from services.local.processes import LocalLoader, LocalPS
 from services.worker.config import ps_table_configs
 
 ROWS, BATCH = 16384, 256
