@@ -231,18 +231,23 @@ class ShardConnection:
 
     async def request(self, stream: MultiplexedStream, message: msg.Message, reply: type[R]
                       ) -> R:
-        """``message``'s reply on ``stream`` (one of this shard's), checked as ``reply``;
-        where the shard is unavailable (down, restarting), the same message again on a fresh
-        channel (:meth:`reconnect`), with backoff, until ``retry_s`` has passed: the caller
-        pauses, not crashes."""
+        """``message``'s reply on ``stream`` (one of this shard's), checked as ``reply``,
+        retried as :meth:`retried` does."""
+        return await self.retried(stream.method, lambda: stream.request(message, reply))
+
+    async def retried(self, what: str, attempt: Callable[[], Awaitable[R]]) -> R:
+        """``attempt()``'s result; where the shard is unavailable (down, restarting),
+        ``attempt()`` again on a fresh channel (:meth:`reconnect`), with backoff, until
+        ``retry_s`` has passed: the caller pauses, not crashes. (Every call to this shard
+        retries here: its streams' requests and its unary calls.)"""
         started, retrying = time.monotonic(), None
         while True:
-            channel = stream.channel
+            channel = self.channel  # (the streams are bound to it: :meth:`reconnect`)
             try:
-                return await stream.request(message, reply)
+                return await attempt()
             except Unavailable as exc:
                 retrying = retrying or RetryPolicy(deadline_s=self.settings.retry_s).begin(
-                    what=stream.method, started=started)
+                    what=what, started=started)
                 await retrying.wait(exc)  # raises once the deadline is past
             await self.reconnect(channel)
 

@@ -6,14 +6,14 @@ last learned, their byte counters, closed together; and the call budget of a req
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from clients._ps_shard import ShardAddresses, ShardConnection, ShardSettings
 from services.common import messages as msg
 from services.common.codecs import Codec
-from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
-from services.common.retry import RetryPolicy
+from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
 
 __all__ = ["ShardSet"]
 
@@ -50,16 +50,9 @@ class ShardSet:
             self.connections[i].epoch = info.epoch or 0
 
     async def _tables_of_every_shard(self) -> list[msg.TablesReply]:
-        retrying = RetryPolicy(deadline_s=self.settings.retry_s).begin(what="PS Tables")
-        while True:
-            try:
-                return await asyncio.gather(*(
-                    s.unary("Tables", msg.TablesRequest(), msg.TablesReply, self.timeout)
-                    for s in self.connections))
-            except Unavailable as exc:
-                await retrying.wait(exc)
-            for s in self.connections:
-                await s.reconnect(s.channel)
+        return await asyncio.gather(*(s.retried("PS Tables", functools.partial(
+            s.unary, "Tables", msg.TablesRequest(), msg.TablesReply, self.timeout))
+            for s in self.connections))
 
     def _learn_dims(self, info: msg.TablesReply) -> None:
         for table in info.tables:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import grpc
@@ -16,6 +17,7 @@ from services.common.errors import (
     InvalidArgument,
     NotFound,
     ProtocolMismatch,
+    Unavailable,
     WrongShard,
 )
 from services.common.messages import (
@@ -27,7 +29,10 @@ from services.common.messages import (
 )
 from services.common.sharding import ShardedIds, shard_of
 from services.common.wire import PROTOCOL_VERSION, encode_message
-from tests.integration.ps.conftest import digest, shard_stream
+from services.ps.config import PSConfig
+from services.ps.service import PSService
+from tests.conftest import free_port
+from tests.integration.ps.conftest import digest, shard_stream, table_configs
 
 
 class Raw:
@@ -284,6 +289,35 @@ async def test_too_many_ids_per_request_is_rejected():
 async def test_client_checks_shard_order(cluster):
     with pytest.raises(FailedPrecondition, match="shard order"):
         await PSClient(list(reversed(addresses(cluster)))).connect()
+
+
+async def test_a_client_connects_to_shards_that_come_up_within_its_retry_s():
+    """Connecting retries each shard's Tables call on a fresh channel until ``retry_s``:
+    shards that start listening after the client began to connect are found (one of them
+    later than the other); without ``retry_s`` the connect fails at once."""
+    ports = [free_port(), free_port()]
+    listed = [f"127.0.0.1:{port}" for port in ports]
+    with pytest.raises(Unavailable):
+        await PSClient(listed, timeout=2).connect()
+    client = PSClient(listed, timeout=2, retry_s=30)
+    connecting = asyncio.create_task(client.connect())
+    services = []
+    try:
+        for port in ports:
+            await asyncio.sleep(0.5)
+            assert not connecting.done()
+            services.append(PSService(PSConfig(
+                shard_id=len(services), num_shards=2, grpc_port=port, admin_port=0,
+                tables=table_configs())))
+            await services[-1].start()
+        await asyncio.wait_for(connecting, 20)
+        rows = await client.lookup("item", np.arange(6, dtype=np.uint64))
+        assert rows.shape == (6, 4) and client.epochs == [1, 1]
+    finally:
+        connecting.cancel()
+        await client.close()
+        for service in services:
+            await service.close()
 
 
 async def test_unary_tables_and_stats(cluster):
