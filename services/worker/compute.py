@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import InvalidArgument
+from services.worker.distributed import joined
 
 __all__ = ["CPU_SWITCH_INTERVAL", "DONE", "ComputeThread", "StepPhases", "compute_threads",
            "distributed", "every_rank_has_a_batch", "every_rank_has_a_first_batch",
@@ -36,7 +37,7 @@ CPU_SWITCH_INTERVAL = 0.0005
 
 def distributed() -> bool:
     """Whether a torch.distributed group of more than one rank is initialised."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return joined() and dist.get_world_size() > 1
 
 
 def every_rank_has_a_batch(has_batch: bool, group: Any = None) -> bool:

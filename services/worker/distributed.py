@@ -36,6 +36,7 @@ __all__ = [
     "default_backend",
     "destroy_distributed",
     "init_distributed",
+    "joined",
     "run_local_ranks",
 ]
 
@@ -57,6 +58,11 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def joined() -> bool:
+    """Whether this process is in a torch.distributed process group (of any size)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def default_backend() -> str:
@@ -103,7 +109,7 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None,
     Arguments left None are read from torchrun's environment; ``master_addr`` defaults to
     127.0.0.1. Bad or missing values are a :class:`ConfigError`.
     """
-    if dist.is_available() and dist.is_initialized():
+    if joined():
         return _info_of_current_group()
     env = os.environ if environ is None else environ
     world_size = world_size if world_size is not None else _env_int(env, "WORLD_SIZE")
@@ -139,7 +145,7 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None,
 
 def destroy_distributed() -> None:
     """Leave the default process group (and every subgroup); a no-op when there is none."""
-    if dist.is_available() and dist.is_initialized():
+    if joined():
         dist.destroy_process_group()
 
 

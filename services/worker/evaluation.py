@@ -23,6 +23,7 @@ from services.common.scoring import (
     logloss,
     logloss_from_logits,
 )
+from services.worker.distributed import joined
 
 __all__ = [
     "EvalAccumulator",
@@ -128,7 +129,7 @@ def gather_accumulator(acc: EvalAccumulator, group: object | None = None) -> Eva
     """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not joined():
         return acc
     parts: list[object] = [None] * dist.get_world_size(group)  # type: ignore[arg-type]
     y, z = acc.arrays()

@@ -35,6 +35,7 @@ from services.common.codecs.bits import pack_signs, unpack_signs
 from services.common.codecs.qsgd import QSGDCodec
 from services.common.errors import InvalidArgument
 from services.common.wire import decode_message, encode_message
+from services.worker.distributed import joined
 
 __all__ = [
     "NEAR_LOSSLESS",
@@ -80,7 +81,7 @@ class CommStats:
 
 def world_of(group: Any = None) -> tuple[int, int]:
     """(rank, world size) in ``group``; (0, 1) without an initialised process group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not joined():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from services.common.errors import ConfigError
+from services.worker.distributed import joined
 
 __all__ = [
     "Averager",
@@ -156,7 +157,7 @@ def add_flat_(params: Sequence[Tensor], flat: Tensor) -> None:
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if joined() else 1
 
 
 def consensus_distance(params: Sequence[Tensor], group: Any = None) -> float:
