@@ -113,7 +113,9 @@ def gil_switch_interval(seconds: float | None) -> contextlib.AbstractContextMana
 
 def torch_threads(threads: int | None) -> contextlib.AbstractContextManager[None]:
     """torch's intra-op threads at most ``threads`` while the body runs (None: unchanged),
-    set from the thread that runs the body (OpenMP's count is that thread's)."""
+    set from the thread that enters it: that thread's count, and that of every thread whose
+    first torch op comes later (a thread keeps the count it had at its first torch op, so
+    enter it before any torch work the body's threads do)."""
     return _torch_threads(threads)
 
 
@@ -175,16 +177,13 @@ class ComputeThread(Generic[Item]):
     waits after every step, so that the callback sees the model at that step. With ``room``
     (async mode), at most that many items wait in the feed. With more than one rank, every
     rank stops at the step where the first one runs out of items (one tiny all-reduce per
-    step). With ``switch_interval``, the GIL's switch interval is at most that while the
-    thread runs (:func:`gil_switch_interval`); with ``threads``, torch's intra-op threads
-    (:func:`torch_threads`).
+    step). (The fit sets the GIL switch interval and torch's threads for every thread:
+    :func:`gil_switch_interval`, :func:`torch_threads`.)
     """
 
     def __init__(self, step: Callable[[Item], Any], *, room: int | None, eval_every: int,
-                 pause_each_step: bool, switch_interval: float | None = None,
-                 threads: int | None = None) -> None:
+                 pause_each_step: bool) -> None:
         self._step = step
-        self._switch_interval, self._threads = switch_interval, threads
         self.loop = asyncio.get_running_loop()
         self.feed: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.results: asyncio.Queue[Any] = asyncio.Queue()
@@ -252,8 +251,7 @@ class ComputeThread(Generic[Item]):
     def run(self, step: int) -> None:
         """The thread's body; ``step``: the number of steps done before."""
         try:
-            with gil_switch_interval(self._switch_interval), torch_threads(self._threads):
-                self._steps(step)
+            self._steps(step)
         except BaseException as exc:  # raised by the loop, which awaits results only
             self._report(exc)
 

@@ -71,6 +71,8 @@ from services.worker.compute import (
     compute_threads,
     distributed,
     every_rank_has_a_first_batch,
+    gil_switch_interval,
+    torch_threads,
 )
 from services.worker.config import TrainerConfig
 from services.worker.dense_exchange import DenseExchange
@@ -379,16 +381,26 @@ class Trainer:
         called = time.perf_counter()
         best = BestState.of(self, validation_batches)
         await self.start()
+        cpu = self.device.type == "cpu"
+        # process-wide while the whole fit runs, set before its first torch op: a thread keeps
+        # the intra-op thread count it had at its first torch op (the loop's, the warm-up's)
+        with gil_switch_interval(self.config.gil_switch_ms / 1e3
+                                 if cpu and self.config.gil_switch_ms else None), \
+                torch_threads((self.config.torch_threads or compute_threads(
+                    self.link.capabilities.direct is not None)) if cpu else None):
+            return await self._fit(batches, steps, eval_batches, validation_batches, best,
+                                   called)
+
+    async def _fit(self, batches: Batches | LoaderClient, steps: int | None,
+                   eval_batches: Callable[[], Batches] | Sequence[Batch] | None,
+                   validation_batches: Callable[[], Batches] | Sequence[Batch] | None,
+                   best: BestState | None, called: float) -> FitSummary:
         periodic = eval_batches if best is None else validation_batches
         every = self.config.eval_every if periodic is not None else 0
-        cpu = self.device.type == "cpu"
         compute: ComputeThread[Prepared] = ComputeThread(
             self.train_step, room=None if self.config.window is not None else self.config.prefetch,
             eval_every=every,
-            pause_each_step=self.on_step is not None or self.after_step is not None,
-            switch_interval=self.config.gil_switch_ms / 1e3 if cpu and self.config.gil_switch_ms
-            else None, threads=(self.config.torch_threads or compute_threads(
-                self.link.capabilities.direct is not None)) if cpu else None)
+            pause_each_step=self.on_step is not None or self.after_step is not None)
         self.pipeline.begin(acknowledge=batches.ack if isinstance(batches, LoaderClient) else None)
         compute.mark_started(await self._cpu_seconds())  # again if this fit builds the model
         self.phases.reset()

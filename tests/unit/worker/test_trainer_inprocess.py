@@ -126,17 +126,22 @@ class _ThreadsSeen(nn.Module):
 
 
 async def test_a_cpu_fit_on_rows_in_this_process_leaves_a_core_to_them() -> None:
-    """With the shards in the process, the compute thread runs torch on one core fewer than
-    the process has (at least one); ``torch_threads`` bounds the count instead; the count
-    before comes back after the fit."""
+    """With the shards in the process, torch runs on one core fewer than the process has
+    (at least one) in every thread of the fit: the warm-up pass before the first step, the
+    compute thread's steps, and the loop's thread between steps, whose first torch op came
+    long before the fit (a thread keeps the count of its first op unless set from it).
+    ``torch_threads`` bounds the count instead; the count before comes back after the fit."""
+    torch.ones(2).sum()  # this thread's torch started before the fit
     before = torch.get_num_threads()
     for settings, expected in (({}, min(before, compute_threads(True))),
                                ({"torch_threads": 1}, 1)):
-        model = _ThreadsSeen()
+        model, on_loop = _ThreadsSeen(), []
         async with Trainer(model=model, rows_client=shards(), mode="sync", lr=3e-3,
+                           on_step=lambda info: on_loop.append(torch.get_num_threads()),
                            **settings) as t:
             await t.fit(SyntheticDataset(DATA).batches(128, 128 * 3))
-        assert model.threads[-3:] == [expected] * 3  # (the warm-up step is not timed)
+        assert model.threads == [expected] * 4  # the warm-up pass, then 3 steps
+        assert on_loop == [expected] * 3
         assert torch.get_num_threads() == before
     assert compute_threads(True, cores=8) == 7 and compute_threads(True, cores=1) == 1
     assert compute_threads(False, cores=8) is None  # the rows elsewhere: torch's own
