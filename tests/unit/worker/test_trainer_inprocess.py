@@ -137,7 +137,7 @@ async def test_a_cpu_fit_on_rows_in_this_process_leaves_a_core_to_them() -> None
                                ({"torch_threads": 1}, 1)):
         model, on_loop = _ThreadsSeen(), []
         async with Trainer(model=model, rows_client=shards(), mode="sync", lr=3e-3,
-                           on_step=lambda info: on_loop.append(torch.get_num_threads()),
+                           on_step=lambda info, seen=on_loop: seen.append(torch.get_num_threads()),
                            **settings) as t:
             await t.fit(SyntheticDataset(DATA).batches(128, 128 * 3))
         assert model.threads == [expected] * 4  # the warm-up pass, then 3 steps
