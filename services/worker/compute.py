@@ -30,7 +30,7 @@ __all__ = ["CPU_SWITCH_INTERVAL", "DONE", "ComputeThread", "StepPhases", "comput
 
 Item = TypeVar("Item")
 DONE = object()  # the end of the results
-# the GIL's switch interval while a CPU compute thread runs (Python's default: 5 ms): a thread
+# the GIL's switch interval while a CPU fit runs (Python's default: 5 ms): a thread
 # that waits for the GIL takes it from the one holding it after this long
 CPU_SWITCH_INTERVAL = 0.0005
 
@@ -72,7 +72,7 @@ def mean_over_ranks(loss: torch.Tensor) -> float:
 
 class _Lowered:
     """A process-wide setting held at most a value while bodies run: bodies may overlap (one
-    per running compute thread), the lowest value asked for holds until the last one ends,
+    per running fit), the lowest value asked for holds until the last one ends,
     and then the value before the first comes back."""
 
     def __init__(self, get: Callable[[], Any], put: Callable[[Any], None]) -> None:
@@ -229,16 +229,16 @@ class ComputeThread(Generic[Item]):
         self.loop.call_soon_threadsafe(self.results.put_nowait, result)
 
     def start(self, step: int) -> asyncio.Future[None]:
-        """Run :meth:`run` on a thread of its own, started now (with the caller's context);
-        the future is done once it returned. Never on a thread of the loop's executor: the
-        idle one it would take ran earlier torch work (the fit's warm-up pass, an evaluation),
-        and steps on the thread that had run the warm-up were 1.3-5x slower in a two-worker
-        job on two cores (mean ``step_cpu_ms`` 8.1-27.6 against 5.3-5.6, four runs each)."""
+        """Run the steps (``step``: the number done before) on a thread of its own, started
+        now with the caller's context; the future is done once the thread ended. Never on a
+        thread of the loop's executor: the idle one it would take ran earlier torch work (the
+        fit's warm-up pass, an evaluation), and steps there ran several times slower
+        (docs/performance.md, "The dense compute")."""
         done: asyncio.Future[None] = self.loop.create_future()
 
         def body() -> None:
             try:
-                self.run(step)
+                self._run(step)
             finally:
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                     self.loop.call_soon_threadsafe(_finish, done)
@@ -248,8 +248,7 @@ class ComputeThread(Generic[Item]):
                          daemon=True).start()
         return done
 
-    def run(self, step: int) -> None:
-        """The thread's body; ``step``: the number of steps done before."""
+    def _run(self, step: int) -> None:
         try:
             self._steps(step)
         except BaseException as exc:  # raised by the loop, which awaits results only

@@ -26,8 +26,8 @@ _CALLER = contextvars.ContextVar("caller", default="none")
 
 async def test_steps_run_on_a_thread_of_their_own_never_an_executor_thread_that_ran_work() -> None:
     """The loop's executor thread that ran earlier work (a fit's warm-up pass) sits idle: a
-    compute thread borrowed from the executor would be that very thread, with the torch
-    state the earlier work left on it. Steps run on a new thread, with the caller's context,
+    compute thread borrowed from the executor would be that very thread, with whatever
+    per-thread state the earlier work left on it. Steps run on a new thread, with the caller's context,
     in order, and the future is done once the feed ended."""
     earlier = await asyncio.to_thread(threading.get_ident)
     _CALLER.set("fit")
