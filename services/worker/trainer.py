@@ -307,7 +307,7 @@ class Trainer:
 
     def _inputs(self, item: Prepared, *, training: bool = True
                 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        pooled = self.pipeline.path.pool(item.plan, item.rows, device=self.device)
+        pooled = item.pool(self.device)
         if training:  # DCT-MP, where set: kept positions only
             pooled.pooled = self._exchange.sparsify(pooled.pooled)
         # numpy's copies keep the GIL (torch.tensor's release it: another thread may take it)
@@ -323,7 +323,7 @@ class Trainer:
         step, self._taking = self._taking, self._taking + 1
         phases = self.phases
         phases.start()
-        self.pipeline.read_hot(item)
+        item.read_hot()
         phases.mark("read_hot")
         pooled, dense, labels = self._inputs(item)
         phases.mark("pool")
@@ -343,7 +343,7 @@ class Trainer:
             self._sync.after_step(step)
         phases.mark("dense_update")
         grads = pooled.row_grads()
-        self.pipeline.apply_hot(item, grads)
+        item.apply_hot(grads)
         phases.mark("apply_hot")
         return float(loss.item()), logits.detach().cpu().numpy(), grads, shared
 
@@ -557,7 +557,7 @@ class Trainer:
 
         async def look_up(batch: Batch) -> Prepared:
             plan = await self.pipeline.plan(batch)
-            return Prepared(batch, plan, await lookup_groups(path, self.rows, plan), 0)
+            return Prepared(batch, plan, await lookup_groups(path, self.rows, plan), 0, path)
 
         async def score(item: Prepared) -> np.ndarray:
             await self._ensure_model(item.batch)

@@ -37,8 +37,9 @@ ids* of the others (their most frequent ids, ``head_rate``, :mod:`services.worke
 are rows nearly every batch touches, which stale updates hurt most. They have a window of their own,
 ``hot_window`` (1: synchronous): batch t gets them only once the push of batch t - hot_window to
 them is acknowledged, in the same message (:class:`HotChain`), or, where the rows are in this
-process, the compute thread reads them just before its step (:meth:`EmbeddingPipeline.read_hot`)
-and applies their gradients just after (:meth:`EmbeddingPipeline.apply_hot`). Which group goes
+process, the compute thread reads them just before its step (:meth:`Prepared.read_hot`)
+and applies their gradients just after (:meth:`Prepared.apply_hot`), through the batch it was
+handed. Which group goes
 which way is decided at the first plan (:mod:`services.worker.embedding.routes`).
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
@@ -63,7 +64,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -84,7 +85,10 @@ from services.worker.embedding.routes import DirectHot, HotPolicy, RouteSettings
 from services.worker.embedding.rows import RowsCapabilities, RowsClient, RowsReplica
 from services.worker.embedding.slots import Rider, Slots
 from services.worker.embedding.window import WindowTuner
-from services.worker.pooling import BatchPlan, plan_batch
+from services.worker.pooling import BatchPlan, PooledBatch, plan_batch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["EmbeddingPipeline", "Prepared", "StepTimers"]  # StepTimers: exchange.py's
 
@@ -95,13 +99,34 @@ Rows = list[np.ndarray]  # per group of tables, aligned with its layout's ids
 
 @dataclass(slots=True)
 class Prepared:
-    """A batch whose rows came back, ready for compute."""
+    """A batch whose rows came back, ready for compute: the compute thread works on it alone,
+    never on the pipeline. Its rows kept in this process (``direct``: direct hot groups and
+    head ids) are read just before its step (:meth:`read_hot`) and updated just after
+    (:meth:`apply_hot`); :meth:`pool` gives the model's inputs as its ``path`` pools them."""
 
     batch: Batch
     plan: BatchPlan
     rows: Rows
     staleness: int
+    path: EmbeddingPath
     split: SplitBatch | None = None  # its head ids, read and updated by the compute thread
+    direct: DirectHot | None = None
+
+    def read_hot(self) -> None:
+        """Fill the direct groups' rows and the head ids' now: they include every earlier
+        step's :meth:`apply_hot`."""
+        if self.direct is not None:
+            self.direct.read(self.plan, self.rows, self.split)
+
+    def pool(self, device: torch.device | str = "cpu") -> PooledBatch:
+        """The model's pooled inputs; their leaves' gradients are the row gradients."""
+        return self.path.pool(self.plan, self.rows, device=device)
+
+    def apply_hot(self, grads: Rows) -> None:
+        """Apply the direct groups' and head ids' gradients now; the pipeline's
+        :meth:`~EmbeddingPipeline.push` sends the rest."""
+        if self.direct is not None:
+            self.direct.apply(self.plan, grads, self.split)
 
 
 @dataclass(slots=True)
@@ -336,18 +361,6 @@ class EmbeddingPipeline:
     def _direct_hot(self) -> list[int]:
         return self._policy.direct_groups if self._policy is not None else []
 
-    def read_hot(self, item: Prepared) -> None:
-        """Fill ``item``'s direct groups' rows and its head ids' now (from the compute thread,
-        just before its step): they include every earlier step's :meth:`apply_hot`."""
-        if self._direct is not None:
-            self._direct.read(item.plan, item.rows, item.split)
-
-    def apply_hot(self, item: Prepared, grads: Rows) -> None:
-        """Apply ``item``'s direct groups' and head ids' gradients now (from the compute
-        thread, just after its step); :meth:`push` sends the rest."""
-        if self._direct is not None:
-            self._direct.apply(item.plan, grads, item.split)
-
     # ---- one run: lookups ahead of compute ----------------------------------------------
 
     def begin(self, *, acknowledge: Callable[[Batch], Awaitable[Any]] | None = None) -> None:
@@ -468,7 +481,8 @@ class EmbeddingPipeline:
                     staleness = 0  # every table is hot: each lookup saw every earlier push
                 assert self._policy is not None  # decided at the first plan
                 rows = self._policy.merge(item.plan, rows, hot, item.split, self.rows.dims)
-                await put(Prepared(item.batch, item.plan, rows, staleness, item.split))
+                await put(Prepared(item.batch, item.plan, rows, staleness, self.path, item.split,
+                                   self._direct))
             await put(None)
         except Exception as exc:  # a failed lookup: the consumer raises it
             fail(exc)

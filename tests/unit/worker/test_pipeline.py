@@ -314,7 +314,7 @@ async def missed_per_table(pipeline: EmbeddingPipeline, gate: PushGate, *, pushe
             while (item := await next_item(prepared, gate)) is not None:
                 b = item.batch.batch_id
                 if direct:
-                    pipeline.read_hot(item)
+                    item.read_hot()
                 grads = []
                 for group, rows in zip(item.plan.groups, item.rows, strict=True):
                     (name,) = group.layout.tables
@@ -327,7 +327,7 @@ async def missed_per_table(pipeline: EmbeddingPipeline, gate: PushGate, *, pushe
                     grad[at, b] = -1.0
                     grads.append(grad)
                 if direct:
-                    pipeline.apply_hot(item, grads)
+                    item.apply_hot(grads)
                 pipeline.push(item, grads)
             await gate.until(lambda held, came: came >= pushes)
             gate.release(gate.held)
