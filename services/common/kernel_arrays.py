@@ -21,7 +21,7 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
-__all__ = ["RefsMemo", "array_1d", "array_2d", "refs"]
+__all__ = ["RefsMemo", "array_1d", "array_2d", "pointer_rows", "refs"]
 
 
 def refs(arrays: Sequence[np.ndarray], dtypes: Sequence[np.dtype | type]) -> np.ndarray:
@@ -38,6 +38,13 @@ def refs(arrays: Sequence[np.ndarray], dtypes: Sequence[np.dtype | type]) -> np.
         row[2 * k] = array.ctypes.data
         row[2 * k + 1] = array.size
     return row
+
+
+def pointer_rows(pointers: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Rows of one field each from ``(address, size)`` pairs, as :func:`refs` lays out a
+    one-array table: for memory that is not a numpy array's (a torch tensor's ``data_ptr()``
+    and ``numel()``), whose dtype and contiguity the caller has checked."""
+    return np.array(pointers, dtype=np.int64).reshape(len(pointers), 2)
 
 
 class RefsMemo:

@@ -17,7 +17,7 @@ import torch
 from numba import njit
 from torch import Tensor
 
-from services.common.kernel_arrays import array_1d, array_2d, refs
+from services.common.kernel_arrays import array_1d, array_2d, pointer_rows, refs
 
 __all__ = ["BagLayout", "DotInteraction", "PoolBags", "PooledFrom", "dot_interaction_cpu"]
 
@@ -70,18 +70,17 @@ def _bags_backward(grads, inverse, offsets, mean, grad_rows):  # pragma: no cove
 
 
 def _tensor_refs(tensors: Sequence[Tensor], shape: tuple[int, ...]) -> np.ndarray:
-    """The tensors as a kernel's rows (:func:`services.common.kernel_arrays.refs`: one
-    field, address and size), for kernels that take any number of them under one compiled
-    signature; a ValueError unless each is a contiguous CPU float32 tensor of ``shape``.
-    The caller keeps the tensors for the kernel's call."""
+    """The tensors as a kernel's rows, one field each (:func:`pointer_rows`), for kernels
+    that take any number of them under one compiled signature; a ValueError unless each is
+    a contiguous CPU float32 tensor of ``shape``. The caller keeps the tensors for the
+    kernel's call."""
     for k, t in enumerate(tensors):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() \
                 or tuple(t.shape) != shape:
             raise ValueError(f"tensor {k} is {t.dtype} {tuple(t.shape)} on {t.device}, "
                              f"contiguous {t.is_contiguous()}: a kernel reads a contiguous "
                              f"CPU float32 {shape}")
-    return np.array([(t.data_ptr(), t.numel()) for t in tensors],
-                    dtype=np.int64).reshape(len(tensors), 2)
+    return pointer_rows([(t.data_ptr(), t.numel()) for t in tensors])
 
 
 def _zeros(shape: tuple[int, ...]) -> np.ndarray:

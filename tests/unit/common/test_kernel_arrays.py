@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from services.common.kernel_arrays import RefsMemo, array_1d, array_2d, refs
+from services.common.kernel_arrays import RefsMemo, array_1d, array_2d, pointer_rows, refs
 
 
 @njit
@@ -68,3 +68,11 @@ def test_a_memo_keeps_its_row_until_an_array_is_replaced() -> None:
     assert _add_row_sums(np.stack([row]), 3).tolist() == [4]
     np.testing.assert_array_equal(out4, [6] * 4)
     np.testing.assert_array_equal(out, [0, 0])
+
+
+def test_pointer_rows_lay_out_memory_as_refs_lays_out_one_array_tables() -> None:
+    """Rows from (address, size) pairs are the rows :func:`refs` makes of one-array tables
+    (a row with the pair swapped, or one row for all, differs)."""
+    rows = [np.ones((2, 3), dtype=np.float32), np.full((3, 3), 2, dtype=np.float32)]
+    made = pointer_rows([(r.ctypes.data, r.size) for r in rows])
+    np.testing.assert_array_equal(made, np.stack([refs((r,), (np.float32,)) for r in rows]))
