@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from clients._ps_shard import received, sent
-from clients._ps_shard_set import ShardSet
+from clients._ps_shards import ShardSet, received, sent
 from services.common import messages as msg
 from services.common.codecs import raw_array
 from services.common.codecs.masked import DCTMPCodec, PooledMasks, encode_at, kept_mask

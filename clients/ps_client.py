@@ -8,7 +8,7 @@ Fault tolerance: with ``retry_s > 0`` a request to a shard that is down is retri
 backoff on a fresh channel for up to ``retry_s`` seconds, the address re-resolved through
 ``resolver`` (e.g. :meth:`PSClient.from_registry`) first, so a restarted shard on another
 address is found. Every push message carries the client's random id and a per-shard sequence
-number (:class:`~clients._ps_shard.PushNumbers`); a retry resends the same message, which the
+number (:class:`~clients._ps_shards.PushNumbers`); a retry resends the same message, which the
 shard applies once and answers with the first ack, also after it recovered from its
 write-ahead log (the window of applied pushes is in it and in checkpoints).
 
@@ -31,17 +31,17 @@ from typing import Any
 import numpy as np
 
 from clients._ps_pooled import PooledCalls
-from clients._ps_shard import (
+from clients._ps_shards import (
     PushNumbers,
     Resolver,
     ShardAddresses,
+    ShardSet,
     ShardSettings,
     check_grads,
     received,
     registry_resolver,
     replies_rows,
 )
-from clients._ps_shard_set import ShardSet
 from services.common import messages as msg
 from services.common.auth import ClientSecurity
 from services.common.codecs import Codec, WireStats, get_codec
