@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from services.common.batch import Batch, Batches
 from services.common.errors import ConfigError
-from services.worker.compute import distributed
 from services.worker.config import TrainerConfig
+from services.worker.distributed import several_ranks
 from services.worker.embedding.pipeline import EmbeddingPipeline
 from services.worker.embedding.rows import RowsSnapshots
 
@@ -83,7 +83,7 @@ class BestState:
     the ``best`` of them; with ``keep``, the snapshot of the state at the best one."""
 
     def __init__(self, trainer: Trained, validation: Evaluation, *, keep: bool) -> None:
-        if keep and distributed():
+        if keep and several_ranks():
             raise ConfigError("keep_best serves one worker (the ranks' snapshots and the PS's "
                               "are not one consistent cut): set keep_best false to only "
                               "evaluate the validation data")

@@ -19,55 +19,17 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
-import torch.distributed as dist
 
-from services.common.errors import InvalidArgument
-from services.worker.distributed import joined
+from services.worker.distributed import every_rank_has_a_batch, several_ranks
 
 __all__ = ["CPU_SWITCH_INTERVAL", "DONE", "ComputeThread", "StepPhases", "compute_threads",
-           "distributed", "every_rank_has_a_batch", "every_rank_has_a_first_batch",
-           "gil_switch_interval", "mean_over_ranks", "torch_threads"]
+           "gil_switch_interval", "torch_threads"]
 
 Item = TypeVar("Item")
 DONE = object()  # the end of the results
 # the GIL's switch interval while a CPU fit runs (Python's default: 5 ms): a thread
 # that waits for the GIL takes it from the one holding it after this long
 CPU_SWITCH_INTERVAL = 0.0005
-
-
-def distributed() -> bool:
-    """Whether a torch.distributed group of more than one rank is initialised."""
-    return joined() and dist.get_world_size() > 1
-
-
-def every_rank_has_a_batch(has_batch: bool, group: Any = None) -> bool:
-    """Collective (of ``group``, default the world): True while every rank still has a batch
-    (ranks may get uneven counts from a loader; DDP needs all of them to stop at the same
-    step)."""
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def every_rank_has_a_first_batch() -> None:
-    """Collective, before a rank builds its model from its first batch (the build's
-    collectives): InvalidArgument where another rank has no batch at all. That rank's compute
-    thread meets this call with :func:`every_rank_has_a_batch` False (the same collective) and
-    ends its run, instead of both waiting forever in different collectives."""
-    if distributed() and not every_rank_has_a_batch(True):
-        raise InvalidArgument("another rank got no batch: the training data holds fewer "
-                              "batches than ranks (use fewer workers or smaller batches)")
-
-
-def mean_over_ranks(loss: torch.Tensor) -> float:
-    """A step's loss averaged over the ranks (collective with more than one rank): what the
-    adaquant codecs' s follows, the same value on every rank."""
-    value = loss.detach().to("cpu", torch.float64).reshape(1)
-    if distributed():
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return float(value.item())
 
 
 class _Lowered:
@@ -198,7 +160,7 @@ class ComputeThread(Generic[Item]):
         self._stopping = False
         self._wall = self._cpu = self._wait = 0.0  # seconds, over the steps done
         self._steps_done = 0
-        self._distributed = distributed()
+        self._distributed = several_ranks()
 
     async def put(self, item: Item | None) -> None:
         """Give the thread an item (None: no more)."""

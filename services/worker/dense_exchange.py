@@ -30,9 +30,9 @@ from services.worker.compression import (
     CommStats,
     make_comm_hook,
 )
-from services.worker.compute import mean_over_ranks
 from services.worker.config import TrainerConfig
 from services.worker.dense_optimizers import ONEBIT_OPTIMIZERS
+from services.worker.distributed import mean_over_ranks
 from services.worker.summary import RECENT_LOSSES
 from services.worker.sync import SyncStrategy
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.common.commands import debug_enabled
-from services.common.errors import ConfigError, Internal, PersimmonError
+from services.common.errors import ConfigError, Internal, InvalidArgument, PersimmonError
 from services.common.ports import free_port
 
 __all__ = [
@@ -36,8 +36,12 @@ __all__ = [
     "default_backend",
     "destroy_distributed",
     "init_distributed",
+    "every_rank_has_a_batch",
+    "every_rank_has_a_first_batch",
     "joined",
+    "mean_over_ranks",
     "run_local_ranks",
+    "several_ranks",
 ]
 
 BACKENDS = ("gloo", "nccl")
@@ -63,6 +67,41 @@ class DistInfo:
 def joined() -> bool:
     """Whether this process is in a torch.distributed process group (of any size)."""
     return dist.is_available() and dist.is_initialized()
+
+
+def several_ranks() -> bool:
+    """Whether a torch.distributed group of more than one rank is initialised."""
+    return joined() and dist.get_world_size() > 1
+
+
+def every_rank_has_a_batch(has_batch: bool, group: Any = None) -> bool:
+    """Collective (of ``group``, default the world): True while every rank still has a batch
+    (ranks may get uneven counts from a loader; DDP needs all of them to stop at the same
+    step)."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def every_rank_has_a_first_batch() -> None:
+    """Collective, before a rank builds its model from its first batch (the build's
+    collectives): InvalidArgument where another rank has no batch at all. That rank's compute
+    thread meets this call with :func:`every_rank_has_a_batch` False (the same collective) and
+    ends its run, instead of both waiting forever in different collectives."""
+    if several_ranks() and not every_rank_has_a_batch(True):
+        raise InvalidArgument("another rank got no batch: the training data holds fewer "
+                              "batches than ranks (use fewer workers or smaller batches)")
+
+
+def mean_over_ranks(loss: torch.Tensor) -> float:
+    """A step's loss averaged over the ranks (collective with more than one rank): what the
+    adaquant codecs' s follows, the same value on every rank."""
+    value = loss.detach().to("cpu", torch.float64).reshape(1)
+    if several_ranks():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return float(value.item())
 
 
 def default_backend() -> str:

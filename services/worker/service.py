@@ -182,11 +182,11 @@ async def _fit(trainer: Any, batches: Any, test: Any, args: argparse.Namespace,
     import torch.distributed as dist
 
     from services.common.registry import open_registry
-    from services.worker.compute import distributed
+    from services.worker.distributed import several_ranks
     from services.worker.job_checkpoints import JobCheckpointer, loader_offsets_part
     from services.worker.job_control import JobControl, fit_with_checkpoints
 
-    group = dist.new_group(backend="gloo") if distributed() else None  # the cuts' meetings
+    group = dist.new_group(backend="gloo") if several_ranks() else None  # the cuts' meetings
     registry = open_registry(registry_url) if registry_url and rank == 0 else None
     try:
         checkpointer = None

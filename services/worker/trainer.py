@@ -69,14 +69,13 @@ from services.worker.compute import (
     ComputeThread,
     StepPhases,
     compute_threads,
-    distributed,
-    every_rank_has_a_first_batch,
     gil_switch_interval,
     torch_threads,
 )
 from services.worker.config import TrainerConfig
 from services.worker.dense_exchange import DenseExchange
 from services.worker.dense_optimizers import make_optimizer
+from services.worker.distributed import every_rank_has_a_first_batch, several_ranks
 from services.worker.embedding.builder import EmbeddingLink, check_rows_source, connect
 from services.worker.embedding.exchange import lookup_groups
 from services.worker.embedding.pipeline import EmbeddingPipeline, Prepared
@@ -138,7 +137,7 @@ class Trainer:
             model = ModelConfig(name=model)
         if not isinstance(model, nn.Module | ModelConfig):
             raise ConfigError(f"model must be an nn.Module or a ModelConfig, got {type(model)}")
-        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if several_ranks() else (0, 1)
         self.progress = WorkerProgress(rank=rank, world_size=world)
         cfg = self.config
         check_rows_source(cfg, ps_addresses=ps_addresses, rows_client=rows_client)
@@ -254,7 +253,7 @@ class Trainer:
             assert isinstance(spec, ModelConfig)
             self.module = spec.build(sparse_dims=dims, num_dense=batch.num_dense)
         self.module.to(self.device)
-        several = distributed()
+        several = several_ranks()
         self._sync = self._exchange.sync_for(self.module, self._sync, several=several)
         self._forward = self._sync.prepare(self.module) if self._sync else self.module
         world = dist.get_world_size() if several else 1
@@ -512,7 +511,7 @@ class Trainer:
         compiled (:func:`~services.worker.warmup.warm_up_step`), none of it training time
         (the run's clocks start after). None where the source has no batch: before a model
         exists, the fit's compute thread then meets the other ranks' check that every rank
-        has a first batch (:func:`~services.worker.compute.every_rank_has_a_first_batch`)."""
+        has a first batch (:func:`~services.worker.distributed.every_rank_has_a_first_batch`)."""
         batch = await anext(source, None)
         if batch is None:
             return None

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from clients.ps_client import PSClient
 from clients.ps_process import PSClientProcess
 from services.common.errors import ConfigError
-from services.worker.compute import distributed
 from services.worker.config import TrainerConfig
+from services.worker.distributed import several_ranks
 from services.worker.embedding.bound import staleness_bound
 from services.worker.embedding.collectives import global_barrier, head_vote, step_gate
 from services.worker.embedding.exchange import StepTimers, embedding_path
@@ -85,7 +85,7 @@ async def _chosen_window(rows: RowsClient) -> WindowChoice:
     """``staleness auto``: the window that hides the measured round trip to the rows, the
     same on every rank (rank 0's choice)."""
     choice = await choose_window(rows)
-    if distributed():
+    if several_ranks():
         shared = [choice]
         dist.broadcast_object_list(shared, src=0)
         choice = shared[0]

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.worker.compute import distributed, every_rank_has_a_batch
+from services.worker.distributed import every_rank_has_a_batch, several_ranks
 from services.worker.embedding.head_vote import Ballot, vote
 
 __all__ = ["global_barrier", "head_vote", "step_gate"]
@@ -24,7 +24,7 @@ __all__ = ["global_barrier", "head_vote", "step_gate"]
 def _own_group() -> Any:
     """A new gloo group of every rank, or None with one rank (every rank must call it, in the
     same order)."""
-    return dist.new_group(backend="gloo") if distributed() else None
+    return dist.new_group(backend="gloo") if several_ranks() else None
 
 
 def global_barrier() -> Callable[[], Awaitable[None]] | None:
