@@ -58,6 +58,7 @@ import asyncio
 import functools
 import time
 from collections.abc import (
+    AsyncIterator,
     Awaitable,
     Callable,
     Mapping,
@@ -390,7 +391,7 @@ class EmbeddingPipeline:
             or self.prefetch)
         feeder = asyncio.create_task(self._hand_over(ahead, put, fail))
         try:
-            source = iterate(batches)
+            source = batches if isinstance(batches, AsyncIterator) else iterate(batches)
             taken = 0
             while steps is None or taken < steps:
                 if planned is None:
