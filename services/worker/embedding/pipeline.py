@@ -37,10 +37,10 @@ ids* of the others (their most frequent ids, ``head_rate``, :mod:`services.worke
 are rows nearly every batch touches, which stale updates hurt most. They have a window of their own,
 ``hot_window`` (1: synchronous): batch t gets them only once the push of batch t - hot_window to
 them is acknowledged, in the same message (:class:`HotChain`), or, where the rows are in this
-process, the compute thread reads them just before its step (:meth:`Prepared.read_hot`)
-and applies their gradients just after (:meth:`Prepared.apply_hot`), through the batch it was
-handed. Which group goes
-which way is decided at the first plan (:mod:`services.worker.embedding.routes`).
+process, the compute thread reads them just before its step (:meth:`Prepared.read_hot`) and
+applies their gradients just after (:meth:`Prepared.apply_hot`), through the batch it was
+handed. Which group goes which way is decided at the first plan
+(:mod:`services.worker.embedding.routes`).
 
 Usage (the Trainer runs compute in a thread between ``feed`` and ``push``)::
 
