@@ -6,6 +6,11 @@ launcher) or, for each one not given, by torchrun's environment (``RANK``, ``WOR
 and gloo otherwise. With no world size anywhere it returns a single-process :class:`DistInfo`
 without creating a group; every sync strategy is then a no-op.
 
+:func:`joined` says whether this process is in a group, :func:`several_ranks` whether in one of
+more than one rank; the collectives every rank meets in step live here too: does every rank still have a
+batch (:func:`every_rank_has_a_batch`, :func:`every_rank_has_a_first_batch`), the step's mean
+loss (:func:`mean_over_ranks`).
+
 :func:`run_local_ranks` runs a function on N local ranks joined through a TCP rendezvous on a
 free 127.0.0.1 port and returns their results (used by tests and by small local runs).
 """
@@ -35,9 +40,9 @@ __all__ = [
     "DistInfo",
     "default_backend",
     "destroy_distributed",
-    "init_distributed",
     "every_rank_has_a_batch",
     "every_rank_has_a_first_batch",
+    "init_distributed",
     "joined",
     "mean_over_ranks",
     "run_local_ranks",

@@ -14,6 +14,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from services.common.errors import InvalidArgument, TrainingFailed
 from services.common.scoring import (
@@ -127,8 +128,6 @@ def gather_accumulator(acc: EvalAccumulator, group: object | None = None) -> Eva
 
     Without an initialised process group it returns ``acc`` itself.
     """
-    import torch.distributed as dist
-
     if not joined():
         return acc
     parts: list[object] = [None] * dist.get_world_size(group)  # type: ignore[arg-type]
